@@ -1,0 +1,1 @@
+"""Checks over run directories (tito, logprobs, golden); each arrives with its issue."""

@@ -1,0 +1,1 @@
+"""The loop: stages, backends, seeding, data, rewards and the RL algorithm."""

@@ -1,0 +1,92 @@
+"""The `data` stage: a validated JSONL prompt dataset and a seeded, resumable cursor over it.
+
+Each line is `{"prompt": str | [messages], "label": str, ...}` (keys configurable); extra keys
+are kept as metadata. The cursor is a pure function of (seed, step): step s takes positions
+[s*k, (s+1)*k) of an endless stream of epochs, each epoch a permutation drawn from
+`derive_seed(master, "data", epoch)`. So resuming at step s needs no saved RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from rlbench.core.seeding import derive_seed
+from rlbench.core.types import Prompt
+from rlbench.errors import BadInput
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+def _messages(value: object, path: Path, lineno: int, key: str) -> tuple[dict, ...]:
+    if isinstance(value, str):
+        return ({"role": "user", "content": value},)
+    if isinstance(value, list) and value:
+        for i, msg in enumerate(value):
+            if not (isinstance(msg, dict) and msg.get("role") in _ROLES and isinstance(msg.get("content"), str)):
+                raise BadInput(f"line {lineno}: field '{key}[{i}]': expected a message "
+                               "{\"role\": system|user|assistant|tool, \"content\": str}", path=path)
+        return tuple(dict(m) for m in value)
+    raise BadInput(f"line {lineno}: field '{key}': expected a string or a non-empty list of messages, "
+                   f"got {type(value).__name__}", path=path)
+
+
+def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[Prompt]:
+    """Read and validate every line; the first bad one raises BadInput with its line number."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput("dataset not found", path=path) from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise BadInput(f"cannot read dataset ({exc.__class__.__name__})", path=path) from None
+    prompts: list[Prompt] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})", path=path) from None
+        if not isinstance(row, dict):
+            raise BadInput(f"line {lineno}: expected a JSON object, got {type(row).__name__}", path=path)
+        if prompt_key not in row:
+            raise BadInput(f"line {lineno}: field '{prompt_key}' missing", path=path)
+        label = row.get(label_key)
+        if not isinstance(label, str):
+            raise BadInput(f"line {lineno}: field '{label_key}': expected a string, got "
+                           f"{'nothing' if label is None else type(label).__name__}", path=path)
+        meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
+        prompts.append(Prompt(len(prompts), _messages(row[prompt_key], path, lineno, prompt_key), label, meta))
+    if not prompts:
+        raise BadInput("dataset is empty", path=path)
+    return prompts
+
+
+class PromptCursor:
+    """Which dataset rows step s uses: a pure function of (seed, step), so resume is exact."""
+
+    def __init__(self, size: int, seed: int, per_step: int, shuffle: bool = True):
+        self.size, self.seed, self.per_step, self.shuffle = size, seed, per_step, shuffle
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epochs:
+            if self.shuffle:
+                rng = np.random.default_rng(derive_seed(self.seed, "data", epoch))
+                self._epochs = {epoch: rng.permutation(self.size)}  # keep one epoch: memory stays flat
+            else:
+                self._epochs = {epoch: np.arange(self.size)}
+        return self._epochs[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        start = step * self.per_step
+        return [int(self._order(pos // self.size)[pos % self.size]) for pos in range(start, start + self.per_step)]
+
+    def state(self, step: int) -> dict:
+        """The cursor's position after `step` steps, for checkpoints and the manifest."""
+        consumed = step * self.per_step
+        return {"consumed": consumed, "epoch": consumed // self.size, "offset": consumed % self.size,
+                "seed": self.seed, "shuffle": self.shuffle}

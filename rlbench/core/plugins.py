@@ -1,0 +1,26 @@
+"""Loading user functions (reward, generate) by dotted path: `package.module.function`
+or `package.module:function`. One loader, so every plugin fails the same clear way."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from rlbench.errors import BadInput
+
+
+def load_function(path: str, option: str) -> Callable:
+    """Import `path` and return the callable it names; `option` names the flag, for the error."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise BadInput(f"expected a dotted path 'package.module.function', got {path!r}", field=option)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadInput(f"cannot import module '{module_name}' ({exc})", field=option) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise BadInput(f"module '{module_name}' has no attribute '{attr}'", field=option)
+    if not callable(fn):
+        raise BadInput(f"'{path}' is not callable", field=option)
+    return fn

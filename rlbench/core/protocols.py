@@ -1,0 +1,70 @@
+"""The backend interfaces, all in one file: rollout engine, trainer, reward function.
+
+The embedded backends (`hf` engine, `torch` trainer) live in-tree; Megatron-core, SGLang and
+Ray backends are imported lazily, only when chosen. The shapes here are for what comes next:
+a trainer may span several ranks (Megatron-core TP/DP: only rank 0 exports and records), and
+an engine may be remote (SGLang over HTTP: it takes weights from disk, not from memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlbench.core.types import GenerateRequest, GenerateResult
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates samples and takes new weights. Must be batch-invariant: a request's result depends
+    on the request (prompt, seed, parameters) and the weights, not on what else is in the batch."""
+
+    engine_id: str
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]: ...
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """In-process push of Hugging Face-named tensors (the embedded engine)."""
+
+    def update_weights_from_disk(self, path: Path, version: int) -> None:
+        """Load a safetensors file of Hugging Face-named tensors (SGLang: /update_weights_from_disk)."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's current weights under Hugging Face names, for the `engine_weights` checksum."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Computes log-probs and takes optimizer steps. A multi-rank trainer runs the same calls on
+    every rank; `is_main` says which rank exports weights, checkpoints and reports."""
+
+    is_main: bool
+
+    def logprobs(self, tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                 reference: bool = False) -> list[torch.Tensor]:
+        """Per sample, the log-prob of each response token under the current (or reference) policy."""
+
+    def train_step(self, batch: "TrainBatch", step: int) -> "TrainStats": ...
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) weights under Hugging Face names; empty on ranks that are not main."""
+
+    def save_checkpoint(self, directory: Path) -> None: ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+
+class RewardFn(Protocol):
+    """A verifier: `fn(sample) -> float`, called once per sample after generation."""
+
+    def __call__(self, sample: "RewardInput") -> float: ...
+
+
+# Imported at the end: these modules import nothing from here, and the Protocols above name them.
+from rlbench.core.algo import TrainBatch, TrainStats  # noqa: E402
+from rlbench.core.reward import RewardInput  # noqa: E402

@@ -1,0 +1,38 @@
+"""Conversions between stages: engine results to `Sample`s, samples to the trainer's batch."""
+
+from __future__ import annotations
+
+import torch
+
+from rlbench.core import algo
+from rlbench.core.types import GenerateRequest, GenerateResult, Prompt, Sample
+from rlbench.replay import recording
+
+
+def prompt_tensors(prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """What the `data` stage is checksummed as: which rows, and the token ids they render to."""
+    ids = [prompt_ids[p.index] for p in prompts]
+    return {"prompt_index": torch.tensor([p.index for p in prompts], dtype=torch.long),
+            "prompt_lengths": torch.tensor([len(x) for x in ids], dtype=torch.long),
+            "prompt_tokens": torch.tensor([t for x in ids for t in x], dtype=torch.long)}
+
+
+def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRequest, res: GenerateResult) -> Sample:
+    return Sample(group_index=group, index=index, prompt=prompt, prompt_ids=req.prompt_ids,
+                  response_ids=res.output_ids, response=tokenizer.decode(res.output_ids, skip_special_tokens=True),
+                  rollout_log_probs=res.logprobs, loss_mask=(1,) * len(res.output_ids),
+                  finish_reason=res.finish_reason, seed=req.seed, engine_id=res.engine_id,
+                  weight_version=res.weight_version)
+
+
+def train_batch(tensors: dict[str, torch.Tensor]) -> algo.TrainBatch:
+    """The trainer's right-padded view of a step's flat recording tensors."""
+    offsets = tensors["offsets"]
+    width = int((offsets[1:] - offsets[:-1]).max())
+    return algo.TrainBatch(
+        tokens=recording.padded(tensors["tokens"], offsets, width),
+        loss_mask=recording.padded(tensors["loss_mask"], offsets, width).float(),
+        advantages=tensors["advantages"],
+        old_logprobs=torch.zeros(0),
+        ref_logprobs=None,
+    )

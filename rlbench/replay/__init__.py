@@ -1,0 +1,1 @@
+"""The run directory: writing committed steps atomically, reading them back validated."""

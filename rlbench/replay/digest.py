@@ -1,0 +1,34 @@
+"""sha256 digests of tensors, the unit of `checksums.jsonl`.
+
+A digest covers, for each tensor in order, its name, dtype, shape and raw bytes, so two
+stages agree only when every value agrees to the bit and nothing was reshaped or recast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+
+import torch
+
+
+def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
+    tensor = tensor.detach().to("cpu").contiguous()
+    header = json.dumps([name, str(tensor.dtype), list(tensor.shape)], separators=(",", ":")).encode()
+    digest.update(len(header).to_bytes(4, "little") + header)
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Digest of named tensors, in the order given (pass a dict sorted by name for weights)."""
+    digest = hashlib.sha256()
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    for name, tensor in items:
+        update(digest, name, tensor)
+    return digest.hexdigest()
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """Digest of a state dict, by sorted name, so the order parameters were visited does not matter."""
+    return tensors_digest(sorted(weights.items()))

@@ -1,0 +1,178 @@
+"""The run directory (schema `rlbench.run/1`): written so a crash loses nothing committed.
+
+    RUN/manifest.json                  schema, resolved config, seed, versions, platform, hashes
+    RUN/metrics.jsonl                  one line per committed step, written last: the commit point
+    RUN/checksums.jsonl                one line per step: {"step": n, "<stage>": "<sha256>", ...}
+    RUN/rollouts/NNNNNN.safetensors    the step's tensors (flat tokens + offsets, masks, log-probs, ...)
+    RUN/rollouts/NNNNNN.json           the step's per-sample metadata
+    RUN/checkpoints/NNNNNN/            state after NNNNNN steps (000000: the initial weights)
+
+Every file is written to a temporary name, fsynced, and renamed into place; the two JSONL logs
+are appended and fsynced, checksums before metrics. A step is committed once its metrics line
+(newline included) is on disk; a reader ignores anything past the last committed step, torn
+lines included, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlbench.errors import BadInput
+
+SCHEMA = "rlbench.run/1"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file, fsync, rename: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def append_line(path: Path, obj: dict) -> None:
+    with open(path, "ab") as fh:
+        fh.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def step_name(step: int) -> str:
+    return f"{step:06d}"
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
+    """Complete, parseable lines; a torn or unparseable line ends the log (and is reported)."""
+    rows, notes = [], []
+    if not path.exists():
+        return rows, notes
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    if lines and lines[-1]:
+        notes.append(f"{path.name}: ignored a torn last line (a write was cut off)")
+    for lineno, line in enumerate(lines[:-1], start=1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as exc:
+            raise BadInput(f"line {lineno}: not a step record ({exc})", path=path) from None
+        rows.append(row)
+    return rows, notes
+
+
+class RunWriter:
+    """Creates a run directory (refusing one that holds anything else) and commits steps to it."""
+
+    def __init__(self, root: Path, manifest: dict, record: bool = True):
+        self.root, self.record = Path(root), record
+        self._claim(manifest)
+        (self.root / "rollouts").mkdir(exist_ok=True)
+        (self.root / "checkpoints").mkdir(exist_ok=True)
+        atomic_write(self.root / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+    def _claim(self, manifest: dict) -> None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise BadInput("--out exists and is not a directory", path=root)
+        if root.is_dir() and any(root.iterdir()):
+            existing = root / "manifest.json"
+            if not existing.is_file():
+                raise BadInput("--out is not empty and holds no rlbench run; choose a new --out", path=root)
+            try:
+                old = json.loads(existing.read_text())
+            except ValueError:
+                old = {}
+            differs = sorted(k for k in set(old.get("config", {})) | set(manifest["config"])
+                             if old.get("config", {}).get(k) != manifest["config"].get(k))
+            what = f"a different run (config differs in: {', '.join(differs)})" if differs else "this run already"
+            raise BadInput(f"--out already holds {what}; nothing was overwritten, choose a new --out", path=root)
+        root.mkdir(parents=True, exist_ok=True)
+
+    def commit_step(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
+                    checksums: dict[str, str], metrics: dict[str, float]) -> None:
+        """Write the step's recording, then its checksums, then its metrics line (the commit)."""
+        from safetensors.torch import save
+
+        if self.record:
+            name = step_name(step)
+            header = {"schema": SCHEMA, "step": str(step)}
+            atomic_write(self.root / "rollouts" / f"{name}.safetensors",
+                         save({k: v.contiguous() for k, v in tensors.items()}, metadata=header))
+            atomic_write(self.root / "rollouts" / f"{name}.json",
+                         (json.dumps({"schema": SCHEMA, "step": step, "samples": samples}, indent=1) + "\n").encode())
+        append_line(self.root / "checksums.jsonl", {"step": step, **checksums})
+        append_line(self.root / "metrics.jsonl", {"step": step, **metrics})
+
+    def write_checkpoint(self, steps_done: int, files: dict[str, bytes], state: dict) -> None:
+        """Write checkpoints/NNNNNN/ whole under a temporary name, then rename it into place."""
+        final = self.root / "checkpoints" / step_name(steps_done)
+        tmp = final.with_name(f".{final.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for name, data in {**files, "state.json": (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()}.items():
+            with open(tmp / name, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # only after a crash between rename and commit: the same step is rewritten
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+
+
+@dataclass
+class RunDir:
+    """A run directory as read back: only committed steps, with what was ignored noted."""
+
+    root: Path
+    manifest: dict
+    metrics: list[dict]
+    checksums: list[dict]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[int]:
+        return [row["step"] for row in self.metrics]
+
+
+def read_run(root: str | Path) -> RunDir:
+    """Validate and read a run directory's manifest and logs, keeping committed steps only."""
+    root = Path(root)
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise BadInput("not a run directory (no manifest.json)", path=root)
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise BadInput(f"invalid JSON ({exc})", path=path) from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
+        raise BadInput(f"field 'schema': expected {SCHEMA!r}, got {got!r}", path=path)
+    metrics, notes = _read_jsonl(root / "metrics.jsonl")
+    checksums, more = _read_jsonl(root / "checksums.jsonl")
+    notes += more
+    committed = {row["step"] for row in metrics}
+    extra = [row["step"] for row in checksums if row["step"] not in committed]
+    if extra:
+        notes.append(f"checksums.jsonl: ignored uncommitted step(s) {extra} (no metrics line)")
+    checksums = [row for row in checksums if row["step"] in committed]
+    return RunDir(root, manifest, metrics, checksums, notes)
