@@ -50,7 +50,8 @@ def data(ctx: Context, state: StepState) -> None:
 
 def rollout(ctx: Context, state: StepState) -> None:
     cfg, n = ctx.config.rollout, ctx.config.rollout.n_samples_per_prompt
-    requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(ctx.config.seed, "sample", state.step, g * n + j),
+    # A sample's seed names its place (step, group, index in group), never its batch position.
+    requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(ctx.config.seed, "sample", state.step, g, j),
                                 cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
                 for g, p in enumerate(state.prompts) for j in range(n)]
     results = ctx.engine.generate(requests)

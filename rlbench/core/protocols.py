@@ -45,16 +45,17 @@ class Trainer(Protocol):
 
     is_main: bool
 
-    def logprobs(self, tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                 reference: bool = False) -> list[torch.Tensor]:
-        """Per sample, the log-prob of each response token under the current (or reference) policy."""
+    def logprobs(self, tokens: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """[n, L] log-prob of each token of right-padded `tokens` given its prefix, under the current
+        (or the reference) policy; position 0 gets 0."""
 
     def train_step(self, batch: "TrainBatch", step: int) -> "TrainStats": ...
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Full (gathered) weights under Hugging Face names; empty on ranks that are not main."""
 
-    def save_checkpoint(self, directory: Path) -> None: ...
+    def save_checkpoint(self, directory: Path) -> dict[str, bytes]:
+        """The checkpoint's files (name -> bytes); the run directory writes them atomically."""
 
     def load_checkpoint(self, directory: Path) -> None: ...
 

@@ -113,7 +113,9 @@ class RunWriter:
 
         if self.record:
             name = step_name(step)
-            header = {"schema": SCHEMA, "step": str(step)}
+            # One metadata key holding sorted JSON: safetensors writes `__metadata__` from a Rust
+            # HashMap, so two or more keys come out in a per-process order and the bytes differ.
+            header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step}, sort_keys=True)}
             atomic_write(self.root / "rollouts" / f"{name}.safetensors",
                          save({k: v.contiguous() for k, v in tensors.items()}, metadata=header))
             atomic_write(self.root / "rollouts" / f"{name}.json",

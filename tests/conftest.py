@@ -1,0 +1,47 @@
+"""Shared test set-up: hermetic environment, a small fast config, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import pytest  # noqa: E402
+
+from rlbench.config import RunConfig, load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def small_config() -> RunConfig:
+    """A few steps of the default task at a size that runs in about a second."""
+    return load_config(steps=3, checkpoint_every=2, data__prompts_per_step=2, rollout__n_samples_per_prompt=4,
+                       train__minibatches=2, train__micro_batch_size=3)
+
+
+@pytest.fixture
+def run_small(tmp_path, small_config):
+    """run_small(name, **overrides) -> RunResult, written to tmp_path/name."""
+    from rlbench.core.loop import run
+
+    def _run(name: str = "run", **overrides):
+        from rlbench.config import apply_overrides
+
+        config = apply_overrides(small_config, out=str(tmp_path / name), **overrides)
+        return run(config)
+
+    return _run
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`rlbench ARGS` in a subprocess, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "rlbench.cli", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)

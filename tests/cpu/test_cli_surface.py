@@ -1,0 +1,79 @@
+"""The CLI surface, frozen: the commands and the options of `rlbench run`.
+
+Users script against these names. Changing them must be deliberate: when you add, rename or
+remove an option, update the expected set here in the same change (and the docs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import typer
+
+import rlbench.cli
+from tests.conftest import run_cli
+
+EXPECTED_COMMANDS = {"run"}
+
+EXPECTED_RUN_OPTIONS = {
+    "--config", "-c",
+    "--seed",
+    "--steps",
+    "--out",
+    "--mode",
+    "--rollout-backend",
+    "--trainer-backend",
+    "--custom-rm-path",
+    "--device",
+    "--threads",
+    "--no-record",
+    "--json",
+    "--debug",
+}
+
+CHANGE_MESSAGE = ("the CLI surface changed; if that is deliberate, update the expected set in "
+                  "tests/cpu/test_cli_surface.py (and the docs) in the same change")
+
+
+def _group():
+    return typer.main.get_command(rlbench.cli.app)
+
+
+def _option_names(command) -> set[str]:
+    return {name for param in command.params for name in (*param.opts, *param.secondary_opts)}
+
+
+def test_commands_are_frozen():
+    assert set(_group().commands) == EXPECTED_COMMANDS, CHANGE_MESSAGE
+
+
+def test_run_options_are_frozen():
+    got = _option_names(_group().commands["run"])
+    added, removed = sorted(got - EXPECTED_RUN_OPTIONS), sorted(EXPECTED_RUN_OPTIONS - got)
+    assert got == EXPECTED_RUN_OPTIONS, f"{CHANGE_MESSAGE}: added {added}, removed {removed}"
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_top_level_help(flag):
+    res = run_cli(flag, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    for command in EXPECTED_COMMANDS:
+        assert command in res.stdout, f"{command!r} not in `rlbench {flag}`:\n{res.stdout}"
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_run_help_mentions_every_option(flag):
+    res = run_cli("run", flag, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    missing = sorted(opt for opt in EXPECTED_RUN_OPTIONS if opt not in res.stdout)
+    assert not missing, f"`rlbench run {flag}` does not mention {missing}:\n{res.stdout}"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="cli.main() does not catch typer._click's NoArgsIsHelpError: a traceback")
+def test_no_arguments_shows_help(tmp_path):
+    res = run_cli(cwd=tmp_path, timeout=60)
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.returncode in (0, 2), res.stderr
+    assert "run" in res.stdout + res.stderr
