@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -23,7 +22,6 @@ from rlbench.errors import RlbenchError
 app = typer.Typer(
     name="rlbench",
     help="Reproduce and debug LLM RL post-training runs: run, replay, diff, check.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -32,9 +30,12 @@ stderr = Console(stderr=True)
 stdout = Console()
 
 
-@app.callback()
-def _group() -> None:
+@app.callback(invoke_without_command=True)
+def _group(ctx: typer.Context) -> None:
     """Reproduce and debug LLM RL post-training runs: run, replay, diff, check."""
+    if ctx.invoked_subcommand is None:  # bare `rlbench`: the help, and success
+        stdout.print(ctx.get_help(), markup=False, highlight=False)
+        raise typer.Exit(0)
 
 
 class Mode(str, Enum):
@@ -110,7 +111,6 @@ def run(
     With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
     """
     from rlbench.config import load_config
-    from rlbench.core.loop import run as run_loop
 
     cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
                       device=device, threads=threads, out=str(out) if out else None,
@@ -120,24 +120,30 @@ def run(
                       reward__custom_rm_path=custom_rm_path)
     if cfg.out is None:
         cfg = cfg.replace(out=_default_out())
+    from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
     if as_json:
         result = run_loop(cfg)
         stdout.print_json(json.dumps(_summary(result)))
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = [TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn()]
-    with Progress(*columns, console=stderr, transient=False) as progress:
-        task = progress.add_task("run", total=cfg.steps, info="starting")
+    # Started at the first step, not before: inputs are validated while the run is built, and a
+    # bad one must leave one error line on stderr, not a progress line above it.
+    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), console=stderr)
+    task = progress.add_task("run", total=cfg.steps, info="")
 
-        def on_step(step: int, metrics: dict) -> None:
-            info = f"reward {metrics['rollout/raw_reward']:.3f}"
-            if "train/loss" in metrics:
-                info += f"  loss {metrics['train/loss']:+.4f}"
-            progress.update(task, completed=step + 1, info=info)
+    def on_step(step: int, metrics: dict) -> None:
+        info = f"reward {metrics['rollout/raw_reward']:.3f}"
+        if "train/loss" in metrics:
+            info += f"  loss {metrics['train/loss']:+.4f}"
+        progress.start()
+        progress.update(task, completed=step + 1, info=info)
 
+    try:
         result = run_loop(cfg, on_step=on_step)
+    finally:
+        progress.stop()
     _render_summary(_summary(result))
 
 
@@ -149,16 +155,22 @@ def main() -> None:
     except RlbenchError as exc:
         if debug:
             traceback.print_exc()
-        stderr.print(f"rlbench: error: {exc}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except click.UsageError as exc:  # unknown option, invalid value, missing argument
-        stderr.print(f"rlbench: error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except click.exceptions.Exit as exc:  # --help, no_args_is_help
+        _fail(str(exc))
+    except typer.Exit as exc:  # --help
         sys.exit(exc.exit_code)
-    except (click.Abort, KeyboardInterrupt):
-        stderr.print("rlbench: interrupted; committed steps are kept", markup=False)
+    except (typer.Abort, KeyboardInterrupt):
+        stderr.print("rlbench: interrupted; committed steps are kept", markup=False, highlight=False)
         sys.exit(130)
+    except typer.TyperException as exc:  # typer's (vendored click's) usage errors: unknown option, bad value
+        if debug:
+            traceback.print_exc()
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        _fail(" ".join(message.split()))
+
+
+def _fail(message: str) -> None:
+    stderr.print(f"rlbench: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

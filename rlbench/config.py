@@ -226,6 +226,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
             table = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise BadInput("config file not found", path=path) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInput(f"cannot read config file ({exc.__class__.__name__})", path=path) from None
         except tomllib.TOMLDecodeError as exc:
             raise BadInput(f"invalid TOML ({exc})", path=path) from None
         try:

@@ -40,11 +40,13 @@ class TrainStats:
 def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """Group-normalised advantages for rewards laid out group after group."""
-    grouped = rewards.view(-1, group_size)
+    # float64: the float32 mean of identical non-dyadic rewards (0.1, ...) is off by an ulp, and
+    # dividing by the tiny std would blow that into a same-sign push on a group with no signal.
+    grouped = rewards.view(-1, group_size).double()
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    return centered.reshape(-1)
+    return centered.reshape(-1).to(rewards.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -126,28 +126,33 @@ def timed(state: StepState, key: str):
 
 
 def run(config: RunConfig, on_step: Callable[[int, dict], None] | None = None) -> RunResult:
-    """Run `config.steps` steps; `on_step(step, metrics)` is called after each committed step."""
+    """Run `config.steps` steps; `on_step(step, metrics)` is called as each step is handed to the
+    run directory's writer. When run() returns, every step is committed to disk."""
     started = time.perf_counter()
     ctx = build(config)
-    if ctx.writer is not None and ctx.trainer is not None:
-        checkpoint(ctx, 0)
     history = []
-    for step in range(config.steps):
-        state = StepState(step)
-        with timed(state, "perf/step_time"):
-            with timed(state, "perf/rollout_time"):
-                data(ctx, state)
-                rollout(ctx, state)
-                reward(ctx, state)
-            if ctx.trainer is not None:
-                with timed(state, "perf/train_time"):
-                    advantage(ctx, state)
-                    logprob(ctx, state)
-                    train(ctx, state)
-                    sync(ctx, state)
-        record(ctx, state)
-        history.append({"step": step, **state.metrics})
-        if on_step is not None:
-            on_step(step, state.metrics)
-    ctx.engine.close()
+    try:
+        if ctx.writer is not None and ctx.trainer is not None:
+            checkpoint(ctx, 0)
+        for step in range(config.steps):
+            state = StepState(step)
+            with timed(state, "perf/step_time"):
+                with timed(state, "perf/rollout_time"):
+                    data(ctx, state)
+                    rollout(ctx, state)
+                    reward(ctx, state)
+                if ctx.trainer is not None:
+                    with timed(state, "perf/train_time"):
+                        advantage(ctx, state)
+                        logprob(ctx, state)
+                        train(ctx, state)
+                        sync(ctx, state)
+            record(ctx, state)
+            history.append({"step": step, **state.metrics})
+            if on_step is not None:
+                on_step(step, state.metrics)
+    finally:  # an error or Ctrl-C still lands every step already handed to the writer
+        if ctx.writer is not None:
+            ctx.writer.close()
+        ctx.engine.close()
     return RunResult(config, ctx.manifest, history, time.perf_counter() - started)

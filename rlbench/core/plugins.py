@@ -18,6 +18,9 @@ def load_function(path: str, option: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise BadInput(f"cannot import module '{module_name}' ({exc})", field=option) from None
+    except Exception as exc:  # the plugin's own module failed while importing (SyntaxError, ...)
+        raise BadInput(f"importing module '{module_name}' raised {exc.__class__.__name__}: {exc}",
+                       field=option) from exc
     fn = getattr(module, attr, None)
     if fn is None:
         raise BadInput(f"module '{module_name}' has no attribute '{attr}'", field=option)

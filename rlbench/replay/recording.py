@@ -50,4 +50,6 @@ def padded(flat: torch.Tensor, offsets: torch.Tensor, width: int, fill: float = 
 
 def unpad(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The inverse of `padded`: a flat token-aligned array from [n, width] rows."""
+    if offsets.numel() <= 1:
+        return rows.new_empty(0)
     return torch.cat([rows[i, : int(offsets[i + 1] - offsets[i])] for i in range(offsets.numel() - 1)])

@@ -6,9 +6,8 @@ traceback unless `--debug`; input is validated before anything is written, and a
 directory that already exists is never touched.
 
 Each case runs the CLI in a subprocess, as a user would. Cases that fail at run time (the
-dataset, the reward plugin, the output directory) are run twice: with `--json` and plain
-(with the progress bar). Known library bugs are marked `xfail(strict=True)`, so the test
-starts failing (XPASS) the moment the bug is fixed and the marker must be removed.
+dataset, the reward plugin, the output directory) run with `--json`, which has no progress
+bar; `test_runtime_error_plain_output` runs a few of them plain, progress bar and all.
 """
 
 from __future__ import annotations
@@ -20,33 +19,9 @@ import pytest
 
 from tests.conftest import run_cli
 
-# --- known library bugs, as strict xfails -------------------------------------------------
-
-# rlbench/cli.py main() catches `click.UsageError` / `click.exceptions.Exit`, but typer >= 0.2x
-# vendors click as `typer._click`, whose exceptions are not click's: every usage error (unknown
-# option, invalid value, no arguments) escapes as a traceback with exit code 1.
-USAGE_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                              reason="cli.main() catches click.UsageError, but typer raises typer._click "
-                                     "exceptions: usage errors give a traceback and exit 1")
-# rlbench/cli.py run(): the rich Progress (transient=False, on stderr) is started before run_loop()
-# builds and validates, so a BadInput raised while building leaves the progress line
-# ("step 0/N ... starting") on stderr before the error line: two lines, not one.
-PROGRESS_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                 reason="cli.run() starts the progress bar before validation; its line "
-                                        "stays on stderr above the error line")
-# rlbench/config.py load_config(): only FileNotFoundError and TOMLDecodeError are caught around
-# path.read_text(); a directory, or a file that is not UTF-8, escapes as a traceback.
-CONFIG_READ_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                    reason="load_config() does not catch IsADirectoryError / "
-                                           "UnicodeDecodeError / PermissionError from read_text()")
-# rlbench/core/plugins.py load_function(): only ImportError is caught around import_module(); a
-# plugin module that fails to import any other way (SyntaxError, an exception at import time)
-# escapes as a traceback.
-PLUGIN_IMPORT_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                      reason="load_function() catches only ImportError from import_module()")
-
-# Runtime-validated cases run in both output modes; plain mode hits PROGRESS_BUG.
-OUTPUT_MODES = [pytest.param(("--json",), id="json"), pytest.param((), id="plain", marks=PROGRESS_BUG)]
+# Cases validated at run time run with --json (no progress bar); test_runtime_error_plain_output
+# runs some of them without it.
+JSON = ("--json",)
 
 SMALL_TOML = """\
 [data]
@@ -103,61 +78,55 @@ def write_dataset(tmp_path: Path, lines: list[str], name: str = "data.jsonl") ->
     return path
 
 
-def run_with_dataset(tmp_path: Path, dataset: Path, mode: tuple[str, ...]):
+def run_with_dataset(tmp_path: Path, dataset: Path, *extra: str):
     """`rlbench run` over `dataset` with a small config; the out directory is tmp_path/out."""
     cfg = write_config(tmp_path, SMALL_TOML.replace("[data]\n", f"[data]\npath = {json.dumps(str(dataset))}\n"))
-    return run_cli("run", "--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "out"), *mode,
+    return run_cli("run", "--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "out"), *extra,
                    cwd=tmp_path, timeout=120)
 
 
 # --- 1-3: the dataset ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_missing_dataset(tmp_path, mode):
+def test_missing_dataset(tmp_path):
     cfg = write_config(tmp_path, '[data]\npath = "nope.jsonl"\n')  # relative: to the config's folder
-    res = run_cli("run", "--config", str(cfg), "--out", str(tmp_path / "out"), *mode, cwd=tmp_path, timeout=120)
+    res = run_cli("run", "--config", str(cfg), "--out", str(tmp_path / "out"), *JSON, cwd=tmp_path, timeout=120)
     missing = str((tmp_path / "nope.jsonl").resolve())
     line = assert_bad_input(res, missing, "not found")
     assert "dataset" in line
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_malformed_jsonl_line(tmp_path, mode):
+def test_malformed_jsonl_line(tmp_path):
     rows = [json.dumps(r) for r in GOOD_ROWS]
     rows[2] = '{"prompt": "Is 11 even or odd?", "label": "odd"'  # line 3: unterminated object
     dataset = write_dataset(tmp_path, rows)
-    res = run_with_dataset(tmp_path, dataset, mode)
+    res = run_with_dataset(tmp_path, dataset, *JSON)
     line = assert_bad_input(res, str(dataset), "line 3")
     assert "JSON" in line
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
 @pytest.mark.parametrize("bad_row, got", [
     pytest.param({"prompt": "Is 4 even or odd?"}, "nothing", id="label-missing"),
     pytest.param({"prompt": "Is 4 even or odd?", "label": 1}, "int", id="label-not-a-string"),
-    pytest.param({"prompt": "Is 4 even or odd?", "label": None}, "nothing", id="label-null"),
 ])
-def test_bad_label_field(tmp_path, mode, bad_row, got):
+def test_bad_label_field(tmp_path, bad_row, got):
     rows = [json.dumps(r) for r in GOOD_ROWS]
     rows[1] = json.dumps(bad_row)  # line 2
     dataset = write_dataset(tmp_path, rows)
-    res = run_with_dataset(tmp_path, dataset, mode)
+    res = run_with_dataset(tmp_path, dataset, *JSON)
     assert_bad_input(res, str(dataset), "line 2", "'label'", "expected a string", got)
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
 
 # --- 4-5: the command line -----------------------------------------------------------------
 
-@USAGE_BUG
 def test_unknown_option(tmp_path):
     res = run_cli("run", "--bogus", "--out", str(tmp_path / "out"), cwd=tmp_path, timeout=60)
     assert_bad_input(res, "--bogus")
     assert not (tmp_path / "out").exists()
 
 
-@USAGE_BUG
 @pytest.mark.parametrize("args, option", [
     pytest.param(("--steps", "0"), "--steps", id="steps-0"),
     pytest.param(("--steps", "abc"), "--steps", id="steps-abc"),
@@ -206,9 +175,10 @@ def test_missing_config_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@CONFIG_READ_BUG
 @pytest.mark.parametrize("kind", ["directory", "not-utf8"])
 def test_unreadable_config_file(tmp_path, kind):
+    """A config path that is a directory, or a file that is not UTF-8: read errors other than
+    "not found" are bad input too."""
     cfg = tmp_path / "config.toml"
     if kind == "directory":
         cfg.mkdir()
@@ -221,93 +191,102 @@ def test_unreadable_config_file(tmp_path, kind):
 
 # --- 7: an --out that is not new ------------------------------------------------------------
 
-@pytest.fixture
-def existing_run(tmp_path):
-    """A real one-step run in tmp_path/run, written by the CLI, and its config file."""
+def test_out_holds_a_run(tmp_path):
+    """A real one-step run, then the CLI twice more into its directory: another seed, then the
+    same config. Both are refused, and the directory stays byte for byte as it was."""
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
     out = tmp_path / "run"
     res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr
     assert (out / "manifest.json").is_file() and (out / "metrics.jsonl").is_file()
-    return cfg, out
-
-
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_out_holds_a_different_run(existing_run, tmp_path, mode):
-    cfg, out = existing_run
     before = snapshot(out)
-    res = run_cli("run", "--steps", "1", "--seed", "7", "--out", str(out), "--config", str(cfg), *mode,
+    assert any(v is not None for v in before.values())
+
+    res = run_cli("run", "--steps", "1", "--seed", "7", "--out", str(out), "--config", str(cfg), *JSON,
                   cwd=tmp_path, timeout=120)
-    assert snapshot(out) == before, "the existing run directory was modified"
+    assert snapshot(out) == before, "a run into a directory holding a different run modified it"
     assert_bad_input(res, str(out), "a different run", "seed")
 
-
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_out_holds_this_run_already(existing_run, tmp_path, mode):
-    cfg, out = existing_run
-    before = snapshot(out)
-    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *mode, cwd=tmp_path, timeout=120)
-    assert snapshot(out) == before, "the existing run directory was modified"
+    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *JSON, cwd=tmp_path, timeout=120)
+    assert snapshot(out) == before, "a repeated run into the same directory modified it"
     line = assert_bad_input(res, str(out), "already holds", "this run")
     assert "different" not in line
 
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_out_not_empty_and_not_a_run(tmp_path, mode):
+def test_out_not_empty_and_not_a_run(tmp_path):
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
     out = tmp_path / "notes"
     (out / "sub").mkdir(parents=True)
     (out / "todo.txt").write_bytes(b"keep me\n")
     (out / "sub" / "data.bin").write_bytes(bytes(range(256)))
     before = snapshot(out)
-    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *mode, cwd=tmp_path, timeout=120)
+    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *JSON, cwd=tmp_path, timeout=120)
     assert snapshot(out) == before, "a non-run directory was modified"
     assert_bad_input(res, str(out), "not empty", "no rlbench run")
 
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
-def test_out_is_a_file(tmp_path, mode):
+def test_out_is_a_file(tmp_path):
     out = tmp_path / "out"
     out.write_bytes(b"not a directory\n")
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
-    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *mode, cwd=tmp_path, timeout=120)
+    res = run_cli("run", "--steps", "1", "--out", str(out), "--config", str(cfg), *JSON, cwd=tmp_path, timeout=120)
     assert out.read_bytes() == b"not a directory\n"
     assert_bad_input(res, str(out), "not a directory")
 
 
 # --- 8: --custom-rm-path ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", OUTPUT_MODES)
+PLUGIN = "NOT_CALLABLE = 3\n\n\ndef reward(sample):\n    return 0.0\n"
+
+
 @pytest.mark.parametrize("path, needles", [
     pytest.param("no_such_module_rlbench_test.reward", ("cannot import", "no_such_module_rlbench_test"),
                  id="missing-module"),
     pytest.param("rm_plugin.no_such_function", ("no attribute", "no_such_function"), id="missing-attribute"),
     pytest.param("rm_plugin.NOT_CALLABLE", ("not callable", "rm_plugin.NOT_CALLABLE"), id="not-callable"),
-    pytest.param("rm_plugin", ("dotted path",), id="not-dotted"),
 ])
-def test_bad_custom_rm_path(tmp_path, mode, path, needles):
-    (tmp_path / "rm_plugin.py").write_text("NOT_CALLABLE = 3\n\ndef reward(sample):\n    return 0.0\n")
+def test_bad_custom_rm_path(tmp_path, path, needles):
+    (tmp_path / "rm_plugin.py").write_text(PLUGIN)
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
     # cwd=tmp_path: `python -m` puts the working directory on sys.path, so rm_plugin is importable
     res = run_cli("run", "--steps", "1", "--config", str(cfg), "--custom-rm-path", path,
-                  "--out", str(tmp_path / "out"), *mode, cwd=tmp_path, timeout=120)
+                  "--out", str(tmp_path / "out"), *JSON, cwd=tmp_path, timeout=120)
     assert_bad_input(res, "--custom-rm-path", *needles)
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
 
-@PLUGIN_IMPORT_BUG
-@pytest.mark.parametrize("source", [
-    pytest.param("def reward(:\n", id="syntax-error"),
-    pytest.param("raise RuntimeError('boom at import')\n", id="raises-at-import"),
-])
-def test_custom_rm_module_fails_to_import(tmp_path, source):
-    (tmp_path / "broken_plugin.py").write_text(source)
+def test_custom_rm_module_fails_to_import(tmp_path):
+    """A plugin module that fails to import with something other than ImportError."""
+    (tmp_path / "broken_plugin.py").write_text("def reward(:\n")  # a SyntaxError, not an ImportError
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
     res = run_cli("run", "--steps", "1", "--config", str(cfg), "--custom-rm-path", "broken_plugin.reward",
-                  "--out", str(tmp_path / "out"), "--json", cwd=tmp_path, timeout=120)
+                  "--out", str(tmp_path / "out"), *JSON, cwd=tmp_path, timeout=120)
     assert_bad_input(res, "--custom-rm-path", "broken_plugin")
     assert not (tmp_path / "out").exists()
 
+
+# --- 9: the same rule without --json, progress bar and all ---------------------------------------
+
+@pytest.mark.parametrize("case", ["dataset", "custom-rm-path", "out-not-a-run"])
+def test_runtime_error_plain_output(tmp_path, case):
+    """Without --json the progress bar is on stderr; a bad input found while the run is built
+    must still leave exactly one line there (the bar starts only at the first step)."""
+    cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
+    out = tmp_path / "out"
+    if case == "dataset":
+        cfg = write_config(tmp_path, '[data]\npath = "nope.jsonl"\n')
+        args, needles = ("--config", str(cfg)), (str((tmp_path / "nope.jsonl").resolve()), "not found")
+    elif case == "custom-rm-path":
+        args, needles = ("--config", str(cfg), "--custom-rm-path", "no_such_module_rlbench_test.reward"), \
+            ("--custom-rm-path",)
+    else:
+        out.mkdir()
+        (out / "todo.txt").write_bytes(b"keep me\n")
+        args, needles = ("--config", str(cfg)), (str(out), "no rlbench run")
+    before = snapshot(tmp_path)
+    res = run_cli("run", "--steps", "1", *args, "--out", str(out), cwd=tmp_path, timeout=120)
+    assert snapshot(tmp_path) == before, "bad input changed the files"
+    assert_bad_input(res, *needles)
 
 # --- 10: --debug ---------------------------------------------------------------------------------
 

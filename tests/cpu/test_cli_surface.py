@@ -70,10 +70,11 @@ def test_run_help_mentions_every_option(flag):
     assert not missing, f"`rlbench run {flag}` does not mention {missing}:\n{res.stdout}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="cli.main() does not catch typer._click's NoArgsIsHelpError: a traceback")
 def test_no_arguments_shows_help(tmp_path):
+    """Bare `rlbench`: the help on stdout, exit 0, no traceback."""
     res = run_cli(cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
-    assert res.returncode in (0, 2), res.stderr
-    assert "run" in res.stdout + res.stderr
+    for command in EXPECTED_COMMANDS:
+        assert command in res.stdout, f"{command!r} not in bare `rlbench` output:\n{res.stdout}"
+    assert list(tmp_path.iterdir()) == [], "bare `rlbench` wrote files"
