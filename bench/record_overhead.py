@@ -34,7 +34,7 @@ def measure(out: str | None, steps: int) -> tuple[float, list[float]]:
     """(wall time of the whole run, wall time of each step after the first)."""
     stamps: list[float] = []
     start = time.perf_counter()
-    run(load_config(steps=steps, out=out, record=True), on_step=lambda step, metrics: stamps.append(time.perf_counter()))
+    run(load_config(steps=steps, out=out, record=True), on_step=lambda state: stamps.append(time.perf_counter()))
     total = time.perf_counter() - start
     return total, [b - a for a, b in zip(stamps, stamps[1:])]
 

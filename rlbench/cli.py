@@ -133,12 +133,12 @@ def run(
                         TimeElapsedColumn(), console=stderr)
     task = progress.add_task("run", total=cfg.steps, info="")
 
-    def on_step(step: int, metrics: dict) -> None:
-        info = f"reward {metrics['rollout/raw_reward']:.3f}"
-        if "train/loss" in metrics:
-            info += f"  loss {metrics['train/loss']:+.4f}"
+    def on_step(state) -> None:
+        info = f"reward {state.metrics['rollout/raw_reward']:.3f}"
+        if "train/loss" in state.metrics:
+            info += f"  loss {state.metrics['train/loss']:+.4f}"
         progress.start()
-        progress.update(task, completed=step + 1, info=info)
+        progress.update(task, completed=state.step + 1, info=info)
 
     try:
         result = run_loop(cfg, on_step=on_step)

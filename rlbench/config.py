@@ -28,7 +28,8 @@ from rlbench.errors import BadInput
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "fixtures"
 
-Mode = Literal["full", "rollout-only"]
+Mode = Literal["full", "rollout-only", "train-only"]
+MODES = ("full", "rollout-only", "train-only")
 
 
 def _check(ok: bool, key: str, expected: str, got: Any) -> None:
@@ -70,6 +71,7 @@ class RolloutConfig:
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 4
     temperature: float = 1.0
+    sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
 
     def __post_init__(self) -> None:
         _check(self.backend in ("hf",), "rollout.backend", "one of: hf", self.backend)
@@ -78,6 +80,8 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "rollout.temperature",
                "a finite number >= 0 (0 = greedy)", self.temperature)
+        _check(self.sampling_seed is None or (isinstance(self.sampling_seed, int) and 0 <= self.sampling_seed < 2**63),
+               "rollout.sampling_seed", "an integer in [0, 2**63)", self.sampling_seed)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class RunConfig:
     steps: int = 100
     mode: Mode = "full"
     out: str | None = None
+    rollouts: str | None = None  # train-only: the run directory whose recording is trained on
     record: bool = True  # write rollouts/ (the recording); metrics and checksums are always written
     checkpoint_every: int = 25
     threads: int = 1
@@ -155,7 +160,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed)
         _check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
-        _check(self.mode in ("full", "rollout-only"), "mode", "full or rollout-only", self.mode)
+        _check(self.mode in MODES, "mode", " or ".join(MODES), self.mode)
+        _check((self.mode == "train-only") == (self.rollouts is not None), "rollouts",
+               "a recording (--rollouts RUN_DIR) exactly when mode is train-only", self.rollouts)
         _check(self.checkpoint_every >= 1, "checkpoint_every", "an integer >= 1", self.checkpoint_every)
         _check(self.threads >= 1, "threads", "an integer >= 1", self.threads)
         _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu or cuda[:N]", self.device)
@@ -192,8 +199,10 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     elif isinstance(default, tuple):
         _check(isinstance(value, list) and len(value) == len(default), key, f"a list of {len(default)}", value)
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
-    elif isinstance(default, str) or default is None:
+    elif isinstance(default, str):
         _check(isinstance(value, str), key, "a string", value)
+    elif default is None:
+        _check(isinstance(value, (str, int)) and not isinstance(value, bool), key, "a string or integer", value)
     return value
 
 
@@ -210,7 +219,7 @@ def _build(cls: type, table: dict, prefix: str, base_dir: Path) -> Any:
             kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{key}.", base_dir)
             continue
         value = _coerce(value, getattr(defaults, key), dotted)
-        if key in ("path", "tokenizer", "out") and isinstance(value, str):
+        if key in ("path", "tokenizer", "out", "rollouts") and isinstance(value, str):
             value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
         kwargs[key] = value
     return cls(**kwargs)
@@ -252,3 +261,20 @@ def apply_overrides(config: RunConfig, **overrides: Any) -> RunConfig:
     for section, changes in nested.items():
         top[section] = dataclasses.replace(getattr(config, section), **changes)
     return dataclasses.replace(config, **top) if top else config
+
+
+def config_from_dict(table: dict, source: str | Path) -> RunConfig:
+    """A RunConfig from its `to_dict()` form, as a manifest holds it; `source` names the file for errors."""
+    try:
+        sections = {}
+        for key, cls in _SECTION_CLASSES.items():
+            if key in table:
+                defaults = cls()
+                sections[key] = cls(**{name: tuple(value) if isinstance(getattr(defaults, name, None), tuple) else value
+                                       for name, value in table[key].items()})
+        top = {k: v for k, v in table.items() if k not in _SECTION_CLASSES}
+        return RunConfig(**top, **sections)
+    except TypeError as exc:
+        raise BadInput(f"config not understood ({exc})", path=source, field="config") from None
+    except BadInput as exc:
+        raise BadInput(str(exc), path=source) from None

@@ -35,6 +35,7 @@ class TrainStats:
     metrics: dict[str, float]
     losses: torch.Tensor  # [minibatches] float32, each optimizer step's loss
     grads_digest: str  # sha256 over every optimizer step's gradients (before clipping)
+    param_grads: dict[str, str]  # the same, per parameter: lets `diff` name the parameter
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,

@@ -2,7 +2,10 @@
 
 A step (slime: a rollout id) runs data -> rollout -> reward -> advantage -> logprob -> train
 -> sync, then records. Each stage reads and fills one `StepState` and adds its stage's
-checksum; rollout-only mode stops after `reward`. The driver holds no arithmetic.
+checksum. Modes cut the line: rollout-only stops after `reward`; train-only (and replay) takes
+data..reward from a recording (`recorded`) and has no engine, so no `sync`. With `expect`, each
+step's checksums are compared with known ones as soon as it is computed, and the first stage
+that differs raises `Diverged`. The driver holds no arithmetic.
 """
 
 from __future__ import annotations
@@ -11,17 +14,27 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from rlbench.config import RunConfig
 from rlbench.core import algo, metrics, samples
-from rlbench.core.context import Context, build
+from rlbench.core.context import STAGE_CHECKSUMS, Context, build
 from rlbench.core.reward import RewardInput, score
 from rlbench.core.seeding import derive_seed
 from rlbench.core.types import GenerateRequest, Prompt, Sample
+from rlbench.errors import RlbenchError
 from rlbench.replay import recording
 from rlbench.replay.digest import tensors_digest, weights_digest
+
+
+class Diverged(RlbenchError):
+    """A step's checksum differs from the expected one: the first (step, stage) where runs part."""
+
+    def __init__(self, step: int, stage: str, expected: str, got: str):
+        self.step, self.stage, self.expected, self.got = step, stage, expected, got
+        super().__init__(f"step {step}, stage {stage}: expected {expected[:12]}, got {got[:12]}")
 
 
 @dataclass
@@ -29,18 +42,21 @@ class StepState:
     step: int
     prompts: list[Prompt] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    sample_meta: list[dict] = field(default_factory=list)  # the recording's JSON half
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the recording's tensors
     batch: algo.TrainBatch | None = None
     checksums: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # per-parameter digests, kept in the recording's JSON
 
 
 @dataclass
 class RunResult:
     config: RunConfig
     manifest: dict
-    history: list[dict]  # each committed step's metrics, with "step"
+    history: list[dict]  # each step's metrics, with "step"
     wall_time: float
+    start: int = 0
 
 
 def data(ctx: Context, state: StepState) -> None:
@@ -50,16 +66,16 @@ def data(ctx: Context, state: StepState) -> None:
 
 def rollout(ctx: Context, state: StepState) -> None:
     cfg, n = ctx.config.rollout, ctx.config.rollout.n_samples_per_prompt
+    seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
     # A sample's seed names its place (step, group, index in group), never its batch position.
-    requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(ctx.config.seed, "sample", state.step, g, j),
+    requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
                                 cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
                 for g, p in enumerate(state.prompts) for j in range(n)]
     results = ctx.engine.generate(requests)
     state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
                      for i, (req, res) in enumerate(zip(requests, results))]
     state.tensors = recording.flatten(state.samples)
-    state.checksums["rollout_tokens"] = tensors_digest({k: state.tensors[k] for k in ("tokens", "offsets", "loss_mask")})
-    state.checksums["rollout_logprobs"] = tensors_digest({"rollout_logprobs": state.tensors["rollout_logprobs"]})
+    _checksum_rollout(state)
 
 
 def reward(ctx: Context, state: StepState) -> None:
@@ -67,12 +83,32 @@ def reward(ctx: Context, state: StepState) -> None:
         s.reward = score(ctx.reward_name, ctx.reward_fn,
                          RewardInput(s.prompt.messages, s.response, s.prompt.label, s.finish_reason, s.prompt.metadata))
     state.tensors["rewards"] = torch.tensor([s.reward for s in state.samples], dtype=torch.float32)
+    state.sample_meta = [s.metadata() for s in state.samples]
+    _checksum_rewards(state)
+
+
+def recorded(ctx: Context, state: StepState) -> None:
+    """Train-only and replay: data, rollout and reward come from the recording, verified on read."""
+    tensors, meta = recording.read_step(Path(ctx.config.rollouts), state.step)
+    state.tensors = {k: tensors[k] for k in recording.REQUIRED}  # inputs only: later stages recompute the rest
+    state.sample_meta = meta["samples"]
+    state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
+    _checksum_rollout(state)
+    _checksum_rewards(state)
+
+
+def _checksum_rollout(state: StepState) -> None:
+    state.checksums["rollout_tokens"] = tensors_digest({k: state.tensors[k] for k in ("tokens", "offsets", "loss_mask")})
+    state.checksums["rollout_logprobs"] = tensors_digest({"rollout_logprobs": state.tensors["rollout_logprobs"]})
+
+
+def _checksum_rewards(state: StepState) -> None:
     state.checksums["rewards"] = tensors_digest({"rewards": state.tensors["rewards"]})
-    state.metrics.update(metrics.rollout_metrics(state.samples))
+    state.metrics.update(metrics.rollout_metrics(state.tensors, [m["finish_reason"] for m in state.sample_meta]))
 
 
 def advantage(ctx: Context, state: StepState) -> None:
-    state.tensors["advantages"] = algo.grpo_advantages(state.tensors["rewards"], ctx.config.rollout.n_samples_per_prompt,
+    state.tensors["advantages"] = algo.grpo_advantages(state.tensors["rewards"], ctx.group_size,
                                                        ctx.config.algo.normalize_std)
     state.checksums["advantages"] = tensors_digest({"advantages": state.tensors["advantages"]})
 
@@ -91,10 +127,14 @@ def logprob(ctx: Context, state: StepState) -> None:
 
 def train(ctx: Context, state: StepState) -> None:
     stats = ctx.trainer.train_step(state.batch, state.step)
+    weights = ctx.trainer.export_hf_weights()
     state.metrics.update(stats.metrics)
+    state.tensors["losses"] = stats.losses
     state.checksums["loss"] = tensors_digest({"losses": stats.losses})
     state.checksums["grads"] = stats.grads_digest
-    state.checksums["weights"] = weights_digest(ctx.trainer.export_hf_weights())
+    state.checksums["weights"] = weights_digest(weights)
+    state.extra["param_digests"] = {"grads": stats.param_grads,
+                                    "weights": {n: tensors_digest({n: t}) for n, t in weights.items()}}
 
 
 def sync(ctx: Context, state: StepState) -> None:
@@ -102,19 +142,31 @@ def sync(ctx: Context, state: StepState) -> None:
     state.checksums["engine_weights"] = weights_digest(ctx.engine.export_weights())
 
 
-def record(ctx: Context, state: StepState) -> None:
+def verify(expected: dict[str, str], state: StepState) -> None:
+    """Raise `Diverged` at the first stage, in loop order, whose checksum differs from `expected`."""
+    for stage in STAGE_CHECKSUMS:
+        if stage in expected and stage in state.checksums and expected[stage] != state.checksums[stage]:
+            raise Diverged(state.step, stage, expected[stage], state.checksums[stage])
+
+
+def record(ctx: Context, state: StepState, commit: bool = True) -> None:
+    """Commit the step (unless it is a recomputed, already committed one) and write a due checkpoint
+    (a recomputed step writes one only if a crash kept it from being written the first time)."""
     if ctx.writer is None:
         return
-    ctx.writer.commit_step(state.step, state.tensors, [s.metadata() for s in state.samples], state.checksums,
-                           state.metrics)
+    if commit:
+        ctx.writer.commit_step(state.step, state.tensors, state.sample_meta, state.checksums, state.metrics,
+                               state.extra)
     done = state.step + 1
     if ctx.trainer is not None and (done % ctx.config.checkpoint_every == 0 or done == ctx.config.steps):
-        checkpoint(ctx, done)
+        if commit or not ctx.writer.has_checkpoint(done):
+            checkpoint(ctx, done)
 
 
 def checkpoint(ctx: Context, steps_done: int) -> None:
     ctx.writer.write_checkpoint(steps_done, ctx.trainer.save_checkpoint(ctx.writer.root),
-                                {"steps_done": steps_done, "cursor": ctx.cursor.state(steps_done),
+                                {"steps_done": steps_done,
+                                 "cursor": ctx.cursor.state(steps_done) if ctx.cursor is not None else None,
                                  "weight_version": steps_done, "seed": ctx.config.seed})
 
 
@@ -125,34 +177,45 @@ def timed(state: StepState, key: str):
     state.metrics[key] = time.perf_counter() - start
 
 
-def run(config: RunConfig, on_step: Callable[[int, dict], None] | None = None) -> RunResult:
-    """Run `config.steps` steps; `on_step(step, metrics)` is called as each step is handed to the
-    run directory's writer. When run() returns, every step is committed to disk."""
+def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *, start: int = 0,
+        init_checkpoint: Path | None = None, expect: dict[int, dict] | None = None, write_from: int = 0,
+        resume: bool = False) -> RunResult:
+    """Run steps [start, config.steps). `init_checkpoint` restores the trainer first; `expect` maps
+    step -> checksums to verify (a mismatch raises Diverged); steps before `write_from` are verified
+    but not written (resume recomputes committed steps). `on_step(state)` follows each step; when
+    run() returns, every written step is committed to disk."""
     started = time.perf_counter()
-    ctx = build(config)
+    ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume)
     history = []
     try:
-        if ctx.writer is not None and ctx.trainer is not None:
+        if ctx.writer is not None and ctx.trainer is not None and start == 0 and not resume:
             checkpoint(ctx, 0)
-        for step in range(config.steps):
+        for step in range(start, config.steps):
             state = StepState(step)
             with timed(state, "perf/step_time"):
                 with timed(state, "perf/rollout_time"):
-                    data(ctx, state)
-                    rollout(ctx, state)
-                    reward(ctx, state)
+                    if ctx.engine is not None:
+                        data(ctx, state)
+                        rollout(ctx, state)
+                        reward(ctx, state)
+                    else:
+                        recorded(ctx, state)
                 if ctx.trainer is not None:
                     with timed(state, "perf/train_time"):
                         advantage(ctx, state)
                         logprob(ctx, state)
                         train(ctx, state)
-                        sync(ctx, state)
-            record(ctx, state)
+                        if ctx.engine is not None:
+                            sync(ctx, state)
+            record(ctx, state, commit=step >= write_from)  # before verify: a diverging step is kept, for diff
+            if expect is not None and step in expect:
+                verify(expect[step], state)
             history.append({"step": step, **state.metrics})
             if on_step is not None:
-                on_step(step, state.metrics)
+                on_step(state)
     finally:  # an error or Ctrl-C still lands every step already handed to the writer
         if ctx.writer is not None:
             ctx.writer.close()
-        ctx.engine.close()
-    return RunResult(config, ctx.manifest, history, time.perf_counter() - started)
+        if ctx.engine is not None:
+            ctx.engine.close()
+    return RunResult(config, ctx.manifest, history, time.perf_counter() - started, start)

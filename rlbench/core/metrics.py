@@ -1,18 +1,18 @@
-"""Step metrics under slime's names (train/*, rollout/*, perf/*), computed from stage outputs."""
+"""Step metrics under slime's names (train/*, rollout/*, perf/*), computed from a step's flat
+recording tensors, so a run and its replay compute them from the same bytes."""
 
 from __future__ import annotations
 
 import torch
 
-from rlbench.core.types import Sample
 
-
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    n = len(samples)
+def rollout_metrics(tensors: dict[str, torch.Tensor], finish_reasons: list[str]) -> dict[str, float]:
+    offsets = tensors["offsets"]
+    response_len = (offsets[1:] - offsets[:-1] - tensors["prompt_lengths"]).double()
     return {
-        "rollout/raw_reward": sum(s.reward for s in samples) / n,
-        "rollout/response_len/mean": sum(s.response_length for s in samples) / n,
-        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / n,
+        "rollout/raw_reward": float(tensors["rewards"].double().mean()),
+        "rollout/response_len/mean": float(response_len.mean()),
+        "rollout/truncated_ratio": sum(r == "length" for r in finish_reasons) / len(finish_reasons),
     }
 
 

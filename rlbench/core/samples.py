@@ -1,4 +1,6 @@
-"""Conversions between stages: engine results to `Sample`s, samples to the trainer's batch."""
+"""Conversions between stages: engine results to `Sample`s, flat recording tensors to the
+`data` stage's tensors and to the trainer's batch. Both the engine path and the recorded path
+(train-only, replay) go through the flat tensors, so both compute the same checksums."""
 
 from __future__ import annotations
 
@@ -15,6 +17,16 @@ def prompt_tensors(prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]
     return {"prompt_index": torch.tensor([p.index for p in prompts], dtype=torch.long),
             "prompt_lengths": torch.tensor([len(x) for x in ids], dtype=torch.long),
             "prompt_tokens": torch.tensor([t for x in ids for t in x], dtype=torch.long)}
+
+
+def recorded_prompt_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same `data` tensors, read back from a recording: the first sample of each group."""
+    groups = tensors["group_index"]
+    firsts = [i for i in range(groups.numel()) if i == 0 or groups[i] != groups[i - 1]]
+    starts, lengths = tensors["offsets"][firsts], tensors["prompt_lengths"][firsts]
+    tokens = [tensors["tokens"][int(a): int(a) + int(n)] for a, n in zip(starts, lengths)]
+    return {"prompt_index": tensors["prompt_index"][firsts].clone(), "prompt_lengths": lengths.clone(),
+            "prompt_tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)}
 
 
 def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRequest, res: GenerateResult) -> Sample:

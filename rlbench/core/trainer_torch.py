@@ -66,6 +66,7 @@ class TorchTrainer:
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
         grads_hash = hashlib.sha256()
+        per_param = {name: hashlib.sha256() for name, _ in self.model.named_parameters()}
         sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0}
         losses, grad_norms = [], []
         self.model.train()
@@ -80,6 +81,7 @@ class TorchTrainer:
             for name, param in self.model.named_parameters():
                 if param.grad is not None:
                     digest.update(grads_hash, name, param.grad)
+                    digest.update(per_param[name], name, param.grad)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
             self.optimizer.step()
             losses.append(total)
@@ -88,7 +90,8 @@ class TorchTrainer:
             del metrics["train/kl_loss"]
         metrics["train/loss"] = float(torch.stack(losses).mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        return algo.TrainStats(metrics=metrics, losses=torch.stack(losses), grads_digest=grads_hash.hexdigest())
+        return algo.TrainStats(metrics=metrics, losses=torch.stack(losses), grads_digest=grads_hash.hexdigest(),
+                               param_grads={name: h.hexdigest() for name, h in per_param.items()})
 
     def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict) -> torch.Tensor:
         """One micro-batch's share of the minibatch loss; adds its share of each metric to `sums`."""

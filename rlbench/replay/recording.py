@@ -1,24 +1,40 @@
-"""A step's samples as flat tensors (the safetensors half of a recording) and per-sample JSON.
+"""A step's recording: its samples as flat tensors (safetensors) and per-sample JSON.
 
 Layout, all token-aligned arrays indexed by `offsets` (sample i is tokens[offsets[i]:offsets[i+1]]):
     tokens            int64  [T]    prompt then response ids of every sample
     offsets           int64  [n+1]
     prompt_lengths    int64  [n]
+    prompt_index      int64  [n]    the dataset row each sample answers
+    group_index       int64  [n]    samples of one prompt share a group (GRPO normalises within it)
     loss_mask         uint8  [T]    1 on tokens the policy sampled and is trained on
     rollout_logprobs  float32[T]    the engine's log-prob of each sampled token (0 elsewhere)
     rewards           float32[n]
     advantages        float32[n]    (full mode)
     old_logprobs      float32[T]    the trainer's log-probs before the update (full mode)
     ref_logprobs      float32[T]    the reference policy's (when KL is on)
+    losses            float32[m]    each optimizer step's loss (full mode)
+
+Both files verify themselves: the safetensors metadata holds the digest of its tensors and the
+JSON the digest of its samples, so a truncated file or a flipped byte is caught as corruption
+(bad input), apart from a recording that is intact but differs from the run (a divergence).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import json
+from pathlib import Path
+
 import torch
 
 from rlbench.core.types import Sample
+from rlbench.errors import BadInput
+from rlbench.replay.digest import tensors_digest
+
+SCHEMA = "rlbench.run/1"
+REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index", "loss_mask", "rollout_logprobs",
+            "rewards")
 
 
 def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
@@ -33,6 +49,8 @@ def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
         "tokens": torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
         "offsets": offsets,
         "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+        "prompt_index": torch.tensor([s.prompt.index for s in samples], dtype=torch.long),
+        "group_index": torch.tensor([s.group_index for s in samples], dtype=torch.long),
         "loss_mask": torch.tensor(mask, dtype=torch.uint8),
         "rollout_logprobs": torch.tensor(logprobs, dtype=torch.float32),
     }
@@ -53,3 +71,75 @@ def unpad(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if offsets.numel() <= 1:
         return rows.new_empty(0)
     return torch.cat([rows[i, : int(offsets[i + 1] - offsets[i])] for i in range(offsets.numel() - 1)])
+
+
+def _samples_digest(samples: list) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(samples, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def encode_step(step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
+                extra: dict | None = None) -> tuple[bytes, bytes]:
+    """The two files of a step's recording, as bytes: (safetensors, json)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.contiguous() for k, v in sorted(tensors.items())}
+    # One metadata key holding sorted JSON: safetensors writes `__metadata__` from a Rust
+    # HashMap, so two or more keys come out in a per-process order and the bytes differ.
+    header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step, "tensors_sha256": tensors_digest(tensors)},
+                                    sort_keys=True)}
+    meta = {"schema": SCHEMA, "step": step, **(extra or {}), "samples": samples,
+            "samples_sha256": _samples_digest(samples)}
+    return save(tensors, metadata=header), (json.dumps(meta, indent=1) + "\n").encode()
+
+
+def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load and verify one step's recording; any defect raises BadInput naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    name = f"{step:06d}"
+    st_path, js_path = root / "rollouts" / f"{name}.safetensors", root / "rollouts" / f"{name}.json"
+    for path in (st_path, js_path):
+        if not path.is_file():
+            raise BadInput(f"missing: the recording of committed step {step} is not there", path=path)
+    raw = st_path.read_bytes()
+    try:
+        tensors = load(raw)
+        header_len = int.from_bytes(raw[:8], "little")
+        header = json.loads(json.loads(raw[8:8 + header_len])["__metadata__"]["rlbench"])
+    except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"corrupt or truncated safetensors ({exc.__class__.__name__}: {str(exc)[:80]})",
+                       path=st_path) from None
+    if header.get("schema") != SCHEMA or header.get("step") != step:
+        raise BadInput(f"expected schema {SCHEMA!r} and step {step}, got {header.get('schema')!r} and "
+                       f"{header.get('step')!r}", path=st_path, field="__metadata__")
+    if tensors_digest(dict(sorted(tensors.items()))) != header.get("tensors_sha256"):
+        raise BadInput("corrupt: tensors do not match the digest in the file's header", path=st_path)
+    try:
+        meta = json.loads(js_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInput(f"corrupt JSON ({exc.__class__.__name__})", path=js_path) from None
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        got = meta.get("schema") if isinstance(meta, dict) else type(meta).__name__
+        raise BadInput(f"expected {SCHEMA!r}, got {got!r}", path=js_path, field="schema")
+    if _samples_digest(meta.get("samples")) != meta.get("samples_sha256"):
+        raise BadInput("corrupt: samples do not match samples_sha256", path=js_path)
+    _check_shapes(tensors, len(meta["samples"]), st_path)
+    return tensors, meta
+
+
+def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
+    for key in REQUIRED:
+        if key not in t:
+            raise BadInput(f"tensor '{key}' missing", path=path)
+    total = t["tokens"].numel()
+    expect = {"offsets": n + 1, "prompt_lengths": n, "prompt_index": n, "group_index": n, "rewards": n, "loss_mask": total,
+              "rollout_logprobs": total, "advantages": n, "old_logprobs": total, "ref_logprobs": total}
+    for key, size in expect.items():
+        if key in t and t[key].numel() != size:
+            raise BadInput(f"tensor '{key}' has {t[key].numel()} values, expected {size}", path=path)
+    offsets = t["offsets"]
+    if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool((offsets[1:] < offsets[:-1]).any()):
+        raise BadInput("tensor 'offsets' is not a monotone split of 'tokens'", path=path)

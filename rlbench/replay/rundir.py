@@ -137,8 +137,13 @@ class OrderedWriter:
 class RunWriter:
     """Creates a run directory (refusing one that holds anything else) and commits steps to it."""
 
-    def __init__(self, root: Path, manifest: dict, record: bool = True):
+    def __init__(self, root: Path, manifest: dict | None, record: bool = True):
+        """Create the run directory for `manifest`; with manifest=None, reopen an existing one to
+        append to it (resume: the caller has already cut it back to its committed steps)."""
         self.root, self.record = Path(root), record
+        if manifest is None:
+            self._writer = OrderedWriter()
+            return
         self._claim(manifest)
         (self.root / "rollouts").mkdir(exist_ok=True)
         (self.root / "checkpoints").mkdir(exist_ok=True)
@@ -167,19 +172,14 @@ class RunWriter:
         root.mkdir(parents=True, exist_ok=True)
 
     def commit_step(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
-                    checksums: dict[str, str], metrics: dict[str, float]) -> None:
+                    checksums: dict[str, str], metrics: dict[str, float], extra: dict | None = None) -> None:
         """Queue the step's recording, then its checksums, then its metrics line (the commit)."""
-        from safetensors.torch import save
+        from rlbench.replay.recording import encode_step
 
         files = {}
         if self.record:
-            name = step_name(step)
-            # One metadata key holding sorted JSON: safetensors writes `__metadata__` from a Rust
-            # HashMap, so two or more keys come out in a per-process order and the bytes differ.
-            header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step}, sort_keys=True)}
-            files[f"{name}.safetensors"] = save({k: v.contiguous() for k, v in tensors.items()}, metadata=header)
-            files[f"{name}.json"] = (json.dumps({"schema": SCHEMA, "step": step, "samples": samples},
-                                                indent=1) + "\n").encode()
+            tensor_bytes, json_bytes = encode_step(step, tensors, samples, extra)
+            files = {f"{step_name(step)}.safetensors": tensor_bytes, f"{step_name(step)}.json": json_bytes}
         checksum_line, metrics_line = {"step": step, **checksums}, {"step": step, **metrics}
 
         def job() -> None:
@@ -212,6 +212,9 @@ class RunWriter:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+
+    def has_checkpoint(self, steps_done: int) -> bool:
+        return (self.root / "checkpoints" / step_name(steps_done) / "state.json").is_file()
 
     def close(self) -> None:
         """Wait for every queued write to land (and raise if one failed)."""
