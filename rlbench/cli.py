@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 import traceback
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -17,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlbench.errors import RlbenchError
+from rlbench.errors import BadInput, RlbenchError
 
 app = typer.Typer(
     name="rlbench",
@@ -41,6 +42,7 @@ def _group(ctx: typer.Context) -> None:
 class Mode(str, Enum):
     full = "full"
     rollout_only = "rollout-only"
+    train_only = "train-only"
 
 
 class RolloutBackend(str, Enum):
@@ -96,7 +98,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Master seed; every random draw is derived from it. [default: 1234]", min=0)] = None,
     steps: Annotated[Optional[int], typer.Option(help="Number of steps (rollout ids). [default: 100]", min=1)] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run directory to create; must be new or empty. [default: runs/run-<time>]")] = None,
-    mode: Annotated[Optional[Mode], typer.Option(help="full: the whole loop. rollout-only: generate, score and record; train nothing.")] = None,
+    mode: Annotated[Optional[Mode], typer.Option(help="full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine.")] = None,
+    rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
     rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help="Rollout engine. hf: embedded transformers, in-process.")] = None,
     trainer_backend: Annotated[Optional[TrainerBackend], typer.Option(help="Trainer. torch: embedded transformers model + AdamW.")] = None,
     custom_rm_path: Annotated[Optional[str], typer.Option(help="Reward function by dotted path, package.module.function: fn(sample) -> float.")] = None,
@@ -112,12 +116,29 @@ def run(
     """
     from rlbench.config import load_config
 
+    if resume is not None:
+        given = [name for name, value in (("--config", config), ("--seed", seed), ("--steps", steps), ("--out", out),
+                                          ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
+                                          ("--threads", threads), ("--custom-rm-path", custom_rm_path))
+                 if value is not None]
+        if given:
+            raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
+                           field="--resume")
+        _resume(resume, as_json)
+        return
+    if (mode == Mode.train_only) != (rollouts is not None):
+        raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
+                       field="--rollouts")
     cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
                       device=device, threads=threads, out=str(out) if out else None,
                       record=False if no_record else None,
                       rollout__backend=rollout_backend.value if rollout_backend else None,
                       train__backend=trainer_backend.value if trainer_backend else None,
                       reward__custom_rm_path=custom_rm_path)
+    if rollouts is not None:
+        from rlbench.replay.replay import train_only_config
+
+        cfg = train_only_config(cfg, rollouts, steps)
     if cfg.out is None:
         cfg = cfg.replace(out=_default_out())
     from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
@@ -125,13 +146,21 @@ def run(
         result = run_loop(cfg)
         stdout.print_json(json.dumps(_summary(result)))
         return
+    with _progress(cfg.steps) as on_step:
+        result = run_loop(cfg, on_step=on_step)
+    _render_summary(_summary(result))
+
+
+@contextmanager
+def _progress(total: int, start: int = 0):
+    """A step progress bar on stderr, handed out as an on_step callback. Started at the first
+    step, not before: inputs are validated while a run is built, and a bad one must leave one
+    error line on stderr, not a progress line above it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    # Started at the first step, not before: inputs are validated while the run is built, and a
-    # bad one must leave one error line on stderr, not a progress line above it.
     progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), console=stderr)
-    task = progress.add_task("run", total=cfg.steps, info="")
+    task = progress.add_task("run", total=total, completed=start, info="")
 
     def on_step(state) -> None:
         info = f"reward {state.metrics['rollout/raw_reward']:.3f}"
@@ -141,10 +170,76 @@ def run(
         progress.update(task, completed=state.step + 1, info=info)
 
     try:
-        result = run_loop(cfg, on_step=on_step)
+        yield on_step
     finally:
         progress.stop()
-    _render_summary(_summary(result))
+
+
+def _resume(run_dir: Path, as_json: bool) -> None:
+    from rlbench.replay.resume import resume as resume_run
+    from rlbench.replay.rundir import read_run
+
+    total = read_run(run_dir).manifest["config"]["steps"]
+    if as_json:
+        res = resume_run(run_dir)
+    else:
+        with _progress(total) as on_step:
+            res = resume_run(run_dir, on_step=on_step)
+    doc = {"run_dir": res.run_dir, "committed_before": res.committed, "restarted_from_checkpoint": res.checkpoint,
+           "recomputed_and_verified": max(res.committed - res.checkpoint, 0), "discarded": res.discarded,
+           "complete": True, "summary": _summary(res.result) if res.result else None}
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+        return
+    if res.result is None:
+        stdout.print(f"{run_dir}: already complete ({res.committed} steps); nothing to do")
+        return
+    for item in res.discarded:
+        stderr.print(f"discarded (uncommitted): {item}", markup=False, highlight=False)
+    stdout.print(f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
+                 f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new")
+    _render_summary(_summary(res.result))
+
+
+@app.command()
+def replay(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
+    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. [default: RUN_DIR.replay-<time>]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. [default: all committed]")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Retrain on RUN_DIR's recorded rollouts (no rollout engine) and verify every stage's checksum.
+
+    Exit 0: every step reproduced. Exit 1: the first (step, stage) that differs is named; the replay's directory keeps that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to its own directory.
+    """
+    from rlbench.replay.replay import parse_range, replay as replay_run
+    from rlbench.replay.rundir import read_run
+
+    if as_json:
+        res = replay_run(run_dir, out, steps)
+    else:
+        first, last = parse_range(steps, len(read_run(run_dir).steps))
+        with _progress(last, first) as on_step:
+            res = replay_run(run_dir, out, steps, on_step=on_step)
+    first, last = res.steps
+    doc = {"source": res.source, "out": res.out, "steps": [first, last], "reproduced": res.reproduced,
+           "ok": res.ok, "compared_stages": res.compared_stages, "first_difference": None}
+    if res.diverged is not None:
+        d = res.diverged
+        doc["first_difference"] = {"step": d.step, "stage": d.stage, "expected": d.expected, "got": d.got}
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+    elif res.ok:
+        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit; "
+                     f"stages compared: {', '.join(res.compared_stages)}")
+    else:
+        d = res.diverged
+        stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
+                     f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)")
+        stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
+    if not res.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from rlbench.core.seeding import derive_seed
 from rlbench.core.types import GenerateRequest, Prompt, Sample
 from rlbench.errors import RlbenchError
 from rlbench.replay import recording
+from rlbench.replay.failpoints import hit
 from rlbench.replay.digest import tensors_digest, weights_digest
 
 
@@ -188,9 +189,10 @@ def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *
     ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume)
     history = []
     try:
-        if ctx.writer is not None and ctx.trainer is not None and start == 0 and not resume:
+        if ctx.writer is not None and ctx.trainer is not None and start == 0 and not ctx.writer.has_checkpoint(0):
             checkpoint(ctx, 0)
         for step in range(start, config.steps):
+            hit("step.start")
             state = StepState(step)
             with timed(state, "perf/step_time"):
                 with timed(state, "perf/rollout_time"):

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from rlbench.errors import BadInput
+from rlbench.replay.failpoints import hit
 
 SCHEMA = "rlbench.run/1"
 
@@ -52,14 +53,22 @@ def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+    if path.parent.name == "rollouts":
+        hit("rollout.tmp_written")
     os.replace(tmp, path)
     if sync_dir:
         _fsync_dir(path.parent)
 
 
 def append_line(path: Path, obj: dict) -> None:
+    line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
     with open(path, "ab") as fh:
-        fh.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
+        if path.name == "metrics.jsonl":
+            fh.write(line[: len(line) // 2])
+            fh.flush()
+            hit("metrics.half_written")
+            line = line[len(line) // 2:]
+        fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -187,8 +196,11 @@ class RunWriter:
                 atomic_write(self.root / "rollouts" / name, data, sync_dir=False)
             if files:
                 _fsync_dir(self.root / "rollouts")
+                hit("rollout.renamed")
             append_line(self.root / "checksums.jsonl", checksum_line)
+            hit("checksums.appended")
             append_line(self.root / "metrics.jsonl", metrics_line)
+            hit("metrics.appended")
 
         self._writer.submit(job)
 
@@ -207,11 +219,14 @@ class RunWriter:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
+            hit("checkpoint.partial")
         _fsync_dir(tmp)
+        hit("checkpoint.tmp_complete")
         if final.exists():  # only after a crash between rename and commit: the same step is rewritten
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+        hit("checkpoint.renamed")
 
     def has_checkpoint(self, steps_done: int) -> bool:
         return (self.root / "checkpoints" / step_name(steps_done) / "state.json").is_file()

@@ -1,0 +1,104 @@
+"""Replay: retrain on a run's recording, with no rollout engine, and verify every stage.
+
+`replay(RUN)` reads RUN's rollouts step by step, recomputes data..rewards checksums from the
+recording (so an edited recording shows at the stage it edits), then advantage, logprob and
+train from the recorded initial weights (or from a checkpoint, for a step range), and compares
+each step's checksums with RUN's as it goes. The first stage that differs ends the replay: it is
+reported as (step, stage), and the replay's own run directory keeps that step for `rlbench diff`.
+`engine_weights` is not compared: a replay starts no engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlbench.config import RunConfig, config_from_dict
+from rlbench.core.loop import Diverged, RunResult, StepState, run
+from rlbench.errors import BadInput
+from rlbench.replay.rundir import RunDir, read_run, step_name
+
+
+@dataclass
+class ReplayResult:
+    source: str
+    out: str
+    steps: tuple[int, int]  # [first, last) replayed
+    reproduced: int  # steps whose every compared stage matched
+    diverged: Diverged | None
+    compared_stages: list[str]
+    result: RunResult | None
+
+    @property
+    def ok(self) -> bool:
+        return self.diverged is None
+
+
+def source_config(source: RunDir) -> RunConfig:
+    return config_from_dict(source.manifest["config"], source.root / "manifest.json")
+
+
+def parse_range(text: str | None, committed: int) -> tuple[int, int]:
+    """'A:B' (either side may be empty) -> [A, B) within the committed steps."""
+    if text is None:
+        return 0, committed
+    head, sep, tail = text.partition(":")
+    try:
+        first = int(head) if head else 0
+        last = int(tail) if tail else committed
+    except ValueError:
+        raise BadInput(f"expected A:B (step numbers), got {text!r}", field="--steps") from None
+    if not sep or not 0 <= first < last <= committed:
+        raise BadInput(f"expected A:B with 0 <= A < B <= {committed} (the committed steps), got {text!r}",
+                       field="--steps")
+    return first, last
+
+
+def default_out(source: Path) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return source.parent / f"{source.name}.replay-{stamp}"
+
+
+def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None,
+           on_step: Callable[[StepState], None] | None = None) -> ReplayResult:
+    source = read_run(run_dir)
+    first, last = parse_range(steps, len(source.steps))
+    if source.steps[:last] != list(range(last)):
+        raise BadInput(f"committed steps are not 0..{last - 1} in order", path=source.root / "metrics.jsonl")
+    init = None
+    if first > 0:
+        init = source.root / "checkpoints" / step_name(first)
+        if not (init / "state.json").is_file():
+            have = sorted(p.name for p in (source.root / "checkpoints").iterdir() if p.name.isdigit())
+            raise BadInput(f"no checkpoint after {first} steps to start from (have: {', '.join(have) or 'none'})",
+                           field="--steps")
+    out = Path(out) if out is not None else default_out(source.root)
+    config = source_config(source).replace(mode="train-only", rollouts=str(source.root), out=str(out), steps=last,
+                                           record=True)
+    expect = {row["step"]: row for row in source.checksums}
+    compared = [s for s in ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs",
+                            "loss", "grads", "weights") if any(s in row for row in source.checksums)]
+    done = []
+    try:
+        result = run(config, lambda state: (done.append(state.step), on_step and on_step(state)),
+                     start=first, init_checkpoint=init, expect=expect)
+    except Diverged as diverged:
+        return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, compared, None)
+    return ReplayResult(str(source.root), str(out), (first, last), len(done), None, compared, result)
+
+
+def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None) -> RunConfig:
+    """`run --mode train-only --rollouts RUN`: the trainer and algorithm are this config's; what was
+    recorded (model, tokenizer, data, sampling) is the recording's, and so is the step count unless
+    `steps` asks for fewer."""
+    source = read_run(rollouts)
+    recorded = source_config(source)
+    committed = len(source.steps)
+    if steps is not None and steps > committed:
+        raise BadInput(f"the recording has {committed} committed steps, --steps asks for {steps}", field="--steps")
+    if committed == 0:
+        raise BadInput("the recording has no committed step", path=source.root / "metrics.jsonl")
+    return config.replace(mode="train-only", rollouts=str(source.root), steps=steps or committed,
+                          model=recorded.model, data=recorded.data, rollout=recorded.rollout, reward=recorded.reward)

@@ -1,0 +1,90 @@
+"""Resume: continue a killed run from its last checkpoint and its last committed step.
+
+The run directory is first cut back to what was committed: torn or uncommitted log lines,
+rollouts of uncommitted steps, and half-written temporaries are removed (and listed). The loop
+then restarts from the newest checkpoint at or before the last committed step; the committed
+steps after that checkpoint are recomputed and verified against their recorded checksums (a
+free determinism check) but not rewritten, and the run goes on from there. The result is the
+same bytes as a run that was never interrupted (`perf/*` aside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbench.core.loop import RunResult, StepState, run
+from rlbench.errors import BadInput
+from rlbench.replay.failpoints import hit
+from rlbench.replay.replay import source_config
+from rlbench.replay.rundir import atomic_write, read_run, step_name
+
+
+@dataclass
+class ResumeResult:
+    run_dir: str
+    committed: int  # steps committed when resume began
+    checkpoint: int  # steps done by the checkpoint it restarted from
+    discarded: list[str] = field(default_factory=list)
+    result: RunResult | None = None  # None: the run was already complete
+
+
+def _committed_prefix(path: Path, steps: set[int]) -> bytes:
+    """The bytes of the log's complete lines whose step is committed, unchanged."""
+    import json
+
+    keep = []
+    for line in path.read_bytes().split(b"\n")[:-1]:
+        if json.loads(line)["step"] in steps:
+            keep.append(line + b"\n")
+    return b"".join(keep)
+
+
+def cut_back(root: Path, committed: int) -> list[str]:
+    """Remove everything past the committed steps; return what was removed."""
+    import shutil
+
+    removed = []
+    steps = set(range(committed))
+    for log in ("metrics.jsonl", "checksums.jsonl"):
+        path = root / log
+        kept = _committed_prefix(path, steps) if path.exists() else b""
+        if not path.exists() or kept != path.read_bytes():
+            removed.append(f"{log}: lines past step {committed - 1}")
+            atomic_write(path, kept)
+    for path in sorted((root / "rollouts").iterdir()) if (root / "rollouts").is_dir() else []:
+        stem = path.name.split(".")[0]
+        if path.name.startswith(".") or not stem.isdigit() or int(stem) >= committed:
+            removed.append(f"rollouts/{path.name}")
+            path.unlink()
+    for path in sorted((root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []:
+        if path.name.startswith(".") or not (path / "state.json").is_file() or int(path.name) > committed:
+            removed.append(f"checkpoints/{path.name}")
+            shutil.rmtree(path)
+    for path in root.glob(".*.tmp"):
+        removed.append(path.name)
+        path.unlink()
+    return removed
+
+
+def resume(run_dir: str | Path, on_step: Callable[[StepState], None] | None = None) -> ResumeResult:
+    source = read_run(run_dir)
+    root = source.root
+    committed = len(source.steps)
+    if source.steps != list(range(committed)):
+        raise BadInput("committed steps are not 0..N-1 in order; cannot resume", path=root / "metrics.jsonl")
+    config = source_config(source)
+    if config.out is None or Path(config.out).resolve() != root.resolve():
+        config = config.replace(out=str(root))
+    if committed >= config.steps:
+        return ResumeResult(str(root), committed, committed)
+    discarded = cut_back(root, committed)
+    hit("resume.cut_back")
+    checkpoints = [int(p.name) for p in (root / "checkpoints").iterdir() if p.name.isdigit()]
+    start = committed if config.mode == "rollout-only" else max([c for c in checkpoints if c <= committed],
+                                                                default=0)
+    init = root / "checkpoints" / step_name(start) if start > 0 and config.mode != "rollout-only" else None
+    expect = {row["step"]: row for row in source.checksums}
+    result = run(config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True)
+    return ResumeResult(str(root), committed, start, discarded, result)

@@ -1,0 +1,133 @@
+"""Crash safety: SIGKILL the run at named points of its write path (rlbench/replay/failpoints.py),
+then `rlbench run --resume`. Every killed directory stays readable, and every resumed run ends
+with the same files as a run that was never interrupted: checksums, rollouts and checkpoints
+byte for byte, metrics equal apart from perf/*, and no temporary file left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from rlbench.replay.rundir import read_run
+from tests.conftest import run_cli
+
+TOML = """
+steps = 6
+checkpoint_every = 2
+[data]
+prompts_per_step = 2
+[rollout]
+n_samples_per_prompt = 4
+[train]
+minibatches = 2
+micro_batch_size = 3
+"""
+
+# (failpoint, which hit). Writes per step: 2 rollout files, 1 checksums line, 1 metrics line;
+# checkpoints after 0, 2, 4 and 6 steps, 4 files each.
+CRASHES = [
+    ("step.start", 3),  # between steps
+    ("rollout.tmp_written", 1),  # step 0's safetensors under its temp name
+    ("rollout.tmp_written", 6),  # step 2's JSON under its temp name
+    ("rollout.renamed", 4),  # step 3's rollouts in place, no log line yet
+    ("checksums.appended", 4),  # step 3's checksums, no metrics line
+    ("metrics.half_written", 2),  # a torn metrics line for step 1
+    ("metrics.half_written", 6),  # a torn metrics line for the last step
+    ("metrics.appended", 5),  # exactly after step 4 committed, before checkpoint 6... of 4
+    ("checkpoint.partial", 1),  # checkpoint 0, one file of four
+    ("checkpoint.partial", 6),  # checkpoint 2, two files of four
+    ("checkpoint.tmp_complete", 3),  # checkpoint 4 complete but not renamed
+    ("checkpoint.renamed", 2),  # checkpoint 2 in place
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref")
+    (root / "s.toml").write_text(TOML)
+    proc = run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / "run"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return root / "run"
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _metrics(data: bytes) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in data.splitlines()]
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    a, b = _files(got), _files(want)
+    assert sorted(a) == sorted(b), f"files differ: extra {sorted(set(a) - set(b))}, missing {sorted(set(b) - set(a))}"
+    for name in a:
+        if name == "metrics.jsonl":
+            assert _metrics(a[name]) == _metrics(b[name])
+        elif name != "manifest.json":  # holds its creation time
+            assert a[name] == b[name], name
+
+
+def _crash(tmp_path: Path, point: str, count: int) -> Path:
+    (tmp_path / "s.toml").write_text(TOML)
+    out = tmp_path / "run"
+    env = {"RLBENCH_FAILPOINT": f"{point}@{count}"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc = run_cli("run", "-c", str(tmp_path / "s.toml"), "--out", str(out), "--json")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    return out
+
+
+@pytest.mark.parametrize("point, count", CRASHES, ids=[f"{p}@{c}" for p, c in CRASHES])
+def test_killed_run_resumes_to_the_same_files(tmp_path, reference, point, count):
+    out = _crash(tmp_path, point, count)
+    read_run(out)  # readable as it was left: torn tails are ignored, not fatal
+    proc = run_cli("run", "--resume", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["complete"] and doc["restarted_from_checkpoint"] <= doc["committed_before"]
+    assert_same_run(out, reference)
+
+
+def test_killed_during_resume_then_resumed_again(tmp_path, reference):
+    out = _crash(tmp_path, "metrics.half_written", 4)
+    os.environ["RLBENCH_FAILPOINT"] = "resume.cut_back@1"
+    try:
+        proc = run_cli("run", "--resume", str(out), "--json")
+    finally:
+        del os.environ["RLBENCH_FAILPOINT"]
+    assert proc.returncode == -signal.SIGKILL
+    read_run(out)
+    proc = run_cli("run", "--resume", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(out, reference)
+
+
+def test_resume_of_a_complete_run_changes_nothing(tmp_path, reference):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(reference, copy)
+    before = _files(copy)
+    proc = run_cli("run", "--resume", str(copy), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["summary"] is None
+    assert _files(copy) == before
+
+
+def test_the_comparison_can_fail(tmp_path, reference):
+    """assert_same_run is not vacuous: a run with another seed is caught."""
+    (tmp_path / "s.toml").write_text(TOML)
+    proc = run_cli("run", "-c", str(tmp_path / "s.toml"), "--seed", "99", "--out", str(tmp_path / "other"), "--json")
+    assert proc.returncode == 0
+    with pytest.raises(AssertionError):
+        assert_same_run(tmp_path / "other", reference)
