@@ -131,6 +131,7 @@ def run(
                        field="--rollouts")
     cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
                       device=device, threads=threads, out=str(out) if out else None,
+                      rollouts=str(rollouts) if rollouts else None,
                       record=False if no_record else None,
                       rollout__backend=rollout_backend.value if rollout_backend else None,
                       train__backend=trainer_backend.value if trainer_backend else None,
@@ -242,11 +243,73 @@ def replay(
         raise typer.Exit(1)
 
 
+@app.command()
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")],
+    atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0)] = None,
+    rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Name the first step and stage where two runs differ, where inside it, and by how much.
+
+    Compares checksums first (bit for bit), then opens both sides' recordings at that step: sample and token for tokens and log-probs, sample for rewards and advantages, minibatch for the loss, parameter for gradients and weights. Exit 0: no difference; exit 1: a difference.
+    """
+    from dataclasses import asdict
+
+    from rlbench.replay.diff import diff as diff_runs
+
+    res = diff_runs(run_a, run_b, atol, rtol)
+    if as_json:
+        stdout.print_json(json.dumps(asdict(res), default=str))
+    else:
+        _render_diff(res)
+    if res.first is not None:
+        raise typer.Exit(1)
+
+
+def _render_diff(res) -> None:
+    for note in res.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False)
+    how = "bit for bit" if res.tolerance is None else f"within atol={res.tolerance[0]:g}, rtol={res.tolerance[1]:g}"
+    if res.first is None:
+        stdout.print(f"no difference over {len(res.steps_compared)} steps ({how}); stages: "
+                     f"{', '.join(res.stages_compared)}", markup=False, highlight=False)
+        return
+    d = res.first
+    stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")
+    table = Table(show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("where", d.where)
+    if d.a is not None or d.b is not None:
+        table.add_row("A", repr(d.a))
+        table.add_row("B", repr(d.b))
+    if d.max_abs is not None:
+        table.add_row("max |A - B|", f"{d.max_abs:.6g}")
+    if d.count is not None:
+        table.add_row("values differing", str(d.count))
+    for note in d.notes:
+        table.add_row("", note)
+    stdout.print(table)
+    if res.metrics_around:
+        around = Table(title=f"metrics around step {d.step}")
+        for col in ("step", "metric", "A", "B"):
+            around.add_column(col)
+        for row in res.metrics_around:
+            style = "bold" if row["a"] != row["b"] else None
+            around.add_row(str(row["step"]), row["metric"], f"{row['a']:.6g}", f"{row['b']:.6g}", style=style)
+        stdout.print(around)
+
+
 def main() -> None:
     """Console entry point: typer's app, with errors mapped to one line and an exit code."""
     debug = "--debug" in sys.argv
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # without standalone mode, an Exit(n) comes back as n
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except RlbenchError as exc:
         if debug:
             traceback.print_exc()

@@ -12,7 +12,7 @@ import typer
 import rlbench.cli
 from tests.conftest import run_cli
 
-EXPECTED_COMMANDS = {"run"}
+EXPECTED_COMMANDS = {"run", "replay", "diff"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config", "-c",
@@ -20,6 +20,8 @@ EXPECTED_RUN_OPTIONS = {
     "--steps",
     "--out",
     "--mode",
+    "--rollouts",
+    "--resume",
     "--rollout-backend",
     "--trainer-backend",
     "--custom-rm-path",

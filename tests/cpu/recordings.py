@@ -1,0 +1,32 @@
+"""Helpers for tests that edit recordings: rewrite one step's files as a valid (self-consistent)
+recording with changed content, as a deliberate edit or another run would produce."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from rlbench.replay.recording import encode_step, read_step
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_step(root: Path, step: int, edit) -> None:
+    """Load step `step`, let `edit(tensors, meta)` change it in place, write it back consistently."""
+    tensors, meta = read_step(root, step)
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    edit(tensors, meta)
+    extra = {k: v for k, v in meta.items() if k not in ("schema", "step", "samples", "samples_sha256")}
+    st_bytes, js_bytes = encode_step(step, tensors, meta["samples"], extra)
+    (root / "rollouts" / f"{step:06d}.safetensors").write_bytes(st_bytes)
+    (root / "rollouts" / f"{step:06d}.json").write_bytes(js_bytes)
+
+
+def response_positions(tensors: dict[str, torch.Tensor], sample: int) -> range:
+    start = int(tensors["offsets"][sample]) + int(tensors["prompt_lengths"][sample])
+    return range(start, int(tensors["offsets"][sample + 1]))

@@ -1,0 +1,135 @@
+"""Replay reproduces a run bit for bit; an edited recording is caught at exactly its step and
+stage; diff names the step, stage and position of one injected change; train-only trains a
+different trainer on the same data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlbench.replay.diff import diff
+from rlbench.replay.recording import read_step
+from rlbench.replay.replay import replay
+from tests.conftest import run_cli
+from tests.cpu.recordings import copy_run, edit_step, response_positions
+
+SMALL = dict(steps=5, checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    from rlbench.config import load_config
+    from rlbench.core.loop import run
+
+    root = tmp_path_factory.mktemp("orig")
+    config = load_config(out=str(root / "a"), data__prompts_per_step=2, rollout__n_samples_per_prompt=4,
+                         train__minibatches=2, train__micro_batch_size=3, **SMALL)
+    run(config)
+    return root / "a"
+
+
+def _first_step_with_signal(root) -> int:
+    step = 0
+    while not read_step(root, step)[0]["rewards"].unique().numel() > 1:
+        step += 1
+    return step
+
+
+def test_replay_reproduces_every_checksum(original, tmp_path):
+    res = replay(original, tmp_path / "rep")
+    assert res.ok and res.reproduced == 5
+    assert {"old_logprobs", "loss", "grads", "weights"} <= set(res.compared_stages)
+    ours = [json.loads(line) for line in (tmp_path / "rep" / "checksums.jsonl").read_text().splitlines()]
+    theirs = [json.loads(line) for line in (original / "checksums.jsonl").read_text().splitlines()]
+    for a, b in zip(ours, theirs):
+        assert {k: v for k, v in a.items()} == {k: v for k, v in b.items() if k != "engine_weights"}
+    assert diff(original, tmp_path / "rep").first is None
+
+
+def test_replay_of_a_step_range_starts_from_a_checkpoint(original, tmp_path):
+    res = replay(original, tmp_path / "rep", steps="2:4")
+    assert res.ok and res.reproduced == 2 and res.steps == (2, 4)
+
+
+def test_replay_names_the_perturbed_reward(original, tmp_path):
+    edited = copy_run(original, tmp_path / "edited")
+    step = _first_step_with_signal(original)
+
+    def flip(t, meta):
+        t["rewards"][3] = 1.0 - t["rewards"][3]
+    edit_step(edited, step, flip)
+    res = replay(edited, tmp_path / "rep")
+    assert not res.ok
+    assert (res.diverged.step, res.diverged.stage) == (step, "rewards")
+    # The replay kept the diverging step, so diff can look inside it.
+    found = diff(original, tmp_path / "rep").first
+    assert (found.step, found.stage, found.where) == (step, "rewards", "sample 3")
+
+
+def test_replay_cli_exit_codes(original, tmp_path):
+    ok = run_cli("replay", str(original), "--out", str(tmp_path / "r1"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["reproduced"] == 5
+    edited = copy_run(original, tmp_path / "edited")
+    edit_step(edited, 1, lambda t, m: t["rewards"].add_(0.5))
+    bad = run_cli("replay", str(edited), "--out", str(tmp_path / "r2"), "--json")
+    assert bad.returncode == 1, bad.stderr
+    first = json.loads(bad.stdout)["first_difference"]
+    assert (first["step"], first["stage"]) == (1, "rewards")
+
+
+def test_diff_names_one_changed_token(original, tmp_path):
+    edited = copy_run(original, tmp_path / "edited")
+    step, sample = 2, 5
+
+    def change(t, meta):
+        pos = response_positions(t, sample)[1]
+        t["tokens"][pos] = (t["tokens"][pos] + 1) % 300
+    edit_step(edited, step, change)
+    retrained = tmp_path / "retrained"
+    res = replay(edited, retrained)  # the recording's own trainer config; stops at the edit, keeping it
+    assert (res.diverged.step, res.diverged.stage) == (step, "rollout_tokens")
+    found = diff(original, retrained).first
+    assert (found.step, found.stage) == (step, "rollout_tokens")
+    prompt = int(read_step(original, step)[0]["prompt_lengths"][sample])
+    assert found.where == f"sample {sample}, token {prompt + 1} (response token 1)"
+    proc = run_cli("diff", str(original), str(retrained), "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["first"]["stage"] == "rollout_tokens"
+
+
+def test_diff_names_a_learning_rate_change(original, run_small, tmp_path):
+    run_small("lr", train__lr=3e-3 * 1.01, **SMALL)
+    found = diff(original, tmp_path / "lr").first
+    # Until the first step with reward signal every advantage is 0 and the lr changes nothing.
+    assert found.step == _first_step_with_signal(original)
+    assert found.stage == "loss" and found.where == "minibatch 1"  # minibatch 0 ran on the same weights
+    assert found.max_abs > 0
+
+
+def test_diff_names_a_sampling_seed_change(original, run_small, tmp_path):
+    run_small("seed", rollout__sampling_seed=77, **SMALL)
+    found = diff(original, tmp_path / "seed").first
+    assert (found.step, found.stage) == (0, "rollout_tokens")
+    ta, tb = read_step(original, 0)[0], read_step(tmp_path / "seed", 0)[0]
+    sample = next(i for i in range(8) if not torch.equal(ta["tokens"][ta["offsets"][i]:ta["offsets"][i + 1]],
+                                                         tb["tokens"][tb["offsets"][i]:tb["offsets"][i + 1]]))
+    assert found.where.startswith(f"sample {sample}, token ")
+
+
+def test_diff_with_tolerance_accepts_small_and_names_large(original, run_small, tmp_path):
+    run_small("lr", train__lr=3e-3 * 1.01, **SMALL)
+    assert diff(original, tmp_path / "lr", atol=1.0, rtol=1.0).first is None
+    found = diff(original, tmp_path / "lr", atol=1e-9).first
+    assert found is not None and found.step == _first_step_with_signal(original)
+
+
+def test_train_only_trains_another_config_on_the_same_data(original, tmp_path):
+    proc = run_cli("run", "--mode", "train-only", "--rollouts", str(original), "--out", str(tmp_path / "t"),
+                   "--steps", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    sums = [json.loads(line) for line in (tmp_path / "t" / "checksums.jsonl").read_text().splitlines()]
+    assert len(sums) == 3 and all("engine_weights" not in row for row in sums)
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["mode"] == "train-only" and manifest["source"]["run"] == str(original)
