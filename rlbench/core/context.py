@@ -27,6 +27,7 @@ from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import Prompt
 from rlbench.errors import BadInput
 from rlbench.replay.digest import weights_digest
+from rlbench.replay.recording import read_step
 from rlbench.replay.rundir import SCHEMA, RunDir, RunWriter, read_run
 
 STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
@@ -107,6 +108,11 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         raise BadInput("tokenizer has no eos_token (the stop token)", path=config.model.tokenizer)
     if source is not None:
         _check_source(source, Path(config.model.tokenizer))
+        if source.steps[:config.steps] != list(range(config.steps)):
+            raise BadInput(f"the recording's committed steps are not 0..{config.steps - 1}",
+                           path=source.root / "metrics.jsonl")
+        for step in range(start, config.steps):  # every file verified before anything is written
+            read_step(source.root, step)
         dataset, reward_name, reward_fn = [], "recorded", None
     else:
         dataset = load_dataset(config.data.path, config.data.prompt_key, config.data.label_key)

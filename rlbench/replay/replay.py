@@ -18,7 +18,6 @@ from pathlib import Path
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core.loop import Diverged, RunResult, StepState, run
 from rlbench.errors import BadInput
-from rlbench.replay.recording import read_step
 from rlbench.replay.rundir import RunDir, read_run, step_name
 
 
@@ -75,8 +74,6 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
             have = sorted(p.name for p in (source.root / "checkpoints").iterdir() if p.name.isdigit())
             raise BadInput(f"no checkpoint after {first} steps to start from (have: {', '.join(have) or 'none'})",
                            field="--steps")
-    for step in range(first, last):  # every file verified before anything is written
-        read_step(source.root, step)
     out = Path(out) if out is not None else default_out(source.root)
     config = source_config(source).replace(mode="train-only", rollouts=str(source.root), out=str(out), steps=last,
                                            record=True)
