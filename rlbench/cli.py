@@ -303,6 +303,37 @@ def _render_diff(res) -> None:
         stdout.print(around)
 
 
+import_app = typer.Typer(help="Turn other frameworks' dumps into rlbench recordings.", no_args_is_help=True)
+app.add_typer(import_app, name="import")
+
+
+@import_app.command("slime")
+def import_slime(
+    dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")],
+    out: Annotated[Path, typer.Option(help="The run directory to create.")],
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. [default: the fixture]")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. [default: the fixture]")] = None,
+    reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
+
+    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order.
+    """
+    from rlbench.config import ModelConfig
+    from rlbench.replay.slime import import_slime as run_import
+
+    defaults = ModelConfig()
+    summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path),
+                                                 tokenizer=str(tokenizer or defaults.tokenizer)), reward_key)
+    if as_json:
+        stdout.print_json(json.dumps(summary))
+    else:
+        stdout.print(f"imported {summary['steps']} rollout ids ({summary['samples_per_step']} samples each, groups of "
+                     f"{summary['group_size']}) into {summary['out']}", markup=False, highlight=False)
+
+
 def main() -> None:
     """Console entry point: typer's app, with errors mapped to one line and an exit code."""
     debug = "--debug" in sys.argv

@@ -93,6 +93,11 @@ def recorded(ctx: Context, state: StepState) -> None:
     tensors, meta = recording.read_step(Path(ctx.config.rollouts), state.step)
     state.tensors = {k: tensors[k] for k in recording.REQUIRED}  # inputs only: later stages recompute the rest
     state.sample_meta = meta["samples"]
+    checksum_inputs(state)
+
+
+def checksum_inputs(state: StepState) -> None:
+    """data, rollout and reward checksums (and rollout metrics) of a recording's input tensors."""
     state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
     _checksum_rollout(state)
     _checksum_rewards(state)
