@@ -19,6 +19,12 @@ from rlbench.config import RunConfig, load_config  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+def small_toml(steps: int) -> str:
+    """The TOML of `small_config`, for tests that go through the CLI."""
+    return (f"steps = {steps}\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
+            "n_samples_per_prompt = 4\n[train]\nminibatches = 2\nmicro_batch_size = 3\n")
+
+
 @pytest.fixture(scope="session")
 def small_config() -> RunConfig:
     """A few steps of the default task at a size that runs in about a second."""

@@ -13,19 +13,9 @@ from pathlib import Path
 import pytest
 
 from rlbench.replay.rundir import read_run
-from tests.conftest import run_cli
+from tests.conftest import run_cli, small_toml
 
-TOML = """
-steps = 6
-checkpoint_every = 2
-[data]
-prompts_per_step = 2
-[rollout]
-n_samples_per_prompt = 4
-[train]
-minibatches = 2
-micro_batch_size = 3
-"""
+TOML = small_toml(6)
 
 # (failpoint, which hit). Writes per step: 2 rollout files, 1 checksums line, 1 metrics line;
 # checkpoints after 0, 2, 4 and 6 steps, 4 files each.

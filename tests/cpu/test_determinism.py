@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, small_toml
 
-SMALL_TOML = """
-steps = 3
-checkpoint_every = 2
-[data]
-prompts_per_step = 2
-[rollout]
-n_samples_per_prompt = 4
-[train]
-minibatches = 2
-micro_batch_size = 3
-"""
+SMALL_TOML = small_toml(3)
 
 
 def _metrics_without_perf(path):
