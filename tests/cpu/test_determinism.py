@@ -22,11 +22,14 @@ def test_same_seed_same_bytes_across_processes(tmp_path, run_small):
     proc = run_cli("run", "--config", str(config), "--seed", "11", "--out", str(tmp_path / "b"), "--json")
     assert proc.returncode == 0, proc.stderr
     a, b = tmp_path / "a", tmp_path / "b"
-    assert (a / "checksums.jsonl").read_bytes() == (b / "checksums.jsonl").read_bytes()
+    # Booleans, not `bytes == bytes` in the assert: pytest would diff kilobytes of binary on failure.
+    same = (a / "checksums.jsonl").read_bytes() == (b / "checksums.jsonl").read_bytes()
+    assert same, "checksums.jsonl differs"
     assert _metrics_without_perf(a / "metrics.jsonl") == _metrics_without_perf(b / "metrics.jsonl")
     for rel in ["rollouts/000000.safetensors", "rollouts/000002.json", "checkpoints/000002/model.safetensors",
                 "checkpoints/000003/optimizer.safetensors"]:
-        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+        same = (a / rel).read_bytes() == (b / rel).read_bytes()
+        assert same, f"{rel} differs"
     manifest_a, manifest_b = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
     assert manifest_a["hashes"] == manifest_b["hashes"]
 
