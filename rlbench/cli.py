@@ -334,6 +334,60 @@ def import_slime(
                      f"{summary['group_size']}) into {summary['out']}", markup=False, highlight=False)
 
 
+check_app = typer.Typer(help="Checks over runs: tito (token drift), logprobs (train-inference mismatch).",
+                        no_args_is_help=True)
+app.add_typer(check_app, name="check")
+
+
+@check_app.command("logprobs")
+def check_logprobs(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    recompute: Annotated[bool, typer.Option("--recompute", help="Recompute trainer log-probs with the exact weights each step sampled with (rollout-only runs; steps with a checkpoint) instead of reading the recorded ones.")] = False,
+    top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
+    max_mean: Annotated[Optional[float], typer.Option(help="Gate: mean |delta| at most this (slime's train_rollout_logprob_abs_diff; its CI uses 0.1).")] = None,
+    max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
+    max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
+    max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
+    max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Report the train-inference log-prob mismatch: per-token |trainer - rollout| (mean, p99, max), K3 KL, mean exp(|delta|), and the worst tokens with context. Exit 1 when a gate is exceeded."""
+    from dataclasses import asdict
+
+    from rlbench.checks.logprobs import check_logprobs as run_check
+
+    report = run_check(run_dir, top, {"mean_abs": max_mean, "p99_abs": max_p99, "max_abs": max_abs,
+                                      "k3_kl": max_k3, "mean_exp_abs": max_exp}, recompute)
+    if as_json:
+        stdout.print_json(json.dumps(asdict(report)))
+    else:
+        for note in report.notes:
+            stderr.print(f"note: {note}", markup=False, highlight=False)
+        table = Table(title=f"log-prob mismatch, {report.tokens} tokens over {len(report.steps)} steps "
+                            f"({report.source} trainer log-probs)")
+        table.add_column("statistic")
+        table.add_column("value", justify="right")
+        table.add_column("gate", justify="right")
+        for name, value in report.stats.items():
+            limit = report.thresholds.get(name)
+            table.add_row(name, f"{value:.6g}", "" if limit is None else f"<= {limit:g}",
+                          style="bold red" if limit is not None and value > limit else None)
+        stdout.print(table)
+        if report.worst:
+            worst = Table(title="worst tokens")
+            for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):
+                worst.add_column(col)
+            for w in report.worst:
+                worst.add_row(str(w.step), str(w.sample), str(w.response_token), repr(w.text), repr(w.context[-30:]),
+                              f"{w.trainer:.6g}", f"{w.rollout:.6g}", f"{w.delta:+.3g}")
+            stdout.print(worst)
+        for failure in report.failures:
+            stdout.print(f"[bold red]gate failed[/]: {failure}")
+    if report.failures:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console entry point: typer's app, with errors mapped to one line and an exit code."""
     debug = "--debug" in sys.argv

@@ -72,6 +72,9 @@ class RolloutConfig:
     max_new_tokens: int = 4
     temperature: float = 1.0
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
+    # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
+    # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
+    true_on_policy: bool = False
 
     def __post_init__(self) -> None:
         _check(self.backend in ("hf",), "rollout.backend", "one of: hf", self.backend)

@@ -26,6 +26,7 @@ class TrainBatch:
     advantages: torch.Tensor  # [n] float32
     old_logprobs: torch.Tensor  # [n, L] float32, aligned with tokens (0 where mask is 0)
     ref_logprobs: torch.Tensor | None  # [n, L] or None when KL is off
+    lengths: torch.Tensor | None = None  # [n] real length of each row (the rest is padding)
 
 
 @dataclass

@@ -137,7 +137,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
             trainer.load_checkpoint(Path(init_checkpoint))
     engine = None
     if config.mode != "train-only":
-        engine = HFEngine(model, device=config.device)
+        engine = HFEngine(model, device=config.device, true_on_policy=config.rollout.true_on_policy)
         engine.weight_version = start
     stages = {"full": STAGES, "rollout-only": STAGES[:3], "train-only": ("recorded",) + STAGES[3:6]}[config.mode]
     manifest = {

@@ -121,7 +121,9 @@ def advantage(ctx: Context, state: StepState) -> None:
 
 def logprob(ctx: Context, state: StepState) -> None:
     state.batch = samples.train_batch(state.tensors)
-    state.batch.old_logprobs = ctx.trainer.logprobs(state.batch.tokens) * state.batch.loss_mask
+    per_sample = ctx.config.rollout.true_on_policy
+    state.batch.old_logprobs = ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths,
+                                                    per_sample=per_sample) * state.batch.loss_mask
     state.tensors["old_logprobs"] = recording.unpad(state.batch.old_logprobs, state.tensors["offsets"])
     if ctx.config.algo.kl_coef > 0:
         state.batch.ref_logprobs = ctx.trainer.logprobs(state.batch.tokens, reference=True) * state.batch.loss_mask

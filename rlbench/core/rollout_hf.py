@@ -25,10 +25,12 @@ from rlbench.core.types import GenerateRequest, GenerateResult
 class HFEngine:
     """Holds its own copy of the policy, as a real engine does; weights arrive through `update_weights`."""
 
-    def __init__(self, model: torch.nn.Module, device: str = "cpu", engine_id: str = "hf:0"):
+    def __init__(self, model: torch.nn.Module, device: str = "cpu", engine_id: str = "hf:0",
+                 true_on_policy: bool = False):
         self.model = copy.deepcopy(model).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device
+        self.true_on_policy = true_on_policy
         self.engine_id = engine_id
         self.weight_version = 0
 
@@ -45,8 +47,23 @@ class HFEngine:
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 prefills = {req.prompt_ids: (out.past_key_values, out.logits[0, -1])}  # prompts come grouped
             cache, logits = prefills[req.prompt_ids]
-            results.append(self._decode(req, copy.deepcopy(cache), logits))
+            result = self._decode(req, copy.deepcopy(cache), logits)
+            if self.true_on_policy:
+                result = self._rescore(req, result)
+            results.append(result)
         return results
+
+    def _rescore(self, req: GenerateRequest, result: GenerateResult) -> GenerateResult:
+        """True on-policy: log-probs from the trainer's own forward (`sequence_logprobs`) of the
+        finished sequence. The tokens were still sampled from the cached decode's logits, which
+        differ from these in the last bits; what trains (and is compared) is now one computation."""
+        from dataclasses import replace
+
+        from rlbench.core.trainer_torch import sequence_logprobs
+
+        ids = torch.tensor(req.prompt_ids + result.output_ids)
+        scores = sequence_logprobs(self.model, ids, req.temperature, self.device)[len(req.prompt_ids):]
+        return replace(result, logprobs=tuple(float(x) for x in scores))
 
     def _decode(self, req: GenerateRequest, cache, logits: torch.Tensor) -> GenerateResult:
         gen = torch.Generator(device=self.device)

@@ -47,4 +47,5 @@ def train_batch(tensors: dict[str, torch.Tensor]) -> algo.TrainBatch:
         advantages=tensors["advantages"],
         old_logprobs=torch.zeros(0),
         ref_logprobs=None,
+        lengths=offsets[1:] - offsets[:-1],
     )

@@ -31,6 +31,13 @@ def pad_right(sequences: Sequence[Sequence[int]], pad: int = 0) -> torch.Tensor:
     return out
 
 
+def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, device: str) -> torch.Tensor:
+    """Teacher-forced log-probs of one sequence at batch size 1, no cache, no padding: the single
+    definition that the engine (true on-policy) and the trainer share, so both get the same bits."""
+    ids = ids.to(device)[None]
+    return algo.token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].cpu()
+
+
 class TorchTrainer:
     is_main = True
 
@@ -50,10 +57,18 @@ class TorchTrainer:
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
     @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor, reference: bool = False) -> torch.Tensor:
-        """[n, L] log-probs of each token given its prefix (position 0 gets 0), in micro-batches."""
+    def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
+                 per_sample: bool = False) -> torch.Tensor:
+        """[n, L] log-probs of each token given its prefix (position 0 gets 0), in micro-batches; with
+        `per_sample`, one sequence at a time at its own length (true on-policy: the engine's forward)."""
         model = self.reference if reference else self.model
         model.eval()
+        if per_sample:
+            out = torch.zeros(tokens.shape, dtype=torch.float32)
+            for i in range(tokens.shape[0]):
+                n = int(lengths[i]) if lengths is not None else tokens.shape[1]
+                out[i, :n] = sequence_logprobs(model, tokens[i, :n], self.temperature, self.device)
+            return out
         parts = []
         for mb in self._micro_batches(tokens.shape[0]):
             ids = tokens[mb.start: mb.stop].to(self.device)

@@ -12,7 +12,7 @@ import typer
 import rlbench.cli
 from tests.conftest import run_cli
 
-EXPECTED_COMMANDS = {"run", "replay", "diff", "import"}
+EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config", "-c",

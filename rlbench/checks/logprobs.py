@@ -1,0 +1,168 @@
+"""`check logprobs`: the train-inference log-prob mismatch of a recorded run.
+
+For every trained token (loss mask 1), delta = logp_trainer - logp_rollout, where logp_rollout
+is what the engine reported when it sampled and logp_trainer is the trainer's log-prob of the
+same token before the update: read from the recording (`old_logprobs`), or recomputed here with
+the weights the engine sampled with. Those weights are known exactly for a rollout-only run
+(they never change) and for a step that has a checkpoint (checkpoint s holds the weights before
+step s); other steps are not recomputed, and the report says which were.
+
+Statistics over all tokens (research.md, section 3): mean, p99 and max |delta|; K3 KL
+E[exp(r) - r - 1] with r = delta; mean exp(|delta|) (NeMo-RL calls > 1.05 unhealthy); and the
+k worst tokens with their step, sample, position and the text around them. Thresholds make it
+a gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlbench.errors import BadInput
+from rlbench.replay import recording
+from rlbench.replay.rundir import read_run, step_name
+
+STATS = ("mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
+
+
+@dataclass
+class WorstToken:
+    step: int
+    sample: int
+    response_token: int
+    token_id: int
+    text: str
+    context: str
+    trainer: float
+    rollout: float
+    delta: float
+
+
+@dataclass
+class LogprobReport:
+    run: str
+    source: str  # "recorded" or "recomputed"
+    steps: list[int]
+    tokens: int
+    stats: dict[str, float]
+    per_step: list[dict]
+    worst: list[WorstToken]
+    thresholds: dict[str, float]
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def statistics(delta: torch.Tensor) -> dict[str, float]:
+    delta = delta.double()
+    if delta.numel() == 0:
+        return {k: 0.0 for k in STATS}
+    abs_delta = delta.abs()
+    return {
+        "mean_abs": float(abs_delta.mean()),
+        "p99_abs": float(torch.quantile(abs_delta, 0.99)) if delta.numel() <= 16_000_000 else float("nan"),
+        "max_abs": float(abs_delta.max()),
+        "k3_kl": float((torch.exp(delta) - delta - 1).mean()),
+        "mean_exp_abs": float(torch.exp(abs_delta).mean()),
+    }
+
+
+class _Recomputer:
+    """Trainer log-probs with the exact weights a step sampled with, where those are known."""
+
+    def __init__(self, run, config):
+        from rlbench.core.model import build_model
+        from rlbench.core.trainer_torch import TorchTrainer
+
+        self.run = run
+        self.rollout_only = run.manifest.get("mode") == "rollout-only"
+        model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+        self.trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed)
+        self.true_on_policy = config.rollout.true_on_policy
+        self.loaded = None
+
+    def logprobs(self, step: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        from rlbench.core.samples import train_batch
+
+        ckpt = self.run.root / "checkpoints" / step_name(0 if self.rollout_only else step)
+        if not (ckpt / "model.safetensors").is_file():
+            if not self.rollout_only:
+                return None
+        elif self.loaded != ckpt:
+            from safetensors.torch import load_file
+
+            from rlbench.core.model import load_named_
+
+            load_named_(self.trainer.model, load_file(str(ckpt / "model.safetensors")), source=ckpt)
+            self.loaded = ckpt
+        batch = train_batch({**tensors, "advantages": torch.zeros(tensors["rewards"].shape)})
+        rows = self.trainer.logprobs(batch.tokens, per_sample=self.true_on_policy)
+        return recording.unpad(rows, tensors["offsets"])
+
+
+def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, float] | None = None,
+                   recompute: bool = False) -> LogprobReport:
+    from rlbench.core.model import load_tokenizer
+    from rlbench.replay.replay import source_config
+
+    run = read_run(run_dir)
+    if not run.steps:
+        raise BadInput("no committed step to check", path=run.root / "metrics.jsonl")
+    config = source_config(run)
+    recomputer = _Recomputer(run, config) if recompute else None
+    try:
+        tokenizer = load_tokenizer(config.model.tokenizer)
+    except BadInput:
+        tokenizer = None
+    deltas, places, per_step, skipped = [], [], [], []
+    for step in run.steps:
+        tensors, _ = recording.read_step(run.root, step)
+        if recomputer is not None:
+            trainer = recomputer.logprobs(step, tensors)
+        else:
+            trainer = tensors.get("old_logprobs")
+            if trainer is None:
+                raise BadInput("the recording holds no trainer log-probs (a rollout-only or imported run); "
+                               "use --recompute", path=run.root)
+        if trainer is None:
+            skipped.append(step)
+            continue
+        mask = tensors["loss_mask"].bool()
+        delta = (trainer - tensors["rollout_logprobs"]).double()[mask]
+        index = mask.nonzero().squeeze(-1)
+        deltas.append(delta)
+        places.append((step, tensors, index, trainer))
+        per_step.append({"step": step, "tokens": int(delta.numel()), **statistics(delta)})
+    if not deltas:
+        raise BadInput("no step could be recomputed (no checkpoint holds the weights any step sampled with)",
+                       path=run.root / "checkpoints")
+    everything = torch.cat(deltas)
+    stats = statistics(everything)
+    worst = _worst(places, deltas, top, tokenizer)
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
+    failures = [f"{name} {stats[name]:.3g} > {limit:g}" for name, limit in thresholds.items() if stats[name] > limit]
+    notes = [f"recomputed steps {[p[0] for p in places]}; no exact weights for steps {skipped}"] if skipped else []
+    return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [p[0] for p in places],
+                         int(everything.numel()), stats, per_step, worst, thresholds, failures, notes)
+
+
+def _worst(places, deltas, top: int, tokenizer) -> list[WorstToken]:
+    flat = torch.cat([d.abs() for d in deltas])
+    order = torch.argsort(flat, descending=True, stable=True)[:top]
+    bounds = torch.cumsum(torch.tensor([0] + [d.numel() for d in deltas]), 0)
+    out = []
+    for k in order.tolist():
+        part = int(torch.searchsorted(bounds, torch.tensor(k), right=True)) - 1
+        step, tensors, index, trainer = places[part]
+        pos = int(index[k - int(bounds[part])])
+        offsets = tensors["offsets"]
+        sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
+        start = int(offsets[sample])
+        token_id = int(tensors["tokens"][pos])
+        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: str(ids))
+        context = decode(tensors["tokens"][max(start, pos - 8): pos].tolist())
+        out.append(WorstToken(step, sample, pos - start - int(tensors["prompt_lengths"][sample]), token_id,
+                              decode([token_id]), context, float(trainer[pos]), float(tensors["rollout_logprobs"][pos]),
+                              float(trainer[pos] - tensors["rollout_logprobs"][pos])))
+    return out
