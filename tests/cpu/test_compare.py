@@ -1,0 +1,56 @@
+"""Property: over random id sequences with one random edit (insert, delete, substitute) at a
+random position, the comparator reports exactly the first index where the edit changed them."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlbench.checks.compare import first_divergence, locate
+
+ids = st.lists(st.integers(0, 50), min_size=0, max_size=200)
+
+
+@st.composite
+def edited(draw):
+    """(original, edited, the first index that differs). An edit that leaves the id at its index
+    unchanged (inserting a copy of the id already there) moves the first difference right; the
+    expected index follows the edit exactly so that no such case is excluded."""
+    seq = draw(ids)
+    kind = draw(st.sampled_from(["insert", "delete", "substitute"] if seq else ["insert"]))
+    pos = draw(st.integers(0, len(seq) if kind == "insert" else len(seq) - 1))
+    if kind == "insert":
+        new = seq[:pos] + [draw(st.integers(0, 50))] + seq[pos:]
+    elif kind == "delete":
+        new = seq[:pos] + seq[pos + 1:]
+    else:
+        new = seq[:pos] + [draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1:]
+    # The index the edit actually changed: scan from `pos` (everything before it is untouched).
+    first = pos
+    while first < min(len(seq), len(new)) and seq[first] == new[first]:
+        first += 1
+    return seq, new, first
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(edited())
+def test_reports_exactly_the_first_edited_index(case):
+    original, new, first = case
+    assert first_divergence(original, new) == first
+    assert first_divergence(new, original) == first
+    found = locate(original, new)
+    assert found.index == first
+    assert found.expected == tuple(original[found.window_start: first + 5])
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(ids)
+def test_equal_sequences_have_no_divergence(seq):
+    assert first_divergence(seq, list(seq)) is None and locate(seq, seq) is None
+
+
+def test_substitution_at_every_position_of_a_fixed_sequence():
+    seq = list(range(10))
+    for pos in range(10):
+        edited_seq = seq[:pos] + [99] + seq[pos + 1:]
+        assert first_divergence(seq, edited_seq) == pos
