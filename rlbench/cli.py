@@ -388,6 +388,41 @@ def check_logprobs(
         raise typer.Exit(1)
 
 
+@check_app.command("tito")
+def check_tito(
+    tokenizer: Annotated[Path, typer.Option(help="Tokenizer directory whose chat template is audited.")],
+    audit: Annotated[bool, typer.Option("--audit", help="Check the chat template's prefix property over generated conversation shapes.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Find token-in-token-out drift: the ids a trainer would see are not the ids the engine sampled. With --audit, play a TITO builder over multi-turn, tool-result, reasoning and truncated conversations (with and without tools) and report, per failing shape, the first divergent token, the ids and text around it, and the drift mode. Exit 1 on a strict finding."""
+    from dataclasses import asdict
+
+    from rlbench.checks.tito import MODES, audit as run_audit
+
+    if not audit:
+        raise BadInput("give --audit (checking a run directory comes next)", field="check tito")
+    report = run_audit(tokenizer)
+    if as_json:
+        stdout.print_json(json.dumps({**asdict(report), "modes": report.modes, "strict": report.strict}))
+    else:
+        if not report.findings:
+            stdout.print(f"{tokenizer}: the template keeps the prefix property over {len(report.shapes)} shapes",
+                         markup=False, highlight=False)
+        else:
+            table = Table(title=f"token drift in {tokenizer}")
+            for col in ("shape", "where", "mode", "index", "expected (re-render)", "got (sampled)"):
+                table.add_column(col)
+            for f in report.findings:
+                table.add_row(f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (not strict)"),
+                              str(f.index), repr(f.expected_text), repr(f.got_text))
+            stdout.print(table)
+            for mode, count in report.modes.items():
+                stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({count})", markup=False)
+    if report.strict:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console entry point: typer's app, with errors mapped to one line and an exit code."""
     debug = "--debug" in sys.argv

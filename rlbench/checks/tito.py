@@ -1,0 +1,208 @@
+"""`check tito`: token-in-token-out drift, found by comparing ids and classified by cause.
+
+The rule (research.md, section 2): the token sequence a trajectory was sampled as must be what
+the trainer sees; the full sequence of turn n-1 must be a bit-exact prefix of turn n's input.
+
+The audit (`audit(tokenizer)`) plays a token-in-token-out builder over generated conversation
+shapes: the generation prompt is tokenised, each assistant turn is sampled as the template
+renders it, up to and including the stop token (none for a truncated turn), and the environment's
+messages are appended as the rendered suffix (what the template adds when the conversation
+grows). The buffer is then compared, as ids, with the trainer's re-render of the whole
+conversation, and with each extended rendering on the way (the prefix property). Each first
+divergence is classified:
+
+  1  reencode   the text is the same, the ids are not (BPE is not one-to-one)
+  2  separator  whitespace after an end-of-turn lost or doubled
+  4  reasoning  <think>...</think> of an earlier turn dropped from history
+  5  position   an earlier turn renders differently once it is no longer last
+  8  special    special tokens dropped by decode(skip_special_tokens=True)
+  10 truncated  a truncated turn closed with an end-of-turn token never sampled
+A divergence after the last sampled token that adds only whitespace is reported but not strict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbench.checks.compare import first_divergence
+
+MODES = {
+    "reencode": (1, "re-encoding changes the ids of the same text"),
+    "separator": (2, "separator after an end-of-turn lost or doubled"),
+    "reasoning": (4, "reasoning stripped from earlier turns"),
+    "position": (5, "a turn renders differently once it is no longer last"),
+    "special": (8, "special tokens dropped by decode(skip_special_tokens=True)"),
+    "truncated": (10, "a truncated turn closed with an end-of-turn never sampled"),
+    "other": (0, "unclassified"),
+}
+CALCULATOR = {"name": "calculator", "description": "evaluates an arithmetic expression"}
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
+
+
+def _call(expr):
+    return {"name": "calculator", "arguments": expr}
+
+
+SHAPES: dict[str, tuple[list[dict], list | None]] = {
+    "single-turn": ([_user("Is 7 even or odd?"), _assistant("odd")], None),
+    "multi-turn": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")], None),
+    "tool-result": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
+                     {"role": "tool", "content": "7"}, _assistant("odd")], None),
+    "consecutive-tool-results": ([_user("Is 3 plus 4 even, and 6?"),
+                                  _assistant("", tool_calls=[_call("3+4"), _call("6")]),
+                                  {"role": "tool", "content": "7"}, {"role": "tool", "content": "6"},
+                                  _assistant("odd even")], None),
+    "reasoning": ([_user("Is 7 even or odd?"), _assistant("odd", reasoning_content="7 ends in 7"),
+                   _user("And 12?"), _assistant("even", reasoning_content="12 ends in 2")], None),
+    "truncated": ([_user("Is 7 even or odd?"), _assistant("The answer", truncated=True), _user("Go on."),
+                   _assistant("odd")], None),
+    "multi-turn-with-tools": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"),
+                               _assistant("even")], [CALCULATOR]),
+    "tool-result-with-tools": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
+                                {"role": "tool", "content": "7"}, _assistant("odd")], [CALCULATOR]),
+}
+
+
+@dataclass
+class Finding:
+    shape: str  # conversation shape (audit) or sample (run check)
+    mode: str
+    number: int
+    strict: bool
+    index: int
+    expected: list[int]  # ids around the index, as the trainer's rendering has them
+    got: list[int]  # as the sampled buffer has them
+    expected_text: str
+    got_text: str
+    where: str  # "final re-render", "prefix after turn 2", ...
+
+
+@dataclass
+class AuditReport:
+    tokenizer: str
+    shapes: list[str]
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def modes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.mode] = counts.get(f.mode, 0) + 1
+        return counts
+
+    @property
+    def strict(self) -> bool:
+        return any(f.strict for f in self.findings)
+
+
+def render(tok, messages, tools, generation: bool) -> str:
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: list[int],
+             truncated_ends: list[int]) -> tuple[str, bool]:
+    """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering."""
+    eos = tok.eos_token_id
+    window = slice(index, index + 8)
+    text_got, text_exp = tok.decode(got[window]), tok.decode(expected[window])
+    if index in truncated_ends and index < len(expected) and expected[index] == eos:
+        return "truncated", True
+    whitespace = not (text_got.strip() or text_exp.strip()) or \
+        (index >= len(got) and not tok.decode(expected[index:]).strip()) or \
+        (index >= len(expected) and not tok.decode(got[index:]).strip())
+    at_boundary = index in turn_ends or (index > 0 and got[index - 1] == eos)
+    trailing = index >= (turn_ends[-1] if turn_ends else 0)
+    if tok.decode(got) == tok.decode(expected):
+        return "reencode", True
+    if ("<think>" in text_got) != ("<think>" in text_exp):  # a think block on one side only
+        return "reasoning", True
+    if at_boundary and (whitespace or _whitespace_token(tok, got, index) or _whitespace_token(tok, expected, index)):
+        return "separator", not (trailing and whitespace)
+    if _dropped(tok, got, index) != _dropped(tok, expected, index):
+        return "special", True
+    return "position", True
+
+
+def _dropped(tok, ids: list[int], index: int) -> bool:
+    """Whether decode(skip_special_tokens=True) drops the token at `index` (any token marked special
+    in the tokenizer, not only the named ones that `all_special_ids` lists)."""
+    return index < len(ids) and tok.decode([ids[index]]) != "" and \
+        tok.decode([ids[index]], skip_special_tokens=True) == ""
+
+
+def _whitespace_token(tok, ids: list[int], index: int) -> bool:
+    return index < len(ids) and not tok.decode([ids[index]]).strip()
+
+
+def _finding(tok, shape, where, got, expected, index, turn_ends, truncated_ends) -> Finding:
+    mode, strict = classify(tok, got, expected, index, turn_ends, truncated_ends)
+    lo, hi = max(0, index - 3), index + 4
+    return Finding(shape, mode, MODES[mode][0], strict, index, list(expected[lo:hi]), list(got[lo:hi]),
+                   tok.decode(expected[lo:hi]), tok.decode(got[lo:hi]), where)
+
+
+def audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
+    """Play a token-in-token-out builder over one conversation; return its first divergence(s)."""
+    eos = tok.eos_token_id
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    buffer = encode(tok, render(tok, messages[: turns[0]], tools, True))
+    turn_ends, truncated_ends, findings = [], [], []
+    for k, j in enumerate(turns):
+        prompt = render(tok, messages[:j], tools, True)
+        turn = render(tok, messages[: j + 1], tools, False)
+        if not turn.startswith(prompt):
+            ids_a, ids_b = encode(tok, prompt), encode(tok, turn)
+            index = first_divergence(ids_a, ids_b)
+            return [_finding(tok, shape, f"generation prompt vs turn {j}", ids_a, ids_b, index, [], [])]
+        body = turn[len(prompt):]
+        stop = body.find(tok.eos_token)
+        content = body if stop < 0 else body[:stop]
+        truncated = bool(messages[j].get("truncated"))
+        sampled = encode(tok, content)
+        # What a naive builder does with the sampled ids: decode them to text (special tokens skipped).
+        if tok.decode(sampled, skip_special_tokens=True) != tok.decode(sampled):
+            dropped = next(i for i in range(len(sampled)) if _dropped(tok, sampled, i))
+            findings.append(Finding(shape, "special", MODES["special"][0], True, len(buffer) + dropped,
+                                    sampled[max(0, dropped - 3): dropped + 4], [], tok.decode(sampled),
+                                    tok.decode(sampled, skip_special_tokens=True), f"decode of turn {j}"))
+        buffer += sampled + ([] if truncated else [eos])
+        turn_ends.append(len(buffer))
+        if truncated:
+            truncated_ends.append(len(buffer))
+        if k + 1 < len(turns):
+            grown = render(tok, messages[: turns[k + 1]], tools, True)
+            if not grown.startswith(turn):  # the history renders differently now: the prefix property fails
+                ids_a, ids_b = encode(tok, turn), encode(tok, grown)
+                index = first_divergence(ids_a, ids_b)
+                findings.append(_finding(tok, shape, f"prefix after turn {j}", ids_a, ids_b, index, [], []))
+                return findings
+            buffer += encode(tok, grown[len(turn):])
+    final = encode(tok, render(tok, messages, tools, False))
+    index = first_divergence(buffer, final)
+    if index is not None:
+        findings.append(_finding(tok, shape, "final re-render", buffer, final, index, turn_ends, truncated_ends))
+    return findings
+
+
+def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None) -> AuditReport:
+    from rlbench.core.model import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    names = shapes or list(SHAPES)
+    report = AuditReport(str(tokenizer_dir), names)
+    for name in names:
+        messages, tools = SHAPES[name]
+        report.findings += audit_shape(tok, name, messages, tools)
+    return report
