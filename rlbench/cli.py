@@ -390,35 +390,50 @@ def check_logprobs(
 
 @check_app.command("tito")
 def check_tito(
-    tokenizer: Annotated[Path, typer.Option(help="Tokenizer directory whose chat template is audited.")],
-    audit: Annotated[bool, typer.Option("--audit", help="Check the chat template's prefix property over generated conversation shapes.")] = False,
+    target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, token_ids} trajectories.")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own).")] = None,
+    audit: Annotated[bool, typer.Option("--audit", help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Find token-in-token-out drift: the ids a trainer would see are not the ids the engine sampled. With --audit, play a TITO builder over multi-turn, tool-result, reasoning and truncated conversations (with and without tools) and report, per failing shape, the first divergent token, the ids and text around it, and the drift mode. Exit 1 on a strict finding."""
+    """Find token-in-token-out drift: ids the trainer would see that are not the ids the engine sampled. Compares ids, never text, then names the cause (1 re-encode, 2 separator, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn closed). RUN_DIR: each sample's turns must each be a prefix of the next, and of the trained ids; single-turn samples are compared with the template's re-render. --audit: a TITO builder played over generated conversations. Exit 1 on a strict finding."""
     from dataclasses import asdict
 
-    from rlbench.checks.tito import MODES, audit as run_audit
+    from rlbench.checks.tito import MODES, audit as run_audit, check_run
 
-    if not audit:
-        raise BadInput("give --audit (checking a run directory comes next)", field="check tito")
-    report = run_audit(tokenizer)
-    if as_json:
-        stdout.print_json(json.dumps({**asdict(report), "modes": report.modes, "strict": report.strict}))
+    if audit:
+        if tokenizer is None:
+            raise BadInput("--audit needs --tokenizer DIR", field="--audit")
+        report = run_audit(tokenizer)
+        findings = [("", f) for f in report.findings]
+        doc = {**asdict(report), "modes": report.modes, "strict": report.strict}
+        headline = f"{tokenizer}: the template keeps the prefix property over {len(report.shapes)} shapes"
     else:
-        if not report.findings:
-            stdout.print(f"{tokenizer}: the template keeps the prefix property over {len(report.shapes)} shapes",
-                         markup=False, highlight=False)
-        else:
-            table = Table(title=f"token drift in {tokenizer}")
-            for col in ("shape", "where", "mode", "index", "expected (re-render)", "got (sampled)"):
-                table.add_column(col)
-            for f in report.findings:
-                table.add_row(f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (not strict)"),
-                              str(f.index), repr(f.expected_text), repr(f.got_text))
-            stdout.print(table)
-            for mode, count in report.modes.items():
-                stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({count})", markup=False)
+        if target is None:
+            raise BadInput("give a run directory or JSONL, or --audit --tokenizer DIR", field="check tito")
+        report = check_run(target, tokenizer)
+        findings = [(f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding)
+                    for f in report.findings]
+        doc = {**asdict(report), "rates": report.rates, "strict": report.strict}
+        headline = f"{target}: no drift in {report.samples} samples"
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+    elif not findings:
+        stdout.print(headline, markup=False, highlight=False)
+    else:
+        table = Table(title="token-in-token-out drift (first divergence of each)")
+        for col in ("sample" if not audit else "shape", "where", "mode", "index", "expected", "got"):
+            table.add_column(col)
+        for label, f in findings[:50]:
+            table.add_row(label or f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (not strict)"),
+                          str(f.index), repr(f.expected_text), repr(f.got_text))
+        stdout.print(table)
+        if len(findings) > 50:
+            stdout.print(f"... and {len(findings) - 50} more (--json lists all)")
+        counts = report.modes if audit else {m: r for m, r in report.rates.items()}
+        for mode, value in counts.items():
+            amount = f"{value}" if audit else f"{value:.1%} of {report.samples} samples"
+            stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({amount})", markup=False)
     if report.strict:
         raise typer.Exit(1)
 

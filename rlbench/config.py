@@ -75,6 +75,7 @@ class RolloutConfig:
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
     true_on_policy: bool = False
+    custom_generate_function_path: str | None = None  # multi-turn / agentic rollouts (rlbench/core/generate.py)
 
     def __post_init__(self) -> None:
         _check(self.backend in ("hf",), "rollout.backend", "one of: hf", self.backend)

@@ -11,7 +11,8 @@ grows). The buffer is then compared, as ids, with the trainer's re-render of the
 conversation, and with each extended rendering on the way (the prefix property). Each first
 divergence is classified:
 
-  1  reencode   the text is the same, the ids are not (BPE is not one-to-one)
+  1  reencode   the text is the same, the ids are not (BPE is not one-to-one); or decoding was
+                lossy (byte tokens that are no valid UTF-8 alone become U+FFFD)
   2  separator  whitespace after an end-of-turn lost or doubled
   4  reasoning  <think>...</think> of an earlier turn dropped from history
   5  position   an earlier turn renders differently once it is no longer last
@@ -132,6 +133,14 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
         return "separator", not (trailing and whitespace)
     if _dropped(tok, got, index) != _dropped(tok, expected, index):
         return "special", True
+    # Byte tokens that are no valid UTF-8 on their own decode to U+FFFD, and that re-encodes to other
+    # bytes: re-encoding drift with the text itself lost (a random policy samples such bytes often).
+    # Look back a little: the lone byte may equal the first byte of U+FFFD's own encoding, which
+    # moves the first differing id just past it.
+    end = min([e for e in turn_ends if e > index] or [len(got)])
+    segment = got[max(0, index - 3):end]
+    if segment and "\ufffd" in tok.decode(segment) and encode(tok, tok.decode(segment)) != segment:
+        return "reencode", True
     return "position", True
 
 
@@ -205,4 +214,107 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None) -> AuditRe
     for name in names:
         messages, tools = SHAPES[name]
         report.findings += audit_shape(tok, name, messages, tools)
+    return report
+
+
+@dataclass
+class SampleFinding:
+    step: int | None
+    sample: int
+    where: str
+    finding: Finding
+
+
+@dataclass
+class RunReport:
+    source: str
+    samples: int
+    findings: list[SampleFinding] = field(default_factory=list)
+
+    @property
+    def rates(self) -> dict[str, float]:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.finding.mode] = counts.get(f.finding.mode, 0) + 1
+        return {mode: count / self.samples for mode, count in counts.items()}
+
+    @property
+    def strict(self) -> bool:
+        return any(f.finding.strict for f in self.findings)
+
+
+def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Finding | None:
+    """The TITO rule: each turn's prompt + sampled ids is a prefix of the next turn's prompt, and the
+    last one's of the ids the trainer trains on."""
+    eos = tok.eos_token_id
+    for k in range(len(turns)):
+        got = list(turns[k]["prompt_ids"]) + list(turns[k]["output_ids"])
+        nxt, where = (list(turns[k + 1]["prompt_ids"]), f"turn {k + 1}'s prompt") if k + 1 < len(turns) \
+            else (list(trained), "the trained ids")
+        index = first_divergence(got, nxt[: len(got)] if len(nxt) >= len(got) else nxt)
+        if index is not None:
+            truncated = [len(got)] if not turns[k]["output_ids"] or turns[k]["output_ids"][-1] != eos else []
+            return _finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)], truncated)
+    return None
+
+
+def _check_rendered(tok, ids: list[int], messages: list[dict], label: str, sampled_from: int) -> Finding | None:
+    """A single sequence against the chat template's rendering of the same messages."""
+    expected = encode(tok, render(tok, messages, None, False))
+    index = first_divergence(ids, expected)
+    if index is None:
+        return None
+    truncated = [len(ids)] if messages and messages[-1].get("truncated") else []
+    return _finding(tok, label, "the chat template's re-render", ids, expected, index, [len(ids)], truncated)
+
+
+def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunReport:
+    """Every sample of a run directory (or a JSONL of {messages, token_ids}) held to the TITO rule."""
+    import json
+
+    from rlbench.core.model import load_tokenizer
+    from rlbench.errors import BadInput
+    from rlbench.replay import recording
+    from rlbench.replay.rundir import read_run
+
+    path = Path(path)
+    if path.is_file():
+        if tokenizer_dir is None:
+            raise BadInput("a JSONL of trajectories needs --tokenizer", path=path)
+        tok = load_tokenizer(tokenizer_dir)
+        report = RunReport(str(path), 0)
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids, messages = [int(t) for t in row["token_ids"]], row["messages"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadInput(f"line {lineno}: expected {{\"messages\": [...], \"token_ids\": [...]}} "
+                               f"({exc.__class__.__name__})", path=path) from None
+            report.samples += 1
+            found = _check_rendered(tok, ids, messages, f"line {lineno}", 0)
+            if found is not None:
+                report.findings.append(SampleFinding(None, lineno, found.where, found))
+        return report
+    run = read_run(path)
+    tok = load_tokenizer(tokenizer_dir or run.manifest["config"]["model"]["tokenizer"])
+    report = RunReport(str(run.root), 0)
+    for step in run.steps:
+        tensors, meta = recording.read_step(run.root, step)
+        offsets = tensors["offsets"]
+        for i, sample in enumerate(meta["samples"]):
+            report.samples += 1
+            ids = tensors["tokens"][int(offsets[i]): int(offsets[i + 1])].tolist()
+            label = f"step {step} sample {i}"
+            if sample.get("turns"):
+                found = _check_turns(tok, sample["turns"], ids, label)
+            else:
+                reply = {"role": "assistant", "content": sample["response"]}
+                if sample.get("finish_reason") == "length":
+                    reply["truncated"] = True
+                found = _check_rendered(tok, ids, list(sample["messages"]) + [reply], label,
+                                        int(tensors["prompt_lengths"][i]))
+            if found is not None:
+                report.findings.append(SampleFinding(step, i, found.where, found))
     return report

@@ -52,6 +52,9 @@ class Context:
     writer: RunWriter | None
     manifest: dict
     group_size: int
+    generate_fn: Callable | None = None
+    generate_name: str = ""
+    generate_env: object | None = None
 
 
 def _versions() -> dict[str, str | None]:
@@ -117,6 +120,11 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     else:
         dataset = load_dataset(config.data.path, config.data.prompt_key, config.data.label_key)
         reward_name, reward_fn = load_reward_fn(config.reward.verifier, config.reward.custom_rm_path)
+    generate_name, generate_fn = "", None
+    if source is None and config.rollout.custom_generate_function_path:
+        from rlbench.core.generate import load_generate_fn
+
+        generate_name, generate_fn = load_generate_fn(config.rollout.custom_generate_function_path)
     model = build_model(config.model.path, config.seed, config.model.dtype, config.device)
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
@@ -170,5 +178,12 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         writer = RunWriter(Path(config.out), None if resume else manifest, record=config.record)
     cursor = None if source is not None else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step,
                                                            config.data.shuffle)
-    return Context(config, tokenizer, dataset, cursor, prompt_ids, (tokenizer.eos_token_id,), engine, trainer,
-                   reward_name, reward_fn, writer, manifest, config.rollout.n_samples_per_prompt)
+    context = Context(config, tokenizer, dataset, cursor, prompt_ids, (tokenizer.eos_token_id,), engine, trainer,
+                      reward_name, reward_fn, writer, manifest, config.rollout.n_samples_per_prompt,
+                      generate_fn, generate_name)
+    if generate_fn is not None:
+        from rlbench.core.generate import GenerateEnv
+
+        context.generate_env = GenerateEnv(engine, tokenizer, config.rollout.max_new_tokens,
+                                           config.rollout.temperature, context.stop_token_ids)
+    return context

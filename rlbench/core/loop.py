@@ -72,9 +72,15 @@ def rollout(ctx: Context, state: StepState) -> None:
     requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
                                 cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
                 for g, p in enumerate(state.prompts) for j in range(n)]
-    results = ctx.engine.generate(requests)
-    state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
-                     for i, (req, res) in enumerate(zip(requests, results))]
+    if ctx.generate_fn is not None:
+        state.samples = [samples.from_trajectory(ctx.generate_fn(ctx.generate_env, state.prompts[i // n], req.prompt_ids,
+                                                                 req.seed), ctx.generate_name,
+                                                 state.prompts[i // n], i // n, i, req)
+                         for i, req in enumerate(requests)]
+    else:
+        results = ctx.engine.generate(requests)
+        state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
+                         for i, (req, res) in enumerate(zip(requests, results))]
     state.tensors = recording.flatten(state.samples)
     _checksum_rollout(state)
 

@@ -37,6 +37,20 @@ def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRe
                   weight_version=res.weight_version)
 
 
+def from_trajectory(traj, name: str, prompt: Prompt, group: int, index: int, req: GenerateRequest) -> Sample:
+    """A custom generate function's trajectory as a Sample (held to its contract first)."""
+    from rlbench.core.generate import check_trajectory
+
+    traj = check_trajectory(traj, name)
+    return Sample(group_index=group, index=index, prompt=prompt,
+                  prompt_ids=tuple(traj.prompt_ids) if traj.prompt_ids is not None else req.prompt_ids,
+                  response_ids=tuple(traj.response_ids), response=traj.answer,
+                  rollout_log_probs=tuple(traj.logprobs), loss_mask=tuple(traj.loss_mask),
+                  finish_reason=traj.finish_reason, seed=req.seed, engine_id=traj.engine_id,
+                  weight_version=traj.weight_version,
+                  extra={"conversation": traj.messages, "turns": traj.turns})
+
+
 def train_batch(tensors: dict[str, torch.Tensor]) -> algo.TrainBatch:
     """The trainer's right-padded view of a step's flat recording tensors."""
     offsets = tensors["offsets"]

@@ -63,6 +63,7 @@ class Sample:
     engine_id: str
     weight_version: int
     reward: float | None = None
+    extra: dict = field(default_factory=dict)  # a generate function's: full messages, per-turn ids
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -92,4 +93,5 @@ class Sample:
             "engine_id": self.engine_id,
             "weight_version": self.weight_version,
             "reward": self.reward,
+            **self.extra,
         }

@@ -43,7 +43,7 @@ def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
     mask, logprobs = [], []
     for s in samples:
-        mask += [0] * len(s.prompt_ids) + list(s.loss_mask)
+        mask += [0] * len(s.prompt_ids) + list(s.loss_mask)  # a generate function's mask: 0 on tool tokens
         logprobs += [0.0] * len(s.prompt_ids) + list(s.rollout_log_probs)
     return {
         "tokens": torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),

@@ -1,0 +1,1 @@
+"""Tasks beyond the default single-turn one: their generate functions, tools and verifiers."""
