@@ -11,7 +11,8 @@ BUILT_FILES = {"tokenizers/qwen-tiny/tokenizer.json", "tokenizers/qwen-tiny/toke
                *(f"tokenizers/tito-{n}/{f}" for n in ("clean", "reencode", "separator", "reasoning", "position",
                                                         "special", "truncated")
                  for f in ("tokenizer.json", "tokenizer_config.json")),
-               "models/tiny-qwen3/config.json", "data/parity.jsonl"}
+               "models/tiny-qwen3/config.json", "models/tiny-qwen3-tito/config.json", "data/parity.jsonl",
+               "data/calc.jsonl"}
 
 
 def _builder():

@@ -63,21 +63,31 @@ def test_naive_builder_drift_is_found_where_it_is_and_classified(runs):
     by_sample = {(f.step, f.sample): f for f in report.findings}
     checked = 0
     for step in (0, 1):
-        for sample in read_step(runs / "multiturn-naive", step)[1]["samples"]:
+        tensors, meta = read_step(runs / "multiturn-naive", step)
+        for sample in meta["samples"]:
+            i = sample["index"]
+            trained = tensors["tokens"][int(tensors["offsets"][i]): int(tensors["offsets"][i + 1])].tolist()
             first, second = sample["turns"]
-            got = first["prompt_ids"] + first["output_ids"]
-            expected_index = _naive_first_divergence(got, second["prompt_ids"][: len(got)])
-            if expected_index is None:  # this sample's decode-re-encode happened to be exact
-                assert (step, sample["index"]) not in by_sample
+            # The oracle, in the rule's order: turn 0 against turn 1's prompt, turn 1 against the trained ids.
+            expected = None
+            for turn, (nxt, where) in enumerate([(second["prompt_ids"], "turn 0 vs turn 1's prompt"),
+                                                 (trained, "turn 1 vs the trained ids")]):
+                got = sample["turns"][turn]["prompt_ids"] + sample["turns"][turn]["output_ids"]
+                index = _naive_first_divergence(got, nxt[: len(got)])
+                if index is not None:
+                    expected = (where, index, got, sample["turns"][turn]["output_ids"])
+                    break
+            if expected is None:  # decode-then-encode happened to be exact for this sample
+                assert (step, i) not in by_sample
                 continue
-            finding = by_sample[(step, sample["index"])]
-            assert finding.where == "turn 0 vs turn 1's prompt" and finding.finding.index == expected_index
+            where, index, got, out = expected
+            finding = by_sample[(step, i)]
+            assert (finding.where, finding.finding.index) == (where, index)
             if finding.finding.mode == "special":  # the sampled id there is one decode drops
-                assert TOK.decode([got[expected_index]], skip_special_tokens=True) == ""
+                assert TOK.decode([got[index]], skip_special_tokens=True) == ""
             else:
                 assert finding.finding.mode == "reencode"  # decode then encode is not the identity
-                decoded = TOK.decode(first["output_ids"], skip_special_tokens=True)
-                assert TOK.encode(decoded, add_special_tokens=False) != first["output_ids"]
+                assert TOK.encode(TOK.decode(out, skip_special_tokens=True), add_special_tokens=False) != out
             checked += 1
     assert checked > 0 and set(report.rates) <= {"reencode", "special"}
 
