@@ -16,6 +16,8 @@ import numpy as np
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first index where `a` and `b` differ; the shorter length when one is a strict prefix of
     the other; None when they are equal."""
+    if len(a) == len(b) and list(a) == list(b):  # the common case, decided at C speed without numpy
+        return None
     x = np.asarray(a, dtype=np.int64)
     y = np.asarray(b, dtype=np.int64)
     n = min(x.size, y.size)

@@ -105,61 +105,111 @@ class AuditReport:
 
 
 def render(tok, messages, tools, generation: bool) -> str:
-    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
+    """The chat template's text for `messages`. Renders transformers' own compiled template with the
+    variables `apply_chat_template` gives it: for the plain dicts a recording holds the text is the
+    same (test_tito_render.py checks that), at half the cost per call; the public path is kept for
+    anything else."""
+    compiled = _compiled(tok)
+    if compiled is None:
+        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
+    from jinja2.runtime import new_context
+
+    template, base = compiled
+    # jinja's Template.render walks the template's globals (a ChainMap) twice on every call; with
+    # them merged into `base` once, a shared context needs neither walk, and renders the same text.
+    context = new_context(template.environment, template.name, template.blocks,
+                          {**base, "messages": messages, "tools": tools, "add_generation_prompt": generation},
+                          shared=True, globals=None)
+    return template.environment.concat(template.root_render_func(context))
+
+
+def _compiled(tok):
+    if not hasattr(tok, "_rlbench_template"):
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # private in transformers: without it, the public path
+            tok._rlbench_template = None
+        else:
+            template = _compile_jinja_template(tok.chat_template) if tok.chat_template else None
+            tok._rlbench_template = None if template is None else \
+                (template, {**dict(template.globals), **tok.special_tokens_map})
+    return tok._rlbench_template
 
 
 def encode(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)
+    # The Rust tokenizer directly: the same ids as tok.encode, without transformers' Python wrapper,
+    # which costs three times the encoding itself (bench/tito_throughput.py).
+    backend = getattr(tok, "backend_tokenizer", None)
+    return backend.encode(text, add_special_tokens=False).ids if backend is not None else \
+        tok.encode(text, add_special_tokens=False)
+
+
+def decode_many(tok, sequences: list[list[int]]) -> list[str]:
+    # One call each: the backend's decode_batch hands work to a thread pool, which for a handful of
+    # short sequences costs more than it saves (measured: x1.5 slower on 2 cores).
+    return [decode(tok, s) for s in sequences]
+
+
+def decode(tok, ids: list[int], skip_special_tokens: bool = False) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: list[int],
              truncated_ends: list[int]) -> tuple[str, bool]:
-    """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering."""
+    """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering.
+    Each test decodes only what it needs, in this order: the run check classifies every finding."""
     eos = tok.eos_token_id
-    window = slice(index, index + 8)
-    text_got, text_exp = tok.decode(got[window]), tok.decode(expected[window])
     if index in truncated_ends and index < len(expected) and expected[index] == eos:
         return "truncated", True
-    whitespace = not (text_got.strip() or text_exp.strip()) or \
-        (index >= len(got) and not tok.decode(expected[index:]).strip()) or \
-        (index >= len(expected) and not tok.decode(got[index:]).strip())
-    at_boundary = index in turn_ends or (index > 0 and got[index - 1] == eos)
-    trailing = index >= (turn_ends[-1] if turn_ends else 0)
-    if tok.decode(got) == tok.decode(expected):
+    end = min([e for e in turn_ends if e > index] or [len(got)])
+    segment = got[max(0, index - 3):end]
+    window = slice(index, index + 8)
+    whole_got, whole_exp, text_got, text_exp, text_segment = decode_many(
+        tok, [got, expected, got[window], expected[window], segment])
+    if whole_got == whole_exp:
         return "reencode", True
     if ("<think>" in text_got) != ("<think>" in text_exp):  # a think block on one side only
         return "reasoning", True
-    if at_boundary and (whitespace or _whitespace_token(tok, got, index) or _whitespace_token(tok, expected, index)):
-        return "separator", not (trailing and whitespace)
+    if index in turn_ends or (index > 0 and got[index - 1] == eos):  # at a turn boundary
+        rest_got = decode(tok, got[index:]) if index < len(got) else ""
+        rest_exp = decode(tok, expected[index:]) if index < len(expected) else ""
+        whitespace = not (text_got.strip() or text_exp.strip()) or \
+            (index >= len(got) and not rest_exp.strip()) or (index >= len(expected) and not rest_got.strip())
+        if whitespace or _whitespace_token(tok, got, index) or _whitespace_token(tok, expected, index):
+            trailing = index >= (turn_ends[-1] if turn_ends else 0)
+            return "separator", not (trailing and whitespace)
     if _dropped(tok, got, index) != _dropped(tok, expected, index):
         return "special", True
     # Byte tokens that are no valid UTF-8 on their own decode to U+FFFD, and that re-encodes to other
     # bytes: re-encoding drift with the text itself lost (a random policy samples such bytes often).
     # Look back a little: the lone byte may equal the first byte of U+FFFD's own encoding, which
     # moves the first differing id just past it.
-    end = min([e for e in turn_ends if e > index] or [len(got)])
-    segment = got[max(0, index - 3):end]
-    if segment and "\ufffd" in tok.decode(segment) and encode(tok, tok.decode(segment)) != segment:
+    if "\ufffd" in text_segment and encode(tok, text_segment) != segment:
         return "reencode", True
     return "position", True
 
 
 def _dropped(tok, ids: list[int], index: int) -> bool:
-    """Whether decode(skip_special_tokens=True) drops the token at `index` (any token marked special
-    in the tokenizer, not only the named ones that `all_special_ids` lists)."""
-    return index < len(ids) and tok.decode([ids[index]]) != "" and \
-        tok.decode([ids[index]], skip_special_tokens=True) == ""
+    """Whether decode(skip_special_tokens=True) drops the token at `index`: any token marked special
+    (not only the named ones that `all_special_ids` lists)."""
+    if not hasattr(tok, "_rlbench_special"):
+        tok._rlbench_special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return index < len(ids) and ids[index] in tok._rlbench_special
 
 
 def _whitespace_token(tok, ids: list[int], index: int) -> bool:
-    return index < len(ids) and not tok.decode([ids[index]]).strip()
+    return index < len(ids) and not decode(tok, [ids[index]]).strip()
 
 
 def _finding(tok, shape, where, got, expected, index, turn_ends, truncated_ends) -> Finding:
     mode, strict = classify(tok, got, expected, index, turn_ends, truncated_ends)
     lo, hi = max(0, index - 3), index + 4
+    text_exp, text_got = decode_many(tok, [expected[lo:hi], got[lo:hi]])
     return Finding(shape, mode, MODES[mode][0], strict, index, list(expected[lo:hi]), list(got[lo:hi]),
-                   tok.decode(expected[lo:hi]), tok.decode(got[lo:hi]), where)
+                   text_exp, text_got, where)
 
 
 def audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
@@ -181,11 +231,11 @@ def audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
         truncated = bool(messages[j].get("truncated"))
         sampled = encode(tok, content)
         # What a naive builder does with the sampled ids: decode them to text (special tokens skipped).
-        if tok.decode(sampled, skip_special_tokens=True) != tok.decode(sampled):
+        if decode(tok, sampled, skip_special_tokens=True) != decode(tok, sampled):
             dropped = next(i for i in range(len(sampled)) if _dropped(tok, sampled, i))
             findings.append(Finding(shape, "special", MODES["special"][0], True, len(buffer) + dropped,
-                                    sampled[max(0, dropped - 3): dropped + 4], [], tok.decode(sampled),
-                                    tok.decode(sampled, skip_special_tokens=True), f"decode of turn {j}"))
+                                    sampled[max(0, dropped - 3): dropped + 4], [], decode(tok, sampled),
+                                    decode(tok, sampled, skip_special_tokens=True), f"decode of turn {j}"))
         buffer += sampled + ([] if truncated else [eos])
         turn_ends.append(len(buffer))
         if truncated:
@@ -302,10 +352,11 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
     report = RunReport(str(run.root), 0)
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)
-        offsets = tensors["offsets"]
+        offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
+        prompt_lengths = tensors["prompt_lengths"].tolist()
         for i, sample in enumerate(meta["samples"]):
             report.samples += 1
-            ids = tensors["tokens"][int(offsets[i]): int(offsets[i + 1])].tolist()
+            ids = tokens[offsets[i]: offsets[i + 1]]
             label = f"step {step} sample {i}"
             if sample.get("turns"):
                 found = _check_turns(tok, sample["turns"], ids, label)
@@ -313,8 +364,7 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
                 reply = {"role": "assistant", "content": sample["response"]}
                 if sample.get("finish_reason") == "length":
                     reply["truncated"] = True
-                found = _check_rendered(tok, ids, list(sample["messages"]) + [reply], label,
-                                        int(tensors["prompt_lengths"][i]))
+                found = _check_rendered(tok, ids, list(sample["messages"]) + [reply], label, prompt_lengths[i])
             if found is not None:
                 report.findings.append(SampleFinding(step, i, found.where, found))
     return report
