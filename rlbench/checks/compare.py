@@ -18,6 +18,11 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     the other; None when they are equal."""
     if len(a) == len(b) and list(a) == list(b):  # the common case, decided at C speed without numpy
         return None
+    if min(len(a), len(b)) < 512:  # short: a zip loop beats converting both to arrays
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return i
+        return min(len(a), len(b))
     x = np.asarray(a, dtype=np.int64)
     y = np.asarray(b, dtype=np.int64)
     n = min(x.size, y.size)

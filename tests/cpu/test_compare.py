@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from rlbench.checks.compare import first_divergence, locate
 
 ids = st.lists(st.integers(0, 50), min_size=0, max_size=200)
+long_ids = st.lists(st.integers(0, 50), min_size=512, max_size=1500)  # the numpy path
 
 
 @st.composite
@@ -54,3 +55,12 @@ def test_substitution_at_every_position_of_a_fixed_sequence():
     for pos in range(10):
         edited_seq = seq[:pos] + [99] + seq[pos + 1:]
         assert first_divergence(seq, edited_seq) == pos
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(long_ids, st.data())
+def test_long_sequences_take_the_array_path_and_agree(seq, data):
+    pos = data.draw(st.integers(0, len(seq) - 1))
+    new = seq[:pos] + [data.draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1:]
+    assert first_divergence(seq, new) == pos
+    assert first_divergence(seq, seq[:pos]) == pos  # a strict prefix parts at its length

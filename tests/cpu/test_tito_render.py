@@ -21,3 +21,19 @@ def test_render_equals_apply_chat_template(name):
                 want = tok.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=generation,
                                                tokenize=False)
                 assert render(tok, messages[:cut], tools, generation) == want
+
+
+@pytest.mark.parametrize("name", ["qwen-tiny", "tito-special"])
+def test_byte_table_decode_equals_the_tokenizers(name):
+    """`tito.decode` joins per-id bytes for byte-level BPEs; on random ids (invalid UTF-8 pieces and
+    special tokens included) it must give the tokenizer's own text."""
+    import random
+
+    from rlbench.checks.tito import _byte_table, decode
+
+    tok = load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
+    assert _byte_table(tok) is not None
+    rng = random.Random(0)
+    for _ in range(20_000):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))]
+        assert decode(tok, ids) == tok.backend_tokenizer.decode(ids, skip_special_tokens=False)
