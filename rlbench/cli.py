@@ -28,6 +28,9 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 stderr = Console(stderr=True)
+# Options every command has. `--debug` is read by main() from argv; commands declare it for --help.
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 stdout = Console()
 
 
@@ -108,7 +111,7 @@ def run(
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, fixed and recorded (results depend on it). [default: 1]", min=1)] = None,
     no_record: Annotated[bool, typer.Option("--no-record", help="Do not write rollouts/ (metrics, checksums and checkpoints still are).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
 
@@ -207,8 +210,8 @@ def replay(
     run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
     out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. [default: RUN_DIR.replay-<time>]")] = None,
     steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. [default: all committed]")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
 ) -> None:
     """Retrain on RUN_DIR's recorded rollouts (no rollout engine) and verify every stage's checksum.
 
@@ -249,8 +252,8 @@ def diff(
     run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")],
     atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0)] = None,
     rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
 ) -> None:
     """Name the first step and stage where two runs differ, where inside it, and by how much.
 
@@ -314,8 +317,8 @@ def import_slime(
     model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. [default: the fixture]")] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. [default: the fixture]")] = None,
     reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
 ) -> None:
     """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
 
@@ -349,8 +352,8 @@ def check_logprobs(
     max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
     max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
     max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
 ) -> None:
     """Report the train-inference log-prob mismatch: per-token |trainer - rollout| (mean, p99, max), K3 KL, mean exp(|delta|), and the worst tokens with context. Exit 1 when a gate is exceeded."""
     from dataclasses import asdict
@@ -393,8 +396,8 @@ def check_tito(
     target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, token_ids} trajectories.")] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own).")] = None,
     audit: Annotated[bool, typer.Option("--audit", help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
 ) -> None:
     """Find token-in-token-out drift: ids the trainer would see that are not the ids the engine sampled. Compares ids, never text, then names the cause (1 re-encode, 2 separator, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn closed). RUN_DIR: each sample's turns must each be a prefix of the next, and of the trained ids; single-turn samples are compared with the template's re-render. --audit: a TITO builder played over generated conversations. Exit 1 on a strict finding."""
     from dataclasses import asdict

@@ -185,8 +185,6 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-_SECTIONS = {f.name: f.type for f in fields(RunConfig) if f.name in
-             ("model", "data", "rollout", "reward", "algo", "train")}
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
                     "reward": RewardConfig, "algo": AlgoConfig, "train": TrainConfig}
 

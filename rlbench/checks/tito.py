@@ -335,7 +335,7 @@ def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Find
     return None
 
 
-def _check_rendered(tok, ids: list[int], messages: list[dict], label: str, sampled_from: int) -> Finding | None:
+def _check_rendered(tok, ids: list[int], messages: list[dict], label: str) -> Finding | None:
     """A single sequence against the chat template's rendering of the same messages."""
     expected = encode(tok, render(tok, messages, None, False))
     index = first_divergence(ids, expected)
@@ -370,7 +370,7 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
                 raise BadInput(f"line {lineno}: expected {{\"messages\": [...], \"token_ids\": [...]}} "
                                f"({exc.__class__.__name__})", path=path) from None
             report.samples += 1
-            found = _check_rendered(tok, ids, messages, f"line {lineno}", 0)
+            found = _check_rendered(tok, ids, messages, f"line {lineno}")
             if found is not None:
                 report.findings.append(SampleFinding(None, lineno, found.where, found))
         return report
@@ -380,7 +380,6 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)
         offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
-        prompt_lengths = tensors["prompt_lengths"].tolist()
         for i, sample in enumerate(meta["samples"]):
             report.samples += 1
             ids = tokens[offsets[i]: offsets[i + 1]]
@@ -391,7 +390,7 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
                 reply = {"role": "assistant", "content": sample["response"]}
                 if sample.get("finish_reason") == "length":
                     reply["truncated"] = True
-                found = _check_rendered(tok, ids, list(sample["messages"]) + [reply], label, prompt_lengths[i])
+                found = _check_rendered(tok, ids, list(sample["messages"]) + [reply], label)
             if found is not None:
                 report.findings.append(SampleFinding(step, i, found.where, found))
     return report

@@ -60,6 +60,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.nn.functional.pad(picked, (1, 0))
 
 
+def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, device: str) -> torch.Tensor:
+    """Teacher-forced log-probs of one sequence at batch size 1, no cache, no padding: the single
+    definition that the engine (true on-policy) and the trainer share, so both get the same bits."""
+    ids = ids.to(device)[None]
+    return token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].cpu()
+
+
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of the next-token distribution predicting token t, as [n, L] (position 0 gets 0)."""
     scaled = logits[:, :-1].float()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlbench.core.seeding import derive_seed
-from rlbench.core.types import GenerateRequest, GenerateResult, Prompt
+from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput
 
 

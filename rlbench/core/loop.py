@@ -178,7 +178,7 @@ def record(ctx: Context, state: StepState, commit: bool = True) -> None:
 
 
 def checkpoint(ctx: Context, steps_done: int) -> None:
-    ctx.writer.write_checkpoint(steps_done, ctx.trainer.save_checkpoint(ctx.writer.root),
+    ctx.writer.write_checkpoint(steps_done, ctx.trainer.save_checkpoint(),
                                 {"steps_done": steps_done,
                                  "cursor": ctx.cursor.state(steps_done) if ctx.cursor is not None else None,
                                  "weight_version": steps_done, "seed": ctx.config.seed})

@@ -56,7 +56,7 @@ class Trainer(Protocol):
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Full (gathered) weights under Hugging Face names; empty on ranks that are not main."""
 
-    def save_checkpoint(self, directory: Path) -> dict[str, bytes]:
+    def save_checkpoint(self) -> dict[str, bytes]:
         """The checkpoint's files (name -> bytes); the run directory writes them atomically."""
 
     def load_checkpoint(self, directory: Path) -> None: ...

@@ -59,7 +59,7 @@ class HFEngine:
         differ from these in the last bits; what trains (and is compared) is now one computation."""
         from dataclasses import replace
 
-        from rlbench.core.trainer_torch import sequence_logprobs
+        from rlbench.core.algo import sequence_logprobs
 
         ids = torch.tensor(req.prompt_ids + result.output_ids)
         scores = sequence_logprobs(self.model, ids, req.temperature, self.device)[len(req.prompt_ids):]

@@ -31,13 +31,6 @@ def pad_right(sequences: Sequence[Sequence[int]], pad: int = 0) -> torch.Tensor:
     return out
 
 
-def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, device: str) -> torch.Tensor:
-    """Teacher-forced log-probs of one sequence at batch size 1, no cache, no padding: the single
-    definition that the engine (true on-policy) and the trainer share, so both get the same bits."""
-    ids = ids.to(device)[None]
-    return algo.token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].cpu()
-
-
 class TorchTrainer:
     is_main = True
 
@@ -67,7 +60,7 @@ class TorchTrainer:
             out = torch.zeros(tokens.shape, dtype=torch.float32)
             for i in range(tokens.shape[0]):
                 n = int(lengths[i]) if lengths is not None else tokens.shape[1]
-                out[i, :n] = sequence_logprobs(model, tokens[i, :n], self.temperature, self.device)
+                out[i, :n] = algo.sequence_logprobs(model, tokens[i, :n], self.temperature, self.device)
             return out
         parts = []
         for mb in self._micro_batches(tokens.shape[0]):
@@ -135,7 +128,7 @@ class TorchTrainer:
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.to("cpu") for name, t in named_weights(self.model).items()}
 
-    def save_checkpoint(self, directory: Path) -> dict[str, bytes]:
+    def save_checkpoint(self) -> dict[str, bytes]:
         """The checkpoint's files as bytes (the run directory writes them atomically)."""
         from safetensors.torch import save
 

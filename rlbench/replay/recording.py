@@ -37,23 +37,34 @@ REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index"
             "rewards")
 
 
-def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
-    lengths = [len(s.tokens) for s in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
-    mask, logprobs = [], []
-    for s in samples:
-        mask += [0] * len(s.prompt_ids) + list(s.loss_mask)  # a generate function's mask: 0 on tool tokens
-        logprobs += [0.0] * len(s.prompt_ids) + list(s.rollout_log_probs)
+def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+         logprobs: Sequence[Sequence[float]], prompt_index: Sequence[int], group_index: Sequence[int]
+         ) -> dict[str, torch.Tensor]:
+    """The layout above from plain per-sample lists (prompt and response spans split); the loss mask
+    and log-probs are response-aligned (a generate function's mask is 0 on tool tokens)."""
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long)
+    offsets = torch.zeros(len(prompts) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    tokens, mask, lps = [], [], []
+    for p, r, m, lp in zip(prompts, responses, loss_masks, logprobs):
+        tokens += [*p, *r]
+        mask += [0] * len(p) + list(m)
+        lps += [0.0] * len(p) + list(lp)
     return {
-        "tokens": torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
+        "tokens": torch.tensor(tokens, dtype=torch.long),
         "offsets": offsets,
-        "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
-        "prompt_index": torch.tensor([s.prompt.index for s in samples], dtype=torch.long),
-        "group_index": torch.tensor([s.group_index for s in samples], dtype=torch.long),
+        "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        "prompt_index": torch.tensor(list(prompt_index), dtype=torch.long),
+        "group_index": torch.tensor(list(group_index), dtype=torch.long),
         "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-        "rollout_logprobs": torch.tensor(logprobs, dtype=torch.float32),
+        "rollout_logprobs": torch.tensor(lps, dtype=torch.float32),
     }
+
+
+def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    return pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.loss_mask for s in samples],
+                [s.rollout_log_probs for s in samples], [s.prompt.index for s in samples],
+                [s.group_index for s in samples])
 
 
 def padded(flat: torch.Tensor, offsets: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:

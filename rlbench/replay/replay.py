@@ -81,9 +81,14 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
     compared = [s for s in ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs",
                             "loss", "grads", "weights") if any(s in row for row in source.checksums)]
     done = []
+
+    def step_done(state: StepState) -> None:
+        done.append(state.step)
+        if on_step is not None:
+            on_step(state)
+
     try:
-        result = run(config, lambda state: (done.append(state.step), on_step and on_step(state)),
-                     start=first, init_checkpoint=init, expect=expect)
+        result = run(config, step_done, start=first, init_checkpoint=init, expect=expect)
     except Diverged as diverged:
         return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, compared, None)
     return ReplayResult(str(source.root), str(out), (first, last), len(done), None, compared, result)

@@ -99,20 +99,13 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
 
 
 def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
-    lengths = torch.tensor([len(r["tokens"]) for r in rows], dtype=torch.long)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    mask, logprobs = [], []
-    for r in rows:
-        mask += [0] * r["prompt_length"] + r["loss_mask"]
-        logprobs += [0.0] * r["prompt_length"] + (r["logprobs"] or [0.0] * len(r["loss_mask"]))
-    return {"tokens": torch.tensor([t for r in rows for t in r["tokens"]], dtype=torch.long), "offsets": offsets,
-            "prompt_lengths": torch.tensor([r["prompt_length"] for r in rows], dtype=torch.long),
-            "prompt_index": torch.tensor([r["group_index"] for r in rows], dtype=torch.long),
-            "group_index": torch.tensor([r["group_index"] for r in rows], dtype=torch.long),
-            "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-            "rollout_logprobs": torch.tensor(logprobs, dtype=torch.float32),
-            "rewards": torch.tensor([r["reward"] for r in rows], dtype=torch.float32)}
+    from rlbench.replay.recording import pack
+
+    tensors = pack([r["tokens"][: r["prompt_length"]] for r in rows], [r["tokens"][r["prompt_length"]:] for r in rows],
+                   [r["loss_mask"] for r in rows], [r["logprobs"] or [0.0] * len(r["loss_mask"]) for r in rows],
+                   [r["group_index"] for r in rows], [r["group_index"] for r in rows])
+    tensors["rewards"] = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
+    return tensors
 
 
 def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None) -> dict:
@@ -130,7 +123,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
     ids = [d["rollout_id"] for d, _ in loaded]
     if len(set(ids)) != len(ids):
         raise BadInput(f"rollout ids repeat across the dumps: {ids}", field="DUMP")
-    tokenizer = load_tokenizer(model.tokenizer)
+    load_tokenizer(model.tokenizer)  # refuse a missing or broken tokenizer before anything is written
     vocab = load_model_config(model.path).vocab_size
     steps, group_size, groups = [], None, None
     for dump, path in loaded:
@@ -161,7 +154,6 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
                                       "rollout_ids": [rid for rid, _, _ in steps]},
         "hashes": {"model_config": file_digest(Path(model.path) / "config.json"),
                    "tokenizer": file_digest(Path(model.tokenizer)), "initial_weights": None, "dataset": None}}))
-    del tokenizer
     writer = RunWriter(out, manifest)
     try:
         for step, (rollout_id, _, rows) in enumerate(steps):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 
 from rlbench.core.generate import GenerateEnv, Trajectory
-from rlbench.core.reward import RewardInput, parity
 from rlbench.core.types import Prompt
 
 TOOLS = [{"name": "calculator", "description": "evaluates + - * of small integers"}]
@@ -124,7 +123,3 @@ def generate_naive(env: GenerateEnv, prompt: Prompt, prompt_ids, seed: int) -> T
 def _prefix_ids(tok, messages) -> list[int]:
     return tok.encode(_render(tok, messages, True), add_special_tokens=False)
 
-
-def reward(sample: RewardInput) -> float:
-    """The parity verifier on the final answer."""
-    return parity(sample)

@@ -41,7 +41,7 @@ def _write(files: dict[str, bytes], directory: Path) -> None:
 def test_restore_then_step_equals_straight_through(tmp_path):
     straight = _trainer(seed=1)
     straight.train_step(_with_old(straight, _batch(0)), step=0)
-    _write(straight.save_checkpoint(tmp_path), tmp_path / "ckpt")
+    _write(straight.save_checkpoint(), tmp_path / "ckpt")
     after_first = weights_digest(straight.export_hf_weights())
     straight.train_step(_with_old(straight, _batch(1)), step=1)
 
@@ -61,7 +61,7 @@ def test_without_optimizer_state_the_step_differs(tmp_path):
 
     straight = _trainer(seed=1)
     straight.train_step(_with_old(straight, _batch(0)), step=0)
-    _write(straight.save_checkpoint(tmp_path), tmp_path / "ckpt")
+    _write(straight.save_checkpoint(), tmp_path / "ckpt")
     straight.train_step(_with_old(straight, _batch(1)), step=1)
     weights_only = _trainer(seed=2)
     load_named_(weights_only.model, load_file(str(tmp_path / "ckpt" / "model.safetensors")))

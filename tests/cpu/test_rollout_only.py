@@ -33,8 +33,10 @@ def test_rollout_only_records_everything_and_trains_nothing(run_small, tmp_path)
         assert tensors["rewards"].tolist() == [s["reward"] for s in samples]
         assert abs(sum(s["reward"] for s in samples) / 8 - m["rollout/raw_reward"]) < 1e-12
         assert all(s["status"] in ("completed", "truncated") for s in samples)
-    # No training happened: the engine never moved off weight version 0.
-    assert all(s["weight_version"] == 0 for s in samples)
+    # No training happened: the engine never moved off weight version 0, in any step.
+    for step in range(3):
+        meta = json.loads((root / "rollouts" / f"{step:06d}.json").read_text())
+        assert all(s["weight_version"] == 0 for s in meta["samples"])
     assert len(result.history) == 3
 
 
