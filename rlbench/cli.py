@@ -6,6 +6,7 @@ prints. Exit codes: 0 done / the check holds, 1 a check found a difference, 2 ba
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import traceback
@@ -146,12 +147,13 @@ def run(
     if cfg.out is None:
         cfg = cfg.replace(out=_default_out())
     from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
+    command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
-        result = run_loop(cfg)
+        result = run_loop(cfg, command=command)
         stdout.print_json(json.dumps(_summary(result)))
         return
     with _progress(cfg.steps) as on_step:
-        result = run_loop(cfg, on_step=on_step)
+        result = run_loop(cfg, on_step=on_step, command=command)
     _render_summary(_summary(result))
 
 
@@ -337,7 +339,8 @@ def import_slime(
                      f"{summary['group_size']}) into {summary['out']}", markup=False, highlight=False)
 
 
-check_app = typer.Typer(help="Checks over runs: tito (token drift), logprobs (train-inference mismatch).",
+check_app = typer.Typer(help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
+                             "(metrics against a golden log).",
                         no_args_is_help=True)
 app.add_typer(check_app, name="check")
 
@@ -439,6 +442,146 @@ def check_tito(
             stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({amount})", markup=False)
     if report.strict:
         raise typer.Exit(1)
+
+
+class Tier(str, Enum):
+    exact = "exact"
+    approx = "approx"
+
+
+Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance", help="Per-metric tolerance override, METRIC-GLOB:key=value[,key=value]; keys kind (exact|approx|median), rtol, atol, failing_steps, mean_residual, max_ratio, window=A:B. Repeatable.")]
+
+
+@check_app.command("golden")
+def check_golden(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) or a Megatron-LM golden values file.")],
+    tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or versions). approx: each metric within its tolerance.")] = Tier.exact,
+    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Leave out metrics matching this glob (e.g. 'perf/*'). Repeatable.")] = None,
+    tolerance: Tolerances = None,
+    rename: Annotated[Optional[list[str]], typer.Option("--rename", help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a Megatron-LM file. Repeatable.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: each compared metric, its golden values and tolerance band, failing steps marked.")] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Compare a run's metrics with a golden log. Exit 0: within the golden; exit 1: a regression (the failing metrics and steps are listed: expected, got, tolerance); exit 2: bad input, or a comparison that means nothing (another configuration; in the exact tier another platform, versions or determinism settings), with the reason.
+
+    perf/* metrics compare window medians, never exactly: the run's median may be at most max_ratio times the golden's.
+    """
+    from rlbench.checks import golden as g
+    from rlbench.replay.rundir import read_run
+
+    renames = {}
+    for item in rename or []:
+        old, eq, new = item.partition("=")
+        if not eq or not old or not new:
+            raise BadInput(f"expected GOLDEN_NAME=RUN_NAME, got {item!r}", field="--rename")
+        renames[old] = new
+    overrides = [g.parse_override(spec) for spec in tolerance or []]
+    if plot is not None:
+        from rlbench.checks.plot import _require_matplotlib
+
+        _require_matplotlib()  # before the comparison's work, not after it
+    run = read_run(run_dir)
+    report = g.compare(run, g.load_golden(golden, renames), tier.value, ignore or [], overrides)
+    if plot is not None:
+        from rlbench.checks.plot import save
+
+        save(report, plot)
+    if as_json:
+        doc = report.to_json()
+        doc["plot"] = str(plot) if plot is not None else None
+        stdout.print_json(json.dumps(doc))
+    else:
+        _render_golden(report, plot)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else repr(value)  # shortest round-trip form: a 1-ulp change shows
+
+
+def _render_golden(report, plot: Path | None) -> None:
+    for note in report.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    steps = sorted({s for m in report.metrics for s in m.steps})
+    span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+    if report.ok:
+        stdout.print(f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics over {span} of "
+                     f"{report.run} match {report.golden}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        summary = Table(title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
+                              f"metrics regressed ({span})")
+        for col in ("metric", "compared as", "status", "detail"):
+            summary.add_column(col)
+        for m in report.metrics:
+            summary.add_row(m.name, m.kind, m.status, m.message, style="bold red" if m.status != "pass" else None)
+        stdout.print(summary)
+        rows = [(m, f) for m in report.failed for f in m.failures]
+        if rows:
+            table = Table(title="failing steps")
+            for col in ("metric", "step", "expected", "got", "got - expected", "tolerance"):
+                table.add_column(col, justify="right" if col not in ("metric",) else "left")
+            for m, f in rows[:40]:
+                table.add_row(m.name, str(f.step), _fmt(f.expected), _fmt(f.got), f"{f.delta:+.3g}",
+                              "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
+            stdout.print(table)
+            if len(rows) > 40:
+                stdout.print(f"... and {len(rows) - 40} more failing steps (--json lists all)")
+    if report.ignored:
+        stdout.print(f"ignored: {', '.join(report.ignored)}", markup=False, highlight=False, soft_wrap=True)
+    if report.not_in_golden:
+        stdout.print(f"not in the golden file (not compared): {', '.join(report.not_in_golden)}", markup=False,
+                     highlight=False, soft_wrap=True)
+    if plot is not None:
+        stdout.print(f"plot: {plot}", markup=False, highlight=False, soft_wrap=True)
+
+
+golden_app = typer.Typer(help="Write golden logs, deliberately.", no_args_is_help=True)
+app.add_typer(golden_app, name="golden")
+
+
+@golden_app.command("update")
+def golden_update(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory whose metrics become the golden values.")],
+    golden: Annotated[Path, typer.Argument(help="The golden file to write or refresh (JSON).")],
+    reason: Annotated[str, typer.Option("--reason", help="Why the golden values change (kept in the file's history).")],
+    tolerance: Tolerances = None,
+    step_interval: Annotated[int, typer.Option(help="Keep every Nth step (Megatron-LM keeps every 5th).", min=1)] = 1,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Write or refresh a golden file from a run: every metric at every committed step, tolerances from the metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earlier --tolerance overrides carried and new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that is not a valid golden file is refused and left as it is."""
+    from rlbench.checks import golden as g
+    from rlbench.replay.rundir import read_run
+
+    overrides = [g.parse_override(spec) for spec in tolerance or []]
+    run = read_run(run_dir)
+    previous = g.load_golden(golden) if golden.exists() else None
+    if previous is not None and previous.format != "rlbench":
+        raise BadInput("is a Megatron-LM golden values file; write the rlbench golden file to another path",
+                       path=golden)
+    command = shlex.join(["rlbench", *sys.argv[1:]])
+    doc, changes = g.build_golden(run, reason, command, previous, overrides, step_interval)
+    g.write_golden(golden, doc)
+    for note in run.notes:
+        stderr.print(f"note: {run_dir}: {note}", markup=False, highlight=False, soft_wrap=True)
+    metrics = doc["metrics"]
+    first = next(iter(metrics.values()))
+    result = {"golden": str(golden), "run": str(run_dir), "metrics": len(metrics),
+              "steps": [first["start_step"], first["end_step"]], "step_interval": step_interval,
+              "history": len(doc["header"]["history"]), **changes}
+    if as_json:
+        stdout.print_json(json.dumps(result))
+        return
+    verb = "refreshed" if previous is not None else "wrote"
+    stdout.print(f"{verb} {golden}: {len(metrics)} metrics over steps {first['start_step']}..{first['end_step']} "
+                 f"(every {step_interval}), platform {doc['header']['platform']}; history: "
+                 f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}", markup=False, highlight=False, soft_wrap=True)
+    for key in ("changed", "added", "removed", "tolerance_changed"):
+        if changes[key]:
+            stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False, soft_wrap=True)
 
 
 def main() -> None:

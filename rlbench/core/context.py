@@ -67,6 +67,15 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
+def _device_name(device: str) -> str | None:
+    """The accelerator's model (results differ across GPU models); None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def _encode_prompts(tokenizer, dataset: list[Prompt]) -> dict[int, tuple[int, ...]]:
     """Each prompt rendered by the chat template and tokenised once, up front."""
     encoded = {}
@@ -103,7 +112,8 @@ def _initial_weights(model, source: RunDir | None) -> None:
                        "or seed", path=source.root / "manifest.json", field="hashes.initial_weights")
 
 
-def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False) -> Context:
+def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False,
+          command: str | None = None) -> Context:
     determinism = configure_determinism(config.threads, config.device)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
@@ -151,6 +161,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     manifest = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
         "config": config.to_dict(),
         "seed": config.seed,
         "mode": config.mode,
@@ -160,6 +171,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         "platform": {"system": platform.system(), "machine": platform.machine(),
                      "platform": platform.platform(), "processor": platform.processor()},
         "device": config.device,
+        "device_name": _device_name(config.device),
         "determinism": determinism,
         "hashes": {
             "model_config": file_digest(Path(config.model.path) / "config.json"),

@@ -193,13 +193,14 @@ def timed(state: StepState, key: str):
 
 def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *, start: int = 0,
         init_checkpoint: Path | None = None, expect: dict[int, dict] | None = None, write_from: int = 0,
-        resume: bool = False) -> RunResult:
-    """Run steps [start, config.steps). `init_checkpoint` restores the trainer first; `expect` maps
+        resume: bool = False, command: str | None = None) -> RunResult:
+    """Run steps [start, config.steps). `command` is the command line that asked for the run (kept
+    in the manifest, so a golden file can say how its values were made). `init_checkpoint` restores the trainer first; `expect` maps
     step -> checksums to verify (a mismatch raises Diverged); steps before `write_from` are verified
     but not written (resume recomputes committed steps). `on_step(state)` follows each step; when
     run() returns, every written step is committed to disk."""
     started = time.perf_counter()
-    ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume)
+    ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume, command=command)
     history = []
     try:
         if ctx.writer is not None and ctx.trainer is not None and start == 0 and not ctx.writer.has_checkpoint(0):

@@ -12,7 +12,7 @@ import typer
 import rlbench.cli
 from tests.conftest import run_cli
 
-EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check"}
+EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config", "-c",
@@ -30,6 +30,11 @@ EXPECTED_RUN_OPTIONS = {
     "--no-record",
     "--json",
     "--debug",
+}
+
+EXPECTED_GOLDEN_OPTIONS = {
+    ("check", "golden"): {"--tier", "--ignore", "--tolerance", "--rename", "--plot", "--json", "--debug"},
+    ("golden", "update"): {"--reason", "--tolerance", "--step-interval", "--json", "--debug"},
 }
 
 CHANGE_MESSAGE = ("the CLI surface changed; if that is deliberate, update the expected set in "
@@ -52,6 +57,13 @@ def test_run_options_are_frozen():
     got = _option_names(_group().commands["run"])
     added, removed = sorted(got - EXPECTED_RUN_OPTIONS), sorted(EXPECTED_RUN_OPTIONS - got)
     assert got == EXPECTED_RUN_OPTIONS, f"{CHANGE_MESSAGE}: added {added}, removed {removed}"
+
+
+@pytest.mark.parametrize("path", sorted(EXPECTED_GOLDEN_OPTIONS))
+def test_golden_options_are_frozen(path):
+    group, name = path
+    got = {opt for opt in _option_names(_group().commands[group].commands[name]) if opt.startswith("-")}
+    assert got == EXPECTED_GOLDEN_OPTIONS[path], CHANGE_MESSAGE
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

@@ -1,0 +1,43 @@
+"""Regenerate the golden logs in this directory, deliberately: python golden/regenerate.py --reason TEXT
+
+Each entry of suite.json is `rlbench run ARGS` (from the repository root), whose run directory
+`rlbench golden update` turns into golden/NAME.json, the reason appended to the file's history.
+Only through `rlbench golden update`: the suite (tests/cpu/test_golden_suite.py) checks that the
+committed files are what it writes for the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reason", required=True, help="why the golden values change (kept in each file's history)")
+    parser.add_argument("names", nargs="*", help="suite entries to regenerate [default: all]")
+    args = parser.parse_args()
+    suite = json.loads((HERE / "suite.json").read_text())
+    unknown = sorted(set(args.names) - set(suite))
+    if unknown:
+        parser.error(f"not in suite.json: {', '.join(unknown)} (entries: {', '.join(suite)})")
+    rlbench = [sys.executable, "-m", "rlbench.cli"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.names or suite:
+            run_dir = Path(tmp) / name
+            subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO, check=True,
+                           stdout=subprocess.DEVNULL)
+            subprocess.run([*rlbench, "golden", "update", str(run_dir), f"golden/{name}.json",
+                            "--reason", args.reason], cwd=REPO, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,806 @@
+"""Golden-log regression checks: a run's metrics against a deliberate, versioned golden file.
+
+A golden file (schema `rlbench.golden/1`, JSON) holds:
+
+- a header: the platform (`cpu-x86_64`, `cuda-x86_64` + the GPU model), the versions of torch,
+  transformers, tokenizers and the engines, the determinism settings, the run's configuration
+  identity and its sha256, the command that made the run, the reason of the last update and the
+  history of every update;
+- per metric, Megatron-LM's series `{start_step, end_step, step_interval, values}` (values keyed
+  by step, non-finite values as the strings "nan", "inf", "-inf") and a `tolerance`.
+
+Tiers. `exact` (the default, what CPU CI runs): every value equal bit for bit; refused (BadInput,
+exit 2) when the platform, versions or determinism settings differ, since bits are then not
+expected to agree. `approx` (asked for): each metric by its tolerance: `exact`, or `approx`
+(|got - expected| <= atol + rtol * |expected| per step, at most `failing_steps` steps outside,
+and |mean residual| <= `mean_residual` over the steps inside: a one-sided drift that stays
+within the per-step band still fails), as Megatron-LM's approximate tier and TRL's invariant
+tests do. `perf/*` is never compared exactly, in either tier: the run's median over a window of
+steps may be at most `max_ratio` times the golden's (Megatron-LM compares iteration time so).
+
+Both tiers refuse a run whose configuration identity differs from the golden's: a golden file
+is one configuration's curve. The identity is the resolved config without its I/O settings
+(out, steps, record, checkpoint_every, rollouts), with file paths replaced by the sha256 of
+their contents, so a checkout elsewhere or a longer run compares.
+
+Megatron-LM golden values files (`{"lm loss": {"start_step": 1, ...}}`, no header) are read as
+golden input too: approx tier only, metric names mapped with `rename`, and Megatron's iteration
+k compared with rlbench's step k - 1 (Megatron counts iterations from 1, rlbench steps from 0).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import hashlib
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rlbench.errors import BadInput
+from rlbench.replay.rundir import RunDir, atomic_write
+
+SCHEMA = "rlbench.golden/1"
+# Versions that change bits: the exact tier needs them equal. python and rlbench are recorded only:
+# rlbench's own changes are what the golden check is there to catch.
+EXACT_VERSIONS = ("torch", "transformers", "tokenizers", "megatron-core", "sglang")
+RECORDED_VERSIONS = ("python", "rlbench", *EXACT_VERSIONS)
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts")
+PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
+KINDS = ("exact", "approx", "median")
+TIERS = ("exact", "approx")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How one metric is compared in the approx tier (and, for `median`, in both tiers)."""
+
+    kind: str = "approx"
+    rtol: float = 0.0
+    atol: float = 0.0
+    failing_steps: int = 0
+    mean_residual: float | None = None
+    max_ratio: float | None = None
+    window: tuple[int, int] | None = None
+    family: str = "other"
+    override: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        keys = {"exact": (), "approx": ("rtol", "atol", "failing_steps", "mean_residual"),
+                "median": ("max_ratio", "window")}[self.kind]
+        doc = {"kind": self.kind, **{k: getattr(self, k) for k in keys}, "family": self.family}
+        if doc.get("window") is not None:
+            doc["window"] = list(doc["window"])
+        if self.override:
+            doc["override"] = dict(self.override)
+        return doc
+
+    def describe(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        if self.kind == "median":
+            return f"median over steps {self.window[0]}..{self.window[1]} <= x{self.max_ratio:g}"
+        return f"atol {self.atol:g} + rtol {self.rtol:g}"
+
+
+# Default tolerances per metric family, first match wins. Losses follow Megatron-LM's
+# approximate tier (rtol 0.05); the absolute floors keep near-zero policy losses comparable.
+FAMILIES: tuple[tuple[str, tuple[str, ...], dict], ...] = (
+    ("perf", ("perf/*", "iteration-time", "*-time", "*_time"), {"kind": "median", "max_ratio": 2.0}),
+    ("log-prob mismatch", ("*logprob*",), {"rtol": 0.0, "atol": 1e-4}),
+    ("losses", ("*loss*", "*ppo_kl*", "train/kl*"), {"rtol": 0.05, "atol": 1e-3}),
+    ("rewards", ("*reward*",), {"rtol": 0.0, "atol": 0.1}),
+    ("grad norms", ("*grad_norm*", "*grad-norm*"), {"rtol": 0.1, "atol": 1e-2}),
+    ("lengths", ("*len/*", "*_len*", "*length*"), {"rtol": 0.1, "atol": 1.0}),
+    ("fractions", ("*ratio*", "*frac*"), {"rtol": 0.0, "atol": 0.05}),
+    ("other", ("*",), {"rtol": 0.05, "atol": 1e-6}),
+)
+_OVERRIDE_KEYS = {"kind": str, "rtol": float, "atol": float, "failing_steps": int, "mean_residual": float,
+                  "max_ratio": float, "window": "range"}
+
+
+def family_of(name: str) -> tuple[str, dict]:
+    for family, patterns, spec in FAMILIES:
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            return family, spec
+    raise AssertionError("the last family matches every name")
+
+
+def default_tolerance(name: str, steps: list[int], values: list[float]) -> Tolerance:
+    """The family's tolerance, made concrete for this series.
+
+    failing_steps: Megatron-LM's min(max(N // 100, 1), 50) (none for a single step).
+    mean_residual: a fraction of the mean per-step allowance, min(0.5, 2 / sqrt(N)): noise that
+    fills the band averages out towards 0 as N grows, a one-sided drift does not.
+    window (perf): the steps after the first tenth (at least the first step is warm-up).
+    """
+    family, spec = family_of(name)
+    n = len(steps)
+    if spec.get("kind") == "median":
+        skip = max(1, n // 10) if n > 2 else 0
+        return Tolerance(kind="median", max_ratio=spec["max_ratio"], window=(steps[skip], steps[-1]), family=family)
+    rtol, atol = spec["rtol"], spec["atol"]
+    allowed = [atol + rtol * abs(v) for v in values if math.isfinite(v)] or [atol]
+    fraction = min(0.5, 2 / math.sqrt(n)) if n else 0.5
+    return Tolerance(kind="approx", rtol=rtol, atol=atol, failing_steps=min(max(n // 100, 1), 50) if n > 1 else 0,
+                     mean_residual=_round_sig(fraction * statistics.fmean(allowed)), family=family)
+
+
+def _round_sig(x: float, digits: int = 3) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def parse_override(spec: str) -> tuple[str, dict]:
+    """'METRIC-GLOB:key=value,key=value' (keys: kind, rtol, atol, failing_steps, mean_residual,
+    max_ratio, window=A:B) -> (glob, {key: value})."""
+    where = "--tolerance"
+    glob, _, body = spec.partition(":")  # metric names have no ':'; a window value (A:B) may
+    if not glob or not body:
+        raise BadInput(f"expected METRIC:key=value[,key=value], got {spec!r}", field=where)
+    out = {}
+    for item in body.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _OVERRIDE_KEYS:
+            raise BadInput(f"{item!r}: expected key=value with key one of {', '.join(_OVERRIDE_KEYS)}", field=where)
+        out[key] = _coerce_override(key, value.strip(), where)
+    return glob, out
+
+
+def _coerce_override(key: str, value, where: str):
+    kind = _OVERRIDE_KEYS[key]
+    try:
+        if kind == "range":
+            if isinstance(value, list) and len(value) == 2:
+                a, b = (int(v) for v in value)
+            else:
+                a, b = (int(v) for v in str(value).split(":"))
+            if a > b:
+                raise ValueError
+            return (a, b)
+        if kind is str:
+            if value not in KINDS:
+                raise ValueError
+            return value
+        if key == "mean_residual" and (value is None or value == "none"):
+            return None  # no mean-residual test
+        if isinstance(value, bool):
+            raise ValueError
+        number = kind(value)
+        if isinstance(value, float) and kind is int and number != value:
+            raise ValueError
+        if not math.isfinite(number) or number < 0:
+            raise ValueError
+        return number
+    except (TypeError, ValueError):
+        expected = {"range": "A:B with A <= B", str: f"one of {', '.join(KINDS)}", float: "a number >= 0",
+                    int: "an integer >= 0"}[kind]
+        raise BadInput(f"{key}={value!r}: expected {expected}", field=where) from None
+
+
+def apply_override(tol: Tolerance, override: dict, name: str, steps: list[int], where: str) -> Tolerance:
+    if not override:
+        return tol
+    kind = override.get("kind", tol.kind)
+    base = tol if kind == tol.kind else Tolerance(kind=kind, family=tol.family)
+    if kind == "median" and base.max_ratio is None:
+        skip = max(1, len(steps) // 10) if len(steps) > 2 else 0
+        base = replace(base, max_ratio=2.0, window=(steps[skip], steps[-1]))
+    fields = {k: v for k, v in override.items() if k != "kind"}
+    allowed = {"exact": set(), "approx": {"rtol", "atol", "failing_steps", "mean_residual"},
+               "median": {"max_ratio", "window"}}[kind]
+    wrong = sorted(set(fields) - allowed)
+    if wrong:
+        raise BadInput(f"{name}: {', '.join(wrong)} does not apply to a {kind} tolerance", field=where)
+    return replace(base, **fields, override={**tol.override, **override})
+
+
+# --------------------------------------------------------------------------- golden files
+
+
+@dataclass
+class Series:
+    start_step: int
+    end_step: int
+    step_interval: int
+    values: dict[int, float]
+    tolerance: Tolerance
+
+    def to_json(self) -> dict:
+        return {"start_step": self.start_step, "end_step": self.end_step, "step_interval": self.step_interval,
+                "values": {str(s): _num_out(v) for s, v in sorted(self.values.items())},
+                "tolerance": self.tolerance.to_json()}
+
+
+@dataclass
+class Golden:
+    path: Path
+    format: str  # "rlbench" or "megatron"
+    header: dict
+    metrics: dict[str, Series]
+
+
+def _num_out(v: float):
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def _num_in(v, path: Path, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+    if isinstance(v, str):
+        if v.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
+            raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+        return float(v)
+    return float(v)
+
+
+def _int_in(doc: dict, key: str, path: Path, where: str, minimum: int) -> int:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise BadInput(f"expected an integer >= {minimum}, got {v!r}", path=path, field=f"{where}.{key}")
+    return v
+
+
+def _series_in(name: str, doc, path: Path, where: str, offset: int) -> tuple[int, int, int, dict[int, float]]:
+    """Megatron-LM's series shape, values a {step: value} object or a list over the grid."""
+    if not isinstance(doc, dict):
+        raise BadInput(f"expected an object with start_step, end_step, step_interval, values, got "
+                       f"{type(doc).__name__}", path=path, field=where)
+    start = _int_in(doc, "start_step", path, where, 0)
+    end = _int_in(doc, "end_step", path, where, start)
+    interval = _int_in(doc, "step_interval", path, where, 1)
+    raw = doc.get("values")
+    grid = range(start, end + 1, interval)
+    if isinstance(raw, list):
+        if len(raw) != len(grid):
+            raise BadInput(f"{len(raw)} values for the {len(grid)} steps {start}..{end} every {interval}",
+                           path=path, field=f"{where}.values")
+        items = list(zip(grid, raw))
+    elif isinstance(raw, dict):
+        items = []
+        for key, v in raw.items():
+            try:
+                step = int(key)
+            except ValueError:
+                raise BadInput(f"step {key!r} is not an integer", path=path, field=f"{where}.values") from None
+            if step not in grid:
+                raise BadInput(f"step {step} is off the series' grid {start}..{end} every {interval}",
+                               path=path, field=f"{where}.values")
+            items.append((step, v))
+    else:
+        raise BadInput(f"expected an object of step: value (or a list), got {type(raw).__name__}",
+                       path=path, field=f"{where}.values")
+    if not items:
+        raise BadInput("no values", path=path, field=f"{where}.values")
+    values = {step + offset: _num_in(v, path, f"{where}.values.{step}") for step, v in items}
+    return start + offset, end + offset, interval, values
+
+
+def _tolerance_in(name: str, doc, steps: list[int], values: list[float], path: Path, where: str) -> Tolerance:
+    default = default_tolerance(name, steps, values)
+    if doc is None:
+        return default
+    if not isinstance(doc, dict) or doc.get("kind") not in KINDS:
+        raise BadInput(f"expected an object with kind one of {', '.join(KINDS)}", path=path, field=where)
+    unknown = sorted(set(doc) - set(_OVERRIDE_KEYS) - {"family", "override"})
+    if unknown:
+        raise BadInput(f"unknown key(s) {', '.join(unknown)}", path=path, field=where)
+    given = {k: _coerce_override(k, v, f"{path}: {where}.{k}") for k, v in doc.items() if k in _OVERRIDE_KEYS}
+    override = doc.get("override") or {}
+    if not isinstance(override, dict):
+        raise BadInput("expected an object", path=path, field=f"{where}.override")
+    override = {k: _coerce_override(k, v, f"{path}: {where}.override.{k}") for k, v in override.items()
+                if k in _OVERRIDE_KEYS}
+    tol = apply_override(default, given, name, steps, f"{path}: {where}")
+    return replace(tol, family=str(doc.get("family", tol.family)), override=override)
+
+
+# --------------------------------------------------------------------------- golden files
+
+
+@dataclass
+class Series:
+    start_step: int
+    end_step: int
+    step_interval: int
+    values: dict[int, float]
+    tolerance: Tolerance
+
+    def to_json(self) -> dict:
+        return {"start_step": self.start_step, "end_step": self.end_step, "step_interval": self.step_interval,
+                "values": {str(s): _num_out(v) for s, v in sorted(self.values.items())},
+                "tolerance": self.tolerance.to_json()}
+
+
+@dataclass
+class Golden:
+    path: Path
+    format: str  # "rlbench" or "megatron"
+    header: dict
+    metrics: dict[str, Series]
+
+
+def _num_out(v: float):
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def _num_in(v, path: Path, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+    if isinstance(v, str):
+        if v.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
+            raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+        return float(v)
+    return float(v)
+
+
+def _int_in(doc: dict, key: str, path: Path, where: str, minimum: int) -> int:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise BadInput(f"expected an integer >= {minimum}, got {v!r}", path=path, field=f"{where}.{key}")
+    return v
+
+
+def _series_in(name: str, doc, path: Path, where: str, offset: int) -> tuple[int, int, int, dict[int, float]]:
+    """Megatron-LM's series shape, values a {step: value} object or a list over the grid."""
+    if not isinstance(doc, dict):
+        raise BadInput(f"expected an object with start_step, end_step, step_interval, values, got "
+                       f"{type(doc).__name__}", path=path, field=where)
+    start = _int_in(doc, "start_step", path, where, 0)
+    end = _int_in(doc, "end_step", path, where, start)
+    interval = _int_in(doc, "step_interval", path, where, 1)
+    raw = doc.get("values")
+    grid = range(start, end + 1, interval)
+    if isinstance(raw, list):
+        if len(raw) != len(grid):
+            raise BadInput(f"{len(raw)} values for the {len(grid)} steps {start}..{end} every {interval}",
+                           path=path, field=f"{where}.values")
+        items = list(zip(grid, raw))
+    elif isinstance(raw, dict):
+        items = []
+        for key, v in raw.items():
+            try:
+                step = int(key)
+            except ValueError:
+                raise BadInput(f"step {key!r} is not an integer", path=path, field=f"{where}.values") from None
+            if step not in grid:
+                raise BadInput(f"step {step} is off the series' grid {start}..{end} every {interval}",
+                               path=path, field=f"{where}.values")
+            items.append((step, v))
+    else:
+        raise BadInput(f"expected an object of step: value (or a list), got {type(raw).__name__}",
+                       path=path, field=f"{where}.values")
+    if not items:
+        raise BadInput("no values", path=path, field=f"{where}.values")
+    values = {step + offset: _num_in(v, path, f"{where}.values.{step}") for step, v in items}
+    return start + offset, end + offset, interval, values
+
+
+def _tolerance_in(name: str, doc, steps: list[int], values: list[float], path: Path, where: str) -> Tolerance:
+    default = default_tolerance(name, steps, values)
+    if doc is None:
+        return default
+    if not isinstance(doc, dict) or doc.get("kind") not in KINDS:
+        raise BadInput(f"expected an object with kind one of {', '.join(KINDS)}", path=path, field=where)
+    unknown = sorted(set(doc) - set(_OVERRIDE_KEYS) - {"family", "override"})
+    if unknown:
+        raise BadInput(f"unknown key(s) {', '.join(unknown)}", path=path, field=where)
+    given = {k: _coerce_override(k, v, f"{path}: {where}.{k}") for k, v in doc.items() if k in _OVERRIDE_KEYS}
+    kind = given["kind"]
+    base = default if default.kind == kind else apply_override(default, {"kind": kind}, name, steps, where)
+    fields = {k: v for k, v in given.items() if k != "kind"}
+    override = doc.get("override") or {}
+    if not isinstance(override, dict):
+        raise BadInput("expected an object", path=path, field=f"{where}.override")
+    override = {k: _coerce_override(k, v, f"{path}: {where}.override.{k}") for k, v in override.items()
+                if k in _OVERRIDE_KEYS}
+    if kind == "median" and fields.get("window") is None and base.window is None:
+        raise BadInput("a median tolerance needs window [A, B]", path=path, field=where)
+    try:
+        return replace(base, **fields, family=str(doc.get("family", base.family)), override=override)
+    except TypeError:
+        raise BadInput(f"keys do not fit a {kind} tolerance", path=path, field=where) from None
+
+
+def is_megatron(doc) -> bool:
+    return (isinstance(doc, dict) and "schema" not in doc and bool(doc)
+            and all(isinstance(v, dict) and {"start_step", "end_step", "step_interval", "values"} <= set(v)
+                    for v in doc.values()))
+
+
+def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golden:
+    """Read and validate a golden file: rlbench's, or a Megatron-LM golden values file."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput("no such golden file" if not path.exists() else
+                       "is a directory; give the golden file's path" if path.is_dir() else "not a file", path=path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise BadInput("not UTF-8 text", path=path) from None
+    except ValueError as exc:
+        raise BadInput(f"invalid JSON ({exc})", path=path) from None
+    rename = rename or {}
+    if is_megatron(doc):
+        metrics = {}
+        for name, series in doc.items():
+            start, end, interval, values = _series_in(name, series, path, name, offset=-1)
+            target = rename.get(name, name)
+            steps = sorted(values)
+            metrics[target] = Series(start, end, interval, values,
+                                     default_tolerance(target, steps, [values[s] for s in steps]))
+        platform = re.fullmatch(r"golden_values_(.+?)_(.+)\.json", path.name)
+        header = {"platform": f"megatron:{platform.group(2)}" if platform else "megatron:unknown",
+                  "versions": {}, "config": None, "config_hash": None, "command": None,
+                  "reason": "Megatron-LM golden values file", "history": [],
+                  "note": "Megatron-LM iteration k is compared with rlbench step k - 1"}
+        return Golden(path, "megatron", header, metrics)
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        got = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise BadInput(f"expected {SCHEMA!r} (or a Megatron-LM golden values file), got {got!r}", path=path,
+                       field="schema")
+    header, raw_metrics = doc.get("header"), doc.get("metrics")
+    if not isinstance(header, dict):
+        raise BadInput("expected an object", path=path, field="header")
+    for key in ("platform", "versions", "history"):
+        if key not in header:
+            raise BadInput("missing", path=path, field=f"header.{key}")
+    if not isinstance(header["versions"], dict):
+        raise BadInput("expected an object", path=path, field="header.versions")
+    if not isinstance(header["history"], list):
+        raise BadInput("expected a list", path=path, field="header.history")
+    if not isinstance(raw_metrics, dict) or not raw_metrics:
+        raise BadInput("expected a non-empty object of metric: series", path=path, field="metrics")
+    metrics = {}
+    for name, series in raw_metrics.items():
+        start, end, interval, values = _series_in(name, series, path, f"metrics.{name}", offset=0)
+        steps = sorted(values)
+        tol = _tolerance_in(name, series.get("tolerance"), steps, [values[s] for s in steps], path,
+                            f"metrics.{name}.tolerance")
+        metrics[rename.get(name, name)] = Series(start, end, interval, values, tol)
+    return Golden(path, "rlbench", header, metrics)
+
+
+def platform_of(manifest: dict) -> str:
+    device = str(manifest.get("device") or manifest.get("config", {}).get("device") or "cpu").split(":")[0]
+    return f"{device}-{manifest.get('platform', {}).get('machine') or 'unknown'}"
+
+
+def config_identity(manifest: dict) -> dict:
+    """The run's configuration as far as it shapes the metrics: I/O settings dropped, file paths
+    replaced by the sha256 of their contents (so another checkout compares), plus the initial
+    weights' sha256."""
+    config = json.loads(json.dumps(manifest.get("config", {})))
+    for key in IO_KEYS:
+        config.pop(key, None)
+    hashes = manifest.get("hashes", {})
+    for (section, key), hash_name in PATH_KEYS.items():
+        if key in config.get(section, {}):
+            config[section][key] = f"sha256:{hashes.get(hash_name)}"
+    config["initial_weights"] = f"sha256:{hashes.get('initial_weights')}"
+    return config
+
+
+def config_hash(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _versions(manifest: dict) -> dict:
+    versions = manifest.get("versions", {})
+    return {k: versions.get(k) for k in RECORDED_VERSIONS}
+
+
+def run_series(run: RunDir) -> dict[str, dict[int, float]]:
+    series: dict[str, dict[int, float]] = {}
+    for row in run.metrics:
+        for name, value in row.items():
+            if name == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            series.setdefault(name, {})[row["step"]] = float(value)
+    return series
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None = None,
+                 overrides: list[tuple[str, dict]] = (), interval: int = 1) -> tuple[dict, dict]:
+    """The golden document for `run` (and what changed against `previous`): every metric logged at
+    every committed step, on a grid of `interval` steps; tolerances from the family defaults, with
+    the overrides `previous` carried and the new ones applied. Returns (document, change summary)."""
+    if not reason.strip():
+        raise BadInput("give the reason for this update (it is kept in the file's history)", field="--reason")
+    if not run.steps:
+        raise BadInput("the run has no committed step", path=run.root / "metrics.jsonl")
+    manifest = run.manifest
+    identity = config_identity(manifest)
+    metrics = {}
+    for name, by_step in sorted(run_series(run).items()):
+        steps = [s for s in run.steps[::interval]]
+        if any(s not in by_step for s in steps):
+            continue  # logged at some steps only: no series on a regular grid
+        values = {s: by_step[s] for s in steps}
+        tol = default_tolerance(name, steps, [values[s] for s in steps])
+        if previous is not None and name in previous.metrics and previous.metrics[name].tolerance.override:
+            tol = apply_override(tol, previous.metrics[name].tolerance.override, name, steps, "previous override")
+        for glob, override in overrides:
+            if fnmatch.fnmatchcase(name, glob):
+                tol = apply_override(tol, override, name, steps, "--tolerance")
+        metrics[name] = Series(steps[0], steps[-1], interval, values, tol)
+    for glob, _ in overrides:
+        if not any(fnmatch.fnmatchcase(name, glob) for name in metrics):
+            raise BadInput(f"{glob!r} matches no metric of the run ({', '.join(metrics)})", field="--tolerance")
+    old = previous.metrics if previous is not None else {}
+    changes = {
+        "added": sorted(set(metrics) - set(old)),
+        "removed": sorted(set(old) - set(metrics)),
+        "changed": sorted(n for n in metrics if n in old and not _same_series(old[n].values, metrics[n].values)),
+        "tolerance_changed": sorted(n for n in metrics if n in old
+                                    and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()),
+    }
+    now = _now()
+    entry = {"date": now, "reason": reason.strip(), "command": command, "run_command": manifest.get("command"),
+             "run_created": manifest.get("created"), "platform": platform_of(manifest),
+             "versions": _versions(manifest), "config_hash": config_hash(identity),
+             "steps": [run.steps[0], run.steps[-1]], **changes}
+    history = list(previous.header.get("history", [])) if previous is not None else []
+    header = {
+        "platform": platform_of(manifest),
+        "device_name": manifest.get("device_name"),
+        "versions": _versions(manifest),
+        "determinism": manifest.get("determinism"),
+        "mode": manifest.get("mode"),
+        "config": identity,
+        "config_hash": config_hash(identity),
+        "command": manifest.get("command"),
+        "reason": reason.strip(),
+        "updated": now,
+        "history": history + [entry],
+    }
+    doc = {"schema": SCHEMA, "header": header, "metrics": {n: s.to_json() for n, s in metrics.items()}}
+    return doc, changes
+
+
+def write_golden(path: str | Path, doc: dict) -> None:
+    path = Path(path)
+    if path.is_dir():
+        raise BadInput("is a directory; give the golden file's path", path=path)
+    if not path.parent.is_dir():
+        raise BadInput("its directory does not exist", path=path)
+    atomic_write(path, (json.dumps(doc, indent=1) + "\n").encode())
+
+
+def _same_series(a: dict[int, float], b: dict[int, float]) -> bool:
+    return a.keys() == b.keys() and all(same_bits(a[s], b[s]) for s in a)
+
+
+def same_bits(a: float, b: float) -> bool:
+    """Equal as logged: NaN equals NaN, and 0.0 is not -0.0."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+@dataclass
+class StepFailure:
+    step: int
+    expected: float
+    got: float
+    delta: float
+    allowed: float  # 0.0 in the exact tier
+
+
+@dataclass
+class MetricResult:
+    name: str
+    kind: str  # how it was compared: exact, approx or median
+    status: str  # pass, fail or missing
+    tolerance: dict
+    steps: list[int]
+    failures: list[StepFailure] = field(default_factory=list)
+    allowed_failing: int = 0
+    max_abs: float | None = None
+    mean_residual: float | None = None
+    mean_bound: float | None = None
+    median_got: float | None = None
+    median_expected: float | None = None
+    band: dict = field(default_factory=dict)  # the golden's own tolerance, drawn as the band in plots
+    message: str = ""
+    expected: dict[int, float] = field(default_factory=dict)
+    got: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class GoldenReport:
+    run: str
+    golden: str
+    golden_format: str
+    tier: str
+    platform: dict
+    notes: list[str]
+    metrics: list[MetricResult]
+    ignored: list[str]
+    not_in_golden: list[str]
+
+    @property
+    def failed(self) -> list[MetricResult]:
+        return [m for m in self.metrics if m.status != "pass"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict:
+        def metric(m: MetricResult) -> dict:
+            doc = asdict(m)
+            for key in ("expected", "got"):
+                doc[key] = {str(s): _num_out(v) for s, v in doc[key].items()}
+            doc["failures"] = [{k: _num_out(v) if isinstance(v, float) else v for k, v in f.items()}
+                               for f in doc["failures"]]
+            return doc
+
+        return {"ok": self.ok, "tier": self.tier, "run": self.run, "golden": self.golden,
+                "golden_format": self.golden_format, "platform": self.platform, "notes": self.notes,
+                "failed": [m.name for m in self.failed], "ignored": self.ignored,
+                "not_in_golden": self.not_in_golden, "metrics": [metric(m) for m in self.metrics]}
+
+
+def _differences(golden: Golden, manifest: dict) -> list[str]:
+    """What makes bit-for-bit agreement not expected (the exact tier's preconditions)."""
+    head = golden.header
+    if golden.format == "megatron":
+        return ["a Megatron-LM golden values file records no platform, versions or configuration"]
+    out = []
+    run_platform = platform_of(manifest)
+    if head.get("platform") != run_platform:
+        out.append(f"platform: golden {head.get('platform')}, run {run_platform}")
+    if head.get("device_name") != manifest.get("device_name"):
+        out.append(f"device: golden {head.get('device_name')}, run {manifest.get('device_name')}")
+    run_versions = manifest.get("versions", {})
+    for name in EXACT_VERSIONS:
+        if head["versions"].get(name) != run_versions.get(name):
+            out.append(f"{name}: golden {head['versions'].get(name)}, run {run_versions.get(name)}")
+    if "determinism" in head and head["determinism"] != manifest.get("determinism"):
+        keys = sorted(k for k in set(head["determinism"] or {}) | set(manifest.get("determinism") or {})
+                      if (head["determinism"] or {}).get(k) != (manifest.get("determinism") or {}).get(k))
+        out.append(f"determinism settings: {', '.join(keys)}")
+    return out
+
+
+def _dict_diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _dict_diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]} (golden {a!r}, run {b!r})"]
+
+
+def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] = (),
+            overrides: list[tuple[str, dict]] = ()) -> GoldenReport:
+    """Compare the run's committed metrics with the golden file. Raises BadInput (exit 2) when the
+    comparison is meaningless: another configuration (both tiers), another platform, versions or
+    determinism settings (exact tier), or a run that does not reach the golden's steps."""
+    if tier not in TIERS:
+        raise BadInput(f"expected one of {', '.join(TIERS)}, got {tier!r}", field="--tier")
+    manifest = run.manifest
+    notes = [f"{run.root}: {n}" for n in run.notes]
+    if golden.format == "megatron":
+        notes.append(golden.header["note"])
+    identity = config_identity(manifest)
+    if golden.header.get("config") is not None and golden.header["config"] != identity:
+        diffs = _dict_diff(golden.header["config"], identity)
+        raise BadInput(f"the run's configuration is not the golden's: {'; '.join(diffs[:4])}"
+                       f"{f' and {len(diffs) - 4} more' if len(diffs) > 4 else ''}. A golden file holds one "
+                       "configuration's curve: make one for this configuration with `rlbench golden update`",
+                       path=golden.path, field="header.config")
+    differences = _differences(golden, manifest)
+    if differences and tier == "exact":
+        raise BadInput(f"the exact tier is meaningless here, bits are not expected to agree: "
+                       f"{'; '.join(differences)}. Compare within tolerances with --tier approx",
+                       path=golden.path, field="header")
+    notes += [f"compared across {d}" for d in differences]
+    got = run_series(run)
+    results, ignored = [], []
+    committed = set(run.steps)
+    for name, series in sorted(golden.metrics.items()):
+        if any(fnmatch.fnmatchcase(name, g) for g in ignore):
+            ignored.append(name)
+            continue
+        tol = series.tolerance
+        steps = sorted(series.values)
+        for glob, override in overrides:
+            if fnmatch.fnmatchcase(name, glob):
+                tol = apply_override(tol, override, name, steps, "--tolerance")
+        missing_steps = [s for s in steps if s not in committed]
+        if missing_steps:
+            raise BadInput(f"the run's committed steps are {_span(run.steps)}; the golden's {name} needs "
+                           f"{_span(steps)}: run it further (or --resume it) first", path=run.root)
+        if name not in got:
+            results.append(MetricResult(name, tol.kind, "missing", tol.to_json(), steps, band=tol.to_json(),
+                                        message="not logged by the run", expected=dict(series.values)))
+            continue
+        kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
+        results.append(_compare_series(name, series.values, got[name], tol, kind))
+    not_in_golden = sorted(n for n in got if n not in golden.metrics and not any(fnmatch.fnmatchcase(n, g)
+                                                                                 for g in ignore))
+    for glob, _ in overrides:
+        if not any(fnmatch.fnmatchcase(name, glob) for name in golden.metrics):
+            raise BadInput(f"{glob!r} matches no metric of the golden file", field="--tolerance")
+    platform = {"run": platform_of(manifest), "golden": golden.header.get("platform")}
+    return GoldenReport(str(run.root), str(golden.path), golden.format, tier, platform, notes, results, ignored,
+                        not_in_golden)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if steps else "none"
+
+
+def _compare_series(name: str, expected: dict[int, float], got: dict[int, float], tol: Tolerance,
+                    kind: str) -> MetricResult:
+    steps = sorted(expected)
+    result = MetricResult(name, kind, "pass", tol.to_json() if kind != "exact" else {"kind": "exact"}, steps,
+                          band=tol.to_json(), expected=dict(expected), got={s: got[s] for s in steps if s in got})
+    absent = [s for s in steps if s not in got]
+    if absent:
+        result.status, result.message = "fail", f"not logged at step(s) {', '.join(map(str, absent[:5]))}"
+        return result
+    if kind == "median":
+        window = [s for s in steps if tol.window[0] <= s <= tol.window[1]]
+        if not window:
+            result.status, result.message = "fail", f"no golden step in the window {tol.window}"
+            return result
+        exp_med = statistics.median(expected[s] for s in window)
+        got_med = statistics.median(got[s] for s in window)
+        result.median_expected, result.median_got = exp_med, got_med
+        limit = tol.max_ratio * exp_med
+        if not got_med <= limit:  # also fails on NaN
+            result.status = "fail"
+            ratio = got_med / exp_med if exp_med else math.inf
+            result.message = f"median {got_med:.4g} is x{ratio:.2f} the golden's {exp_med:.4g} (at most x{tol.max_ratio:g})"
+        return result
+    deltas, inside = [], []
+    for s in steps:
+        e, g = expected[s], got[s]
+        if kind == "exact":
+            ok, allowed = same_bits(e, g), 0.0
+        else:
+            allowed = tol.atol + tol.rtol * abs(e) if math.isfinite(e) else 0.0
+            ok = same_bits(e, g) or (math.isfinite(e) and math.isfinite(g) and abs(g - e) <= allowed)
+        delta = g - e if math.isfinite(e) and math.isfinite(g) else math.nan
+        if math.isfinite(delta):
+            deltas.append(abs(delta))
+        if ok:
+            if math.isfinite(delta):
+                inside.append(delta)
+        else:
+            result.failures.append(StepFailure(s, e, g, delta, allowed))
+    result.max_abs = max(deltas) if deltas else None
+    if kind == "exact":
+        if result.failures:
+            result.status = "fail"
+            result.message = f"{len(result.failures)} of {len(steps)} steps differ"
+        return result
+    result.allowed_failing = tol.failing_steps
+    result.mean_residual = statistics.fmean(inside) if inside else 0.0
+    result.mean_bound = tol.mean_residual
+    problems = []
+    if len(result.failures) > tol.failing_steps:
+        problems.append(f"{len(result.failures)} of {len(steps)} steps outside the band (at most "
+                        f"{tol.failing_steps})")
+    if tol.mean_residual is not None and abs(result.mean_residual) > tol.mean_residual:
+        problems.append(f"mean residual {result.mean_residual:+.4g} beyond +-{tol.mean_residual:g} (one-sided drift)")
+    if problems:
+        result.status, result.message = "fail", "; ".join(problems)
+    return result
