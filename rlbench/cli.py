@@ -513,22 +513,25 @@ def _render_golden(report, plot: Path | None) -> None:
     else:
         summary = Table(title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
                               f"metrics regressed ({span})")
-        for col in ("metric", "compared as", "status", "detail"):
-            summary.add_column(col)
-        for m in report.metrics:
-            summary.add_row(m.name, m.kind, m.status, m.message, style="bold red" if m.status != "pass" else None)
+        for col in ("metric", "compared as", "what failed"):
+            summary.add_column(col, overflow="fold")
+        for m in report.failed:
+            summary.add_row(m.name, m.kind, m.message, style="bold red")
         stdout.print(summary)
         rows = [(m, f) for m in report.failed for f in m.failures]
         if rows:
             table = Table(title="failing steps")
             for col in ("metric", "step", "expected", "got", "got - expected", "tolerance"):
-                table.add_column(col, justify="right" if col not in ("metric",) else "left")
+                table.add_column(col, justify="left" if col == "metric" else "right", overflow="fold")
             for m, f in rows[:40]:
                 table.add_row(m.name, str(f.step), _fmt(f.expected), _fmt(f.got), f"{f.delta:+.3g}",
                               "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
             stdout.print(table)
             if len(rows) > 40:
                 stdout.print(f"... and {len(rows) - 40} more failing steps (--json lists all)")
+        passed = [m.name for m in report.metrics if m.status == "pass"]
+        if passed:
+            stdout.print(f"passed: {', '.join(passed)}", markup=False, highlight=False, soft_wrap=True)
     if report.ignored:
         stdout.print(f"ignored: {', '.join(report.ignored)}", markup=False, highlight=False, soft_wrap=True)
     if report.not_in_golden:
