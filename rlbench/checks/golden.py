@@ -20,8 +20,9 @@ steps may be at most `max_ratio` times the golden's (Megatron-LM compares iterat
 
 Both tiers refuse a run whose configuration identity differs from the golden's: a golden file
 is one configuration's curve. The identity is the resolved config without its I/O settings
-(out, steps, record, checkpoint_every, rollouts), with file paths replaced by the sha256 of
-their contents, so a checkout elsewhere or a longer run compares.
+(out, steps, record, checkpoint_every, rollouts) and placement (device, threads: the platform
+and determinism checks cover them), with file paths replaced by the sha256 of their contents,
+so a checkout elsewhere, a longer run or the same run on a GPU compares.
 
 Megatron-LM golden values files (`{"lm loss": {"start_step": 1, ...}}`, no header) are read as
 golden input too: approx tier only, metric names mapped with `rename`, and Megatron's iteration
@@ -48,7 +49,9 @@ SCHEMA = "rlbench.golden/1"
 # rlbench's own changes are what the golden check is there to catch.
 EXACT_VERSIONS = ("torch", "transformers", "tokenizers", "megatron-core", "sglang")
 RECORDED_VERSIONS = ("python", "rlbench", *EXACT_VERSIONS)
-IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts")
+# Left out of the configuration identity: I/O settings, and placement (device, threads), which the
+# exact tier checks as platform and determinism settings and the approx tier compares across.
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads")
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 KINDS = ("exact", "approx", "median")
 TIERS = ("exact", "approx")

@@ -90,7 +90,8 @@ def test_update_writes_header_series_and_tolerances(run_dir, golden_file):
 def test_config_identity_ignores_io_and_checkout_location(run_dir):
     manifest = read_run(run_dir).manifest
     moved = json.loads(json.dumps(manifest))
-    moved["config"].update(out="/elsewhere/run", steps=500, checkpoint_every=7, record=False)
+    moved["config"].update(out="/elsewhere/run", steps=500, checkpoint_every=7, record=False, device="cuda:1",
+                           threads=4)
     moved["config"]["model"]["path"] = "/another/checkout/fixtures/models/tiny-qwen3"
     assert g.config_identity(moved) == g.config_identity(manifest)
     moved["config"]["train"]["lr"] *= 1.01
@@ -170,6 +171,12 @@ def test_another_platform_is_refused_in_exact_and_compared_in_approx(run_dir, go
 def test_other_versions_are_refused_in_exact(run_dir, golden_file, key, value, needle):
     _edit(golden_file, lambda doc: doc["header"]["versions"].__setitem__(key, value))
     _one_line_error(_check(run_dir, golden_file), needle)
+    assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
+
+
+def test_other_determinism_settings_are_refused_in_exact(run_dir, golden_file):
+    _edit(golden_file, lambda doc: doc["header"]["determinism"].__setitem__("torch_threads", 4))
+    _one_line_error(_check(run_dir, golden_file), "determinism settings: torch_threads")
     assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
 
 
