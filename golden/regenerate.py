@@ -1,6 +1,6 @@
 """Regenerate the golden logs in this directory, deliberately: python golden/regenerate.py --reason TEXT
 
-Each entry of suite.json is `rlbench run ARGS` (from the repository root), whose run directory
+Each entry of suite.json (or of --suite FILE) is `rlbench run ARGS` (from the repository root), whose run directory
 `rlbench golden update` turns into golden/NAME.json, the reason appended to the file's history.
 Only through `rlbench golden update`: the suite (tests/cpu/test_golden_suite.py) checks that the
 committed files are what it writes for the same run.
@@ -22,9 +22,11 @@ REPO = HERE.parent
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reason", required=True, help="why the golden values change (kept in each file's history)")
+    parser.add_argument("--suite", default=str(HERE / "suite.json"),
+                        help="the suite file: suite.json (CPU, checked by tests/cpu) or suite-cuda.json (tests/gpu)")
     parser.add_argument("names", nargs="*", help="suite entries to regenerate [default: all]")
     args = parser.parse_args()
-    suite = json.loads((HERE / "suite.json").read_text())
+    suite = json.loads(Path(args.suite).read_text())
     unknown = sorted(set(args.names) - set(suite))
     if unknown:
         parser.error(f"not in suite.json: {', '.join(unknown)} (entries: {', '.join(suite)})")

@@ -736,6 +736,11 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
             continue
         kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
         results.append(_compare_series(name, series.values, got[name], tol, kind))
+    exact_able = [m for m in results if m.kind != "median" and m.status != "missing"]
+    if tier == "approx" and exact_able and all(m.got.keys() == m.expected.keys() and _same_series(m.expected, m.got)
+                                               for m in exact_able):
+        notes.append("every compared value is equal bit for bit (the exact tier's preconditions are not met, "
+                     "but the bits agree)")
     not_in_golden = sorted(n for n in got if n not in golden.metrics and not any(fnmatch.fnmatchcase(n, g)
                                                                                  for g in ignore))
     for glob, _ in overrides:

@@ -80,10 +80,8 @@ def _panel(ax, m: MetricResult, tier: str) -> None:
                    linewidths=2, zorder=5, label=f"failing steps ({len(m.failures)})")
     status = {"pass": "pass", "fail": "FAIL", "missing": "MISSING"}[m.status]
     how = {"exact": "exact", "approx": "approx", "median": "median"}[m.kind]
-    ax.set_title(f"{m.name}  [{how}: {status}]", fontsize=10, color="black" if m.status == "pass" else "tab:red")
-    if m.message:
-        ax.text(0.01, 0.01, m.message, transform=ax.transAxes, fontsize=7, color="tab:red", va="bottom",
-                wrap=True)
+    ax.set_title(f"{m.name}  [{how}: {status}]" + (f"\n{m.message}" if m.message else ""), fontsize=9,
+                 color="black" if m.status == "pass" else "tab:red")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)

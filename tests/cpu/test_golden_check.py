@@ -146,8 +146,9 @@ def test_exact_tier_names_a_one_ulp_difference(run_dir, golden_file, tmp_path):
     assert doc["ok"] is False and doc["failed"] == ["train/grad_norm"]
     [metric] = [m for m in doc["metrics"] if m["name"] == "train/grad_norm"]
     assert [f["step"] for f in metric["failures"]] == [3] and metric["kind"] == "exact"
-    # within every approx tolerance, so the approx tier passes
-    assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
+    # within every approx tolerance, so the approx tier passes (and does not claim equal bits)
+    res = _check(run_dir, golden_file, "--tier", "approx")
+    assert res.returncode == 0 and "bit for bit" not in res.stderr
 
 
 def test_another_platform_is_refused_in_exact_and_compared_in_approx(run_dir, golden_file):
@@ -161,6 +162,7 @@ def test_another_platform_is_refused_in_exact_and_compared_in_approx(run_dir, go
     res = _check(run_dir, golden_file, "--tier", "approx")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compared across platform: golden cpu-aarch64" in res.stderr
+    assert "every compared value is equal bit for bit" in res.stderr
 
 
 @pytest.mark.parametrize("key, value, needle", [

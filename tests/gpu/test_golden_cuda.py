@@ -1,0 +1,31 @@
+"""GPU golden logs (golden/suite-cuda.json): a CUDA run checked against the golden file made on
+the same GPU model and versions, in the exact tier (deterministic mode repeats bit for bit).
+Where the GPU model or versions differ, the exact tier does not apply and the test says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlbench.checks.golden import EXACT_VERSIONS, load_golden
+from rlbench.core.context import _versions
+from tests.conftest import REPO, run_cli
+
+SUITE = json.loads((REPO / "golden" / "suite-cuda.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_cuda_golden(tmp_path, name):
+    golden = REPO / "golden" / f"{name}.json"
+    header = load_golden(golden).header
+    here = {"device": torch.cuda.get_device_name(), **{k: _versions().get(k) for k in EXACT_VERSIONS}}
+    made = {"device": header["device_name"], **{k: header["versions"].get(k) for k in EXACT_VERSIONS}}
+    if here != made:
+        pytest.skip(f"{golden.name} was made with {made}, this machine has {here}: the exact tier does not apply")
+    res = run_cli("run", *SUITE[name], "--out", str(tmp_path / "run"), "--json")
+    assert res.returncode == 0, res.stderr
+    check = run_cli("check", "golden", str(tmp_path / "run"), str(golden), "--ignore", "perf/*")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "golden check passed (exact tier)" in check.stdout
