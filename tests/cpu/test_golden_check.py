@@ -468,3 +468,18 @@ def test_checks_write_nothing_into_the_run(run_dir, golden_file):
     _check(run_dir, golden_file)
     run_cli("golden", "update", str(run_dir), str(golden_file), "--reason", "again")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_plot_without_matplotlib_is_one_clear_line(run_dir, golden_file, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.argv = ['rlbench'] + sys.argv[1:]; "
+            "from rlbench.cli import main; main()")
+    png = tmp_path / "p.png"
+    res = subprocess.run([sys.executable, "-c", code, "check", "golden", str(run_dir), str(golden_file), "--plot",
+                          str(png)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    _one_line_error(res, "--plot needs matplotlib", "rlbench[plot]")
+    assert not png.exists()
