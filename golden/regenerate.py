@@ -1,7 +1,7 @@
 """Regenerate the golden logs in this directory, deliberately: python golden/regenerate.py --reason TEXT
 
 Each entry of suite.json (or of --suite FILE) is `rlbench run ARGS` (from the repository root), whose run directory
-`rlbench golden update` turns into golden/NAME.json, the reason appended to the file's history.
+`rlbench golden update` turns into NAME.json beside the suite file, the reason appended to the file's history.
 Only through `rlbench golden update`: the suite (tests/cpu/test_golden_suite.py) checks that the
 committed files are what it writes for the same run.
 """
@@ -23,10 +23,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reason", required=True, help="why the golden values change (kept in each file's history)")
     parser.add_argument("--suite", default=str(HERE / "suite.json"),
-                        help="the suite file: suite.json (CPU, checked by tests/cpu) or suite-cuda.json (tests/gpu)")
+                        help="the suite file; the golden files go beside it. golden/suite.json: the CPU suite "
+                             "(tests/cpu); tests/gpu/golden/suite.json: the GPU suite (tests/gpu)")
     parser.add_argument("names", nargs="*", help="suite entries to regenerate [default: all]")
     args = parser.parse_args()
-    suite = json.loads(Path(args.suite).read_text())
+    suite_file = Path(args.suite).resolve()
+    suite = json.loads(suite_file.read_text())
     unknown = sorted(set(args.names) - set(suite))
     if unknown:
         parser.error(f"not in suite.json: {', '.join(unknown)} (entries: {', '.join(suite)})")
@@ -36,7 +38,7 @@ def main() -> int:
             run_dir = Path(tmp) / name
             subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO, check=True,
                            stdout=subprocess.DEVNULL)
-            subprocess.run([*rlbench, "golden", "update", str(run_dir), f"golden/{name}.json",
+            subprocess.run([*rlbench, "golden", "update", str(run_dir), str((suite_file.parent / f"{name}.json").relative_to(REPO)),
                             "--reason", args.reason], cwd=REPO, check=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""GPU golden logs (golden/suite-cuda.json): a CUDA run checked against the golden file made on
+"""GPU golden logs (tests/gpu/golden/suite.json): a CUDA run checked against the golden file made on
 the same GPU model and versions, in the exact tier (deterministic mode repeats bit for bit).
 Where the GPU model or versions differ, the exact tier does not apply and the test says so."""
 
@@ -13,12 +13,13 @@ from rlbench.checks.golden import EXACT_VERSIONS, load_golden
 from rlbench.core.context import _versions
 from tests.conftest import REPO, run_cli
 
-SUITE = json.loads((REPO / "golden" / "suite-cuda.json").read_text())
+HERE = REPO / "tests" / "gpu" / "golden"
+SUITE = json.loads((HERE / "suite.json").read_text())
 
 
 @pytest.mark.parametrize("name", sorted(SUITE))
 def test_cuda_golden(tmp_path, name):
-    golden = REPO / "golden" / f"{name}.json"
+    golden = HERE / f"{name}.json"
     header = load_golden(golden).header
     here = {"device": torch.cuda.get_device_name(), **{k: _versions().get(k) for k in EXACT_VERSIONS}}
     made = {"device": header["device_name"], **{k: header["versions"].get(k) for k in EXACT_VERSIONS}}
