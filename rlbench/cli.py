@@ -585,6 +585,12 @@ def golden_update(
     for key in ("changed", "added", "removed", "tolerance_changed"):
         if changes[key]:
             stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False, soft_wrap=True)
+    if changes["config_changed"]:
+        stdout.print(f"note: the configuration differs from the one {golden} held; it now holds this run's",
+                     markup=False, highlight=False, soft_wrap=True)
+    if changes["platform_changed"]:
+        stdout.print(f"note: the platform changed to {doc['header']['platform']}", markup=False, highlight=False,
+                     soft_wrap=True)
 
 
 def main() -> None:

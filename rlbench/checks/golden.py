@@ -548,6 +548,8 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
         "changed": sorted(n for n in metrics if n in old and not _same_series(old[n].values, metrics[n].values)),
         "tolerance_changed": sorted(n for n in metrics if n in old
                                     and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()),
+        "config_changed": previous is not None and previous.header.get("config_hash") != config_hash(identity),
+        "platform_changed": previous is not None and previous.header.get("platform") != platform_of(manifest),
     }
     now = _now()
     entry = {"date": now, "reason": reason.strip(), "command": command, "run_command": manifest.get("command"),

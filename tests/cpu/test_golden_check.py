@@ -303,6 +303,7 @@ def test_update_keeps_history_and_overrides(run_dir, tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     assert summary["history"] == 2 and summary["changed"] == [] and summary["added"] == []
+    assert summary["config_changed"] is False and summary["platform_changed"] is False
     doc = json.loads(path.read_text())
     assert [h["reason"] for h in doc["header"]["history"]] == ["first", "torch upgrade"]
     assert doc["header"]["reason"] == "torch upgrade"
@@ -483,3 +484,16 @@ def test_plot_without_matplotlib_is_one_clear_line(run_dir, golden_file, tmp_pat
                           str(png)], cwd=REPO, capture_output=True, text=True, timeout=120)
     _one_line_error(res, "--plot needs matplotlib", "rlbench[plot]")
     assert not png.exists()
+
+
+def test_update_from_another_configuration_says_so(golden_file, small_config, tmp_path):
+    from rlbench.core.loop import run
+
+    other = tmp_path / "other"
+    run(apply_overrides(small_config, steps=2, out=str(other), train__lr=0.01))
+    res = run_cli("golden", "update", str(other), str(golden_file), "--reason", "new lr", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["config_changed"] is True
+    doc = json.loads(golden_file.read_text())
+    assert doc["header"]["config"]["train"]["lr"] == 0.01 and doc["header"]["history"][-1]["config_changed"] is True
+    assert run_cli("check", "golden", str(other), str(golden_file), "--ignore", "perf/*").returncode == 0
