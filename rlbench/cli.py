@@ -469,6 +469,7 @@ def check_golden(
     perf/* metrics compare window medians, never exactly: the run's median may be at most max_ratio times the golden's.
     """
     from rlbench.checks import golden as g
+    from rlbench.checks.golden_compare import compare
     from rlbench.replay.rundir import read_run
 
     renames = {}
@@ -483,7 +484,7 @@ def check_golden(
 
         _require_matplotlib()  # before the comparison's work, not after it
     run = read_run(run_dir)
-    report = g.compare(run, g.load_golden(golden, renames), tier.value, ignore or [], overrides)
+    report = compare(run, g.load_golden(golden, renames), tier.value, ignore or [], overrides)
     if plot is not None:
         from rlbench.checks.plot import save
 

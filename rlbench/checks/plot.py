@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from rlbench.checks.golden import GoldenReport, MetricResult
+from rlbench.checks.golden_compare import GoldenReport, MetricResult
 from rlbench.errors import BadInput
 
 COLUMNS = 3

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rlbench.checks import golden as g
+from rlbench.checks.golden_compare import compare
 from rlbench.config import apply_overrides
 from rlbench.replay.rundir import read_run
 from tests.conftest import run_cli
@@ -446,7 +447,7 @@ def test_plot_marks_failing_steps(run_dir, golden_file, tmp_path):
     from rlbench.checks import plot
 
     failing = _edit(golden_file, lambda d: _scale_steps(d, "train/entropy_loss", [1, 4], 1.5), tmp_path / "f.json")
-    report = g.compare(read_run(run_dir), g.load_golden(failing), "approx", ignore=["perf/*"])
+    report = compare(read_run(run_dir), g.load_golden(failing), "approx", ignore=["perf/*"])
     fig = plot.figure(report)
     panels = {ax.get_title().split()[0]: ax for ax in fig.axes if ax.get_visible()}
     assert set(panels) == {m.name for m in report.metrics}

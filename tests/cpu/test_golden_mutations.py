@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from rlbench.checks.golden import compare, load_golden
+from rlbench.checks.golden import load_golden
+from rlbench.checks.golden_compare import compare
 from rlbench.config import load_config
 from rlbench.core import algo, loop, samples
 from rlbench.replay.rundir import read_run
