@@ -82,13 +82,6 @@ class Tolerance:
             doc["override"] = dict(self.override)
         return doc
 
-    def describe(self) -> str:
-        if self.kind == "exact":
-            return "exact"
-        if self.kind == "median":
-            return f"median over steps {self.window[0]}..{self.window[1]} <= x{self.max_ratio:g}"
-        return f"atol {self.atol:g} + rtol {self.rtol:g}"
-
 
 # Default tolerances per metric family, first match wins. Losses follow Megatron-LM's
 # approximate tier (rtol 0.05); the absolute floors keep near-zero policy losses comparable.
@@ -124,13 +117,17 @@ def default_tolerance(name: str, steps: list[int], values: list[float]) -> Toler
     family, spec = family_of(name)
     n = len(steps)
     if spec.get("kind") == "median":
-        skip = max(1, n // 10) if n > 2 else 0
-        return Tolerance(kind="median", max_ratio=spec["max_ratio"], window=(steps[skip], steps[-1]), family=family)
+        return Tolerance(kind="median", max_ratio=spec["max_ratio"], window=_perf_window(steps), family=family)
     rtol, atol = spec["rtol"], spec["atol"]
     allowed = [atol + rtol * abs(v) for v in values if math.isfinite(v)] or [atol]
     fraction = min(0.5, 2 / math.sqrt(n)) if n else 0.5
     return Tolerance(kind="approx", rtol=rtol, atol=atol, failing_steps=min(max(n // 100, 1), 50) if n > 1 else 0,
                      mean_residual=_round_sig(fraction * statistics.fmean(allowed)), family=family)
+
+
+def _perf_window(steps: list[int]) -> tuple[int, int]:
+    skip = max(1, len(steps) // 10) if len(steps) > 2 else 0
+    return steps[skip], steps[-1]
 
 
 def _round_sig(x: float, digits: int = 3) -> float:
@@ -191,8 +188,7 @@ def apply_override(tol: Tolerance, override: dict, name: str, steps: list[int], 
     kind = override.get("kind", tol.kind)
     base = tol if kind == tol.kind else Tolerance(kind=kind, family=tol.family)
     if kind == "median" and base.max_ratio is None:
-        skip = max(1, len(steps) // 10) if len(steps) > 2 else 0
-        base = replace(base, max_ratio=2.0, window=(steps[skip], steps[-1]))
+        base = replace(base, max_ratio=2.0, window=_perf_window(steps))
     fields = {k: v for k, v in override.items() if k != "kind"}
     allowed = {"exact": set(), "approx": {"rtol", "atol", "failing_steps", "mean_residual"},
                "median": {"max_ratio", "window"}}[kind]
@@ -250,7 +246,7 @@ def _int_in(doc: dict, key: str, path: Path, where: str, minimum: int) -> int:
     return v
 
 
-def _series_in(name: str, doc, path: Path, where: str, offset: int) -> tuple[int, int, int, dict[int, float]]:
+def _series_in(doc, path: Path, where: str, offset: int) -> tuple[int, int, int, dict[int, float]]:
     """Megatron-LM's series shape, values a {step: value} object or a list over the grid."""
     if not isinstance(doc, dict):
         raise BadInput(f"expected an object with start_step, end_step, step_interval, values, got "
@@ -323,10 +319,15 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
     except ValueError as exc:
         raise BadInput(f"invalid JSON ({exc})", path=path) from None
     rename = rename or {}
+    names = doc if is_megatron(doc) else doc.get("metrics") if isinstance(doc, dict) else None
+    unknown = sorted(set(rename) - set(names or {}))
+    if isinstance(names, dict) and unknown:
+        raise BadInput(f"{', '.join(map(repr, unknown))} matches no metric of {path} ({', '.join(names)})",
+                       field="--rename")
     if is_megatron(doc):
         metrics = {}
         for name, series in doc.items():
-            start, end, interval, values = _series_in(name, series, path, name, offset=-1)
+            start, end, interval, values = _series_in(series, path, name, offset=-1)
             target = rename.get(name, name)
             steps = sorted(values)
             metrics[target] = Series(start, end, interval, values,
@@ -355,7 +356,7 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
         raise BadInput("expected a non-empty object of metric: series", path=path, field="metrics")
     metrics = {}
     for name, series in raw_metrics.items():
-        start, end, interval, values = _series_in(name, series, path, f"metrics.{name}", offset=0)
+        start, end, interval, values = _series_in(series, path, f"metrics.{name}", offset=0)
         steps = sorted(values)
         tol = _tolerance_in(name, series.get("tolerance"), steps, [values[s] for s in steps], path,
                             f"metrics.{name}.tolerance")

@@ -97,10 +97,9 @@ def _differences(golden: Golden, manifest: dict) -> list[str]:
     for name in EXACT_VERSIONS:
         if head["versions"].get(name) != run_versions.get(name):
             out.append(f"{name}: golden {head['versions'].get(name)}, run {run_versions.get(name)}")
-    if "determinism" in head and head["determinism"] != manifest.get("determinism"):
-        keys = sorted(k for k in set(head["determinism"] or {}) | set(manifest.get("determinism") or {})
-                      if (head["determinism"] or {}).get(k) != (manifest.get("determinism") or {}).get(k))
-        out.append(f"determinism settings: {', '.join(keys)}")
+    changed = _dict_diff(head.get("determinism") or {}, manifest.get("determinism") or {}) if "determinism" in head else []
+    if changed:
+        out.append(f"determinism settings: {'; '.join(changed)}")
     return out
 
 

@@ -498,3 +498,7 @@ def test_update_from_another_configuration_says_so(golden_file, small_config, tm
     doc = json.loads(golden_file.read_text())
     assert doc["header"]["config"]["train"]["lr"] == 0.01 and doc["header"]["history"][-1]["config_changed"] is True
     assert run_cli("check", "golden", str(other), str(golden_file), "--ignore", "perf/*").returncode == 0
+
+
+def test_rename_must_name_a_golden_metric(run_dir, golden_file):
+    _one_line_error(_check(run_dir, golden_file, "--rename", "lm loss=train/loss"), "--rename", "'lm loss' matches no metric")
