@@ -16,7 +16,7 @@ from rlbench.errors import BadInput
 COLUMNS = 3
 
 
-def _require_matplotlib():
+def require_matplotlib():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -29,7 +29,7 @@ def figure(report: GoldenReport):
     """One panel per compared metric: the golden values, the tolerance band, the run's curve and
     the failing steps (red crosses). In the exact tier the band is the metric's approx tolerance,
     drawn for scale; the crosses are the steps that differ at all."""
-    Figure, _ = _require_matplotlib()
+    Figure, _ = require_matplotlib()
     metrics = report.metrics
     if not metrics:
         raise BadInput("no metric was compared; nothing to plot", field="--plot")
@@ -78,9 +78,8 @@ def _panel(ax, m: MetricResult, tier: str) -> None:
     if m.failures:
         ax.scatter([f.step for f in m.failures], [f.got for f in m.failures], marker="x", color="tab:red", s=55,
                    linewidths=2, zorder=5, label=f"failing steps ({len(m.failures)})")
-    status = {"pass": "pass", "fail": "FAIL", "missing": "MISSING"}[m.status]
-    how = {"exact": "exact", "approx": "approx", "median": "median"}[m.kind]
-    ax.set_title(f"{m.name}  [{how}: {status}]" + (f"\n{m.message}" if m.message else ""), fontsize=9,
+    status = m.status if m.status == "pass" else m.status.upper()
+    ax.set_title(f"{m.name}  [{m.kind}: {status}]" + (f"\n{m.message}" if m.message else ""), fontsize=9,
                  color="black" if m.status == "pass" else "tab:red")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
@@ -95,7 +94,7 @@ def save(report: GoldenReport, path: str | Path) -> Path:
         raise BadInput("expected a .png file name", path=path, field="--plot")
     if not path.parent.is_dir():
         raise BadInput("its directory does not exist", path=path, field="--plot")
-    _, FigureCanvasAgg = _require_matplotlib()
+    _, FigureCanvasAgg = require_matplotlib()
     fig = figure(report)
     FigureCanvasAgg(fig)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -68,7 +68,7 @@ def test_update_writes_header_series_and_tolerances(run_dir, golden_file):
     doc = json.loads(golden_file.read_text())
     head = doc["header"]
     assert doc["schema"] == "rlbench.golden/1"
-    assert head["platform"] == g.platform_of(read_run(run_dir).manifest) == "cpu-" + head["platform"].split("-", 1)[1]
+    assert head["platform"] == g.platform_of(read_run(run_dir).manifest) and head["platform"].startswith("cpu-")
     assert head["versions"]["torch"] and head["versions"]["transformers"]
     assert {"megatron-core", "sglang"} <= set(head["versions"])
     assert head["config_hash"] == g.config_hash(head["config"])
@@ -120,7 +120,11 @@ def test_values_round_trip_bit_for_bit(tmp_path_factory, values):
                                 "metrics": {"x": series.to_json()}}))
     back = g.load_golden(path).metrics["x"].values
     assert all(g.same_bits(back[s], v) for s, v in zip(steps, values))
-    assert g.same_bits(0.0, 0.0) and not g.same_bits(0.0, -0.0) and g.same_bits(math.nan, math.nan)
+
+
+def test_same_bits_is_bitwise():
+    assert g.same_bits(0.0, 0.0) and g.same_bits(math.nan, math.nan) and g.same_bits(math.inf, math.inf)
+    assert not g.same_bits(0.0, -0.0) and not g.same_bits(1.0, _next_float(1.0)) and not g.same_bits(math.nan, 1.0)
 
 
 # --------------------------------------------------------------------------- exact tier

@@ -1,0 +1,271 @@
+"""`rlbench check logprobs|tito|golden` and `rlbench golden update`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from rlbench.cli import AsJson, Debug, app, stderr, stdout
+from rlbench.errors import BadInput
+
+
+check_app = typer.Typer(help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
+                             "(metrics against a golden log).",
+                        no_args_is_help=True)
+app.add_typer(check_app, name="check")
+
+
+@check_app.command("logprobs")
+def check_logprobs(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    recompute: Annotated[bool, typer.Option("--recompute", help="Recompute trainer log-probs with the exact weights each step sampled with (rollout-only runs; steps with a checkpoint) instead of reading the recorded ones.")] = False,
+    top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
+    max_mean: Annotated[Optional[float], typer.Option(help="Gate: mean |delta| at most this (slime's train_rollout_logprob_abs_diff; its CI uses 0.1).")] = None,
+    max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
+    max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
+    max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
+    max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Report the train-inference log-prob mismatch: per-token |trainer - rollout| (mean, p99, max), K3 KL, mean exp(|delta|), and the worst tokens with context. Exit 1 when a gate is exceeded."""
+    from dataclasses import asdict
+
+    from rlbench.checks.logprobs import check_logprobs as run_check
+
+    report = run_check(run_dir, top, {"mean_abs": max_mean, "p99_abs": max_p99, "max_abs": max_abs,
+                                      "k3_kl": max_k3, "mean_exp_abs": max_exp}, recompute)
+    if as_json:
+        stdout.print_json(json.dumps(asdict(report)))
+    else:
+        for note in report.notes:
+            stderr.print(f"note: {note}", markup=False, highlight=False)
+        table = Table(title=f"log-prob mismatch, {report.tokens} tokens over {len(report.steps)} steps "
+                            f"({report.source} trainer log-probs)")
+        table.add_column("statistic")
+        table.add_column("value", justify="right")
+        table.add_column("gate", justify="right")
+        for name, value in report.stats.items():
+            limit = report.thresholds.get(name)
+            table.add_row(name, f"{value:.6g}", "" if limit is None else f"<= {limit:g}",
+                          style="bold red" if limit is not None and value > limit else None)
+        stdout.print(table)
+        if report.worst:
+            worst = Table(title="worst tokens")
+            for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):
+                worst.add_column(col)
+            for w in report.worst:
+                worst.add_row(str(w.step), str(w.sample), str(w.response_token), repr(w.text), repr(w.context[-30:]),
+                              f"{w.trainer:.6g}", f"{w.rollout:.6g}", f"{w.delta:+.3g}")
+            stdout.print(worst)
+        for failure in report.failures:
+            stdout.print(f"[bold red]gate failed[/]: {failure}")
+    if report.failures:
+        raise typer.Exit(1)
+
+
+@check_app.command("tito")
+def check_tito(
+    target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, token_ids} trajectories.")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own).")] = None,
+    audit: Annotated[bool, typer.Option("--audit", help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.")] = False,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Find token-in-token-out drift: ids the trainer would see that are not the ids the engine sampled. Compares ids, never text, then names the cause (1 re-encode, 2 separator, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn closed). RUN_DIR: each sample's turns must each be a prefix of the next, and of the trained ids; single-turn samples are compared with the template's re-render. --audit: a TITO builder played over generated conversations. Exit 1 on a strict finding."""
+    from dataclasses import asdict
+
+    from rlbench.checks.tito import MODES, audit as run_audit, check_run
+
+    if audit:
+        if tokenizer is None:
+            raise BadInput("--audit needs --tokenizer DIR", field="--audit")
+        report = run_audit(tokenizer)
+        findings = [("", f) for f in report.findings]
+        doc = {**asdict(report), "modes": report.modes, "strict": report.strict}
+        headline = f"{tokenizer}: the template keeps the prefix property over {len(report.shapes)} shapes"
+    else:
+        if target is None:
+            raise BadInput("give a run directory or JSONL, or --audit --tokenizer DIR", field="check tito")
+        report = check_run(target, tokenizer)
+        findings = [(f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding)
+                    for f in report.findings]
+        doc = {**asdict(report), "rates": report.rates, "strict": report.strict}
+        headline = f"{target}: no drift in {report.samples} samples"
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+    elif not findings:
+        stdout.print(headline, markup=False, highlight=False)
+    else:
+        table = Table(title="token-in-token-out drift (first divergence of each)")
+        for col in ("sample" if not audit else "shape", "where", "mode", "index", "expected", "got"):
+            table.add_column(col)
+        for label, f in findings[:50]:
+            table.add_row(label or f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (not strict)"),
+                          str(f.index), repr(f.expected_text), repr(f.got_text))
+        stdout.print(table)
+        if len(findings) > 50:
+            stdout.print(f"... and {len(findings) - 50} more (--json lists all)")
+        counts = report.modes if audit else {m: r for m, r in report.rates.items()}
+        for mode, value in counts.items():
+            amount = f"{value}" if audit else f"{value:.1%} of {report.samples} samples"
+            stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({amount})", markup=False)
+    if report.strict:
+        raise typer.Exit(1)
+
+
+class Tier(str, Enum):
+    exact = "exact"
+    approx = "approx"
+
+
+Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance", help="Per-metric tolerance override, METRIC-GLOB:key=value[,key=value]; keys kind (exact|approx|median), rtol, atol, failing_steps, mean_residual, max_ratio, window=A:B. Repeatable.")]
+
+
+@check_app.command("golden")
+def check_golden(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) or a Megatron-LM golden values file.")],
+    tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or versions). approx: each metric within its tolerance.")] = Tier.exact,
+    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Leave out metrics matching this glob (e.g. 'perf/*'). Repeatable.")] = None,
+    tolerance: Tolerances = None,
+    rename: Annotated[Optional[list[str]], typer.Option("--rename", help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a Megatron-LM file. Repeatable.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: each compared metric, its golden values and tolerance band, failing steps marked.")] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Compare a run's metrics with a golden log. Exit 0: within the golden; exit 1: a regression (the failing metrics and steps are listed: expected, got, tolerance); exit 2: bad input, or a comparison that means nothing (another configuration; in the exact tier another platform, versions or determinism settings), with the reason.
+
+    perf/* metrics compare window medians, never exactly: the run's median may be at most max_ratio times the golden's.
+    """
+    from rlbench.checks import golden as g
+    from rlbench.checks.golden_compare import compare
+    from rlbench.replay.rundir import read_run
+
+    renames = {}
+    for item in rename or []:
+        old, eq, new = item.partition("=")
+        if not eq or not old or not new:
+            raise BadInput(f"expected GOLDEN_NAME=RUN_NAME, got {item!r}", field="--rename")
+        renames[old] = new
+    overrides = [g.parse_override(spec) for spec in tolerance or []]
+    if plot is not None:
+        from rlbench.checks.plot import require_matplotlib
+
+        require_matplotlib()  # before the comparison's work, not after it
+    run = read_run(run_dir)
+    report = compare(run, g.load_golden(golden, renames), tier.value, ignore or [], overrides)
+    if plot is not None:
+        from rlbench.checks.plot import save
+
+        save(report, plot)
+    if as_json:
+        doc = report.to_json()
+        doc["plot"] = str(plot) if plot is not None else None
+        stdout.print_json(json.dumps(doc))
+    else:
+        _render_golden(report, plot)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else repr(value)  # shortest round-trip form: a 1-ulp change shows
+
+
+def _render_golden(report, plot: Path | None) -> None:
+    for note in report.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    steps = sorted({s for m in report.metrics for s in m.steps})
+    span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+    if report.ok:
+        stdout.print(f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics over {span} of "
+                     f"{report.run} match {report.golden}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        summary = Table(title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
+                              f"metrics regressed ({span})")
+        for col in ("metric", "compared as", "what failed"):
+            summary.add_column(col, overflow="fold")
+        for m in report.failed:
+            summary.add_row(m.name, m.kind, m.message, style="bold red")
+        stdout.print(summary)
+        rows = [(m, f) for m in report.failed for f in m.failures]
+        if rows:
+            table = Table(title="failing steps")
+            for col in ("metric", "step", "expected", "got", "got - expected", "tolerance"):
+                table.add_column(col, justify="left" if col == "metric" else "right", overflow="fold")
+            for m, f in rows[:40]:
+                table.add_row(m.name, str(f.step), _fmt(f.expected), _fmt(f.got), f"{f.delta:+.3g}",
+                              "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
+            stdout.print(table)
+            if len(rows) > 40:
+                stdout.print(f"... and {len(rows) - 40} more failing steps (--json lists all)")
+        passed = [m.name for m in report.metrics if m.status == "pass"]
+        if passed:
+            stdout.print(f"passed: {', '.join(passed)}", markup=False, highlight=False, soft_wrap=True)
+    if report.ignored:
+        stdout.print(f"ignored: {', '.join(report.ignored)}", markup=False, highlight=False, soft_wrap=True)
+    if report.not_in_golden:
+        stdout.print(f"not in the golden file (not compared): {', '.join(report.not_in_golden)}", markup=False,
+                     highlight=False, soft_wrap=True)
+    if plot is not None:
+        stdout.print(f"plot: {plot}", markup=False, highlight=False, soft_wrap=True)
+
+
+golden_app = typer.Typer(help="Write golden logs, deliberately.", no_args_is_help=True)
+app.add_typer(golden_app, name="golden")
+
+
+@golden_app.command("update")
+def golden_update(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory whose metrics become the golden values.")],
+    golden: Annotated[Path, typer.Argument(help="The golden file to write or refresh (JSON).")],
+    reason: Annotated[str, typer.Option("--reason", help="Why the golden values change (kept in the file's history).")],
+    tolerance: Tolerances = None,
+    step_interval: Annotated[int, typer.Option(help="Keep every Nth step (Megatron-LM keeps every 5th).", min=1)] = 1,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Write or refresh a golden file from a run: every metric at every committed step, tolerances from the metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earlier --tolerance overrides carried and new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that is not a valid golden file is refused and left as it is."""
+    from rlbench.checks import golden as g
+    from rlbench.replay.rundir import read_run
+
+    overrides = [g.parse_override(spec) for spec in tolerance or []]
+    run = read_run(run_dir)
+    previous = g.load_golden(golden) if golden.exists() else None
+    if previous is not None and previous.format != "rlbench":
+        raise BadInput("is a Megatron-LM golden values file; write the rlbench golden file to another path",
+                       path=golden)
+    command = shlex.join(["rlbench", *sys.argv[1:]])
+    doc, changes = g.build_golden(run, reason, command, previous, overrides, step_interval)
+    g.write_golden(golden, doc)
+    for note in run.notes:
+        stderr.print(f"note: {run_dir}: {note}", markup=False, highlight=False, soft_wrap=True)
+    metrics = doc["metrics"]
+    first = next(iter(metrics.values()))
+    result = {"golden": str(golden), "run": str(run_dir), "metrics": len(metrics),
+              "steps": [first["start_step"], first["end_step"]], "step_interval": step_interval,
+              "history": len(doc["header"]["history"]), **changes}
+    if as_json:
+        stdout.print_json(json.dumps(result))
+        return
+    verb = "refreshed" if previous is not None else "wrote"
+    stdout.print(f"{verb} {golden}: {len(metrics)} metrics over steps {first['start_step']}..{first['end_step']} "
+                 f"(every {step_interval}), platform {doc['header']['platform']}; history: "
+                 f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}", markup=False, highlight=False, soft_wrap=True)
+    for key in ("changed", "added", "removed", "tolerance_changed"):
+        if changes[key]:
+            stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False, soft_wrap=True)
+    if changes["config_changed"]:
+        stdout.print(f"note: the configuration differs from the one {golden} held; it now holds this run's",
+                     markup=False, highlight=False, soft_wrap=True)
+    if changes["platform_changed"]:
+        stdout.print(f"note: the platform changed to {doc['header']['platform']}", markup=False, highlight=False,
+                     soft_wrap=True)

@@ -1,0 +1,314 @@
+"""`rlbench run`, `replay`, `diff` and `import slime`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from rlbench.cli import AsJson, Debug, app, stderr, stdout
+from rlbench.errors import BadInput
+
+
+class Mode(str, Enum):
+    full = "full"
+    rollout_only = "rollout-only"
+    train_only = "train-only"
+
+
+class RolloutBackend(str, Enum):
+    hf = "hf"
+
+
+class TrainerBackend(str, Enum):
+    torch = "torch"
+
+
+def _default_out() -> str:
+    import datetime
+
+    return f"runs/run-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _summary(result) -> dict:
+    rewards = [h["rollout/raw_reward"] for h in result.history]
+    k = min(10, len(rewards))
+    last = result.history[-1] if result.history else {}
+    return {
+        "out": result.config.out,
+        "mode": result.config.mode,
+        "seed": result.config.seed,
+        "steps": len(result.history),
+        "reward_first10": statistics.fmean(rewards[:k]) if rewards else None,
+        "reward_last10": statistics.fmean(rewards[-k:]) if rewards else None,
+        "final_loss": last.get("train/loss"),
+        "wall_time": result.wall_time,
+        "final_metrics": last,
+    }
+
+
+def _render_summary(summary: dict) -> None:
+    table = Table(title="rlbench run", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [("run directory", summary["out"] or "(not written)"), ("mode", summary["mode"]),
+            ("seed", str(summary["seed"])), ("steps", str(summary["steps"])),
+            ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
+            ("reward, last 10 steps", f"{summary['reward_last10']:.3f}")]
+    if summary["final_loss"] is not None:
+        rows.append(("final train/loss", f"{summary['final_loss']:.5f}"))
+    rows.append(("wall time", f"{summary['wall_time']:.1f} s"))
+    for row in rows:
+        table.add_row(*row)
+    stdout.print(table)
+
+
+@app.command()
+def run(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config.py); CLI options override it.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Master seed; every random draw is derived from it. [default: 1234]", min=0)] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Number of steps (rollout ids). [default: 100]", min=1)] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory to create; must be new or empty. [default: runs/run-<time>]")] = None,
+    mode: Annotated[Optional[Mode], typer.Option(help="full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine.")] = None,
+    rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
+    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help="Rollout engine. hf: embedded transformers, in-process.")] = None,
+    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option(help="Trainer. torch: embedded transformers model + AdamW.")] = None,
+    custom_rm_path: Annotated[Optional[str], typer.Option(help="Reward function by dotted path, package.module.function: fn(sample) -> float.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda[:N]. [default: cpu]")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, fixed and recorded (results depend on it). [default: 1]", min=1)] = None,
+    no_record: Annotated[bool, typer.Option("--no-record", help="Do not write rollouts/ (metrics, checksums and checkpoints still are).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
+
+    With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
+    """
+    from rlbench.config import load_config
+
+    if resume is not None:
+        given = [name for name, value in (("--config", config), ("--seed", seed), ("--steps", steps), ("--out", out),
+                                          ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
+                                          ("--threads", threads), ("--custom-rm-path", custom_rm_path))
+                 if value is not None]
+        if given:
+            raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
+                           field="--resume")
+        _resume(resume, as_json)
+        return
+    if (mode == Mode.train_only) != (rollouts is not None):
+        raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
+                       field="--rollouts")
+    cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
+                      device=device, threads=threads, out=str(out) if out else None,
+                      rollouts=str(rollouts) if rollouts else None,
+                      record=False if no_record else None,
+                      rollout__backend=rollout_backend.value if rollout_backend else None,
+                      train__backend=trainer_backend.value if trainer_backend else None,
+                      reward__custom_rm_path=custom_rm_path)
+    if rollouts is not None:
+        from rlbench.replay.replay import train_only_config
+
+        cfg = train_only_config(cfg, rollouts, steps)
+    if cfg.out is None:
+        cfg = cfg.replace(out=_default_out())
+    from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
+    command = shlex.join(["rlbench", *sys.argv[1:]])
+    if as_json:
+        result = run_loop(cfg, command=command)
+        stdout.print_json(json.dumps(_summary(result)))
+        return
+    with _progress(cfg.steps) as on_step:
+        result = run_loop(cfg, on_step=on_step, command=command)
+    _render_summary(_summary(result))
+
+
+@contextmanager
+def _progress(total: int, start: int = 0):
+    """A step progress bar on stderr, handed out as an on_step callback. Started at the first
+    step, not before: inputs are validated while a run is built, and a bad one must leave one
+    error line on stderr, not a progress line above it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), console=stderr)
+    task = progress.add_task("run", total=total, completed=start, info="")
+
+    def on_step(state) -> None:
+        info = f"reward {state.metrics['rollout/raw_reward']:.3f}"
+        if "train/loss" in state.metrics:
+            info += f"  loss {state.metrics['train/loss']:+.4f}"
+        progress.start()
+        progress.update(task, completed=state.step + 1, info=info)
+
+    try:
+        yield on_step
+    finally:
+        progress.stop()
+
+
+def _resume(run_dir: Path, as_json: bool) -> None:
+    from rlbench.replay.resume import resume as resume_run
+    from rlbench.replay.rundir import read_run
+
+    total = read_run(run_dir).manifest["config"]["steps"]
+    if as_json:
+        res = resume_run(run_dir)
+    else:
+        with _progress(total) as on_step:
+            res = resume_run(run_dir, on_step=on_step)
+    doc = {"run_dir": res.run_dir, "committed_before": res.committed, "restarted_from_checkpoint": res.checkpoint,
+           "recomputed_and_verified": max(res.committed - res.checkpoint, 0), "discarded": res.discarded,
+           "complete": True, "summary": _summary(res.result) if res.result else None}
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+        return
+    if res.result is None:
+        stdout.print(f"{run_dir}: already complete ({res.committed} steps); nothing to do")
+        return
+    for item in res.discarded:
+        stderr.print(f"discarded (uncommitted): {item}", markup=False, highlight=False)
+    stdout.print(f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
+                 f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new")
+    _render_summary(_summary(res.result))
+
+
+@app.command()
+def replay(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
+    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. [default: RUN_DIR.replay-<time>]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. [default: all committed]")] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Retrain on RUN_DIR's recorded rollouts (no rollout engine) and verify every stage's checksum.
+
+    Exit 0: every step reproduced. Exit 1: the first (step, stage) that differs is named; the replay's directory keeps that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to its own directory.
+    """
+    from rlbench.replay.replay import parse_range, replay as replay_run
+    from rlbench.replay.rundir import read_run
+
+    if as_json:
+        res = replay_run(run_dir, out, steps)
+    else:
+        first, last = parse_range(steps, len(read_run(run_dir).steps))
+        with _progress(last, first) as on_step:
+            res = replay_run(run_dir, out, steps, on_step=on_step)
+    first, last = res.steps
+    doc = {"source": res.source, "out": res.out, "steps": [first, last], "reproduced": res.reproduced,
+           "ok": res.ok, "compared_stages": res.compared_stages, "first_difference": None}
+    if res.diverged is not None:
+        d = res.diverged
+        doc["first_difference"] = {"step": d.step, "stage": d.stage, "expected": d.expected, "got": d.got}
+    if as_json:
+        stdout.print_json(json.dumps(doc))
+    elif res.ok:
+        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit; "
+                     f"stages compared: {', '.join(res.compared_stages)}")
+    else:
+        d = res.diverged
+        stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
+                     f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)")
+        stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
+    if not res.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")],
+    atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0)] = None,
+    rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Name the first step and stage where two runs differ, where inside it, and by how much.
+
+    Compares checksums first (bit for bit), then opens both sides' recordings at that step: sample and token for tokens and log-probs, sample for rewards and advantages, minibatch for the loss, parameter for gradients and weights. Exit 0: no difference; exit 1: a difference.
+    """
+    from dataclasses import asdict
+
+    from rlbench.replay.diff import diff as diff_runs
+
+    res = diff_runs(run_a, run_b, atol, rtol)
+    if as_json:
+        stdout.print_json(json.dumps(asdict(res), default=str))
+    else:
+        _render_diff(res)
+    if res.first is not None:
+        raise typer.Exit(1)
+
+
+def _render_diff(res) -> None:
+    for note in res.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False)
+    how = "bit for bit" if res.tolerance is None else f"within atol={res.tolerance[0]:g}, rtol={res.tolerance[1]:g}"
+    if res.first is None:
+        stdout.print(f"no difference over {len(res.steps_compared)} steps ({how}); stages: "
+                     f"{', '.join(res.stages_compared)}", markup=False, highlight=False)
+        return
+    d = res.first
+    stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")
+    table = Table(show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("where", d.where)
+    if d.a is not None or d.b is not None:
+        table.add_row("A", repr(d.a))
+        table.add_row("B", repr(d.b))
+    if d.max_abs is not None:
+        table.add_row("max |A - B|", f"{d.max_abs:.6g}")
+    if d.count is not None:
+        table.add_row("values differing", str(d.count))
+    for note in d.notes:
+        table.add_row("", note)
+    stdout.print(table)
+    if res.metrics_around:
+        around = Table(title=f"metrics around step {d.step}")
+        for col in ("step", "metric", "A", "B"):
+            around.add_column(col)
+        for row in res.metrics_around:
+            style = "bold" if row["a"] != row["b"] else None
+            around.add_row(str(row["step"]), row["metric"], f"{row['a']:.6g}", f"{row['b']:.6g}", style=style)
+        stdout.print(around)
+
+
+import_app = typer.Typer(help="Turn other frameworks' dumps into rlbench recordings.", no_args_is_help=True)
+app.add_typer(import_app, name="import")
+
+
+@import_app.command("slime")
+def import_slime(
+    dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")],
+    out: Annotated[Path, typer.Option(help="The run directory to create.")],
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. [default: the fixture]")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. [default: the fixture]")] = None,
+    reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
+
+    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order.
+    """
+    from rlbench.config import ModelConfig
+    from rlbench.replay.slime import import_slime as run_import
+
+    defaults = ModelConfig()
+    summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path),
+                                                 tokenizer=str(tokenizer or defaults.tokenizer)), reward_key)
+    if as_json:
+        stdout.print_json(json.dumps(summary))
+    else:
+        stdout.print(f"imported {summary['steps']} rollout ids ({summary['samples_per_step']} samples each, groups of "
+                     f"{summary['group_size']}) into {summary['out']}", markup=False, highlight=False)
