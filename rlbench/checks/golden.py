@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rlbench.errors import BadInput
-from rlbench.replay.rundir import RunDir, atomic_write
+from rlbench.rundir.directory import RunDir, atomic_write
 
 SCHEMA = "rlbench.golden/1"
 # Versions that change bits: the exact tier needs them equal. python and rlbench are recorded only:

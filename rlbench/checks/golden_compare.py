@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from rlbench.checks.golden import (EXACT_VERSIONS, TIERS, Golden, Tolerance, _num_out, _same_series, apply_override,
                                    config_identity, platform_of, run_series, same_bits)
 from rlbench.errors import BadInput
-from rlbench.replay.rundir import RunDir
+from rlbench.rundir.directory import RunDir
 
 
 @dataclass

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from rlbench.errors import BadInput
-from rlbench.replay import recording
-from rlbench.replay.rundir import read_run, step_name
+from rlbench.rundir import recording
+from rlbench.rundir.directory import read_run, step_name
 
 STATS = ("mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
 
@@ -73,7 +73,7 @@ class _Recomputer:
 
     def __init__(self, run, config):
         from rlbench.core.model import build_model
-        from rlbench.core.trainer_torch import TorchTrainer
+        from rlbench.backends.torch_trainer import TorchTrainer
 
         self.run = run
         self.rollout_only = run.manifest.get("mode") == "rollout-only"

@@ -351,8 +351,8 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
 
     from rlbench.core.model import load_tokenizer
     from rlbench.errors import BadInput
-    from rlbench.replay import recording
-    from rlbench.replay.rundir import read_run
+    from rlbench.rundir import recording
+    from rlbench.rundir.directory import read_run
 
     path = Path(path)
     if path.is_file():

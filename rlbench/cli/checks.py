@@ -147,7 +147,7 @@ def check_golden(
     """
     from rlbench.checks import golden as g
     from rlbench.checks.golden_compare import compare
-    from rlbench.replay.rundir import read_run
+    from rlbench.rundir.directory import read_run
 
     renames = {}
     for item in rename or []:
@@ -235,7 +235,7 @@ def golden_update(
 ) -> None:
     """Write or refresh a golden file from a run: every metric at every committed step, tolerances from the metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earlier --tolerance overrides carried and new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that is not a valid golden file is refused and left as it is."""
     from rlbench.checks import golden as g
-    from rlbench.replay.rundir import read_run
+    from rlbench.rundir.directory import read_run
 
     overrides = [g.parse_override(spec) for spec in tolerance or []]
     run = read_run(run_dir)

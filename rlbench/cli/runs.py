@@ -158,7 +158,7 @@ def _progress(total: int, start: int = 0):
 
 def _resume(run_dir: Path, as_json: bool) -> None:
     from rlbench.replay.resume import resume as resume_run
-    from rlbench.replay.rundir import read_run
+    from rlbench.rundir.directory import read_run
 
     total = read_run(run_dir).manifest["config"]["steps"]
     if as_json:
@@ -195,7 +195,7 @@ def replay(
     Exit 0: every step reproduced. Exit 1: the first (step, stage) that differs is named; the replay's directory keeps that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to its own directory.
     """
     from rlbench.replay.replay import parse_range, replay as replay_run
-    from rlbench.replay.rundir import read_run
+    from rlbench.rundir.directory import read_run
 
     if as_json:
         res = replay_run(run_dir, out, steps)

@@ -26,9 +26,9 @@ from rlbench.core.reward import RewardInput, load_reward_fn
 from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import Prompt
 from rlbench.errors import BadInput
-from rlbench.replay.digest import weights_digest
-from rlbench.replay.recording import read_step
-from rlbench.replay.rundir import SCHEMA, RunDir, RunWriter, read_run
+from rlbench.rundir.digest import weights_digest
+from rlbench.rundir.recording import read_step
+from rlbench.rundir.directory import SCHEMA, RunDir, RunWriter, read_run
 
 STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
 # What each step's checksums.jsonl line holds, in the order the loop computes them.
@@ -143,8 +143,8 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     _initial_weights(model, source)
     initial_digest = weights_digest(named_weights(model))
 
-    from rlbench.core.rollout_hf import HFEngine
-    from rlbench.core.trainer_torch import TorchTrainer
+    from rlbench.backends.hf_engine import HFEngine
+    from rlbench.backends.torch_trainer import TorchTrainer
 
     trainer = None
     if config.mode in ("full", "train-only"):

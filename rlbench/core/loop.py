@@ -25,9 +25,9 @@ from rlbench.core.reward import RewardInput, score
 from rlbench.core.seeding import derive_seed
 from rlbench.core.types import GenerateRequest, Prompt, Sample
 from rlbench.errors import RlbenchError
-from rlbench.replay import recording
-from rlbench.replay.failpoints import hit
-from rlbench.replay.digest import tensors_digest, weights_digest
+from rlbench.rundir import recording
+from rlbench.rundir.failpoints import hit
+from rlbench.rundir.digest import tensors_digest, weights_digest
 
 
 class Diverged(RlbenchError):
@@ -81,7 +81,7 @@ def rollout(ctx: Context, state: StepState) -> None:
         results = ctx.engine.generate(requests)
         state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
                          for i, (req, res) in enumerate(zip(requests, results))]
-    state.tensors = recording.flatten(state.samples)
+    state.tensors = samples.flatten(state.samples)
     _checksum_rollout(state)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from rlbench.core import algo
 from rlbench.core.types import GenerateRequest, GenerateResult, Prompt, Sample
-from rlbench.replay import recording
+from rlbench.rundir import recording
 
 
 def prompt_tensors(prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -27,6 +27,13 @@ def recorded_prompt_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch
     tokens = [tensors["tokens"][int(a): int(a) + int(n)] for a, n in zip(starts, lengths)]
     return {"prompt_index": tensors["prompt_index"][firsts].clone(), "prompt_lengths": lengths.clone(),
             "prompt_tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)}
+
+
+def flatten(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """A step's samples as the recording's flat tensors (rlbench/rundir/recording.py's layout)."""
+    return recording.pack([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                          [s.loss_mask for s in samples], [s.rollout_log_probs for s in samples],
+                          [s.prompt.index for s in samples], [s.group_index for s in samples])
 
 
 def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRequest, res: GenerateResult) -> Sample:

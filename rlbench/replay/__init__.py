@@ -1,1 +1,1 @@
-"""The run directory: writing committed steps atomically, reading them back validated."""
+"""Features built on the loop and the run directory: replay, diff, resume, slime import."""

@@ -18,8 +18,8 @@ import torch
 
 from rlbench.core.context import STAGE_CHECKSUMS
 from rlbench.errors import BadInput
-from rlbench.replay import recording
-from rlbench.replay.rundir import RunDir, read_run, step_name
+from rlbench.rundir import recording
+from rlbench.rundir.directory import RunDir, read_run, step_name
 
 TOKEN_STAGES = {"rollout_tokens": "tokens", "rollout_logprobs": "rollout_logprobs", "old_logprobs": "old_logprobs"}
 SAMPLE_STAGES = {"rewards": "rewards", "advantages": "advantages"}

@@ -18,7 +18,7 @@ from pathlib import Path
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core.loop import Diverged, RunResult, StepState, run
 from rlbench.errors import BadInput
-from rlbench.replay.rundir import RunDir, read_run, step_name
+from rlbench.rundir.directory import RunDir, read_run, step_name
 
 
 @dataclass

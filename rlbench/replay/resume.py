@@ -16,9 +16,9 @@ from pathlib import Path
 
 from rlbench.core.loop import RunResult, StepState, run
 from rlbench.errors import BadInput
-from rlbench.replay.failpoints import hit
+from rlbench.rundir.failpoints import hit
 from rlbench.replay.replay import source_config
-from rlbench.replay.rundir import atomic_write, read_run, step_name
+from rlbench.rundir.directory import atomic_write, read_run, step_name
 
 
 @dataclass

@@ -99,7 +99,7 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
 
 
 def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
-    from rlbench.replay.recording import pack
+    from rlbench.rundir.recording import pack
 
     tensors = pack([r["tokens"][: r["prompt_length"]] for r in rows], [r["tokens"][r["prompt_length"]:] for r in rows],
                    [r["loss_mask"] for r in rows], [r["logprobs"] or [0.0] * len(r["loss_mask"]) for r in rows],
@@ -115,7 +115,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
     from rlbench.core.context import _versions
     from rlbench.core.loop import StepState, checksum_inputs
     from rlbench.core.model import file_digest, load_model_config, load_tokenizer
-    from rlbench.replay.rundir import SCHEMA, RunWriter
+    from rlbench.rundir.directory import SCHEMA, RunWriter
 
     if not dumps:
         raise BadInput("no dump files given", field="DUMP")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rlbench.replay.recording import encode_step, read_step
+from rlbench.rundir.recording import encode_step, read_step
 
 
 def copy_run(src: Path, dst: Path) -> Path:

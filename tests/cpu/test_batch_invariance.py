@@ -11,7 +11,7 @@ from rlbench.config import load_config
 from rlbench.core.context import _encode_prompts
 from rlbench.core.data import load_dataset
 from rlbench.core.model import build_model, load_tokenizer
-from rlbench.core.rollout_hf import HFEngine
+from rlbench.backends.hf_engine import HFEngine
 from rlbench.core.types import GenerateRequest
 
 

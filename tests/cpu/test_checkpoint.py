@@ -10,8 +10,8 @@ import torch
 from rlbench.config import load_config
 from rlbench.core import algo
 from rlbench.core.model import build_model
-from rlbench.core.trainer_torch import TorchTrainer
-from rlbench.replay.digest import weights_digest
+from rlbench.backends.torch_trainer import TorchTrainer
+from rlbench.rundir.digest import weights_digest
 
 
 def _trainer(seed: int) -> TorchTrainer:

@@ -1,4 +1,4 @@
-"""Crash safety: SIGKILL the run at named points of its write path (rlbench/replay/failpoints.py),
+"""Crash safety: SIGKILL the run at named points of its write path (rlbench/rundir/failpoints.py),
 then `rlbench run --resume`. Every killed directory stays readable, and every resumed run ends
 with the same files as a run that was never interrupted: checksums, rollouts and checkpoints
 byte for byte, metrics equal apart from perf/*, and no temporary file left behind."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbench.replay.rundir import read_run
+from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli, small_toml
 
 TOML = small_toml(6)

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from rlbench.checks import golden as g
 from rlbench.checks.golden_compare import compare
 from rlbench.config import apply_overrides
-from rlbench.replay.rundir import read_run
+from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli
 
 

@@ -17,7 +17,7 @@ from rlbench.checks.golden import load_golden
 from rlbench.checks.golden_compare import compare
 from rlbench.config import load_config
 from rlbench.core import algo, loop, samples
-from rlbench.replay.rundir import read_run
+from rlbench.rundir.directory import read_run
 from tests.conftest import REPO
 
 SUITE = json.loads((REPO / "golden" / "suite.json").read_text())

@@ -11,7 +11,7 @@ import torch
 
 from rlbench.core.model import load_tokenizer
 from rlbench.replay.diff import diff
-from rlbench.replay.recording import read_step
+from rlbench.rundir.recording import read_step
 from rlbench.replay.replay import replay
 from tests.conftest import REPO, run_cli
 

@@ -14,7 +14,7 @@ from rlbench.core.generate import check_trajectory, load_generate_fn
 from rlbench.core.loop import run
 from rlbench.core.model import load_tokenizer
 from rlbench.errors import BadInput
-from rlbench.replay.recording import read_step
+from rlbench.rundir.recording import read_step
 from rlbench.tasks.calculator import calculator
 from tests.conftest import REPO, run_cli
 

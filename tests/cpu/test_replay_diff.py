@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlbench.replay.diff import diff
-from rlbench.replay.recording import read_step
+from rlbench.rundir.recording import read_step
 from rlbench.replay.replay import replay
 from tests.conftest import run_cli
 from tests.cpu.recordings import copy_run, edit_step, response_positions

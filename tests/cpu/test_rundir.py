@@ -11,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlbench.core.data import PromptCursor
+from rlbench.core.samples import flatten
 from rlbench.core.seeding import derive_seed
 from rlbench.core.types import Prompt, Sample
 from rlbench.errors import BadInput
-from rlbench.replay import recording
-from rlbench.replay.digest import weights_digest
-from rlbench.replay.rundir import SCHEMA, RunWriter, atomic_write, read_run
+from rlbench.rundir import recording
+from rlbench.rundir.digest import weights_digest
+from rlbench.rundir.directory import SCHEMA, RunWriter, atomic_write, read_run
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 MANIFEST = {"schema": SCHEMA, "config": {"seed": 1}}
@@ -186,7 +187,7 @@ def _sample(index, prompt_ids, response_ids):
 
 def test_flatten_padded_unpad_round_trip():
     samples = [_sample(0, [5, 6, 7], [8, 9]), _sample(1, [5], [3, 4, 2, 1]), _sample(2, [5, 6], [])]
-    flat = recording.flatten(samples)
+    flat = flatten(samples)
     assert flat["offsets"].tolist() == [0, 5, 10, 12]
     assert flat["prompt_lengths"].tolist() == [3, 1, 2]
     assert flat["tokens"].tolist() == [t for s in samples for t in s.tokens]

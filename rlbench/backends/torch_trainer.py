@@ -20,7 +20,7 @@ from rlbench.config import AlgoConfig, TrainConfig
 from rlbench.core import algo
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
-from rlbench.replay import digest
+from rlbench.rundir import digest
 
 
 def pad_right(sequences: Sequence[Sequence[int]], pad: int = 0) -> torch.Tensor:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
-from rlbench.replay.failpoints import hit
+from rlbench.rundir.failpoints import hit
 
 if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
@@ -185,7 +185,7 @@ class RunWriter:
     def commit_step(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
                     checksums: dict[str, str], metrics: dict[str, float], extra: dict | None = None) -> None:
         """Queue the step's recording, then its checksums, then its metrics line (the commit)."""
-        from rlbench.replay.recording import encode_step
+        from rlbench.rundir.recording import encode_step
 
         files = {}
         if self.record:

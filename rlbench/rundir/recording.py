@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from rlbench.core.types import Sample
 from rlbench.errors import BadInput
-from rlbench.replay.digest import tensors_digest
+from rlbench.rundir.digest import tensors_digest
 
 SCHEMA = "rlbench.run/1"
 REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index", "loss_mask", "rollout_logprobs",
@@ -59,12 +58,6 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], l
         "loss_mask": torch.tensor(mask, dtype=torch.uint8),
         "rollout_logprobs": torch.tensor(lps, dtype=torch.float32),
     }
-
-
-def flatten(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
-    return pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.loss_mask for s in samples],
-                [s.rollout_log_probs for s in samples], [s.prompt.index for s in samples],
-                [s.group_index for s in samples])
 
 
 def padded(flat: torch.Tensor, offsets: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:

@@ -1,0 +1,7 @@
+"""The run directory's storage, used by the loop on every step and by every reader.
+
+    directory.py   the run directory: atomic writes, the step commit, validated reading
+    recording.py   a step's samples as flat safetensors tensors and per-sample JSON, self-verifying
+    digest.py      sha256 of named tensors (name, dtype, shape, bytes): the unit of checksums.jsonl
+    failpoints.py  named kill points in the write path, for the crash tests
+"""
