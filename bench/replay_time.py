@@ -21,7 +21,7 @@ from pathlib import Path
 from rlbench.config import load_config
 from rlbench.core.loop import run
 from rlbench.replay.replay import replay
-from rlbench.replay.rundir import read_run
+from rlbench.rundir.directory import read_run
 
 BUDGET = 1.10
 

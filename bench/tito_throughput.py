@@ -21,8 +21,8 @@ from rlbench.checks.tito import check_run, render
 from rlbench.config import load_config
 from rlbench.core.loop import run
 from rlbench.core.model import load_tokenizer
-from rlbench.replay.recording import read_step
-from rlbench.replay.rundir import read_run
+from rlbench.rundir.recording import read_step
+from rlbench.rundir.directory import read_run
 
 BUDGET = 2.0
 

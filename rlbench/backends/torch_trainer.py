@@ -42,8 +42,10 @@ class TorchTrainer:
         self.reference = None
         if algo_config.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # fused: its sqrt is the exact vector instruction; the for-loop AdamW calls torch.sqrt, which on
+        # the CPU is MKL's VML and rounds differently on AMD and Intel (rlbench/numerics.py).
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
-                                           eps=train.adam_eps, weight_decay=train.weight_decay)
+                                           eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
 
     def _micro_batches(self, n: int):
         size = self.train_config.micro_batch_size

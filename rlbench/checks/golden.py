@@ -46,10 +46,10 @@ from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir, atomic_write
 
 SCHEMA = "rlbench.golden/1"
-# Versions that change bits: the exact tier needs them equal. python and rlbench are recorded only:
-# rlbench's own changes are what the golden check is there to catch.
-EXACT_VERSIONS = ("torch", "transformers", "tokenizers", "megatron-core", "sglang")
-RECORDED_VERSIONS = ("python", "rlbench", *EXACT_VERSIONS)
+# A run records the versions of the packages it used (rlbench/core/context.py `versions`). The exact
+# tier needs them equal, except these, recorded only: rlbench's own changes are what the golden check is
+# there to catch, and the others store or route values without computing them.
+RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router")
 # Left out of the configuration identity: I/O settings, and placement (device, threads), which the
 # exact tier checks as platform and determinism settings and the approx tier compares across.
 IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads")
@@ -389,8 +389,20 @@ def config_hash(identity: dict) -> str:
 
 
 def _versions(manifest: dict) -> dict:
-    versions = manifest.get("versions", {})
-    return {k: versions.get(k) for k in RECORDED_VERSIONS}
+    return dict(manifest.get("versions") or {})
+
+
+def exact_versions(versions: dict) -> set[str]:
+    """The packages whose versions the exact tier needs equal."""
+    return set(versions) - set(RECORDED_ONLY)
+
+
+def numerics_of(manifest: dict) -> dict:
+    """What else decides a CPU run's bits (rlbench/numerics.py): compared in the exact tier."""
+    from rlbench.numerics import platform_class
+
+    device = str(manifest.get("device") or manifest.get("config", {}).get("device") or "cpu")
+    return platform_class(manifest.get("numerics"), device)
 
 
 def run_series(run: RunDir) -> dict[str, dict[int, float]]:
@@ -442,16 +454,19 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
         "tolerance_changed": sorted(n for n in metrics if n in old
                                     and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()),
         "config_changed": previous is not None and previous.header.get("config_hash") != config_hash(identity),
-        "platform_changed": previous is not None and previous.header.get("platform") != platform_of(manifest),
+        "platform_changed": previous is not None and (previous.header.get("platform") != platform_of(manifest)
+                                                      or previous.header.get("numerics") != numerics_of(manifest)),
     }
     now = _now()
     entry = {"date": now, "reason": reason.strip(), "command": command, "run_command": manifest.get("command"),
              "run_created": manifest.get("created"), "platform": platform_of(manifest),
+             "numerics": numerics_of(manifest),
              "versions": _versions(manifest), "config_hash": config_hash(identity),
              "steps": [run.steps[0], run.steps[-1]], **changes}
     history = list(previous.header.get("history", [])) if previous is not None else []
     header = {
         "platform": platform_of(manifest),
+        "numerics": numerics_of(manifest),
         "device_name": manifest.get("device_name"),
         "versions": _versions(manifest),
         "determinism": manifest.get("determinism"),

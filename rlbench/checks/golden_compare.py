@@ -12,8 +12,8 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from rlbench.checks.golden import (EXACT_VERSIONS, TIERS, Golden, Tolerance, _num_out, _same_series, apply_override,
-                                   config_identity, platform_of, run_series, same_bits)
+from rlbench.checks.golden import (TIERS, Golden, Tolerance, _num_out, _same_series, apply_override, config_identity,
+                                   exact_versions, numerics_of, platform_of, run_series, same_bits)
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 
@@ -91,12 +91,15 @@ def _differences(golden: Golden, manifest: dict) -> list[str]:
     run_platform = platform_of(manifest)
     if head.get("platform") != run_platform:
         out.append(f"platform: golden {head.get('platform')}, run {run_platform}")
+    changed = _dict_diff(head.get("numerics") or {}, numerics_of(manifest))
+    if changed:
+        out.append(f"CPU numerics: {'; '.join(changed)}")
     if head.get("device_name") != manifest.get("device_name"):
         out.append(f"device: golden {head.get('device_name')}, run {manifest.get('device_name')}")
-    run_versions = manifest.get("versions", {})
-    for name in EXACT_VERSIONS:
-        if head["versions"].get(name) != run_versions.get(name):
-            out.append(f"{name}: golden {head['versions'].get(name)}, run {run_versions.get(name)}")
+    golden_versions, run_versions = head.get("versions") or {}, manifest.get("versions") or {}
+    for name in sorted(exact_versions(golden_versions) | exact_versions(run_versions)):
+        if golden_versions.get(name) != run_versions.get(name):
+            out.append(f"{name}: golden {golden_versions.get(name)}, run {run_versions.get(name)}")
     changed = _dict_diff(head.get("determinism") or {}, manifest.get("determinism") or {}) if "determinism" in head else []
     if changed:
         out.append(f"determinism settings: {'; '.join(changed)}")

@@ -267,5 +267,6 @@ def golden_update(
         stdout.print(f"note: the configuration differs from the one {golden} held; it now holds this run's",
                      markup=False, highlight=False, soft_wrap=True)
     if changes["platform_changed"]:
-        stdout.print(f"note: the platform changed to {doc['header']['platform']}", markup=False, highlight=False,
-                     soft_wrap=True)
+        numerics = ", ".join(f"{k} {v}" for k, v in doc["header"]["numerics"].items())
+        stdout.print(f"note: the platform changed to {doc['header']['platform']}"
+                     f"{f' ({numerics})' if numerics else ''}", markup=False, highlight=False, soft_wrap=True)

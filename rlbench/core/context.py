@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from rlbench import __version__
+from rlbench import __version__, numerics
 from rlbench.config import RunConfig
 from rlbench.core.data import PromptCursor, load_dataset
 from rlbench.core.model import build_model, file_digest, load_named_, load_tokenizer, named_weights
@@ -34,7 +34,9 @@ STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
 # What each step's checksums.jsonl line holds, in the order the loop computes them.
 STAGE_CHECKSUMS = ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
                    "grads", "weights", "engine_weights")
-_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "megatron-core", "sglang", "sglang-router", "ray")
+# The packages whose versions a run records: those it used. Every run uses these; a backend adds its own.
+_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
+_BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router")}
 
 
 @dataclass
@@ -57,9 +59,15 @@ class Context:
     generate_env: object | None = None
 
 
-def _versions() -> dict[str, str | None]:
+def versions(config: RunConfig | None = None) -> dict[str, str | None]:
+    """Python, rlbench and the packages the run uses (`config`'s backends), with their versions."""
+    packages = list(_PACKAGES)
+    if config is not None:
+        for (section, backend), extra in _BACKEND_PACKAGES.items():
+            if getattr(getattr(config, section), "backend", None) == backend:
+                packages += extra
     found = {"python": sys.version.split()[0], "rlbench": __version__}
-    for name in _PACKAGES:
+    for name in packages:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -167,12 +175,13 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         "mode": config.mode,
         "stages": list(stages),
         "reward_fn": reward_name,
-        "versions": _versions(),
+        "versions": versions(config),
         "platform": {"system": platform.system(), "machine": platform.machine(),
                      "platform": platform.platform(), "processor": platform.processor()},
         "device": config.device,
         "device_name": _device_name(config.device),
         "determinism": determinism,
+        "numerics": numerics.identity(),
         "hashes": {
             "model_config": file_digest(Path(config.model.path) / "config.json"),
             "initial_weights": initial_digest,

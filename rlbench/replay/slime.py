@@ -112,7 +112,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
     """Write the dumps as a recording at `out`; return a summary."""
     import json
 
-    from rlbench.core.context import _versions
+    from rlbench.core.context import versions
     from rlbench.core.loop import StepState, checksum_inputs
     from rlbench.core.model import file_digest, load_model_config, load_tokenizer
     from rlbench.rundir.directory import SCHEMA, RunWriter
@@ -149,7 +149,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
                             rollout=config.rollout.__class__(n_samples_per_prompt=group_size))
     manifest = json.loads(json.dumps({
         "schema": SCHEMA, "config": config.to_dict(), "seed": config.seed, "mode": "rollout-only",
-        "stages": ["data", "rollout", "reward"], "reward_fn": "imported", "versions": _versions(),
+        "stages": ["data", "rollout", "reward"], "reward_fn": "imported", "versions": versions(),
         "device": "cpu", "imported": {"from": "slime", "files": [str(p) for _, p, _ in steps],
                                       "rollout_ids": [rid for rid, _, _ in steps]},
         "hashes": {"model_config": file_digest(Path(model.path) / "config.json"),

@@ -70,7 +70,10 @@ def test_update_writes_header_series_and_tolerances(run_dir, golden_file):
     assert doc["schema"] == "rlbench.golden/1"
     assert head["platform"] == g.platform_of(read_run(run_dir).manifest) and head["platform"].startswith("cpu-")
     assert head["versions"]["torch"] and head["versions"]["transformers"]
-    assert {"megatron-core", "sglang"} <= set(head["versions"])
+    # only the packages the run used (the default run: no megatron-core, no sglang)
+    assert set(head["versions"]) == {"python", "rlbench", "torch", "transformers", "tokenizers", "safetensors"}
+    assert head["numerics"] == {"mode": "portable", "aten_capability": "AVX2", "mkl_cbwr": "COMPATIBLE",
+                                "blas": head["numerics"]["blas"]} and head["numerics"]["blas"].startswith("MKL ")
     assert head["config_hash"] == g.config_hash(head["config"])
     assert head["command"] == "rlbench run (test)"
     assert head["reason"] == "initial values" and len(head["history"]) == 1
@@ -179,6 +182,37 @@ def test_other_versions_are_refused_in_exact(run_dir, golden_file, key, value, n
     _edit(golden_file, lambda doc: doc["header"]["versions"].__setitem__(key, value))
     _one_line_error(_check(run_dir, golden_file), needle)
     assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
+
+
+@pytest.mark.parametrize("field, value", [("aten_capability", "AVX512"), ("mkl_cbwr", "OFF"), ("blas", "OpenBLAS"),
+                                          ("mode", "native")])
+def test_other_cpu_numerics_are_refused_in_exact(run_dir, golden_file, field, value):
+    """A golden made where the bits are decided otherwise (another ATen dispatch, MKL branch, BLAS,
+    or the CPU's native paths) cannot hold bit for bit here: refused with the field, never a regression."""
+    _edit(golden_file, lambda doc: doc["header"]["numerics"].__setitem__(field, value))
+    _one_line_error(_check(run_dir, golden_file), "CPU numerics", f"{field} (golden {value!r}")
+    assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
+
+
+def test_portable_numerics_compare_across_cpu_vendors(run_dir, golden_file, tmp_path):
+    """In portable mode the CPU's vendor and ISA level are not part of the identity (bench/cpu_numerics.py
+    shows them agreeing): a run made on another vendor's CPU is compared bit for bit. In native mode
+    they are, and the same run is refused."""
+    import shutil
+
+    other = tmp_path / "other-cpu"
+    shutil.copytree(run_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["numerics"]["cpu"] = {"machine": "x86_64", "vendor": "GenuineIntel", "model": "Intel(R) Xeon(R)",
+                                   "isa": "x86-64-v4"}
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    doc = json.loads(_check(other, golden_file, "--json").stdout)
+    assert doc["failed"] == [] and doc["ok"] is True
+    manifest["numerics"]["mode"] = "native"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    _edit(golden_file, lambda d: d["header"]["numerics"].update(mode="native", vendor="AuthenticAMD", isa="x86-64-v3"))
+    _one_line_error(_check(other, golden_file), "CPU numerics", "vendor (golden 'AuthenticAMD', run 'GenuineIntel')",
+                    "isa (golden 'x86-64-v3', run 'x86-64-v4')")
 
 
 def test_other_determinism_settings_are_refused_in_exact(run_dir, golden_file):
