@@ -15,6 +15,7 @@ a gate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from rlbench.rundir import recording
 from rlbench.rundir.directory import read_run, step_name
 
 STATS = ("mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
+GATE_OPTIONS = {"mean_abs": "--max-mean", "p99_abs": "--max-p99", "max_abs": "--max-abs", "k3_kl": "--max-k3",
+                "mean_exp_abs": "--max-exp"}
 
 
 @dataclass
@@ -78,6 +81,15 @@ class _Recomputer:
         self.run = run
         self.rollout_only = run.manifest.get("mode") == "rollout-only"
         model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+        recorded = (run.manifest.get("hashes") or {}).get("initial_weights")
+        if recorded is not None:
+            from rlbench.core.model import named_weights
+            from rlbench.rundir.digest import weights_digest
+
+            here = weights_digest(named_weights(model))
+            if here != recorded:
+                raise BadInput(f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
+                               f"({recorded[:12]}): another model or seed", path=config.model.path)
         self.trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed)
         self.true_on_policy = config.rollout.true_on_policy
         self.loaded = None
@@ -103,13 +115,19 @@ class _Recomputer:
 
 def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, float] | None = None,
                    recompute: bool = False) -> LogprobReport:
+    from rlbench.core.context import check_made_with
     from rlbench.core.model import load_tokenizer
     from rlbench.replay.replay import source_config
 
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
+    for name, limit in thresholds.items():
+        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit >= 0):
+            raise BadInput(f"expected a finite number >= 0, got {limit!r}", field=GATE_OPTIONS.get(name, name))
     run = read_run(run_dir)
     if not run.steps:
         raise BadInput("no committed step to check", path=run.root / "metrics.jsonl")
     config = source_config(run)
+    check_made_with(run, tokenizer=config.model.tokenizer, model=config.model.path if recompute else None)
     recomputer = _Recomputer(run, config) if recompute else None
     try:
         tokenizer = load_tokenizer(config.model.tokenizer)
@@ -140,11 +158,33 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
     everything = torch.cat(deltas)
     stats = statistics(everything)
     worst = _worst(places, deltas, top, tokenizer)
-    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
-    failures = [f"{name} {stats[name]:.3g} > {limit:g}" for name, limit in thresholds.items() if stats[name] > limit]
+    nonfinite = _nonfinite(places, deltas)
+    failures = []
+    for name, limit in thresholds.items():
+        if not math.isfinite(stats[name]):  # a gate passes on finite numbers only
+            failures.append(f"{name} is {stats[name]} ({nonfinite}): a gate passes only on finite numbers")
+        elif stats[name] > limit:
+            failures.append(f"{name} {stats[name]:.3g} > {limit:g}")
     notes = [f"recomputed steps {[p[0] for p in places]}; no exact weights for steps {skipped}"] if skipped else []
+    if nonfinite:
+        notes.append(nonfinite)
     return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [p[0] for p in places],
                          int(everything.numel()), stats, per_step, worst, thresholds, failures, notes)
+
+
+def _nonfinite(places, deltas) -> str:
+    """'' when every delta is finite, else how many are not and where the first one is."""
+    total = sum(int((~d.isfinite()).sum()) for d in deltas)
+    if not total:
+        return ""
+    part = next(i for i, d in enumerate(deltas) if not bool(d.isfinite().all()))
+    step, tensors, index, _ = places[part]
+    pos = int(index[int((~deltas[part].isfinite()).nonzero()[0])])
+    offsets = tensors["offsets"]
+    sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
+    token = pos - int(offsets[sample]) - int(tensors["prompt_lengths"][sample])
+    return (f"{total} non-finite log-prob deltas; the first at step {step}, sample {sample}, response token {token} "
+            f"(trainer {float(places[part][3][pos])}, rollout {float(tensors['rollout_logprobs'][pos])})")
 
 
 def _worst(places, deltas, top: int, tokenizer) -> list[WorstToken]:

@@ -374,8 +374,12 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None) -> RunR
             if found is not None:
                 report.findings.append(SampleFinding(None, lineno, found.where, found))
         return report
+    from rlbench.core.context import check_made_with
+
     run = read_run(path)
-    tok = load_tokenizer(tokenizer_dir or run.manifest["config"]["model"]["tokenizer"])
+    tokenizer_dir = tokenizer_dir or run.manifest["config"]["model"]["tokenizer"]
+    check_made_with(run, tokenizer=tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
     report = RunReport(str(run.root), 0)
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)

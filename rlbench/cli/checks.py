@@ -55,7 +55,7 @@ def check_logprobs(
         for name, value in report.stats.items():
             limit = report.thresholds.get(name)
             table.add_row(name, f"{value:.6g}", "" if limit is None else f"<= {limit:g}",
-                          style="bold red" if limit is not None and value > limit else None)
+                          style="bold red" if limit is not None and not value <= limit else None)
         stdout.print(table)
         if report.worst:
             worst = Table(title="worst tokens")

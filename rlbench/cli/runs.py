@@ -205,15 +205,17 @@ def replay(
             res = replay_run(run_dir, out, steps, on_step=on_step)
     first, last = res.steps
     doc = {"source": res.source, "out": res.out, "steps": [first, last], "reproduced": res.reproduced,
-           "ok": res.ok, "compared_stages": res.compared_stages, "first_difference": None}
+           "ok": res.ok, "compared_stages": res.compared_stages, "checksums_compared": res.comparisons,
+           "first_difference": None}
     if res.diverged is not None:
         d = res.diverged
         doc["first_difference"] = {"step": d.step, "stage": d.stage, "expected": d.expected, "got": d.got}
     if as_json:
         stdout.print_json(json.dumps(doc))
     elif res.ok:
-        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit; "
-                     f"stages compared: {', '.join(res.compared_stages)}")
+        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
+                     f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
+                     f"({', '.join(res.compared_stages)})", markup=False, highlight=False, soft_wrap=True)
     else:
         d = res.diverged
         stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
@@ -253,9 +255,15 @@ def _render_diff(res) -> None:
     for note in res.notes:
         stderr.print(f"note: {note}", markup=False, highlight=False)
     how = "bit for bit" if res.tolerance is None else f"within atol={res.tolerance[0]:g}, rtol={res.tolerance[1]:g}"
+    for side, stages in res.stages_only.items():
+        if stages:
+            stderr.print(f"note: stages only {side} records (not compared): {', '.join(stages)}", markup=False,
+                         highlight=False)
     if res.first is None:
-        stdout.print(f"no difference over {len(res.steps_compared)} steps ({how}); stages: "
-                     f"{', '.join(res.stages_compared)}", markup=False, highlight=False)
+        verified = ", ".join(f"{side} {n} steps" for side, n in res.recordings_verified.items())
+        stdout.print(f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
+                     f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); recordings verified: "
+                     f"{verified}", markup=False, highlight=False, soft_wrap=True)
         return
     d = res.first
     stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")

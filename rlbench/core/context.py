@@ -31,9 +31,6 @@ from rlbench.rundir.recording import read_step
 from rlbench.rundir.directory import SCHEMA, RunDir, RunWriter, read_run
 
 STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
-# What each step's checksums.jsonl line holds, in the order the loop computes them.
-STAGE_CHECKSUMS = ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
-                   "grads", "weights", "engine_weights")
 # The packages whose versions a run records: those it used. Every run uses these; a backend adds its own.
 _PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 _BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router")}
@@ -94,13 +91,18 @@ def _encode_prompts(tokenizer, dataset: list[Prompt]) -> dict[int, tuple[int, ..
     return encoded
 
 
-def _check_source(source: RunDir, tokenizer_dir: Path) -> None:
-    """A recording is trained on with the tokenizer it was made with, or not at all."""
-    recorded = source.manifest.get("hashes", {}).get("tokenizer")
-    here = file_digest(tokenizer_dir)
-    if recorded is not None and recorded != here:
-        raise BadInput(f"the recording in {source.root} was made with another tokenizer (sha256 {recorded[:12]}, "
-                       f"this one is {here[:12]})", path=tokenizer_dir)
+def check_made_with(run: RunDir, tokenizer: str | Path | None = None, model: str | Path | None = None) -> None:
+    """A recording is read with the tokenizer and model it was made with, or not at all: each one given
+    is held to the sha256 its manifest recorded (BadInput naming the file when another one is given)."""
+    hashes = run.manifest.get("hashes") or {}
+    for what, path, key in (("tokenizer", tokenizer, "tokenizer"), ("model config", model, "model_config")):
+        if path is None or not isinstance(hashes.get(key), str):
+            continue
+        path = Path(path) / "config.json" if key == "model_config" else Path(path)
+        here = file_digest(path) if path.exists() else "missing"
+        if here != hashes[key]:
+            raise BadInput(f"the recording in {run.root} was made with another {what} (sha256 {hashes[key][:12]}, "
+                           f"this one is {here[:12]})", path=path)
 
 
 def _initial_weights(model, source: RunDir | None) -> None:
@@ -128,7 +130,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     if tokenizer.eos_token_id is None:
         raise BadInput("tokenizer has no eos_token (the stop token)", path=config.model.tokenizer)
     if source is not None:
-        _check_source(source, Path(config.model.tokenizer))
+        check_made_with(source, tokenizer=config.model.tokenizer)
         if source.steps[:config.steps] != list(range(config.steps)):
             raise BadInput(f"the recording's committed steps are not 0..{config.steps - 1}",
                            path=source.root / "metrics.jsonl")

@@ -20,12 +20,13 @@ import torch
 
 from rlbench.config import RunConfig
 from rlbench.core import algo, metrics, samples
-from rlbench.core.context import STAGE_CHECKSUMS, Context, build
+from rlbench.core.context import Context, build
 from rlbench.core.reward import RewardInput, score
 from rlbench.core.seeding import derive_seed
 from rlbench.core.types import GenerateRequest, Prompt, Sample
 from rlbench.errors import RlbenchError
 from rlbench.rundir import recording
+from rlbench.rundir.directory import CHECKSUM_KEYS
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.digest import tensors_digest, weights_digest
 
@@ -102,6 +103,24 @@ def recorded(ctx: Context, state: StepState) -> None:
     checksum_inputs(state)
 
 
+# Which recorded tensors each checksum covers, in order: one definition for the loop, replay and diff.
+RECORDED_DIGESTS = {"rollout_tokens": ("tokens", "offsets", "loss_mask"), "rollout_logprobs": ("rollout_logprobs",),
+                    "rewards": ("rewards",), "advantages": ("advantages",),
+                    "old_logprobs": ("old_logprobs", "ref_logprobs"), "loss": ("losses",)}
+
+
+def _digest(tensors: dict[str, torch.Tensor], key: str) -> str:
+    return tensors_digest({name: tensors[name] for name in RECORDED_DIGESTS[key] if name in tensors})
+
+
+def recorded_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The checksums a step's recorded tensors determine (data..rewards always; advantages,
+    old_logprobs and loss where the recording holds them): what a reader verifies a recording by."""
+    out = {"data": tensors_digest(samples.recorded_prompt_tensors(tensors))}
+    out.update({key: _digest(tensors, key) for key, names in RECORDED_DIGESTS.items() if names[0] in tensors})
+    return out
+
+
 def checksum_inputs(state: StepState) -> None:
     """data, rollout and reward checksums (and rollout metrics) of a recording's input tensors."""
     state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
@@ -110,19 +129,19 @@ def checksum_inputs(state: StepState) -> None:
 
 
 def _checksum_rollout(state: StepState) -> None:
-    state.checksums["rollout_tokens"] = tensors_digest({k: state.tensors[k] for k in ("tokens", "offsets", "loss_mask")})
-    state.checksums["rollout_logprobs"] = tensors_digest({"rollout_logprobs": state.tensors["rollout_logprobs"]})
+    state.checksums["rollout_tokens"] = _digest(state.tensors, "rollout_tokens")
+    state.checksums["rollout_logprobs"] = _digest(state.tensors, "rollout_logprobs")
 
 
 def _checksum_rewards(state: StepState) -> None:
-    state.checksums["rewards"] = tensors_digest({"rewards": state.tensors["rewards"]})
+    state.checksums["rewards"] = _digest(state.tensors, "rewards")
     state.metrics.update(metrics.rollout_metrics(state.tensors, [m["finish_reason"] for m in state.sample_meta]))
 
 
 def advantage(ctx: Context, state: StepState) -> None:
     state.tensors["advantages"] = algo.grpo_advantages(state.tensors["rewards"], ctx.group_size,
                                                        ctx.config.algo.normalize_std)
-    state.checksums["advantages"] = tensors_digest({"advantages": state.tensors["advantages"]})
+    state.checksums["advantages"] = _digest(state.tensors, "advantages")
 
 
 def logprob(ctx: Context, state: StepState) -> None:
@@ -134,8 +153,7 @@ def logprob(ctx: Context, state: StepState) -> None:
     if ctx.config.algo.kl_coef > 0:
         state.batch.ref_logprobs = ctx.trainer.logprobs(state.batch.tokens, reference=True) * state.batch.loss_mask
         state.tensors["ref_logprobs"] = recording.unpad(state.batch.ref_logprobs, state.tensors["offsets"])
-    state.checksums["old_logprobs"] = tensors_digest({k: state.tensors[k] for k in ("old_logprobs", "ref_logprobs")
-                                                      if k in state.tensors})
+    state.checksums["old_logprobs"] = _digest(state.tensors, "old_logprobs")
     state.metrics["train/train_rollout_logprob_abs_diff"] = metrics.logprob_abs_diff(state.tensors)
 
 
@@ -144,7 +162,7 @@ def train(ctx: Context, state: StepState) -> None:
     weights = ctx.trainer.export_hf_weights()
     state.metrics.update(stats.metrics)
     state.tensors["losses"] = stats.losses
-    state.checksums["loss"] = tensors_digest({"losses": stats.losses})
+    state.checksums["loss"] = _digest(state.tensors, "loss")
     state.checksums["grads"] = stats.grads_digest
     state.checksums["weights"] = weights_digest(weights)
     state.extra["param_digests"] = {"grads": stats.param_grads,
@@ -158,7 +176,7 @@ def sync(ctx: Context, state: StepState) -> None:
 
 def verify(expected: dict[str, str], state: StepState) -> None:
     """Raise `Diverged` at the first stage, in loop order, whose checksum differs from `expected`."""
-    for stage in STAGE_CHECKSUMS:
+    for stage in CHECKSUM_KEYS:
         if stage in expected and stage in state.checksums and expected[stage] != state.checksums[stage]:
             raise Diverged(state.step, stage, expected[stage], state.checksums[stage])
 

@@ -7,6 +7,11 @@ minibatch (loss), the parameter (grads, weights, from per-parameter digests; val
 checkpoints when both have one after that step). With a tolerance (`atol`, `rtol`), checksums
 cannot decide, so recorded values are compared numerically, |a - b| <= atol + rtol * |b|, and
 stages without recorded values (grads, weights) fall back to the metrics that summarise them.
+
+"No difference" speaks for everything: both sides must have a checksum for every stage of every
+committed step, every recording is read and verified against its own digest and its run's
+checksums before anything is compared (a corrupt or edited file is bad input, exit 2, never a
+verdict), and both sides must have committed the same steps. The result counts what was compared.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from rlbench.core.context import STAGE_CHECKSUMS
+import math
+
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
-from rlbench.rundir.directory import RunDir, read_run, step_name
+from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
 TOKEN_STAGES = {"rollout_tokens": "tokens", "rollout_logprobs": "rollout_logprobs", "old_logprobs": "old_logprobs"}
 SAMPLE_STAGES = {"rewards": "rewards", "advantages": "advantages"}
@@ -44,18 +50,36 @@ class DiffResult:
     a: str
     b: str
     steps_compared: list[int]
-    stages_compared: list[str]
+    stages_compared: list[str]  # the stages both runs record
     tolerance: tuple[float, float] | None
     first: Difference | None
     metrics_around: list[dict]  # [{"step", "metric", "a", "b"}] near the difference
     notes: list[str] = field(default_factory=list)
+    comparisons: int = 0  # (step, stage) pairs compared before the verdict
+    stages_only: dict[str, list[str]] = field(default_factory=dict)  # {"A": [...], "B": [...]}: not comparable
+    recordings_verified: dict[str, int] = field(default_factory=dict)  # {"A": steps, "B": steps}
 
 
-def _load(run: RunDir, step: int) -> tuple[dict[str, torch.Tensor], dict] | None:
-    try:
-        return recording.read_step(run.root, step)
-    except BadInput:
-        return None
+def verify_recordings(run: RunDir) -> int:
+    """Read every committed step's recording (each file checks its own digest) and hold the checksums its
+    tensors determine to the run's checksums.jsonl. Returns the steps verified (0 for a run made
+    without recording); a defect is BadInput naming the file."""
+    from rlbench.core.loop import recorded_checksums
+
+    if run.manifest.get("config", {}).get("record") is False:
+        return 0
+    rows = {row["step"]: row for row in run.checksums}
+    for step in run.steps:
+        tensors, _ = recording.read_step(run.root, step)
+        for key, digest in recorded_checksums(tensors).items():
+            if key in rows[step] and rows[step][key] != digest:
+                raise BadInput(f"the recording of step {step} does not match checksums.jsonl at {key} (an edited or "
+                               "mixed-up file)", path=run.root / "rollouts" / f"{step_name(step)}.safetensors")
+    return len(run.steps)
+
+
+def _load(run: RunDir, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+    return recording.read_step(run.root, step)  # verified up front: any defect was reported before this
 
 
 def _token_place(t: dict[str, torch.Tensor], flat_index: int) -> str:
@@ -68,10 +92,17 @@ def _token_place(t: dict[str, torch.Tensor], flat_index: int) -> str:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float] | None) -> torch.Tensor:
-    if tol is None or not (a.is_floating_point() or b.is_floating_point()):
+    """Equal values always agree (0.0 and 0.0 with rtol=inf too), NaN agrees only with NaN; else within
+    atol + rtol * |b| (an infinite tolerance admits every finite difference)."""
+    if not (a.is_floating_point() or b.is_floating_point()):
         return a == b
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    if tol is None:
+        return same
     atol, rtol = tol
-    return (a.double() - b.double()).abs() <= atol + rtol * b.double().abs()
+    bound = atol + torch.where(b == 0, torch.zeros_like(b), rtol * b.abs())
+    return same | ((a - b).abs() <= bound)
 
 
 def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> Difference | None:
@@ -138,11 +169,12 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
 
 def _stage_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:
     """Look inside one stage of one step; None when it agrees (within tolerance)."""
-    la, lb = _load(run_a, step), _load(run_b, step)
-    if la is None or lb is None:
-        return Difference(step, stage, "no readable recording at this step on "
-                          f"{'both sides' if la is None and lb is None else ('A' if la is None else 'B')}")
-    (ta, ma), (tb, mb) = la, lb
+    missing = [side for side, run in (("A", run_a), ("B", run_b)) if run.manifest.get("config", {}).get("record") is False]
+    if missing:  # checksums differ and values were not recorded: a summarising metric, or the stage alone
+        if tol is not None and stage in METRIC_OF_STAGE:
+            return None
+        return Difference(step, stage, f"checksums differ; {' and '.join(missing)} recorded no values (--no-record)")
+    (ta, ma), (tb, mb) = _load(run_a, step), _load(run_b, step)
     if stage == "data":
         return _compare_flat(step, stage, "prompt_index", ta, tb, None)
     if stage in TOKEN_STAGES:
@@ -178,34 +210,57 @@ def _metrics_around(run_a: RunDir, run_b: RunDir, step: int, radius: int = 2) ->
     return out
 
 
+def _tolerance(atol: float | None, rtol: float | None) -> tuple[float, float] | None:
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and (math.isnan(value) or value < 0):
+            raise BadInput(f"expected a number >= 0, got {value!r}", field=name)
+    return None if atol is None and rtol is None else (atol or 0.0, rtol or 0.0)
+
+
 def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | None = None) -> DiffResult:
+    tol = _tolerance(atol, rtol)
     run_a, run_b = read_run(a), read_run(b)
-    tol = None if atol is None and rtol is None else (atol or 0.0, rtol or 0.0)
+    for run in (run_a, run_b):
+        run.require_checksums()
+    if not run_a.steps and not run_b.steps:
+        raise BadInput("neither run has a committed step: nothing to compare", path=run_a.root / "metrics.jsonl")
+    verified = {"A": verify_recordings(run_a), "B": verify_recordings(run_b)}
     sums_a = {row["step"]: row for row in run_a.checksums}
     sums_b = {row["step"]: row for row in run_b.checksums}
+    keys_a, keys_b = run_a.checksum_keys, run_b.checksum_keys
+    stages = [k for k in CHECKSUM_KEYS if k in keys_a and k in keys_b]
+    only = {"A": [k for k in keys_a if k not in keys_b], "B": [k for k in keys_b if k not in keys_a]}
     steps = sorted(set(sums_a) & set(sums_b))
-    stages = [s for s in STAGE_CHECKSUMS if any(s in sums_a[t] and s in sums_b[t] for t in steps)]
     notes = run_a.notes + run_b.notes
-    if set(sums_a) != set(sums_b):
-        notes.append(f"steps committed: A {len(sums_a)}, B {len(sums_b)}; compared the {len(steps)} both have")
-    first = None
+    notes += [f"{side} recorded no values (--no-record): its checksums were compared, not verified against "
+              "recordings" for side, count in verified.items() if count == 0]
+    if not stages:
+        raise BadInput(f"the runs share no stage (A: {', '.join(keys_a)}; B: {', '.join(keys_b)}): nothing to compare",
+                       path=run_b.root / "manifest.json", field="stages")
+    first, comparisons = None, 0
     for step in steps:
         for stage in stages:
-            if stage not in sums_a[step] or stage not in sums_b[step]:
-                continue
-            if tol is None:
-                if sums_a[step][stage] != sums_b[step][stage]:
-                    first = _stage_difference(run_a, run_b, step, stage, None)
-            else:
-                first = _stage_difference(run_a, run_b, step, stage, tol)
-                if first is None and stage in METRIC_OF_STAGE:
-                    first = _metric_difference(run_a, run_b, step, stage, tol)
+            comparisons += 1
+            if sums_a[step][stage] == sums_b[step][stage]:
+                continue  # equal bits: equal within any tolerance
+            first = _stage_difference(run_a, run_b, step, stage, tol)
+            if tol is not None and first is None and stage in METRIC_OF_STAGE:
+                first = _metric_difference(run_a, run_b, step, stage, tol)
+            if tol is None and first is None:  # the checksums say they differ, whatever the values shown say
+                first = Difference(step, stage, "checksums differ, though no recorded value that diff compares "
+                                   "does (another field, a dtype or a shape)")
             if first is not None:
                 break
         if first is not None:
             break
+    if first is None and set(sums_a) != set(sums_b):
+        extra = sorted(set(sums_a) ^ set(sums_b))
+        side = "A" if extra[0] in sums_a else "B"
+        first = Difference(extra[0], "steps", f"step {extra[0]} is committed in {side} only (A committed "
+                           f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree")
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
-    return DiffResult(str(run_a.root), str(run_b.root), steps, stages, tol, first, around, notes)
+    return DiffResult(str(run_a.root), str(run_b.root), steps, stages, tol, first, around, notes, comparisons, only,
+                      verified)
 
 
 def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core.loop import Diverged, RunResult, StepState, run
 from rlbench.errors import BadInput
-from rlbench.rundir.directory import RunDir, read_run, step_name
+from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
 
 @dataclass
@@ -28,8 +28,9 @@ class ReplayResult:
     steps: tuple[int, int]  # [first, last) replayed
     reproduced: int  # steps whose every compared stage matched
     diverged: Diverged | None
-    compared_stages: list[str]
+    compared_stages: list[str]  # the stages compared at every replayed step
     result: RunResult | None
+    comparisons: int = 0  # (step, stage) checksums compared
 
     @property
     def ok(self) -> bool:
@@ -64,6 +65,9 @@ def default_out(source: Path) -> Path:
 def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None,
            on_step: Callable[[StepState], None] | None = None) -> ReplayResult:
     source = read_run(run_dir)
+    source.require_checksums()
+    if not source.steps:
+        raise BadInput("no committed step to replay", path=source.root / "metrics.jsonl")
     first, last = parse_range(steps, len(source.steps))
     if source.steps[:last] != list(range(last)):
         raise BadInput(f"committed steps are not 0..{last - 1} in order", path=source.root / "metrics.jsonl")
@@ -78,20 +82,31 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
     config = source_config(source).replace(mode="train-only", rollouts=str(source.root), out=str(out), steps=last,
                                            record=True)
     expect = {row["step"]: row for row in source.checksums}
-    compared = [s for s in ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs",
-                            "loss", "grads", "weights") if any(s in row for row in source.checksums)]
-    done = []
+    done, compared = [], []
 
     def step_done(state: StepState) -> None:
+        """Count what `run` compared at this step: the stages both the source and the replay have."""
+        stages = [k for k in CHECKSUM_KEYS if k in expect[state.step] and k in state.checksums]
+        if not stages:
+            raise BadInput(f"step {state.step}: the replay and the recording share no checksummed stage",
+                           path=source.root / "checksums.jsonl")
         done.append(state.step)
+        compared.append(stages)
         if on_step is not None:
             on_step(state)
+
+    def common() -> list[str]:
+        return [k for k in CHECKSUM_KEYS if all(k in stages for stages in compared)]
 
     try:
         result = run(config, step_done, start=first, init_checkpoint=init, expect=expect)
     except Diverged as diverged:
-        return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, compared, None)
-    return ReplayResult(str(source.root), str(out), (first, last), len(done), None, compared, result)
+        return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, common(), None,
+                            sum(map(len, compared)))
+    if done != list(range(first, last)):  # every step of the range compared, or no verdict
+        raise AssertionError(f"replay compared steps {done}, expected {first}..{last - 1}")
+    return ReplayResult(str(source.root), str(out), (first, last), len(done), None, common(), result,
+                        sum(map(len, compared)))
 
 
 def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None) -> RunConfig:

@@ -70,6 +70,7 @@ def cut_back(root: Path, committed: int) -> list[str]:
 
 def resume(run_dir: str | Path, on_step: Callable[[StepState], None] | None = None) -> ResumeResult:
     source = read_run(run_dir)
+    source.require_checksums()  # the committed steps it recomputes are verified by them
     root = source.root
     committed = len(source.steps)
     if source.steps != list(range(committed)):

@@ -37,6 +37,13 @@ if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
 
 SCHEMA = "rlbench.run/1"
+# checksums.jsonl: the digests each stage of the loop adds to a step's line, in loop order.
+STAGE_CHECKSUMS = {"data": ("data",), "rollout": ("rollout_tokens", "rollout_logprobs"), "reward": ("rewards",),
+                   "recorded": ("data", "rollout_tokens", "rollout_logprobs", "rewards"),
+                   "advantage": ("advantages",), "logprob": ("old_logprobs",), "train": ("loss", "grads", "weights"),
+                   "sync": ("engine_weights",)}
+CHECKSUM_KEYS = ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
+                 "grads", "weights", "engine_weights")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -251,6 +258,41 @@ class RunDir:
     @property
     def steps(self) -> list[int]:
         return [row["step"] for row in self.metrics]
+
+    @property
+    def checksum_keys(self) -> list[str]:
+        """The checksums each committed step of this run must have, from the stages its manifest names."""
+        stages = self.manifest.get("stages")
+        if not isinstance(stages, list) or not all(s in STAGE_CHECKSUMS for s in stages):
+            raise BadInput(f"expected a list of stages from {', '.join(STAGE_CHECKSUMS)}, got {stages!r}",
+                           path=self.root / "manifest.json", field="stages")
+        keys = {k for stage in stages for k in STAGE_CHECKSUMS[stage]}
+        return [k for k in CHECKSUM_KEYS if k in keys]
+
+    def require_checksums(self) -> None:
+        """Verification data or nothing: every committed step has its checksums line, holding a sha256 for
+        every stage the run records. Anything less is bad input, never a verdict over what is there."""
+        path = self.root / "checksums.jsonl"
+        if self.steps and not path.is_file():
+            raise BadInput(f"missing: {len(self.steps)} committed steps and no checksums to verify them by", path=path)
+        rows = {row["step"]: row for row in self.checksums}
+        missing = [s for s in self.steps if s not in rows]
+        if missing:
+            raise BadInput(f"no checksums for committed step(s) {_steps_text(missing)} of {len(self.steps)} "
+                           "(truncated or edited)", path=path)
+        keys = self.checksum_keys
+        for step in self.steps:
+            row = rows[step]
+            bad = [k for k in keys if not (isinstance(row.get(k), str) and len(row[k]) == 64
+                                           and all(c in "0123456789abcdef" for c in row[k]))]
+            if bad:
+                raise BadInput(f"step {step}: expected a sha256 for {', '.join(bad)} (the run's stages "
+                               f"{', '.join(self.manifest['stages'])} record them)", path=path)
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:6]))
+    return shown + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
 
 
 def read_run(root: str | Path) -> RunDir:
