@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlbench.checks.tito import check_run, render
+from rlbench.checks.tito import render
+from rlbench.checks.tito_run import check_run
 from rlbench.config import load_config
 from rlbench.core.loop import run
 from rlbench.core.model import load_tokenizer

@@ -74,42 +74,75 @@ def check_logprobs(
 @check_app.command("tito")
 def check_tito(
     target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, token_ids} trajectories.")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own).")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own, and another one is refused).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory the samples were generated with (the run's own): lets a recording without engine ids (an imported dump) tell sampled from re-tokenised ids by their log-probs.")] = None,
     audit: Annotated[bool, typer.Option("--audit", help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.")] = False,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Find token-in-token-out drift: ids the trainer would see that are not the ids the engine sampled. Compares ids, never text, then names the cause (1 re-encode, 2 separator, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn closed). RUN_DIR: each sample's turns must each be a prefix of the next, and of the trained ids; single-turn samples are compared with the template's re-render. --audit: a TITO builder played over generated conversations. Exit 1 on a strict finding."""
+    """Find token-in-token-out drift: ids the trainer trained on that are not the ids the engine sampled. Compares ids, never text, then names the cause (1 re-encode, 2 separator, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn continued).
+
+    RUN_DIR: each sample's recorded engine ids (every turn's prompt and output) against the ids it trained on; the share of samples sampled as non-canonical ids (exposure to a re-tokenising pipeline) is reported apart. A recording without engine ids (an imported dump) is judged by its evidence (--model). JSONL: each trajectory against the chat template's re-render. --audit: a TITO builder played over generated conversations. Exit 1 on a strict finding.
+    """
     from dataclasses import asdict
 
-    from rlbench.checks.tito import MODES, audit as run_audit, check_run
-
     if audit:
+        from rlbench.checks.tito_audit import audit as run_audit
+
         if tokenizer is None:
             raise BadInput("--audit needs --tokenizer DIR", field="--audit")
         report = run_audit(tokenizer)
         findings = [("", f) for f in report.findings]
         doc = {**asdict(report), "modes": report.modes, "strict": report.strict}
-        headline = f"{tokenizer}: the template keeps the prefix property over {len(report.shapes)} shapes"
+        headline = f"{tokenizer}: the template keeps the prefix property over all {len(report.shapes)} shapes"
     else:
+        from rlbench.checks.tito_run import check_run
+
         if target is None:
             raise BadInput("give a run directory or JSONL, or --audit --tokenizer DIR", field="check tito")
-        report = check_run(target, tokenizer)
+        report = check_run(target, tokenizer, model)
         findings = [(f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding)
                     for f in report.findings]
         doc = {**asdict(report), "rates": report.rates, "strict": report.strict}
-        headline = f"{target}: no drift in {report.samples} samples"
+        headline = _tito_headline(report)
     if as_json:
         stdout.print_json(json.dumps(doc))
-    elif not findings:
-        stdout.print(headline, markup=False, highlight=False)
+    else:
+        _render_tito(report, findings, headline, audit)
+    if report.strict:
+        raise typer.Exit(1)
+
+
+def _tito_headline(report) -> str:
+    if report.lens == "rendered":
+        return f"{report.source}: no drift: all {report.samples} trajectories are the chat template's rendering"
+    if report.lens == "sampled":
+        return (f"{report.source}: no drift: the trained ids of all {report.samples} samples are the ids the engine "
+                "sampled (every turn compared)")
+    undetermined = report.evidence.get("undetermined", 0)
+    if undetermined:
+        return (f"{report.source}: the recording holds no engine ids; {undetermined} of {report.samples} samples are "
+                "not the canonical encoding of their text and cannot be told sampled from re-tokenised without "
+                "--model (the others are consistent with sampling)")
+    return (f"{report.source}: no drift found by evidence over {report.samples} samples (the recording holds no engine "
+            f"ids): {report.evidence.get('sampled', 0)} non-canonical samples were sampled so (log-probs agree)")
+
+
+def _render_tito(report, findings, headline: str, audit: bool) -> None:
+    from rlbench.checks.tito import MODES
+
+    for note in getattr(report, "notes", []):
+        stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if not findings:
+        stdout.print(headline, markup=False, highlight=False, soft_wrap=True)
     else:
         table = Table(title="token-in-token-out drift (first divergence of each)")
-        for col in ("sample" if not audit else "shape", "where", "mode", "index", "expected", "got"):
-            table.add_column(col)
+        for col in ("shape" if audit else "sample", "where", "mode", "index", "before", "expected", "got"):
+            table.add_column(col, overflow="fold")
         for label, f in findings[:50]:
             table.add_row(label or f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (not strict)"),
-                          str(f.index), repr(f.expected_text), repr(f.got_text))
+                          str(f.index), repr(f.context_text), f"{f.expected} {f.expected_text!r}",
+                          f"{f.got} {f.got_text!r}")
         stdout.print(table)
         if len(findings) > 50:
             stdout.print(f"... and {len(findings) - 50} more (--json lists all)")
@@ -117,8 +150,12 @@ def check_tito(
         for mode, value in counts.items():
             amount = f"{value}" if audit else f"{value:.1%} of {report.samples} samples"
             stdout.print(f"mode {MODES[mode][0]} {mode}: {MODES[mode][1]} ({amount})", markup=False)
-    if report.strict:
-        raise typer.Exit(1)
+    if not audit and report.samples and report.lens != "rendered":
+        share = report.non_canonical / report.samples
+        stdout.print(f"canonical re-tokenisation: {report.non_canonical} of {report.samples} samples ({share:.1%}) "
+                     "were sampled as ids that are not the canonical encoding of their text. They trained as sampled; "
+                     "a pipeline that decoded and re-tokenised them would train on other ids (mode 1).",
+                     markup=False, highlight=False, soft_wrap=True)
 
 
 class Tier(str, Enum):

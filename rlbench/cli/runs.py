@@ -314,7 +314,8 @@ def import_slime(
 
     defaults = ModelConfig()
     summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path),
-                                                 tokenizer=str(tokenizer or defaults.tokenizer)), reward_key)
+                                                 tokenizer=str(tokenizer or defaults.tokenizer)), reward_key,
+                         model_given=model is not None)
     if as_json:
         stdout.print_json(json.dumps(summary))
     else:

@@ -41,7 +41,9 @@ def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRe
                   response_ids=res.output_ids, response=tokenizer.decode(res.output_ids, skip_special_tokens=True),
                   rollout_log_probs=res.logprobs, loss_mask=(1,) * len(res.output_ids),
                   finish_reason=res.finish_reason, seed=req.seed, engine_id=res.engine_id,
-                  weight_version=res.weight_version)
+                  weight_version=res.weight_version,
+                  # the engine's own ids, kept apart from the trained ones: what `check tito` holds them to
+                  extra={"turns": [{"prompt_ids": list(req.prompt_ids), "output_ids": list(res.output_ids)}]})
 
 
 def from_trajectory(traj, name: str, prompt: Prompt, group: int, index: int, req: GenerateRequest) -> Sample:

@@ -73,7 +73,10 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
         if raw.get("rollout_log_probs") is not None else None
     for name, values in (("loss_mask", mask), ("rollout_log_probs", logprobs)):
         if values is not None and len(values) != n:  # slime's own invariant
-            raise BadInput(f"{where}.{name}: {len(values)} values, response_length is {n}", path=path)
+            hint = (": the engine scored another number of tokens than the sample holds, so its response ids are "
+                    "not the ones it sampled (re-tokenised after generation? token-in-token-out drift, mode 1)"
+                    if name == "rollout_log_probs" else "")
+            raise BadInput(f"{where}.{name}: {len(values)} values, response_length is {n}{hint}", path=path)
     reward = raw.get("reward")
     if isinstance(reward, dict):
         if reward_key is None or reward_key not in reward:
@@ -108,8 +111,10 @@ def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None) -> dict:
-    """Write the dumps as a recording at `out`; return a summary."""
+def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None,
+                 model_given: bool = True) -> dict:
+    """Write the dumps as a recording at `out`; return a summary. Token ids are held to the model's
+    vocabulary when a model was given (`model_given`), else to the tokenizer's."""
     import json
 
     from rlbench.core.context import versions
@@ -123,8 +128,11 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
     ids = [d["rollout_id"] for d, _ in loaded]
     if len(set(ids)) != len(ids):
         raise BadInput(f"rollout ids repeat across the dumps: {ids}", field="DUMP")
-    load_tokenizer(model.tokenizer)  # refuse a missing or broken tokenizer before anything is written
-    vocab = load_model_config(model.path).vocab_size
+    tokenizer = load_tokenizer(model.tokenizer)  # refuse a missing or broken tokenizer before anything is written
+    if model_given:
+        vocab, vocabulary = load_model_config(model.path).vocab_size, f"the model's vocabulary ({model.path})"
+    else:
+        vocab, vocabulary = len(tokenizer), f"the tokenizer's vocabulary ({model.tokenizer})"
     steps, group_size, groups = [], None, None
     for dump, path in loaded:
         rows = sorted((_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
@@ -133,8 +141,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
             raise BadInput("no samples", path=path, field="samples")
         too_big = max(max(r["tokens"], default=0) for r in rows)
         if too_big >= vocab:
-            raise BadInput(f"token id {too_big} is outside the model's vocabulary ({vocab}): another tokenizer?",
-                           path=path)
+            raise BadInput(f"token id {too_big} is outside {vocabulary}, {vocab} ids: another tokenizer?", path=path)
         sizes = {}
         for r in rows:
             sizes[r["group_index"]] = sizes.get(r["group_index"], 0) + 1

@@ -21,7 +21,9 @@ import re
 from rlbench.core.generate import GenerateEnv, Trajectory
 from rlbench.core.types import Prompt
 
-TOOLS = [{"name": "calculator", "description": "evaluates + - * of small integers"}]
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluates + - * of small integers",
+                                           "parameters": {"type": "object", "properties": {"expression": {
+                                               "type": "string"}}, "required": ["expression"]}}}]
 _CALL = re.compile(r"<tool_call>\s*calculator\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 

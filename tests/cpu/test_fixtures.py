@@ -9,7 +9,7 @@ from tests.conftest import REPO
 FIXTURES = REPO / "fixtures"
 BUILT_FILES = {"tokenizers/qwen-tiny/tokenizer.json", "tokenizers/qwen-tiny/tokenizer_config.json",
                *(f"tokenizers/tito-{n}/{f}" for n in ("clean", "reencode", "separator", "reasoning", "position",
-                                                        "special", "truncated")
+                                                        "special", "truncated", "function")
                  for f in ("tokenizer.json", "tokenizer_config.json")),
                "models/tiny-qwen3/config.json", "models/tiny-qwen3-tito/config.json", "data/parity.jsonl",
                "data/calc.jsonl"}

@@ -90,7 +90,7 @@ def test_a_dump_that_needs_unpickling_is_refused(tmp_path):
     (lambda s: s.update(loss_mask=[1]), "loss_mask: 1 values"),
     (lambda s: s.update(reward={"acc": 1.0}), "name one with --reward-key"),
     (lambda s: s.update(response_length=10**6), "response_length"),
-    (lambda s: s.update(tokens=[10**6] + s["tokens"][1:]), "outside the model's vocabulary"),
+    (lambda s: s.update(tokens=[10**6] + s["tokens"][1:]), "outside the tokenizer's vocabulary"),
 ])
 def test_malformed_samples_are_named(tmp_path, mutate, message):
     (path,) = write_dumps(tmp_path, rollout_ids=(0,))

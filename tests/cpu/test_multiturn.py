@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rlbench.checks.tito import check_run
+from rlbench.checks.tito_run import check_run
 from rlbench.config import load_config
 from rlbench.core.generate import check_trajectory, load_generate_fn
 from rlbench.core.loop import run

@@ -1,0 +1,216 @@
+"""`check tito RUN|JSONL`: did any sample train on ids the engine never sampled? One question per lens.
+
+- Trained vs sampled (every rlbench run): the recording holds the engine's own ids, each turn's
+  prompt and output (single-turn samples too). Each turn's prompt + output must be an exact prefix
+  of the next turn's prompt, and the last one's of the ids the trainer trained on. This is the
+  TITO rule itself; a default run passes it by construction.
+- Canonical re-tokenisation (every run, reported, never a finding): how many samples the engine
+  sampled as ids that are not the canonical encoding of their own text. A random policy does so all
+  the time, and training on them is right; a pipeline that decoded and re-tokenised them would
+  train on other ids (mode 1). The number says how exposed a run would be to such a pipeline.
+- Evidence (a recording without engine ids: imported dumps): the importer already holds each sample
+  to slime's invariant, response length = number of engine log-probs = loss-mask length. Where a
+  sample's ids are not canonical, either the engine sampled them (fine) or a pipeline built them
+  piecewise (drift). With `--model`, the engine's log-prob at the first non-canonical id is held to
+  the trainer's for that id: the same (within EVIDENCE_NATS) means sampled, far apart means the
+  engine scored another id there, so the trained ids were not the sampled ones (mode 1). Without a
+  model such a sample is undetermined, and the report says so instead of claiming no drift.
+- Re-render (a JSONL of {messages, token_ids}): the ids against the chat template's rendering of
+  the messages, which is what a re-tokenising pipeline would train on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbench.checks.compare import first_divergence
+from rlbench.checks.tito import Finding, canonical, decode, divergence, encode, finding, render
+from rlbench.errors import BadInput
+
+# Log-probs of one id from two forwards of the same weights agree to ~1e-6 (fp32) or ~1e-1 (bf16 engine
+# against an fp32 trainer, research.md section 3); another id's log-prob is typically nats away.
+EVIDENCE_NATS = 0.5
+
+
+@dataclass
+class SampleFinding:
+    step: int | None
+    sample: int
+    where: str
+    finding: Finding
+
+
+@dataclass
+class RunReport:
+    source: str
+    lens: str  # "sampled" (engine ids recorded), "evidence" (none recorded), "rendered" (JSONL)
+    samples: int = 0
+    findings: list[SampleFinding] = field(default_factory=list)
+    compared: int = 0  # samples whose trained ids were held to the engine's, turn by turn
+    non_canonical: int = 0  # samples with sampled ids that are not the canonical encoding of their text
+    example: dict | None = None  # one such sample: where, the ids, the canonical ids, the text
+    evidence: dict[str, int] = field(default_factory=dict)  # evidence lens: sampled / retokenised / undetermined
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rates(self) -> dict[str, float]:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.finding.mode] = counts.get(f.finding.mode, 0) + 1
+        return {mode: count / self.samples for mode, count in counts.items()}
+
+    @property
+    def strict(self) -> bool:
+        return any(f.finding.strict for f in self.findings)
+
+
+def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Finding | None:
+    """The TITO rule: each turn's prompt + sampled ids is a prefix of the next turn's prompt, and the
+    last one's of the ids the trainer trains on."""
+    eos = tok.eos_token_id
+    for k in range(len(turns)):
+        got = list(turns[k]["prompt_ids"]) + list(turns[k]["output_ids"])
+        last = k + 1 == len(turns)
+        nxt, where = (list(trained), "the trained ids") if last else \
+            (list(turns[k + 1]["prompt_ids"]), f"turn {k + 1}'s prompt")
+        index = first_divergence(got, nxt[: len(got)] if len(nxt) >= len(got) else nxt)
+        if index is not None:
+            truncated = [len(got)] if not turns[k]["output_ids"] or turns[k]["output_ids"][-1] != eos else []
+            return finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)],
+                           [] if last else truncated)
+    return None
+
+
+def _non_canonical(tok, turns: list[dict]) -> tuple[int, list[int], list[int]] | None:
+    """(turn, ids, canonical ids) of the first turn whose sampled ids are not canonical, or None."""
+    for k, turn in enumerate(turns):
+        ids = list(turn["output_ids"])
+        again = canonical(tok, ids)
+        if again != ids:
+            return k, ids, again
+    return None
+
+
+class _Evidence:
+    """The engine's log-prob against the trainer's at a position, with the weights given."""
+
+    def __init__(self, model_dir: str | Path | None, seed: int, temperature: float):
+        self.model, self.temperature = None, temperature
+        if model_dir is not None:
+            from rlbench.core.model import build_model
+
+            self.model = build_model(model_dir, seed).eval().requires_grad_(False)
+
+    def delta(self, ids: list[int], position: int, engine: float) -> float:
+        import torch
+
+        from rlbench.core.algo import sequence_logprobs
+
+        with torch.no_grad():
+            trainer = sequence_logprobs(self.model, torch.tensor(ids), self.temperature, "cpu")
+        return abs(float(trainer[position]) - engine)
+
+
+def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_dir: str | Path | None = None
+              ) -> RunReport:
+    """Every sample of a run directory (or a JSONL of {messages, token_ids}) held to the TITO rule."""
+    from rlbench.core.model import load_tokenizer
+
+    path = Path(path)
+    if path.is_file():
+        if tokenizer_dir is None:
+            raise BadInput("a JSONL of trajectories needs --tokenizer", path=path)
+        return _check_jsonl(path, load_tokenizer(tokenizer_dir))
+    from rlbench.core.context import check_made_with
+    from rlbench.rundir import recording
+    from rlbench.rundir.directory import read_run
+
+    run = read_run(path)
+    config = run.manifest.get("config") or {}
+    tokenizer_dir = tokenizer_dir or (config.get("model") or {}).get("tokenizer")
+    check_made_with(run, tokenizer=tokenizer_dir, model=model_dir)
+    tok = load_tokenizer(tokenizer_dir)
+    evidence = None
+    report = RunReport(str(run.root), "sampled")
+    for step in run.steps:
+        tensors, meta = recording.read_step(run.root, step)
+        offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
+        for i, sample in enumerate(meta["samples"]):
+            report.samples += 1
+            ids = tokens[offsets[i]: offsets[i + 1]]
+            label = f"step {step} sample {i}"
+            turns = sample.get("turns")
+            if not turns:  # no engine ids recorded: judge by the evidence the recording has
+                report.lens = "evidence"
+                prompt = int(tensors["prompt_lengths"][i])
+                turns = [{"prompt_ids": ids[:prompt], "output_ids": ids[prompt:]}]
+                if evidence is None:
+                    evidence = _Evidence(model_dir, int(config.get("seed", 0)),
+                                         float((config.get("rollout") or {}).get("temperature", 1.0)))
+                _judge(tok, report, evidence, step, i, ids, prompt, tensors["rollout_logprobs"][offsets[i]:])
+            else:
+                report.compared += 1
+                found = _check_turns(tok, turns, ids, label)
+                if found is not None:
+                    report.findings.append(SampleFinding(step, i, found.where, found))
+            odd = _non_canonical(tok, turns)
+            if odd is not None:
+                report.non_canonical += 1
+                if report.example is None:
+                    k, got, again = odd
+                    report.example = {"step": step, "sample": i, "turn": k, "sampled": got, "canonical": again,
+                                      "text": decode(tok, got)}
+    if report.lens == "evidence" and report.compared:
+        report.notes.append(f"{report.compared} samples held engine ids and were compared exactly; the others "
+                            "were judged by evidence")
+    return report
+
+
+def _judge(tok, report: RunReport, evidence: _Evidence, step: int, i: int, ids: list[int], prompt: int,
+           engine_logprobs) -> None:
+    """The evidence lens for one sample without engine ids."""
+    response = ids[prompt:]
+    again = canonical(tok, response)
+    p = first_divergence(response, again)
+    if p is None or p >= len(response):
+        return
+    counts = report.evidence
+    if evidence.model is None:
+        counts["undetermined"] = counts.get("undetermined", 0) + 1
+        return
+    engine = float(engine_logprobs[prompt + p])
+    delta = evidence.delta(ids, prompt + p, engine)
+    if delta <= EVIDENCE_NATS:
+        counts["sampled"] = counts.get("sampled", 0) + 1
+        return
+    counts["retokenised"] = counts.get("retokenised", 0) + 1
+    found = finding(tok, f"step {step} sample {i}", "response vs its canonical encoding", ids, ids[:prompt] + again,
+                    prompt + p, [], [], mode=("reencode", True))
+    found.where = (f"response token {p}: the engine's log-prob {engine:.4g} is not the trainer's for this id "
+                   f"(|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here")
+    report.findings.append(SampleFinding(step, i, found.where, found))
+
+
+def _check_jsonl(path: Path, tok) -> RunReport:
+    report = RunReport(str(path), "rendered")
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ids, messages = [int(t) for t in row["token_ids"]], row["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise TypeError("messages")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadInput(f"line {lineno}: expected {{\"messages\": [...], \"token_ids\": [...]}} "
+                           f"({exc.__class__.__name__})", path=path) from None
+        report.samples += 1
+        expected = encode(tok, render(tok, messages, None, False))
+        truncated = bool(messages and messages[-1].get("truncated"))
+        found = divergence(tok, f"line {lineno}", "the chat template's re-render", ids, expected, [len(ids)],
+                           [], truncated_last=truncated)
+        if found is not None:
+            report.findings.append(SampleFinding(None, lineno, found.where, found))
+    return report

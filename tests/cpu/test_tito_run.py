@@ -1,0 +1,233 @@
+"""`check tito RUN|JSONL`, lens by lens, each verdict both ways: a default run trains on exactly what its
+engine sampled (no drift, however non-canonical the sampled ids); an edit between engine and trainer is
+caught where it is; an imported dump with no engine ids is judged by its evidence; a JSONL is held to
+the template's re-render without calling its closing whitespace or a truncated reply drift."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlbench.checks import tito
+from rlbench.checks.tito_run import EVIDENCE_NATS, check_run
+from rlbench.config import ModelConfig
+from rlbench.core.model import load_tokenizer
+from tests.conftest import REPO, run_cli
+from tests.cpu.recordings import copy_run, edit_step, response_positions
+from tests.cpu.test_import_slime import slime_sample
+
+QWEN = REPO / "fixtures" / "tokenizers" / "qwen-tiny"
+TOK = load_tokenizer(QWEN)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    from rlbench.config import load_config
+    from rlbench.core.loop import run
+
+    out = tmp_path_factory.mktemp("tito") / "run"
+    run(load_config(out=str(out), steps=3, data__prompts_per_step=4, rollout__n_samples_per_prompt=8))
+    return out
+
+
+# --------------------------------------------------------------------------- trained vs sampled
+
+
+def test_a_default_run_trains_on_what_its_engine_sampled(default_run):
+    report = check_run(default_run)
+    assert report.lens == "sampled" and report.findings == [] and report.compared == report.samples == 96
+    res = run_cli("check", "tito", str(default_run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no drift: the trained ids of all 96 samples are the ids the engine sampled" in res.stdout
+    # a random policy samples non-canonical ids all the time: reported apart, never a finding
+    assert report.non_canonical > 0 and "canonical re-tokenisation" in res.stdout
+    ex = report.example
+    assert tito.canonical(TOK, ex["sampled"]) == ex["canonical"] != ex["sampled"]
+
+
+def test_an_id_changed_between_engine_and_trainer_is_found_where_it_is(default_run, tmp_path):
+    edited = copy_run(default_run, tmp_path / "edited")
+    step, sample = 1, 5
+
+    def change(t, meta):
+        pos = response_positions(t, sample)[0]
+        t["tokens"][pos] = (t["tokens"][pos] + 1) % 300
+    edit_step(edited, step, change)
+    report = check_run(edited)
+    [f] = report.findings
+    prompt = len(json.loads((edited / "rollouts" / "000001.json").read_text())["samples"][sample]["turns"][0]
+                 ["prompt_ids"])
+    assert (f.step, f.sample, f.finding.index, f.finding.strict) == (step, sample, prompt, True)
+    assert f.where == "turn 0 vs the trained ids" and f.finding.got != f.finding.expected
+    res = run_cli("check", "tito", str(edited))
+    assert res.returncode == 1 and "no drift" not in res.stdout
+
+
+# --------------------------------------------------------------------------- evidence (imported dumps)
+
+
+def _same_length_resegmentation() -> tuple[str, list[int], list[int]]:
+    """A text whose canonical ids and a piecewise encoding of it differ at equal length (two vocabulary
+    words joined: 'tantool' is ['tant', 'ool'] but ['tan', 'tool'] when encoded in two pieces)."""
+    vocab = TOK.backend_tokenizer.get_vocab(with_added_tokens=False)
+    words = sorted((w for w in vocab if len(w) >= 3 and w.isalpha()), key=lambda w: (-len(w), w))
+    for a in words:
+        for b in words:
+            text = TOK.decode([vocab[a], vocab[b]])
+            canon = TOK.encode(text)
+            for k in range(1, len(text)):
+                pieces = TOK.encode(text[:k]) + TOK.encode(text[k:])
+                if len(pieces) == len(canon) and pieces != canon:
+                    return text, canon, pieces
+    raise AssertionError("no equal-length re-segmentation in the fixture vocabulary")
+
+
+@pytest.fixture(scope="module")
+def peaky_model(tmp_path_factory):
+    """The fixture model with large weights: its log-probs of different ids are nats apart, as a trained
+    model's are (the seeded init is near uniform), so log-prob evidence can tell ids apart."""
+    from safetensors.torch import save_file
+
+    from rlbench.core.model import build_model, named_weights
+
+    model = build_model(ModelConfig().path, 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(40)
+    out = tmp_path_factory.mktemp("peaky") / "model"
+    out.mkdir()
+    shutil.copy(REPO / ModelConfig().path / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(out / "model.safetensors"))
+    return out, model
+
+
+def _logprobs(model, ids: list[int], prompt: int) -> list[float]:
+    from rlbench.core.algo import sequence_logprobs
+
+    return sequence_logprobs(model, torch.tensor(ids), 1.0, "cpu")[prompt:].tolist()
+
+
+def _dump(tmp_path, model, special: list[int], engine_ids: list[int]) -> list:
+    """8 samples of slime's format; sample 3 trains on `special` response ids while its engine log-probs
+    are those of `engine_ids` (the same ids: it sampled them; other ids: it did not)."""
+    samples = []
+    for j in range(8):
+        s = slime_sample(TOK, 0, j, 7 + j, ["even", "odd"][j % 2], float(j % 2))
+        prompt = len(s["tokens"]) - s["response_length"]
+        if j == 3:
+            s["tokens"] = s["tokens"][:prompt] + special
+            s["response_length"] = len(special)
+            s["loss_mask"] = [1] * len(special)
+            s["rollout_log_probs"] = _logprobs(model, s["tokens"][:prompt] + engine_ids, prompt)
+        else:
+            s["rollout_log_probs"] = _logprobs(model, s["tokens"], prompt)
+        samples.append(s)
+    path = tmp_path / "rollout_0.pt"
+    torch.save({"rollout_id": 0, "samples": samples}, path)
+    return path
+
+
+def _import(tmp_path, dump, model_dir) -> str:
+    out = tmp_path / "imported"
+    res = run_cli("import", "slime", str(dump), "--out", str(out), "--model", str(model_dir), "--tokenizer", str(QWEN))
+    assert res.returncode == 0, res.stderr
+    return str(out)
+
+
+def test_an_imported_non_canonical_sample_the_engine_sampled_is_not_drift(tmp_path, peaky_model):
+    model_dir, model = peaky_model
+    _, canon, pieces = _same_length_resegmentation()
+    run = _import(tmp_path, _dump(tmp_path, model, pieces, pieces), model_dir)
+    undetermined = run_cli("check", "tito", run)
+    assert undetermined.returncode == 0, undetermined.stdout + undetermined.stderr
+    assert "1 of 8 samples are not the canonical encoding" in undetermined.stdout and "no drift" not in \
+        undetermined.stdout and "separator" not in undetermined.stdout  # 7 clean samples: no noise
+    report = check_run(run, model_dir=model_dir)
+    assert report.lens == "evidence" and report.findings == [] and report.evidence == {"sampled": 1}
+    res = run_cli("check", "tito", run, "--model", str(model_dir))
+    assert res.returncode == 0 and "no drift found by evidence over 8 samples" in res.stdout
+
+
+def test_an_imported_sample_built_from_other_ids_than_the_engine_sampled_is_mode_1(tmp_path, peaky_model):
+    model_dir, model = peaky_model
+    answer, canon, pieces = _same_length_resegmentation()
+    run = _import(tmp_path, _dump(tmp_path, model, pieces, canon), model_dir)
+    report = check_run(run, model_dir=model_dir)
+    [f] = report.findings
+    prompt = len(TOK.apply_chat_template([{"role": "user", "content": "Is 10 even or odd?"}],
+                                         add_generation_prompt=True, tokenize=True)["input_ids"])
+    p = next(i for i in range(len(pieces)) if pieces[i] != canon[i])
+    assert (f.sample, f.finding.mode, f.finding.number, f.finding.index) == (3, "reencode", 1, prompt + p)
+    assert f.finding.got[0] == pieces[p] and f.finding.expected[0] == canon[p]
+    assert f"> {EVIDENCE_NATS}" in f.where and report.evidence == {"retokenised": 1}
+    assert run_cli("check", "tito", run, "--model", str(model_dir)).returncode == 1
+
+
+def test_a_dump_whose_engine_scored_another_number_of_tokens_is_refused_naming_the_drift(tmp_path, peaky_model):
+    model_dir, model = peaky_model
+    dump = _dump(tmp_path, model, TOK.encode("odd") + [TOK.eos_token_id], TOK.encode("o") + TOK.encode("d")
+                 + TOK.encode("d") + [TOK.eos_token_id])
+    res = run_cli("import", "slime", str(dump), "--out", str(tmp_path / "x"), "--tokenizer", str(QWEN))
+    assert res.returncode == 2 and "re-tokenised after generation" in res.stderr and not (tmp_path / "x").exists()
+
+
+def test_import_without_a_model_holds_ids_to_the_tokenizers_vocabulary(tmp_path):
+    """A bigger tokenizer than the fixture model's vocabulary: its ids are fine without --model."""
+    from tests.cpu.test_import_slime import write_dumps
+
+    big = REPO / "fixtures" / "tokenizers" / "tito-clean"  # the fixture vocabulary plus 4 added tokens
+    dumps = write_dumps(tmp_path)
+    data = torch.load(dumps[0], weights_only=True)
+    extra = len(TOK)  # the first id past qwen-tiny's vocabulary: <think> in tito-clean
+    data["samples"][0]["tokens"][-2] = extra
+    torch.save(data, dumps[0])
+    res = run_cli("import", "slime", *map(str, dumps), "--out", str(tmp_path / "ok"), "--tokenizer", str(big))
+    assert res.returncode == 0, res.stderr
+    res = run_cli("import", "slime", *map(str, dumps), "--out", str(tmp_path / "no"), "--tokenizer", str(QWEN))
+    assert res.returncode == 2 and f"token id {extra} is outside the tokenizer's vocabulary ({QWEN})" in res.stderr
+    res = run_cli("import", "slime", *map(str, dumps), "--out", str(tmp_path / "m"), "--tokenizer", str(big),
+                  "--model", str(REPO / ModelConfig().path))
+    assert res.returncode == 2 and "outside the model's vocabulary" in res.stderr
+
+
+# --------------------------------------------------------------------------- JSONL: the template's re-render
+
+
+def _jsonl(tmp_path, rows) -> str:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _prompt(n=7):
+    messages = [{"role": "user", "content": f"Is {n} even or odd?"}]
+    return messages, TOK.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+def test_jsonl_closing_whitespace_and_a_truncated_reply_are_not_drift(tmp_path):
+    """qwen-tiny renders '<|im_end|>\\n' after the last message (as Qwen does); the engine stops at
+    <|im_end|>. And a reply cut at max_tokens is closed by the rendering with an <|im_end|> never sampled."""
+    messages, prompt = _prompt()
+    clean = prompt + TOK.encode("odd") + [TOK.eos_token_id]
+    cut = prompt + TOK.encode("The answer")
+    rows = [{"messages": messages + [{"role": "assistant", "content": "odd"}], "token_ids": clean},
+            {"messages": messages + [{"role": "assistant", "content": "The answer", "truncated": True}],
+             "token_ids": cut}]
+    report = check_run(_jsonl(tmp_path, rows), QWEN)
+    assert report.samples == 2 and report.findings == []
+
+
+def test_jsonl_same_text_other_ids_is_mode_1_despite_closing_whitespace(tmp_path):
+    messages, prompt = _prompt()
+    answer, canon, pieces = _same_length_resegmentation()
+    ids = prompt + pieces + [TOK.eos_token_id]
+    report = check_run(_jsonl(tmp_path, [{"messages": messages + [{"role": "assistant", "content": answer}],
+                                          "token_ids": ids}]), QWEN)
+    [f] = report.findings
+    p = next(i for i in range(len(pieces)) if pieces[i] != canon[i])
+    assert (f.finding.mode, f.finding.index) == ("reencode", len(prompt) + p)
+    assert f.finding.got[0] == pieces[p] and f.finding.expected[0] == canon[p]
