@@ -1,9 +1,12 @@
 """Loading user functions (reward, generate) by dotted path: `package.module.function`
-or `package.module:function`. One loader, so every plugin fails the same clear way."""
+or `package.module:function`. One loader, so every plugin fails the same clear way. The working
+directory is searched last, as `python -m` would, so a plugin module beside the run needs no install."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 from rlbench.errors import BadInput
@@ -14,6 +17,8 @@ def load_function(path: str, option: str) -> Callable:
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not sep or not module_name or not attr:
         raise BadInput(f"expected a dotted path 'package.module.function', got {path!r}", field=option)
+    if os.getcwd() not in sys.path:  # as `python -m` does: a plugin beside the run needs no install
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
