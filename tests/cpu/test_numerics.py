@@ -98,3 +98,22 @@ def test_no_vml_sqrt_on_the_compute_path():
                                         ("math.sqrt(2.0)", 0), ("x.rsqrt()", 0)])
 def test_the_sqrt_scan_can_fail(code, hits):
     assert len(_sqrt_calls(code)) == hits
+
+
+def test_a_run_records_the_versions_of_the_packages_it_used_only(small_config, monkeypatch):
+    """With every extra installed, a torch-trainer run still names no megatron-core or sglang: a golden
+    made without them is not refused for packages the run never touched."""
+    from importlib import metadata
+
+    from rlbench.core import context
+
+    real = metadata.version
+    monkeypatch.setattr(context.metadata, "version",
+                        lambda name: {"megatron-core": "0.16.1", "sglang": "0.5.4", "sglang-router": "0.3.2"}.get(name)
+                        or real(name))
+    assert set(context.versions(small_config)) == {"python", "rlbench", "torch", "transformers", "tokenizers",
+                                                   "safetensors"}
+    from types import SimpleNamespace
+
+    megatron = SimpleNamespace(train=SimpleNamespace(backend="megatron"), rollout=SimpleNamespace(backend="hf"))
+    assert context.versions(megatron)["megatron-core"] == "0.16.1" and "sglang" not in context.versions(megatron)

@@ -73,3 +73,14 @@ def test_every_readme_example_runs_with_its_exit_code(tmp_path, monkeypatch):
         assert code == expected, f"`{command}` exited {code}, the README says {expected}:\n{output[-3000:]}"
         assert "Traceback" not in output, f"`{command}`:\n{output[-3000:]}"
     assert (tmp_path / "runs" / "mine.json").is_file() and (tmp_path / "runs" / "d.png").is_file()
+
+
+def test_the_example_dumps_are_what_examples_build_py_makes(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("examples_build", REPO / "examples" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for path in module.build_dumps(tmp_path):
+        rel = path.relative_to(tmp_path)
+        assert path.read_bytes() == (REPO / "examples" / rel).read_bytes(), f"{rel} differs from a rebuild"
