@@ -18,7 +18,8 @@ from rlbench.core.loop import RunResult, StepState, run
 from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
 from rlbench.replay.replay import source_config
-from rlbench.rundir.directory import atomic_write, read_run, step_name
+from rlbench.rundir.directory import atomic_write, foreign_entries, read_run, step_name
+from rlbench.rundir.lock import RunLock
 
 
 @dataclass
@@ -69,6 +70,19 @@ def cut_back(root: Path, committed: int) -> list[str]:
 
 
 def resume(run_dir: str | Path, on_step: Callable[[StepState], None] | None = None) -> ResumeResult:
+    """Continue the run at `run_dir`, holding its lock from the first look to the last write."""
+    with RunLock(run_dir):
+        return _resume(Path(run_dir), on_step)
+
+
+def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> ResumeResult:
+    if not (run_dir / "manifest.json").is_file():
+        read_run(run_dir)  # the reader's own error
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise BadInput(f"holds what rlbench did not write: {shown}. Resume writes and deletes only inside a run "
+                       "directory of its own making; move these away first", path=run_dir)
     source = read_run(run_dir)
     source.require_checksums()  # the committed steps it recomputes are verified by them
     root = source.root

@@ -12,6 +12,11 @@ are appended and fsynced, checksums before metrics. A step is committed once its
 (newline included) is on disk; a reader ignores anything past the last committed step, torn
 lines included, and says so.
 
+A run directory has one writer: the command holding `RUN/.lock` (lock.py). A new one is claimed
+atomically: made whole (lock, logs, manifest) in a sibling temporary directory and renamed into place,
+so a kill leaves either no run directory or a complete one. Nothing is written through a link: files
+are opened with O_NOFOLLOW, and resume refuses a directory holding links or entries it did not make.
+
 The bytes are made on the caller's thread; the writes and fsyncs run in order on one background
 thread, so the disk's latency overlaps the next step's compute instead of adding to it (an fsync
 costs ~4 ms here, six of them were a fifth of a step). Order is what makes the commit protocol
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -32,6 +38,8 @@ from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
+from rlbench.rundir.jsonio import parse_json, read_bytes, read_json
+from rlbench.rundir.lock import NAME as LOCK_NAME, RunLock
 
 if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
@@ -54,14 +62,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_new(path: Path, data: bytes) -> None:
+    """Write a whole file, never through a link: a link at `path` is removed, not followed."""
+    if path.is_symlink():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
     """Write `data` to `path` via a temporary file, fsync, rename: readers see old or new, never half.
     With sync_dir=False the caller fsyncs the directory once for several files."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _write_new(tmp, data)
     if path.parent.name == "rollouts":
         hit("rollout.tmp_written")
     os.replace(tmp, path)
@@ -71,7 +87,8 @@ def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
 
 def append_line(path: Path, obj: dict) -> None:
     line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-    with open(path, "ab") as fh:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link is an error, not followed
+    with os.fdopen(fd, "ab") as fh:
         if path.name == "metrics.jsonl":
             fh.write(line[: len(line) // 2])
             fh.flush()
@@ -89,19 +106,18 @@ def step_name(step: int) -> str:
 def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
     """Complete lines as records; a torn last line is ignored and noted, any other bad line raises."""
     rows, notes = [], []
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return rows, notes
-    raw = path.read_bytes()
+    raw = read_bytes(path)
     lines = raw.split(b"\n")
     if lines and lines[-1]:
         notes.append(f"{path.name}: ignored a torn last line (a write was cut off)")
     for lineno, line in enumerate(lines[:-1], start=1):
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("no integer 'step'")
-        except ValueError as exc:
-            raise BadInput(f"line {lineno}: not a step record ({exc})", path=path) from None
+        row = parse_json(line, path, f"JSON at line {lineno}")
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool) \
+                or row["step"] < 0:
+            raise BadInput(f"line {lineno}: not a step record (expected an object with an integer 'step' >= 0)",
+                           path=path)
         rows.append(row)
     return rows, notes
 
@@ -153,27 +169,62 @@ class OrderedWriter:
 
 
 class RunWriter:
-    """Creates a run directory (refusing one that holds anything else) and commits steps to it."""
+    """Creates a run directory (refusing one that holds anything else) and commits steps to it,
+    holding the directory's lock until `close`."""
 
     def __init__(self, root: Path, manifest: dict | None, record: bool = True):
         """Create the run directory for `manifest`; with manifest=None, reopen an existing one to
         append to it (resume: the caller has already cut it back to its committed steps)."""
         self.root, self.record = Path(root), record
+        self.created = manifest is not None
         if manifest is None:
-            self._writer = OrderedWriter()
-            return
-        self._claim(manifest)
-        (self.root / "rollouts").mkdir(exist_ok=True)
-        (self.root / "checkpoints").mkdir(exist_ok=True)
-        for log in ("checksums.jsonl", "metrics.jsonl"):
-            (self.root / log).touch()
-        # The manifest's write fsyncs the root, making the new entries above durable with it.
-        atomic_write(self.root / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+            self.lock = RunLock(self.root).acquire()
+        else:
+            self.lock = self._claim(manifest)
         self._writer = OrderedWriter()
 
-    def _claim(self, manifest: dict) -> None:
+    def _claim(self, manifest: dict) -> RunLock:
+        """Refuse an --out that holds anything, then make the run directory whole beside it and rename it
+        into place: another process sees no directory or a complete one, never a half-made claim."""
         root = self.root
-        if root.exists() and not root.is_dir():
+        self._refuse_taken(manifest)
+        try:
+            root.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInput(f"cannot make the directory that holds --out ({exc.strerror})", path=root) from None
+        tmp = root.parent / f".{root.name}.claim-{os.getpid()}"
+        if tmp.is_symlink() or tmp.is_file():
+            tmp.unlink()
+        elif tmp.exists():
+            shutil.rmtree(tmp)
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise BadInput(f"cannot create the run directory ({exc.strerror})", path=root) from None
+        lock = RunLock(tmp).acquire()
+        try:
+            (tmp / "rollouts").mkdir()
+            (tmp / "checkpoints").mkdir()
+            for log in ("checksums.jsonl", "metrics.jsonl"):
+                _write_new(tmp / log, b"")
+            atomic_write(tmp / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+            hit("claim.made")
+            try:
+                os.rename(tmp, root)  # onto nothing, or onto an empty directory
+            except OSError:
+                raise BadInput("--out was claimed by another run meanwhile; nothing was overwritten",
+                               path=root) from None
+        except BaseException:
+            lock.release()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        lock.moved(root)
+        _fsync_dir(root.parent)
+        return lock
+
+    def _refuse_taken(self, manifest: dict) -> None:
+        root = self.root
+        if root.is_symlink() or (root.exists() and not root.is_dir()):
             raise BadInput("--out exists and is not a directory", path=root)
         if root.is_dir() and any(root.iterdir()):
             existing = root / "manifest.json"
@@ -187,7 +238,6 @@ class RunWriter:
                              if old.get("config", {}).get(k) != manifest["config"].get(k))
             what = f"a different run (config differs in: {', '.join(differs)})" if differs else "this run"
             raise BadInput(f"--out already holds {what}; nothing was overwritten, choose a new --out", path=root)
-        root.mkdir(parents=True, exist_ok=True)
 
     def commit_step(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
                     checksums: dict[str, str], metrics: dict[str, float], extra: dict | None = None) -> None:
@@ -221,13 +271,13 @@ class RunWriter:
     def _write_checkpoint(self, steps_done: int, files: dict[str, bytes]) -> None:
         final = self.root / "checkpoints" / step_name(steps_done)
         tmp = final.with_name(f".{final.name}.tmp")
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         for name, data in files.items():
-            with open(tmp / name, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # per-rank subdirectories
+            _write_new(tmp / name, data)
             hit("checkpoint.partial")
         _fsync_dir(tmp)
         hit("checkpoint.tmp_complete")
@@ -241,8 +291,11 @@ class RunWriter:
         return (self.root / "checkpoints" / step_name(steps_done) / "state.json").is_file()
 
     def close(self) -> None:
-        """Wait for every queued write to land (and raise if one failed)."""
-        self._writer.close()
+        """Wait for every queued write to land (and raise if one failed); then let the directory go."""
+        try:
+            self._writer.close()
+        finally:
+            self.lock.release()
 
 
 @dataclass
@@ -290,6 +343,37 @@ class RunDir:
                                f"{', '.join(self.manifest['stages'])} record them)", path=path)
 
 
+_FILES = {"manifest.json", "metrics.jsonl", "checksums.jsonl", LOCK_NAME}
+_STEP_FILE = re.compile(r"\.?\d{6}\.(safetensors|json)(\.tmp)?")
+_CHECKPOINT = re.compile(r"\.?\d{6}(\.tmp)?")
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What a run directory holds that rlbench did not make, links first: resume refuses to write into
+    a directory holding any (it would write or delete through a link, or drop a user's file)."""
+    root = Path(root)
+    if root.is_symlink():
+        return ["(the run directory itself is a link)"]
+    found = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        parts = rel.parts
+        if path.is_symlink():
+            found.append(f"{rel} (a link)")
+        elif len(parts) == 1:
+            ok = (parts[0] in ("rollouts", "checkpoints") and path.is_dir()) or \
+                (path.is_file() and (parts[0] in _FILES or re.fullmatch(r"\.[\w.]+\.tmp", parts[0])))
+            if not ok:
+                found.append(str(rel))
+        elif parts[0] == "rollouts":
+            if len(parts) != 2 or not path.is_file() or not _STEP_FILE.fullmatch(parts[1]):
+                found.append(str(rel))
+        elif parts[0] == "checkpoints":
+            if len(parts) == 2 and not (path.is_dir() and _CHECKPOINT.fullmatch(parts[1])):
+                found.append(str(rel))
+    return found
+
+
 def _steps_text(steps: list[int]) -> str:
     shown = ", ".join(map(str, steps[:6]))
     return shown + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
@@ -301,13 +385,14 @@ def read_run(root: str | Path) -> RunDir:
     path = root / "manifest.json"
     if not path.is_file():
         raise BadInput("not a run directory (no manifest.json)", path=root)
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as exc:
-        raise BadInput(f"invalid JSON ({exc})", path=path) from None
+    manifest = read_json(path)
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
         raise BadInput(f"expected {SCHEMA!r}, got {got!r}", path=path, field="schema")
+    for key, kind in (("config", dict), ("stages", list), ("mode", str)):
+        if not isinstance(manifest.get(key), kind):
+            raise BadInput(f"expected {kind.__name__ if kind is not dict else 'an object'}, got "
+                           f"{type(manifest.get(key)).__name__}", path=path, field=key)
     metrics, notes = _read_jsonl(root / "metrics.jsonl")
     checksums, more = _read_jsonl(root / "checksums.jsonl")
     notes += more

@@ -22,6 +22,7 @@ POINTS = (
     "checkpoint.tmp_complete",  # a checkpoint complete under its temporary name, not yet renamed
     "checkpoint.renamed",  # a checkpoint in place
     "resume.cut_back",  # resume: cut the directory back, nothing recomputed yet
+    "claim.made",  # a new run directory made whole beside --out, not yet renamed into place
 )
 
 _armed: dict[str, int] = {}

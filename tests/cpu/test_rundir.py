@@ -20,7 +20,7 @@ from rlbench.rundir.digest import weights_digest
 from rlbench.rundir.directory import SCHEMA, RunWriter, atomic_write, read_run
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
-MANIFEST = {"schema": SCHEMA, "config": {"seed": 1}}
+MANIFEST = {"schema": SCHEMA, "config": {"seed": 1}, "mode": "full", "stages": ["data", "rollout", "reward"]}
 
 
 def _write_run(root, steps=3):
