@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -37,6 +38,24 @@ def _check(ok: bool, key: str, expected: str, got: Any) -> None:
         raise BadInput(f"expected {expected}, got {got!r}", field=key)
 
 
+def _number(value: Any, key: str, low: float, high: float, *, integer: bool = False, open_low: bool = False) -> None:
+    """A finite number (an integer where `integer`) in [low, high] ((low, high] with `open_low`): every
+    number a run is configured with is held to a sane range before anything runs on it."""
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if open_low else value >= low) and value <= high
+    what = "an integer" if integer else "a finite number"
+    _check(ok, key, f"{what} in {'(' if open_low else '['}{_bound(low)}, {_bound(high)}]", value)
+
+
+def _bound(x: float) -> str:
+    return "2**63 - 1" if x == 2**63 - 1 else f"{x:,}" if float(x).is_integer() else f"{x:g}"
+
+
+def _text(value: Any, key: str, optional: bool = False) -> None:
+    _check(isinstance(value, str) or (optional and value is None), key, "a string", value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where the model config (and optional weights) and the tokenizer live."""
@@ -46,6 +65,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
+        _text(self.path, "model.path")
+        _text(self.tokenizer, "model.tokenizer")
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", "float32 or bfloat16", self.dtype)
 
 
@@ -60,7 +81,10 @@ class DataConfig:
     prompts_per_step: int = 8  # slime: rollout_batch_size
 
     def __post_init__(self) -> None:
-        _check(self.prompts_per_step >= 1, "data.prompts_per_step", "an integer >= 1", self.prompts_per_step)
+        for key in ("path", "prompt_key", "label_key"):
+            _text(getattr(self, key), f"data.{key}")
+        _check(isinstance(self.shuffle, bool), "data.shuffle", "true or false", self.shuffle)
+        _number(self.prompts_per_step, "data.prompts_per_step", 1, 100_000, integer=True)
 
 
 @dataclass(frozen=True)
@@ -79,13 +103,13 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check(self.backend in ("hf",), "rollout.backend", "one of: hf", self.backend)
-        _check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "an integer >= 1",
-               self.n_samples_per_prompt)
-        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "rollout.temperature",
-               "a finite number >= 0 (0 = greedy)", self.temperature)
-        _check(self.sampling_seed is None or (isinstance(self.sampling_seed, int) and 0 <= self.sampling_seed < 2**63),
-               "rollout.sampling_seed", "an integer in [0, 2**63)", self.sampling_seed)
+        _number(self.n_samples_per_prompt, "rollout.n_samples_per_prompt", 1, 10_000, integer=True)
+        _number(self.max_new_tokens, "rollout.max_new_tokens", 1, 100_000, integer=True)
+        _number(self.temperature, "rollout.temperature", 0, 100)  # 0 = greedy
+        if self.sampling_seed is not None:
+            _number(self.sampling_seed, "rollout.sampling_seed", 0, 2**63 - 1, integer=True)
+        _check(isinstance(self.true_on_policy, bool), "rollout.true_on_policy", "true or false", self.true_on_policy)
+        _text(self.custom_generate_function_path, "rollout.custom_generate_function_path", optional=True)
 
 
 @dataclass(frozen=True)
@@ -94,6 +118,10 @@ class RewardConfig:
 
     verifier: str = "parity"
     custom_rm_path: str | None = None
+
+    def __post_init__(self) -> None:
+        _text(self.verifier, "reward.verifier")
+        _text(self.custom_rm_path, "reward.custom_rm_path", optional=True)
 
 
 @dataclass(frozen=True)
@@ -110,11 +138,12 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _check(self.advantage == "grpo", "algo.advantage", "grpo", self.advantage)
-        _check(self.eps_clip > 0, "algo.eps_clip", "a number > 0", self.eps_clip)
-        _check(self.eps_clip_high > 0, "algo.eps_clip_high", "a number > 0", self.eps_clip_high)
-        _check(self.kl_coef >= 0, "algo.kl_coef", "a number >= 0", self.kl_coef)
+        _check(isinstance(self.normalize_std, bool), "algo.normalize_std", "true or false", self.normalize_std)
+        _number(self.eps_clip, "algo.eps_clip", 0, 10, open_low=True)
+        _number(self.eps_clip_high, "algo.eps_clip_high", 0, 10, open_low=True)
+        _number(self.kl_coef, "algo.kl_coef", 0, 1000)
         _check(self.kl_type in ("k1", "k3"), "algo.kl_type", "k1 or k3", self.kl_type)
-        _check(self.entropy_coef >= 0, "algo.entropy_coef", "a number >= 0", self.entropy_coef)
+        _number(self.entropy_coef, "algo.entropy_coef", 0, 1000)
 
 
 @dataclass(frozen=True)
@@ -132,13 +161,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.backend in ("torch",), "train.backend", "one of: torch", self.backend)
-        _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", "a finite number > 0", self.lr)
-        _check(self.weight_decay >= 0, "train.weight_decay", "a number >= 0", self.weight_decay)
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas",
-               "two numbers in [0, 1)", self.betas)
-        _check(self.minibatches >= 1, "train.minibatches", "an integer >= 1", self.minibatches)
-        _check(self.micro_batch_size >= 1, "train.micro_batch_size", "an integer >= 1", self.micro_batch_size)
-        _check(self.grad_clip > 0, "train.grad_clip", "a number > 0", self.grad_clip)
+        _number(self.lr, "train.lr", 0, 10, open_low=True)
+        _number(self.weight_decay, "train.weight_decay", 0, 1)
+        _check(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
+            "train.betas", "two numbers in [0, 1)", self.betas)
+        _number(self.adam_eps, "train.adam_eps", 0, 1, open_low=True)
+        _number(self.minibatches, "train.minibatches", 1, 100_000, integer=True)
+        _number(self.micro_batch_size, "train.micro_batch_size", 1, 100_000, integer=True)
+        _number(self.grad_clip, "train.grad_clip", 0, 1e6, open_low=True)
 
 
 @dataclass(frozen=True)
@@ -162,14 +193,18 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        _check(0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed)
-        _check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
+        _number(self.seed, "seed", 0, 2**63 - 1, integer=True)
+        _number(self.steps, "steps", 1, 10_000_000, integer=True)
         _check(self.mode in MODES, "mode", " or ".join(MODES), self.mode)
+        _text(self.out, "out", optional=True)
+        _text(self.rollouts, "rollouts", optional=True)
+        _check(isinstance(self.record, bool), "record", "true or false", self.record)
         _check((self.mode == "train-only") == (self.rollouts is not None), "rollouts",
                "a recording (--rollouts RUN_DIR) exactly when mode is train-only", self.rollouts)
-        _check(self.checkpoint_every >= 1, "checkpoint_every", "an integer >= 1", self.checkpoint_every)
-        _check(self.threads >= 1, "threads", "an integer >= 1", self.threads)
-        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu or cuda[:N]", self.device)
+        _number(self.checkpoint_every, "checkpoint_every", 1, 10_000_000, integer=True)
+        _number(self.threads, "threads", 1, 1024, integer=True)
+        _check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
+               "cpu, cuda or cuda:N", self.device)
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
         _check(batch % self.train.minibatches == 0, "train.minibatches",
                f"a divisor of the step's sample count ({batch})", self.train.minibatches)
@@ -190,7 +225,8 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": Rollout
 
 
 def _coerce(value: Any, default: Any, key: str) -> Any:
-    """Check a TOML value against the type of the field's default (TOML has no tuples or None)."""
+    """Check a TOML value against the type of the field's default (TOML has no tuples or None); a
+    field whose default is None holds a string (paths, plugins) unless it is a seed."""
     if isinstance(default, bool):
         _check(isinstance(value, bool), key, "true or false", value)
     elif isinstance(default, int):
@@ -199,12 +235,16 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
     elif isinstance(default, tuple):
-        _check(isinstance(value, list) and len(value) == len(default), key, f"a list of {len(default)}", value)
+        _check(isinstance(value, (list, tuple)) and len(value) == len(default), key, f"a list of {len(default)}", value)
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
     elif isinstance(default, str):
         _check(isinstance(value, str), key, "a string", value)
+    elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
+        pass
+    elif default is None and key.endswith("seed"):
+        _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
-        _check(isinstance(value, (str, int)) and not isinstance(value, bool), key, "a string or integer", value)
+        _check(isinstance(value, str), key, "a string", value)
     return value
 
 
@@ -265,18 +305,12 @@ def apply_overrides(config: RunConfig, **overrides: Any) -> RunConfig:
     return dataclasses.replace(config, **top) if top else config
 
 
-def config_from_dict(table: dict, source: str | Path) -> RunConfig:
-    """A RunConfig from its `to_dict()` form, as a manifest holds it; `source` names the file for errors."""
+def config_from_dict(table: Any, source: str | Path) -> RunConfig:
+    """A RunConfig from its `to_dict()` form, as a manifest holds it; `source` names the file for errors.
+    Held to the same types and ranges as a TOML file (its paths are absolute already)."""
+    if not isinstance(table, dict):
+        raise BadInput(f"expected an object, got {type(table).__name__}", path=source, field="config")
     try:
-        sections = {}
-        for key, cls in _SECTION_CLASSES.items():
-            if key in table:
-                defaults = cls()
-                sections[key] = cls(**{name: tuple(value) if isinstance(getattr(defaults, name, None), tuple) else value
-                                       for name, value in table[key].items()})
-        top = {k: v for k, v in table.items() if k not in _SECTION_CLASSES}
-        return RunConfig(**top, **sections)
-    except TypeError as exc:
-        raise BadInput(f"config not understood ({exc})", path=source, field="config") from None
+        return _build(RunConfig, table, "", Path("/"))
     except BadInput as exc:
-        raise BadInput(str(exc), path=source) from None
+        raise BadInput(f"config.{exc}", path=source) from None

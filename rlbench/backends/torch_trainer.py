@@ -20,6 +20,7 @@ from rlbench.config import AlgoConfig, TrainConfig
 from rlbench.core import algo
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
+from rlbench.errors import BadInput
 from rlbench.rundir import digest
 
 
@@ -153,13 +154,21 @@ class TorchTrainer:
         }
 
     def load_checkpoint(self, directory: Path) -> None:
-        from safetensors.torch import load_file
+        from rlbench.core.model import load_safetensors
+        from rlbench.rundir.jsonio import read_json
 
-        load_named_(self.model, load_file(str(directory / "model.safetensors")), source=directory)
-        tensors = load_file(str(directory / "optimizer.safetensors"))
-        meta = json.loads((directory / "optimizer.json").read_text())
+        load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
+        tensors = load_safetensors(directory / "optimizer.safetensors")
+        meta = read_json(directory / "optimizer.json")
+        scalars = meta.get("scalars") if isinstance(meta, dict) else None
+        if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    for v in scalars.values()):
+            raise BadInput("expected {\"scalars\": {name: number}}", path=directory / "optimizer.json")
         params = dict(self.model.named_parameters())
-        for key, value in {**tensors, **meta["scalars"]}.items():
-            field, name = key.split("/", 1)
+        for key, value in {**tensors, **scalars}.items():
+            field, _, name = key.partition("/")
+            if name not in params or field not in ("step", "exp_avg", "exp_avg_sq") or (
+                    torch.is_tensor(value) and value.shape != params[name].shape):
+                raise BadInput(f"optimizer state {key!r} fits no parameter of the model", path=directory)
             state = self.optimizer.state[params[name]]
-            state[field] = value.to(self.device) if torch.is_tensor(value) else torch.tensor(value)
+            state[field] = value.to(self.device) if torch.is_tensor(value) else torch.tensor(float(value))

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir, atomic_write
+from rlbench.rundir.jsonio import read_json
 
 SCHEMA = "rlbench.golden/1"
 # A run records the versions of the packages it used (rlbench/core/context.py `versions`). The exact
@@ -312,12 +313,7 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
     if not path.is_file():
         raise BadInput("no such golden file" if not path.exists() else
                        "is a directory; give the golden file's path" if path.is_dir() else "not a file", path=path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise BadInput("not UTF-8 text", path=path) from None
-    except ValueError as exc:
-        raise BadInput(f"invalid JSON ({exc})", path=path) from None
+    doc = read_json(path)
     rename = rename or {}
     names = doc if is_megatron(doc) else doc.get("metrics") if isinstance(doc, dict) else None
     unknown = sorted(set(rename) - set(names or {}))
@@ -443,6 +439,9 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
             if fnmatch.fnmatchcase(name, glob):
                 tol = apply_override(tol, override, name, steps, "--tolerance")
         metrics[name] = Series(steps[0], steps[-1], interval, values, tol)
+    if not metrics:
+        raise BadInput("no metric is logged at every committed step: nothing to make a golden series of",
+                       path=run.root / "metrics.jsonl")
     for glob, _ in overrides:
         if not any(fnmatch.fnmatchcase(name, glob) for name in metrics):
             raise BadInput(f"{glob!r} matches no metric of the run ({', '.join(metrics)})", field="--tolerance")

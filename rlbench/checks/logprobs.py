@@ -102,11 +102,9 @@ class _Recomputer:
             if not self.rollout_only:
                 return None
         elif self.loaded != ckpt:
-            from safetensors.torch import load_file
+            from rlbench.core.model import load_named_, load_safetensors
 
-            from rlbench.core.model import load_named_
-
-            load_named_(self.trainer.model, load_file(str(ckpt / "model.safetensors")), source=ckpt)
+            load_named_(self.trainer.model, load_safetensors(ckpt / "model.safetensors"), source=ckpt)
             self.loaded = ckpt
         batch = train_batch({**tensors, "advantages": torch.zeros(tensors["rewards"].shape)})
         rows = self.trainer.logprobs(batch.tokens, per_sample=self.true_on_policy)

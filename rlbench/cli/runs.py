@@ -15,7 +15,10 @@ import typer
 from rich.table import Table
 
 from rlbench.cli import AsJson, Debug, app, stderr, stdout
+from rlbench.config import RunConfig
 from rlbench.errors import BadInput
+
+_DEFAULT = RunConfig()  # what an option left out means (the config's defaults, shown in --help)
 
 
 class Mode(str, Enum):
@@ -38,19 +41,21 @@ def _default_out() -> str:
     return f"runs/run-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def _summary(result) -> dict:
-    rewards = [h["rollout/raw_reward"] for h in result.history]
+def _summary(result, history: list[dict] | None = None) -> dict:
+    """What a finished run did; `history` is every committed step's metrics (default: this invocation's)."""
+    history = result.history if history is None else history
+    rewards = [h["rollout/raw_reward"] for h in history]
     k = min(10, len(rewards))
-    last = result.history[-1] if result.history else {}
+    last = history[-1] if history else {}
     return {
         "out": result.config.out,
         "mode": result.config.mode,
         "seed": result.config.seed,
-        "steps": len(result.history),
+        "steps": len(history),
         "reward_first10": statistics.fmean(rewards[:k]) if rewards else None,
         "reward_last10": statistics.fmean(rewards[-k:]) if rewards else None,
         "final_loss": last.get("train/loss"),
-        "wall_time": result.wall_time,
+        "wall_time": result.wall_time,  # this invocation's
         "final_metrics": last,
     }
 
@@ -74,17 +79,17 @@ def _render_summary(summary: dict) -> None:
 @app.command()
 def run(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config.py); CLI options override it.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Master seed; every random draw is derived from it. [default: 1234]", min=0)] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Number of steps (rollout ids). [default: 100]", min=1)] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory to create; must be new or empty. [default: runs/run-<time>]")] = None,
-    mode: Annotated[Optional[Mode], typer.Option(help="full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help=f"Master seed; every random draw is derived from it. \\[default: {_DEFAULT.seed}]", min=0)] = None,
+    steps: Annotated[Optional[int], typer.Option(help=f"Number of steps (rollout ids). \\[default: {_DEFAULT.steps}]", min=1)] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run directory to create; must be new or empty. \\[default: runs/run-<time>]")] = None,
+    mode: Annotated[Optional[Mode], typer.Option(help=f"full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine. \\[default: {_DEFAULT.mode}]")] = None,
     rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
-    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help="Rollout engine. hf: embedded transformers, in-process.")] = None,
-    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option(help="Trainer. torch: embedded transformers model + AdamW.")] = None,
-    custom_rm_path: Annotated[Optional[str], typer.Option(help="Reward function by dotted path, package.module.function: fn(sample) -> float.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cpu or cuda[:N]. [default: cpu]")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, fixed and recorded (results depend on it). [default: 1]", min=1)] = None,
+    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help=f"Rollout engine. hf: embedded transformers, in-process. \\[default: {_DEFAULT.rollout.backend}]")] = None,
+    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option(help=f"Trainer. torch: embedded transformers model + AdamW. \\[default: {_DEFAULT.train.backend}]")] = None,
+    custom_rm_path: Annotated[Optional[str], typer.Option(help=f"Reward function by dotted path, package.module.function: fn(sample) -> float. \\[default: the built-in {_DEFAULT.reward.verifier!r} verifier]")] = None,
+    device: Annotated[Optional[str], typer.Option(help=f"cpu or cuda[:N]. \\[default: {_DEFAULT.device}]")] = None,
+    threads: Annotated[Optional[int], typer.Option(help=f"torch CPU threads, fixed and recorded (results depend on it). \\[default: {_DEFAULT.threads}]", min=1)] = None,
     no_record: Annotated[bool, typer.Option("--no-record", help="Do not write rollouts/ (metrics, checksums and checkpoints still are).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
     debug: Debug = False,
@@ -116,19 +121,25 @@ def run(
                       train__backend=trainer_backend.value if trainer_backend else None,
                       reward__custom_rm_path=custom_rm_path)
     if rollouts is not None:
-        from rlbench.replay.replay import train_only_config
+        from rlbench.replay.replay import recorded_overrides, train_only_config
 
+        given = cfg
         cfg = train_only_config(cfg, rollouts, steps)
+        notes = [f"train-only: {note}" for note in recorded_overrides(given, cfg)]
+    else:
+        notes = []
     if cfg.out is None:
         cfg = cfg.replace(out=_default_out())
     from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
     command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
         result = run_loop(cfg, command=command)
-        stdout.print_json(json.dumps(_summary(result)))
+        stdout.print_json(json.dumps({**_summary(result), "notes": notes}))
         return
     with _progress(cfg.steps) as on_step:
         result = run_loop(cfg, on_step=on_step, command=command)
+    for note in notes:  # after the run: bad input stays one line
+        stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     _render_summary(_summary(result))
 
 
@@ -153,14 +164,17 @@ def _progress(total: int, start: int = 0):
     try:
         yield on_step
     finally:
-        progress.stop()
+        if progress.live.is_started:  # stopping one never started would print an empty line
+            progress.stop()
 
 
 def _resume(run_dir: Path, as_json: bool) -> None:
     from rlbench.replay.resume import resume as resume_run
     from rlbench.rundir.directory import read_run
 
-    total = read_run(run_dir).manifest["config"]["steps"]
+    from rlbench.replay.replay import source_config
+
+    total = source_config(read_run(run_dir)).steps
     if as_json:
         res = resume_run(run_dir)
     else:
@@ -168,7 +182,8 @@ def _resume(run_dir: Path, as_json: bool) -> None:
             res = resume_run(run_dir, on_step=on_step)
     doc = {"run_dir": res.run_dir, "committed_before": res.committed, "restarted_from_checkpoint": res.checkpoint,
            "recomputed_and_verified": max(res.committed - res.checkpoint, 0), "discarded": res.discarded,
-           "complete": True, "summary": _summary(res.result) if res.result else None}
+           "complete": True,
+           "summary": _summary(res.result, read_run(run_dir).metrics) if res.result else None}
     if as_json:
         stdout.print_json(json.dumps(doc))
         return
@@ -179,14 +194,14 @@ def _resume(run_dir: Path, as_json: bool) -> None:
         stderr.print(f"discarded (uncommitted): {item}", markup=False, highlight=False)
     stdout.print(f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
                  f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new")
-    _render_summary(_summary(res.result))
+    _render_summary(doc["summary"])
 
 
 @app.command()
 def replay(
     run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
-    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. [default: RUN_DIR.replay-<time>]")] = None,
-    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. [default: all committed]")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. \\[default: RUN_DIR.replay-<time>]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. \\[default: all committed]")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -299,8 +314,8 @@ app.add_typer(import_app, name="import")
 def import_slime(
     dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")],
     out: Annotated[Path, typer.Option(help="The run directory to create.")],
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. [default: the fixture]")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. [default: the fixture]")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. \\[default: the fixture]")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. \\[default: the fixture]")] = None,
     reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")] = None,
     as_json: AsJson = False,
     debug: Debug = False,

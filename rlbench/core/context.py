@@ -20,7 +20,7 @@ from typing import Callable
 from rlbench import __version__, numerics
 from rlbench.config import RunConfig
 from rlbench.core.data import PromptCursor, load_dataset
-from rlbench.core.model import build_model, file_digest, load_named_, load_tokenizer, named_weights
+from rlbench.core.model import build_model, file_digest, load_named_, load_safetensors, load_tokenizer, named_weights
 from rlbench.core.protocols import RolloutEngine
 from rlbench.core.reward import RewardInput, load_reward_fn
 from rlbench.core.seeding import configure_determinism
@@ -81,12 +81,16 @@ def _device_name(device: str) -> str | None:
     return torch.cuda.get_device_name(torch.device(device))
 
 
-def _encode_prompts(tokenizer, dataset: list[Prompt]) -> dict[int, tuple[int, ...]]:
-    """Each prompt rendered by the chat template and tokenised once, up front."""
+def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int, source: str) -> dict[int, tuple[int, ...]]:
+    """Each prompt rendered by the chat template and tokenised once, up front; one that leaves no room
+    for the response in the model's context (`limit` tokens) is bad input."""
     encoded = {}
     for prompt in dataset:
         ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) > limit:
+            raise BadInput(f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
+                           f"model's {limit} + max_new_tokens positions", path=source)
         encoded[prompt.index] = tuple(int(t) for t in ids)
     return encoded
 
@@ -110,11 +114,9 @@ def _initial_weights(model, source: RunDir | None) -> None:
     and insist they are the ones it recorded."""
     if source is None:
         return
-    from safetensors.torch import load_file
-
     first = source.root / "checkpoints" / "000000" / "model.safetensors"
     if first.is_file():
-        load_named_(model, load_file(str(first)), source=first)
+        load_named_(model, load_safetensors(first), source=first)
     recorded = source.manifest.get("hashes", {}).get("initial_weights")
     here = weights_digest(named_weights(model))
     if recorded is not None and recorded != here:
@@ -124,6 +126,14 @@ def _initial_weights(model, source: RunDir | None) -> None:
 
 def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False,
           command: str | None = None) -> Context:
+    if config.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInput(f"no CUDA device: this torch ({torch.__version__}) sees none", field="device")
+        if int(config.device.partition(":")[2] or 0) >= torch.cuda.device_count():
+            raise BadInput(f"{config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+                           field="device")
     determinism = configure_determinism(config.threads, config.device)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
@@ -134,8 +144,10 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         if source.steps[:config.steps] != list(range(config.steps)):
             raise BadInput(f"the recording's committed steps are not 0..{config.steps - 1}",
                            path=source.root / "metrics.jsonl")
+        recorded_ids = 0
         for step in range(start, config.steps):  # every file verified before anything is written
-            read_step(source.root, step)
+            tokens = read_step(source.root, step)[0]["tokens"]
+            recorded_ids = max(recorded_ids, int(tokens.max()) + 1 if tokens.numel() else 0)
         dataset, reward_name, reward_fn = [], "recorded", None
     else:
         dataset = load_dataset(config.data.path, config.data.prompt_key, config.data.label_key)
@@ -150,6 +162,9 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     if len(tokenizer) > vocab:
         raise BadInput(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}",
                        path=config.model.tokenizer)
+    if source is not None and recorded_ids > vocab:
+        raise BadInput(f"the recording holds token id {recorded_ids - 1}, outside the model's vocabulary ({vocab})",
+                       path=source.root / "rollouts")
     _initial_weights(model, source)
     initial_digest = weights_digest(named_weights(model))
 
@@ -195,7 +210,8 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         manifest["source"] = {"run": str(source.root), "steps": len(source.steps),
                               "created": source.manifest.get("created")}
     manifest = json.loads(json.dumps(manifest))  # JSON-normal form (tuples become lists), as read back
-    prompt_ids = _encode_prompts(tokenizer, dataset)
+    positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    prompt_ids = _encode_prompts(tokenizer, dataset, positions - config.rollout.max_new_tokens, config.data.path)
     writer = None
     if config.out:
         writer = RunWriter(Path(config.out), None if resume else manifest, record=config.record)

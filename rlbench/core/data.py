@@ -18,6 +18,7 @@ from rlbench.core.types import Prompt
 from rlbench.errors import BadInput
 
 _ROLES = {"system", "user", "assistant", "tool"}
+MAX_LINE = 1_000_000  # characters: far beyond any prompt a model of this kind takes (checked in tokens later)
 
 
 def _messages(value: object, path: Path, lineno: int, key: str) -> tuple[dict, ...]:
@@ -40,16 +41,26 @@ def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str = 
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInput("dataset not found", path=path) from None
-    except (IsADirectoryError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"cannot read dataset ({exc.__class__.__name__})", path=path) from None
     prompts: list[Prompt] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE:
+            raise BadInput(f"line {lineno}: {len(line):,} characters, more than a prompt may hold ({MAX_LINE:,})",
+                           path=path)
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BadInput(f"line {lineno}: invalid JSON ({exc.msg} at column {exc.colno})", path=path) from None
+        except RecursionError:
+            raise BadInput(f"line {lineno}: invalid JSON: nested too deeply", path=path) from None
+        try:  # JSON may escape a lone surrogate, which no tokenizer can encode
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadInput(f"line {lineno}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no text",
+                           path=path) from None
         if not isinstance(row, dict):
             raise BadInput(f"line {lineno}: expected a JSON object, got {type(row).__name__}", path=path)
         if prompt_key not in row:

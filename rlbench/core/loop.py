@@ -21,17 +21,18 @@ import torch
 from rlbench.config import RunConfig
 from rlbench.core import algo, metrics, samples
 from rlbench.core.context import Context, build
+from rlbench.core.plugins import call_plugin
 from rlbench.core.reward import RewardInput, score
 from rlbench.core.seeding import derive_seed
 from rlbench.core.types import GenerateRequest, Prompt, Sample
-from rlbench.errors import RlbenchError
+from rlbench.errors import BadInput, Divergence, NonFinite
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.digest import tensors_digest, weights_digest
 
 
-class Diverged(RlbenchError):
+class Diverged(Divergence):
     """A step's checksum differs from the expected one: the first (step, stage) where runs part."""
 
     def __init__(self, step: int, stage: str, expected: str, got: str):
@@ -74,8 +75,9 @@ def rollout(ctx: Context, state: StepState) -> None:
                                 cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
                 for g, p in enumerate(state.prompts) for j in range(n)]
     if ctx.generate_fn is not None:
-        state.samples = [samples.from_trajectory(ctx.generate_fn(ctx.generate_env, state.prompts[i // n], req.prompt_ids,
-                                                                 req.seed), ctx.generate_name,
+        state.samples = [samples.from_trajectory(call_plugin(ctx.generate_fn, "generate function", ctx.generate_name,
+                                                             ctx.generate_env, state.prompts[i // n], req.prompt_ids,
+                                                             req.seed), ctx.generate_name,
                                                  state.prompts[i // n], i // n, i, req)
                          for i, req in enumerate(requests)]
     else:
@@ -83,6 +85,7 @@ def rollout(ctx: Context, state: StepState) -> None:
         state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
                          for i, (req, res) in enumerate(zip(requests, results))]
     state.tensors = samples.flatten(state.samples)
+    _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the engine's log-probs")
     _checksum_rollout(state)
 
 
@@ -91,6 +94,7 @@ def reward(ctx: Context, state: StepState) -> None:
         s.reward = score(ctx.reward_name, ctx.reward_fn,
                          RewardInput(s.prompt.messages, s.response, s.prompt.label, s.finish_reason, s.prompt.metadata))
     state.tensors["rewards"] = torch.tensor([s.reward for s in state.samples], dtype=torch.float32)
+    _finite(state, "reward", "rewards", state.tensors["rewards"], ctx.reward_name)
     state.sample_meta = [s.metadata() for s in state.samples]
     _checksum_rewards(state)
 
@@ -100,7 +104,28 @@ def recorded(ctx: Context, state: StepState) -> None:
     tensors, meta = recording.read_step(Path(ctx.config.rollouts), state.step)
     state.tensors = {k: tensors[k] for k in recording.REQUIRED}  # inputs only: later stages recompute the rest
     state.sample_meta = meta["samples"]
+    source = f"the recording {Path(ctx.config.rollouts) / 'rollouts' / (f'{state.step:06d}.safetensors')}"
+    _finite(state, "recorded", "rewards", state.tensors["rewards"], source)
+    _finite(state, "recorded", "rollout_logprobs", state.tensors["rollout_logprobs"], source)
     checksum_inputs(state)
+
+
+def _finite(state: StepState, stage: str, name: str, values: torch.Tensor, source: str = "") -> None:
+    """Stop before the step commits when a value is NaN or infinite, naming the stage, the place and
+    the value: training on it would only spread it, and committed steps must stay resumable."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    first = int(bad.reshape(-1).nonzero()[0])
+    if name.endswith("logprobs"):  # token-aligned: name the sample and the token in it
+        offsets = state.tensors["offsets"]
+        sample = int(torch.searchsorted(offsets, torch.tensor(first), right=True)) - 1
+        place = f"sample {sample}, token {first - int(offsets[sample])}"
+    else:
+        place = {"losses": f"minibatch {first}", "train/grad_norm": "the mean over minibatches"}.get(name,
+                                                                                                  f"sample {first}")
+    raise NonFinite(f"step {state.step}, stage {stage}: {name} is {values.reshape(-1)[first].item()} at {place}"
+                    f"{f' ({source})' if source else ''}; the step was not committed, the committed steps are kept")
 
 
 # Which recorded tensors each checksum covers, in order: one definition for the loop, replay and diff.
@@ -141,6 +166,7 @@ def _checksum_rewards(state: StepState) -> None:
 def advantage(ctx: Context, state: StepState) -> None:
     state.tensors["advantages"] = algo.grpo_advantages(state.tensors["rewards"], ctx.group_size,
                                                        ctx.config.algo.normalize_std)
+    _finite(state, "advantage", "advantages", state.tensors["advantages"])
     state.checksums["advantages"] = _digest(state.tensors, "advantages")
 
 
@@ -150,6 +176,7 @@ def logprob(ctx: Context, state: StepState) -> None:
     state.batch.old_logprobs = ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths,
                                                     per_sample=per_sample) * state.batch.loss_mask
     state.tensors["old_logprobs"] = recording.unpad(state.batch.old_logprobs, state.tensors["offsets"])
+    _finite(state, "logprob", "old_logprobs", state.tensors["old_logprobs"], "the trainer's forward")
     if ctx.config.algo.kl_coef > 0:
         state.batch.ref_logprobs = ctx.trainer.logprobs(state.batch.tokens, reference=True) * state.batch.loss_mask
         state.tensors["ref_logprobs"] = recording.unpad(state.batch.ref_logprobs, state.tensors["offsets"])
@@ -159,6 +186,8 @@ def logprob(ctx: Context, state: StepState) -> None:
 
 def train(ctx: Context, state: StepState) -> None:
     stats = ctx.trainer.train_step(state.batch, state.step)
+    _finite(state, "train", "losses", stats.losses)
+    _finite(state, "train", "train/grad_norm", torch.tensor([stats.metrics["train/grad_norm"]]))
     weights = ctx.trainer.export_hf_weights()
     state.metrics.update(stats.metrics)
     state.tensors["losses"] = stats.losses
@@ -247,6 +276,10 @@ def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *
             history.append({"step": step, **state.metrics})
             if on_step is not None:
                 on_step(state)
+    except BaseException:
+        if ctx.writer is not None and ctx.writer.created and ctx.writer.commits == 0:
+            ctx.writer.discard()  # failed before its first step: leave no half-made --out behind
+        raise
     finally:  # an error or Ctrl-C still lands every step already handed to the writer
         if ctx.writer is not None:
             ctx.writer.close()

@@ -33,9 +33,11 @@ def load_tokenizer(path: str | Path):
         raise BadInput("not a tokenizer directory (no tokenizer.json)", path=path)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
-        raise BadInput(f"cannot load tokenizer ({exc.__class__.__name__}: {str(exc).splitlines()[0]})",
-                       path=path) from None
+    except RecursionError:
+        raise BadInput("cannot load tokenizer: its JSON is nested too deeply", path=path) from None
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library rejects a malformed file in many ways
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise BadInput(f"cannot load tokenizer ({exc.__class__.__name__}: {first[:160]})", path=path) from None
 
 
 def load_model_config(path: str | Path):
@@ -46,7 +48,9 @@ def load_model_config(path: str | Path):
         raise BadInput("not a model directory (no config.json)", path=path)
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise BadInput("cannot load model config: nested too deeply", path=path / "config.json") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise BadInput(f"cannot load model config ({exc.__class__.__name__}: {str(exc).splitlines()[0]})",
                        path=path / "config.json") from None
 
@@ -75,10 +79,22 @@ def build_model(path: str | Path, master_seed: int, dtype: str = "float32", devi
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = Path(path) / "model.safetensors"
     if weights.is_file():
-        load_named_(model, load_file(str(weights)), source=weights)
+        load_named_(model, load_safetensors(weights), source=weights)
     else:
         init_weights_(model, master_seed, getattr(config, "initializer_range", 0.02))
     return model.to(device=device, dtype=_DTYPES[dtype])
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a truncated or corrupt file is bad input naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(Path(path).read_bytes())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BadInput(f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})",
+                       path=path) from None
 
 
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -95,9 +111,9 @@ def load_named_(model: torch.nn.Module, weights: dict[str, torch.Tensor], source
                        path=str(source))
     with torch.no_grad():
         for name, tensor in weights.items():
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise BadInput(f"'{name}' has shape {tuple(tensor.shape)}, the model expects "
-                               f"{tuple(params[name].shape)}", path=str(source))
+            if tuple(tensor.shape) != tuple(params[name].shape) or not tensor.is_floating_point():
+                raise BadInput(f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
+                               f"tensor of shape {tuple(params[name].shape)}", path=str(source))
             params[name].copy_(tensor)
 
 

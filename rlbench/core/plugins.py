@@ -23,7 +23,9 @@ def load_function(path: str, option: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise BadInput(f"cannot import module '{module_name}' ({exc})", field=option) from None
-    except Exception as exc:  # the plugin's own module failed while importing (SyntaxError, ...)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the plugin's module failed while importing (SyntaxError, SystemExit)
         raise BadInput(f"importing module '{module_name}' raised {exc.__class__.__name__}: {exc}",
                        field=option) from exc
     fn = getattr(module, attr, None)
@@ -32,3 +34,17 @@ def load_function(path: str, option: str) -> Callable:
     if not callable(fn):
         raise BadInput(f"'{path}' is not callable", field=option)
     return fn
+
+
+def call_plugin(fn: Callable, name: str, option: str, *args, **kwargs):
+    """Call a user function; whatever it raises, SystemExit and other BaseExceptions included, becomes
+    BadInput naming the function (Ctrl-C stays Ctrl-C). A plugin cannot end the run as a success."""
+    try:
+        return fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as exc:
+        raise BadInput(f"{name} called sys.exit({exc.code!r}); a plugin returns a value instead",
+                       field=option) from None
+    except BaseException as exc:  # noqa: BLE001 - a plugin's bug, named, with the cause kept for --debug
+        raise BadInput(f"{name} raised {exc.__class__.__name__}: {exc}", field=option) from exc

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlbench.core.plugins import load_function
+from rlbench.core.plugins import call_plugin, load_function
 from rlbench.errors import BadInput
 
 
@@ -59,12 +59,14 @@ def load_reward_fn(verifier: str, custom_rm_path: str | None) -> tuple[str, Call
     return verifier, BUILTIN[verifier]
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored and trained as float32
+
+
 def score(name: str, fn: Callable[[RewardInput], float], sample: RewardInput) -> float:
-    """Call a verifier and hold it to its contract (a finite real number)."""
-    try:
-        value = fn(sample)
-    except Exception as exc:  # a plugin's bug: name the plugin, keep the cause
-        raise BadInput(f"reward function raised {exc.__class__.__name__}: {exc}", field=name) from exc
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadInput(f"reward function returned {value!r}; expected a finite number", field=name)
+    """Call a verifier and hold it to its contract (a finite real number, finite as float32 too)."""
+    value = call_plugin(fn, "reward function", name, sample)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or abs(value) > FLOAT32_MAX:
+        raise BadInput(f"reward function returned {value!r}; expected a finite number (within float32's range)",
+                       field=name)
     return float(value)

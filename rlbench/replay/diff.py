@@ -156,9 +156,9 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
     ca = run_a.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
     cb = run_b.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
     if differing and ca.is_file() and cb.is_file():
-        from safetensors.torch import load_file
+        from rlbench.core.model import load_safetensors
 
-        wa, wb = load_file(str(ca)), load_file(str(cb))
+        wa, wb = load_safetensors(ca), load_safetensors(cb)
         name = differing[0]
         delta = (wa[name].double() - wb[name].double()).abs()
         result.max_abs = float(delta.max())

@@ -109,10 +109,20 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
                         sum(map(len, compared)))
 
 
+def recorded_overrides(config: RunConfig, recorded: RunConfig) -> list[str]:
+    """The settings of `config` a train-only run takes from the recording instead, where they differ."""
+    out = []
+    for section in ("model", "data", "rollout", "reward"):
+        mine, theirs = getattr(config, section).__dict__, getattr(recorded, section).__dict__
+        out += [f"{section}.{key}: the recording's {theirs[key]!r}, not {mine[key]!r}" for key in mine
+                if mine[key] != theirs.get(key)]
+    return out
+
+
 def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None) -> RunConfig:
     """`run --mode train-only --rollouts RUN`: the trainer and algorithm are this config's; what was
     recorded (model, tokenizer, data, sampling) is the recording's, and so is the step count unless
-    `steps` asks for fewer."""
+    `steps` asks for fewer (`recorded_overrides` names what that changes)."""
     source = read_run(rollouts)
     recorded = source_config(source)
     committed = len(source.steps)

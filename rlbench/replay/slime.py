@@ -30,7 +30,7 @@ def load_dump(path: Path) -> dict:
         raise BadInput("dump not found", path=path)
     try:
         dump = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises pickle.UnpicklingError for what weights_only refuses
+    except (Exception, RecursionError) as exc:  # pickle.UnpicklingError for what weights_only refuses
         if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
             reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
                           str(exc).splitlines()[0])[:160]
@@ -44,11 +44,16 @@ def load_dump(path: Path) -> dict:
     return dump
 
 
-def _ints(value, path: Path, where: str) -> list[int]:
+def _ints(value, path: Path, where: str, high: int | None = None) -> list[int]:
+    """A list of integers >= 0 (and <= `high`): ids, or a loss mask of 0 and 1."""
     if torch.is_tensor(value):
         value = value.tolist()
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise BadInput(f"{where}: expected a list of integers", path=path)
+    bad = next((v for v in value if v < 0 or (high is not None and v > high)), None)
+    if bad is not None:
+        span = f"0..{high}" if high is not None else "integers >= 0"
+        raise BadInput(f"{where}: holds {bad}, expected {span}", path=path)
     return value
 
 
@@ -68,7 +73,7 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
     n = raw.get("response_length")
     if not isinstance(n, int) or not 0 <= n <= len(tokens):
         raise BadInput(f"{where}.response_length: expected an integer in [0, {len(tokens)}], got {n!r}", path=path)
-    mask = [1] * n if raw.get("loss_mask") is None else _ints(raw["loss_mask"], path, f"{where}.loss_mask")
+    mask = [1] * n if raw.get("loss_mask") is None else _ints(raw["loss_mask"], path, f"{where}.loss_mask", high=1)
     logprobs = _floats(raw.get("rollout_log_probs"), path, f"{where}.rollout_log_probs") \
         if raw.get("rollout_log_probs") is not None else None
     for name, values in (("loss_mask", mask), ("rollout_log_probs", logprobs)):

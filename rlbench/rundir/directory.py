@@ -176,7 +176,7 @@ class RunWriter:
         """Create the run directory for `manifest`; with manifest=None, reopen an existing one to
         append to it (resume: the caller has already cut it back to its committed steps)."""
         self.root, self.record = Path(root), record
-        self.created = manifest is not None
+        self.created, self.existed, self.commits = manifest is not None, Path(root).is_dir(), 0
         if manifest is None:
             self.lock = RunLock(self.root).acquire()
         else:
@@ -249,6 +249,7 @@ class RunWriter:
             tensor_bytes, json_bytes = encode_step(step, tensors, samples, extra)
             files = {f"{step_name(step)}.safetensors": tensor_bytes, f"{step_name(step)}.json": json_bytes}
         checksum_line, metrics_line = {"step": step, **checksums}, {"step": step, **metrics}
+        self.commits += 1
 
         def job() -> None:
             for name, data in files.items():
@@ -296,6 +297,18 @@ class RunWriter:
             self._writer.close()
         finally:
             self.lock.release()
+
+    def discard(self) -> None:
+        """A run that failed before committing any step: remove the directory this writer made (back to the
+        empty directory it found, if it found one), so the same --out can be used again."""
+        try:
+            self.close()
+        except BaseException:  # noqa: BLE001 - the run's own error is the one to report
+            pass
+        if self.created and self.commits == 0 and self.root.is_dir() and not self.root.is_symlink():
+            shutil.rmtree(self.root, ignore_errors=True)
+            if self.existed:
+                self.root.mkdir(exist_ok=True)
 
 
 @dataclass

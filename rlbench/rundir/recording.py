@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rlbench.errors import BadInput
+from rlbench.rundir.jsonio import read_bytes, read_json
 from rlbench.rundir.digest import tensors_digest
 
 SCHEMA = "rlbench.run/1"
@@ -108,12 +109,14 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     for path in (st_path, js_path):
         if not path.is_file():
             raise BadInput(f"missing: the recording of committed step {step} is not there", path=path)
-    raw = st_path.read_bytes()
+    raw = read_bytes(st_path)
     try:
         tensors = load(raw)
         header_len = int.from_bytes(raw[:8], "little")
         header = json.loads(json.loads(raw[8:8 + header_len])["__metadata__"]["rlbench"])
-    except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        if not isinstance(header, dict):
+            raise TypeError("the rlbench metadata is not an object")
+    except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise BadInput(f"corrupt or truncated safetensors ({exc.__class__.__name__}: {str(exc)[:80]})",
                        path=st_path) from None
     if header.get("schema") != SCHEMA or header.get("step") != step:
@@ -121,23 +124,39 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
                        f"{header.get('step')!r}", path=st_path, field="__metadata__")
     if tensors_digest(dict(sorted(tensors.items()))) != header.get("tensors_sha256"):
         raise BadInput("corrupt: tensors do not match the digest in the file's header", path=st_path)
-    try:
-        meta = json.loads(js_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadInput(f"corrupt JSON ({exc.__class__.__name__})", path=js_path) from None
+    meta = read_json(js_path)
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
         got = meta.get("schema") if isinstance(meta, dict) else type(meta).__name__
         raise BadInput(f"expected {SCHEMA!r}, got {got!r}", path=js_path, field="schema")
     if _samples_digest(meta.get("samples")) != meta.get("samples_sha256"):
         raise BadInput("corrupt: samples do not match samples_sha256", path=js_path)
+    if not isinstance(meta["samples"], list) or not all(isinstance(x, dict) for x in meta["samples"]):
+        raise BadInput("expected a list of per-sample objects", path=js_path, field="samples")
     _check_shapes(tensors, len(meta["samples"]), st_path)
     return tensors, meta
 
 
+DTYPES = {"tokens": torch.int64, "offsets": torch.int64, "prompt_lengths": torch.int64, "prompt_index": torch.int64,
+          "group_index": torch.int64, "loss_mask": torch.uint8, "rollout_logprobs": torch.float32,
+          "rewards": torch.float32, "advantages": torch.float32, "old_logprobs": torch.float32,
+          "ref_logprobs": torch.float32, "losses": torch.float32}
+
+
 def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
+    """The layout above, held to: every tensor flat and of its dtype, lengths agreeing, ids and
+    indices not negative, the loss mask 0 or 1, each prompt inside its sample."""
     for key in REQUIRED:
         if key not in t:
             raise BadInput(f"tensor '{key}' missing", path=path)
+    for key, tensor in t.items():
+        if key in DTYPES and (tensor.dtype != DTYPES[key] or tensor.dim() != 1):
+            raise BadInput(f"tensor '{key}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected a flat "
+                           f"{DTYPES[key]} tensor", path=path)
+    for key in ("tokens", "prompt_index", "group_index"):
+        if t[key].numel() and int(t[key].min()) < 0:
+            raise BadInput(f"tensor '{key}' holds {int(t[key].min())}; ids and indices are >= 0", path=path)
+    if t["loss_mask"].numel() and int(t["loss_mask"].max()) > 1:
+        raise BadInput(f"tensor 'loss_mask' holds {int(t['loss_mask'].max())}; expected 0 or 1", path=path)
     total = t["tokens"].numel()
     expect = {"offsets": n + 1, "prompt_lengths": n, "prompt_index": n, "group_index": n, "rewards": n, "loss_mask": total,
               "rollout_logprobs": total, "advantages": n, "old_logprobs": total, "ref_logprobs": total}
@@ -147,3 +166,6 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
     offsets = t["offsets"]
     if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool((offsets[1:] < offsets[:-1]).any()):
         raise BadInput("tensor 'offsets' is not a monotone split of 'tokens'", path=path)
+    lengths = offsets[1:] - offsets[:-1]
+    if bool(((t["prompt_lengths"] < 0) | (t["prompt_lengths"] > lengths)).any()):
+        raise BadInput("tensor 'prompt_lengths' does not fit the samples' lengths", path=path)

@@ -1,0 +1,5 @@
+"""`python -m rlbench`: the same as the `rlbench` console script."""
+
+from rlbench.cli import main
+
+main()
