@@ -281,6 +281,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
             raise BadInput(f"cannot read config file ({exc.__class__.__name__})", path=path) from None
         except tomllib.TOMLDecodeError as exc:
             raise BadInput(f"invalid TOML ({exc})", path=path) from None
+        except RecursionError:
+            raise BadInput("invalid TOML: nested too deeply", path=path) from None
         try:
             config = _build(RunConfig, table, "", path.parent)
         except BadInput as exc:

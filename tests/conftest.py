@@ -46,6 +46,29 @@ def run_small(tmp_path, small_config):
     return _run
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`rlbench ARGS` in this process, through the console entry point itself (`rlbench.cli.main`): the
+    same parsing, error boundary and exit codes as a subprocess, without paying the interpreter's
+    start-up each time. For what needs a process of its own (signals, locks, crashes), `run_cli`."""
+    import contextlib
+    import io
+
+    from rlbench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = ["rlbench", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
+    return subprocess.CompletedProcess(["rlbench", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`rlbench ARGS` in a subprocess, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}

@@ -134,6 +134,9 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
     deltas, places, per_step, skipped = [], [], [], []
     for step in run.steps:
         tensors, _ = recording.read_step(run.root, step)
+        if tokenizer is not None:
+            recording.check_ids(tensors, len(tokenizer), run.root / "rollouts" / f"{step_name(step)}.safetensors",
+                                "the run's tokenizer")
         if recomputer is not None:
             trainer = recomputer.logprobs(step, tensors)
         else:

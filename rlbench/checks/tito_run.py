@@ -136,6 +136,7 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
     report = RunReport(str(run.root), "sampled")
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)
+        recording.check_ids(tensors, len(tok), run.root / "rollouts" / f"{step:06d}.safetensors", "the tokenizer")
         offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
         for i, sample in enumerate(meta["samples"]):
             report.samples += 1

@@ -163,6 +163,14 @@ def _progress(total: int, start: int = 0):
 
     try:
         yield on_step
+    except BaseException:  # an error is reported in one line of its own, which names the step it stopped at
+        if progress.live.is_started:
+            stderr.quiet = True  # stop the bar without printing its last state
+            try:
+                progress.stop()
+            finally:
+                stderr.quiet = False
+        raise
     finally:
         if progress.live.is_started:  # stopping one never started would print an empty line
             progress.stop()

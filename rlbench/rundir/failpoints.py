@@ -1,8 +1,9 @@
 """Failpoints: named places where a test can kill the process, to prove crash safety.
 
 `RLBENCH_FAILPOINT=name@N` makes the N-th time execution reaches `hit("name")` send SIGKILL to
-this process (no cleanup, no flush: as a power cut or the OOM killer would). Unset, `hit` is
-one dictionary lookup. The points sit inside the run directory's write path, between the steps
+this process (no cleanup, no flush: as a power cut or the OOM killer would); `name@N:stop` sends
+SIGSTOP instead, so a test can hold the process there (its locks held) and SIGCONT it later.
+Unset, `hit` is one dictionary lookup. The points sit inside the run directory's write path, between the steps
 that the commit protocol orders (temp file written / renamed / log appended / line half-written).
 """
 
@@ -26,16 +27,19 @@ POINTS = (
 )
 
 _armed: dict[str, int] = {}
+_signal = signal.SIGKILL
 _spec = os.environ.get("RLBENCH_FAILPOINT")
 if _spec:
+    _spec, _, _action = _spec.partition(":")
     name, _, count = _spec.partition("@")
-    if name not in POINTS:
-        raise ValueError(f"RLBENCH_FAILPOINT: unknown point {name!r} (known: {', '.join(POINTS)})")
+    if name not in POINTS or _action not in ("", "stop"):
+        raise ValueError(f"RLBENCH_FAILPOINT: expected NAME@N[:stop], NAME one of {', '.join(POINTS)}")
     _armed[name] = int(count or 1)
+    _signal = signal.SIGSTOP if _action == "stop" else signal.SIGKILL
 
 
 def hit(name: str) -> None:
     if name in _armed:
         _armed[name] -= 1
         if _armed[name] == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), _signal)

@@ -169,3 +169,10 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
     lengths = offsets[1:] - offsets[:-1]
     if bool(((t["prompt_lengths"] < 0) | (t["prompt_lengths"] > lengths)).any()):
         raise BadInput("tensor 'prompt_lengths' does not fit the samples' lengths", path=path)
+
+
+def check_ids(tensors: dict[str, torch.Tensor], vocab: int, path: Path, what: str) -> None:
+    """Every token id inside a vocabulary of `vocab` ids (`what` names it), else BadInput naming the file."""
+    tokens = tensors["tokens"]
+    if tokens.numel() and int(tokens.max()) >= vocab:
+        raise BadInput(f"token id {int(tokens.max())} is outside {what} ({vocab} ids)", path=path)

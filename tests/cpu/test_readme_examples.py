@@ -7,17 +7,13 @@ The one change: the bare `rlbench run` (the full default run) runs 3 steps here.
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import io
-import os
 import re
 import shlex
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, cli
 
 BLOCK = re.compile(r"<!-- readme:examples -->\n```bash\n(.*?)```\n<!-- /readme:examples -->", re.S)
 
@@ -34,8 +30,6 @@ def commands() -> list[tuple[str, int]]:
 
 
 def _run(command: str) -> tuple[int, str]:
-    from rlbench.cli import main
-
     argv = shlex.split(command)
     assert argv[0] == "rlbench", command
     quoted = {arg for arg in argv if f"'{arg}'" in command or f'"{arg}"' in command}
@@ -43,18 +37,8 @@ def _run(command: str) -> tuple[int, str]:
                                         else [arg])]  # as bash expands them
     if argv[1:] == ["run"]:
         argv += ["--steps", "3"]
-    out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = saved
-    return code, out.getvalue() + err.getvalue()
+    res = cli(*argv[1:])
+    return res.returncode, res.stdout + res.stderr
 
 
 def test_the_block_names_every_command():
