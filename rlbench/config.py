@@ -53,7 +53,8 @@ def _bound(x: float) -> str:
 
 
 def _text(value: Any, key: str, optional: bool = False) -> None:
-    _check(isinstance(value, str) or (optional and value is None), key, "a string", value)
+    _check((isinstance(value, str) and "\x00" not in value) or (optional and value is None), key,
+           "a string (without NUL)", value)
 
 
 @dataclass(frozen=True)
@@ -238,13 +239,13 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         _check(isinstance(value, (list, tuple)) and len(value) == len(default), key, f"a list of {len(default)}", value)
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
     elif isinstance(default, str):
-        _check(isinstance(value, str), key, "a string", value)
+        _text(value, key)
     elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
         pass
     elif default is None and key.endswith("seed"):
         _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
-        _check(isinstance(value, str), key, "a string", value)
+        _text(value, key)
     return value
 
 

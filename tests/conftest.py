@@ -74,3 +74,36 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "rlbench.cli", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# The hostile-input sweep (tests/cpu/test_sweep.py) counts what it tried; each xdist worker adds its counts to a
+# file under the session's base temporary directory, and the controller prints their sum at the end.
+def record_sweep(**counts: int) -> None:
+    import json as _json
+    import tempfile
+
+    base = Path(os.environ.get("RLBENCH_SWEEP_DIR", tempfile.gettempdir()))
+    with open(base / f"sweep-{os.getpid()}.jsonl", "a") as fh:
+        fh.write(_json.dumps(counts) + "\n")
+
+
+def pytest_configure(config):
+    import tempfile
+
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) owns the directory
+        os.environ["RLBENCH_SWEEP_DIR"] = tempfile.mkdtemp(prefix="rlbench-sweep-")
+
+
+def pytest_terminal_summary(terminalreporter):
+    import json as _json
+
+    base = os.environ.get("RLBENCH_SWEEP_DIR")
+    totals: dict[str, int] = {}
+    for path in sorted(Path(base).glob("sweep-*.jsonl")) if base else []:
+        for line in path.read_text().splitlines():
+            for key, value in _json.loads(line).items():
+                totals[key] = totals.get(key, 0) + value
+    if totals:
+        terminalreporter.write_line(f"hostile-input sweep: {totals.get('inputs', 0)} inputs, {totals.get('commands', 0)} "
+                                    f"commands run, 0 tracebacks, {totals.get('outside_writes', 0)} writes outside "
+                                    "the directories the commands own (any traceback or write fails its test)")

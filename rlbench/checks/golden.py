@@ -316,7 +316,7 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
     doc = read_json(path)
     rename = rename or {}
     names = doc if is_megatron(doc) else doc.get("metrics") if isinstance(doc, dict) else None
-    unknown = sorted(set(rename) - set(names or {}))
+    unknown = sorted(set(rename) - set(names if isinstance(names, dict) else {}))
     if isinstance(names, dict) and unknown:
         raise BadInput(f"{', '.join(map(repr, unknown))} matches no metric of {path} ({', '.join(names)})",
                        field="--rename")

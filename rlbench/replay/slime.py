@@ -93,17 +93,30 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
     group = raw.get("group_index")
     if not isinstance(group, int):
         raise BadInput(f"{where}.group_index: expected an integer, got {group!r}", path=path)
-    status = str(raw.get("status", "completed"))
+    index = raw.get("index", i)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise BadInput(f"{where}.index: expected an integer, got {index!r}", path=path)
+    status = raw.get("status", "completed")
+    if not isinstance(status, str):
+        raise BadInput(f"{where}.status: expected a string, got {status!r}", path=path)
     prompt = raw.get("prompt", "")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in messages):
+        raise BadInput(f"{where}.prompt: expected a string or a list of {{role, content}} messages", path=path)
+    for key in ("label", "response"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise BadInput(f"{where}.{key}: expected a string, got {type(raw[key]).__name__}", path=path)
     versions = raw.get("weight_versions") or []
+    if not isinstance(versions, list):
+        raise BadInput(f"{where}.weight_versions: expected a list, got {type(versions).__name__}", path=path)
     return {"tokens": tokens, "prompt_length": len(tokens) - n, "loss_mask": mask, "logprobs": logprobs,
-            "reward": float(reward), "group_index": group, "index": raw.get("index", i),
-            "meta": {"index": raw.get("index", i), "group_index": group, "prompt_index": group,
+            "reward": float(reward), "group_index": group, "index": index,
+            "meta": {"index": index, "group_index": group, "prompt_index": group,
                      "messages": messages, "label": raw.get("label"), "response": raw.get("response", ""),
                      "response_length": n, "finish_reason": STATUS_TO_FINISH.get(status, "abort"),
                      "status": status, "seed": None, "engine_id": "slime",
-                     "weight_version": versions[-1] if versions else None, "reward": float(reward)}}
+                     "weight_version": str(versions[-1]) if versions else None, "reward": float(reward)}}
 
 
 def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:

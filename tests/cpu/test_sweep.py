@@ -1,0 +1,242 @@
+"""The hostile-input sweep: hypothesis corrupts each kind of file rlbench reads (a run directory's every
+file: bytes, JSON structure, tensor dtype, shape and values, links; golden files; slime dumps; TOML;
+datasets), every command that reads it runs on it, and each must answer as the contract says: exit 0,
+1 or 2, a one-line error for 2, no traceback, and no byte changed outside the directory the command owns.
+
+The default keeps to the CPU suite's budget; `RLBENCH_SWEEP_EXAMPLES=300 pytest -m sweep tests/cpu` runs a
+larger one. Counts of inputs and commands are collected and printed at the end of the session."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tests.conftest import REPO, cli, record_sweep
+
+# Examples per target: the CPU suite's budget by default; RLBENCH_SWEEP_EXAMPLES=300 for a long sweep. Derandomized,
+# so CI meets the same inputs every time (a failure is a finding to fix, never a flaky rerun).
+EXAMPLES = int(os.environ.get("RLBENCH_SWEEP_EXAMPLES", "8"))
+BUDGET = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+pytestmark = pytest.mark.sweep
+RUN_FILES = ("manifest.json", "metrics.jsonl", "checksums.jsonl", "rollouts/000001.safetensors",
+             "rollouts/000001.json", "checkpoints/000002/state.json", "checkpoints/000002/model.safetensors",
+             "checkpoints/000002/optimizer.json", "checkpoints/000002/optimizer.safetensors")
+ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
+                       st.text(max_size=20), st.lists(st.integers(), max_size=3),
+                       st.just({"nested": {"deeper": [1, 2]}}), st.just([[[[]]]]))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny complete run (checkpoints at 0 and 2), its golden file, and a directory standing for
+    everything outside what the commands own."""
+    root = tmp_path_factory.mktemp("sweep")
+    config = root / "c.toml"
+    config.write_text("steps = 2\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
+                      "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n")
+    assert cli("run", "-c", str(config), "--out", str(root / "good"), "--json").returncode == 0
+    assert cli("golden", "update", str(root / "good"), str(root / "golden.json"), "--reason", "sweep").returncode == 0
+    (root / "outside").mkdir()
+    (root / "outside" / "users-file").write_text("precious")
+    return root
+
+
+def _snapshot(*roots: Path) -> dict[str, bytes]:
+    files = {}
+    for root in roots:
+        for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if p.is_file() and not p.is_symlink():
+                files[str(p)] = p.read_bytes()
+    return files
+
+
+def _check(res, command: list[str]) -> None:
+    text = res.stdout + res.stderr
+    assert res.returncode in (0, 1, 2), (command, res.returncode, text[-2000:])
+    assert "Traceback" not in text, (command, text[-2000:])
+    if res.returncode == 2:
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("rlbench: error: "), (command, res.stderr)
+
+
+def _run_all(commands: list[list[str]], watched: list[Path], owned: list[Path] = ()) -> None:
+    """Run each command; nothing outside `owned` may change, and each answers by the contract."""
+    before = _snapshot(*watched)
+    for command in commands:
+        _check(cli(*command), command)
+    after = _snapshot(*watched)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)
+                     and not any(k.startswith(str(o)) for o in owned))
+    assert not changed, f"written outside what the commands own: {changed[:5]}"
+    record_sweep(inputs=1, commands=len(commands), outside_writes=len(changed))
+
+
+# --------------------------------------------------------------------------- corruptions
+
+
+def _mutate_json(value, path: list, replacement):
+    if not path:
+        return replacement
+    key = path[0]
+    value[key] = _mutate_json(value[key], path[1:], replacement)
+    return value
+
+
+@st.composite
+def json_edit(draw, doc):
+    """A path to some value inside `doc`, and what to put there."""
+    path, node = [], doc
+    while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else list(range(len(node)))))
+        path.append(key)
+        node = node[key]
+    return path, draw(ODD_VALUES)
+
+
+@st.composite
+def corruption(draw):
+    name = draw(st.sampled_from(RUN_FILES))
+    kind = draw(st.sampled_from(["truncate", "flip", "garbage", "json", "tensor", "link", "remove", "directory"]))
+    return name, kind, draw(st.integers(0, 2**31)), draw(st.floats(0, 1)), draw(ODD_VALUES), draw(st.data())
+
+
+def _corrupt(run: Path, outside: Path, spec) -> None:
+    name, kind, number, fraction, value, data = spec
+    path = run / name
+    raw = path.read_bytes()
+    if kind == "truncate":
+        path.write_bytes(raw[: int(len(raw) * fraction)])
+    elif kind == "flip":
+        i = number % len(raw)
+        path.write_bytes(raw[:i] + bytes([raw[i] ^ (1 << (number % 8))]) + raw[i + 1:])
+    elif kind == "garbage":
+        path.write_bytes(data.draw(st.binary(max_size=64)))
+    elif kind == "link":
+        path.unlink()
+        path.symlink_to(outside / "users-file")
+    elif kind == "remove":
+        path.unlink()
+    elif kind == "directory":
+        path.unlink()
+        path.mkdir()
+    elif kind == "json" and name.endswith((".json", ".jsonl")):
+        lines = raw.decode().splitlines(keepends=True) if name.endswith(".jsonl") else [raw.decode()]
+        k = number % len(lines)
+        doc = json.loads(lines[k])
+        where, replacement = data.draw(json_edit(doc))
+        lines[k] = json.dumps(_mutate_json(doc, where, replacement)) + ("\n" if name.endswith(".jsonl") else "")
+        path.write_text("".join(lines))
+    elif kind == "tensor" and name.endswith(".safetensors"):
+        from safetensors.torch import load, save
+
+        tensors = load(raw)
+        key = sorted(tensors)[number % len(tensors)]
+        t = tensors[key]
+        how = data.draw(st.sampled_from(["dtype", "shape", "nan", "negative", "huge", "empty"]))
+        t = {"dtype": lambda: t.double() if not t.is_floating_point() else t.long(),
+             "shape": lambda: t.reshape(1, -1), "nan": lambda: t.double().fill_(float("nan")).to(t.dtype)
+             if t.is_floating_point() else t, "negative": lambda: -t - 1, "huge": lambda: t * 10**9,
+             "empty": lambda: t[:0]}[how]()
+        tensors[key] = t.contiguous()
+        if name.startswith("rollouts/"):  # keep the file's own digest consistent: the edit must be caught deeper
+            from rlbench.rundir.recording import encode_step
+
+            meta = json.loads((run / "rollouts" / "000001.json").read_text())
+            extra = {k: v for k, v in meta.items() if k not in ("schema", "step", "samples", "samples_sha256")}
+            path.write_bytes(encode_step(1, tensors, meta["samples"], extra)[0])
+        else:
+            path.write_bytes(save(tensors))
+    else:
+        path.write_bytes(raw + b"\x00")  # a kind that does not apply to this file: a stray byte instead
+
+
+@BUDGET
+@given(spec=corruption())
+def test_commands_on_a_corrupted_run_directory(base, tmp_path_factory, spec):
+    work = tmp_path_factory.mktemp("case")
+    run = work / "run"
+    shutil.copytree(base / "good", run)
+    _corrupt(run, base / "outside", spec)
+    resumed = work / "resumed"
+    shutil.copytree(run, resumed, symlinks=True)
+    commands = [["diff", str(base / "good"), str(run)], ["replay", str(run), "--out", str(work / "replay")],
+                ["check", "logprobs", str(run)], ["check", "tito", str(run)],
+                ["check", "golden", str(run), str(base / "golden.json"), "--ignore", "perf/*"],
+                ["golden", "update", str(run), str(work / "g.json"), "--reason", "sweep"],
+                ["run", "--resume", str(resumed)]]
+    _run_all(commands, [base, run, resumed], owned=[work / "replay", work / "g.json", resumed])
+
+
+@BUDGET
+@given(edit=st.data())
+def test_commands_on_a_corrupted_golden_file(base, tmp_path_factory, edit):
+    work = tmp_path_factory.mktemp("golden")
+    golden = work / "golden.json"
+    doc = json.loads((base / "golden.json").read_text())
+    where, value = edit.draw(json_edit(doc))
+    golden.write_text(json.dumps(_mutate_json(doc, where, value)))
+    commands = [["check", "golden", str(base / "good"), str(golden)],
+                ["check", "golden", str(base / "good"), str(golden), "--tier", "approx", "--ignore", "perf/*"],
+                ["golden", "update", str(base / "good"), str(golden), "--reason", "sweep"]]
+    _run_all(commands, [base, golden], owned=[golden])
+
+
+@BUDGET
+@given(edit=st.data(), sample=st.integers(0, 7))
+def test_import_of_a_corrupted_slime_dump(base, tmp_path_factory, edit, sample):
+    work = tmp_path_factory.mktemp("slime")
+    dump = torch.load(REPO / "examples" / "slime-dumps" / "rollout_0.pt", weights_only=True)
+    where, value = edit.draw(json_edit(dump["samples"][sample]))
+    _mutate_json(dump["samples"][sample], where, value)
+    path = work / "rollout_0.pt"
+    torch.save(dump, path)
+    _run_all([["import", "slime", str(path), "--out", str(work / "out")]], [base, path], owned=[work / "out"])
+    if not (work / "out").exists():
+        return
+    _run_all([["check", "tito", str(work / "out")], ["replay", str(work / "out"), "--out", str(work / "r")]],
+             [base, work / "out"], owned=[work / "r"])
+
+
+TOML_KEYS = ("seed", "steps", "out", "threads", "device", "checkpoint_every", "record", "[data] prompts_per_step",
+             "[rollout] temperature", "[rollout] max_new_tokens", "[rollout] sampling_seed", "[train] lr",
+             "[train] betas", "[train] grad_clip", "[algo] kl_coef", "[algo] eps_clip", "[model] path", "[data] path")
+
+
+@BUDGET
+@given(key=st.sampled_from(TOML_KEYS), value=st.one_of(
+    st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.booleans(), st.text(max_size=12),
+    st.lists(st.integers(-3, 3), max_size=3), st.just("inf"), st.just(-1)))
+def test_run_with_a_hostile_toml_value(base, tmp_path_factory, key, value):
+    work = tmp_path_factory.mktemp("toml")
+    table, _, name = key.rpartition(" ")
+    rendered = json.dumps(value) if not isinstance(value, float) else repr(value).replace("nan", "nan").replace(
+        "inf", "inf")
+    text = "steps = 1\n" if name != "steps" else ""
+    body = f"{name} = {rendered}\n"
+    text = (body + text) if not table else (text + f"{table}\n{body}")
+    config = work / "c.toml"
+    config.write_text(text)
+    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, config],
+             owned=[work / "out", REPO / "runs"])
+
+
+@BUDGET
+@given(rows=st.lists(st.one_of(
+    st.fixed_dictionaries({"prompt": st.text(max_size=30), "label": st.sampled_from(["even", "odd"])}),
+    st.dictionaries(st.sampled_from(["prompt", "label", "x"]), ODD_VALUES, max_size=3),
+    st.just({"prompt": [{"role": "wizard", "content": 1}], "label": "even"})), min_size=1, max_size=4))
+def test_run_with_a_hostile_dataset(base, tmp_path_factory, rows):
+    work = tmp_path_factory.mktemp("data")
+    data = work / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = work / "c.toml"
+    config.write_text(f"steps = 1\n[data]\npath = '{data}'\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n"
+                      "[train]\nminibatches = 1\n")
+    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, data],
+             owned=[work / "out"])
