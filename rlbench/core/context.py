@@ -81,7 +81,8 @@ def _device_name(device: str) -> str | None:
     return torch.cuda.get_device_name(torch.device(device))
 
 
-def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, source: str = "") -> dict[int, tuple[int, ...]]:
+def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30,
+                    source: str = "") -> dict[int, tuple[int, ...]]:
     """Each prompt rendered by the chat template and tokenised once, up front; one that leaves no room
     for the response in the model's context (`limit` tokens) is bad input."""
     encoded = {}
