@@ -2,6 +2,7 @@
 
 `BadInput` is every problem the user can fix (a missing file, a malformed line, an invalid
 value, an output directory that holds another run): the CLI prints its one line and exits 2.
+`CheckFailed` is a check that stopped a command because it found a difference: exit 1.
 """
 
 from __future__ import annotations
@@ -23,3 +24,11 @@ class BadInput(RlbenchError):
         if field:
             where = f"{where}: {field}" if where else field
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class CheckFailed(RlbenchError):
+    """A check inside a command found a difference: the CLI prints its line and exits 1."""
+
+
+class WeightMismatch(CheckFailed):
+    """After a weight sync the engine's weights are not the trainer's export (weight_check.py)."""

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from rlbench.errors import RlbenchError
+from rlbench.errors import CheckFailed, RlbenchError
 
 app = typer.Typer(
     name="rlbench",
@@ -47,6 +47,10 @@ def main() -> None:
         code = app(standalone_mode=False)  # without standalone mode, an Exit(n) comes back as n
         if isinstance(code, int) and code != 0:
             sys.exit(code)
+    except CheckFailed as exc:
+        if debug:
+            traceback.print_exc()
+        _fail(str(exc), code=1, kind="check failed")
     except RlbenchError as exc:
         if debug:
             traceback.print_exc()
@@ -63,9 +67,9 @@ def main() -> None:
         _fail(" ".join(message.split()))
 
 
-def _fail(message: str) -> None:
-    stderr.print(f"rlbench: error: {message}", markup=False, highlight=False, soft_wrap=True)
-    sys.exit(2)
+def _fail(message: str, code: int = 2, kind: str = "error") -> None:
+    stderr.print(f"rlbench: {kind}: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(code)
 
 
 # Importing them registers their commands on `app`, in this order (the order of `rlbench --help`).

@@ -57,9 +57,14 @@ class Context:
     generate_env: object | None = None
 
 
-def _versions() -> dict[str, str | None]:
+def _versions(trainer: str = "torch") -> dict[str, str | None]:
+    """Versions of what runs. megatron-core counts only when it trains: installed but unused, it
+    does not make a torch-trainer run's bits another platform's (the golden exact tier compares these)."""
     found = {"python": sys.version.split()[0], "rlbench": __version__}
     for name in _PACKAGES:
+        if name == "megatron-core" and trainer != "megatron":
+            found[name] = None
+            continue
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -114,7 +119,7 @@ def _initial_weights(model, source: RunDir | None) -> None:
 
 def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False,
           command: str | None = None) -> Context:
-    determinism = configure_determinism(config.threads, config.device)
+    determinism = configure_determinism(config.threads, config.device, config.deterministic)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
     if tokenizer.eos_token_id is None:
@@ -147,8 +152,13 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     from rlbench.backends.torch_trainer import TorchTrainer
 
     trainer = None
-    if config.mode in ("full", "train-only"):
+    if config.mode in ("full", "train-only") and config.train.backend == "megatron":
+        from rlbench.backends.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(model, config)  # validates here; its ranks start when the loop first calls it
+    elif config.mode in ("full", "train-only"):
         trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
+    if trainer is not None:
         if init_checkpoint is not None:
             if not (Path(init_checkpoint) / "state.json").is_file():
                 raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)
@@ -167,7 +177,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         "mode": config.mode,
         "stages": list(stages),
         "reward_fn": reward_name,
-        "versions": _versions(),
+        "versions": _versions(config.train.backend if trainer is not None else "none"),
         "platform": {"system": platform.system(), "machine": platform.machine(),
                      "platform": platform.platform(), "processor": platform.processor()},
         "device": config.device,
