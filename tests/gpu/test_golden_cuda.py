@@ -21,7 +21,8 @@ SUITE = json.loads((HERE / "suite.json").read_text())
 def test_cuda_golden(tmp_path, name):
     golden = HERE / f"{name}.json"
     header = load_golden(golden).header
-    here = {"device": torch.cuda.get_device_name(), **{k: _versions().get(k) for k in EXACT_VERSIONS}}
+    versions = _versions(header["config"]["train"]["backend"])  # what the run will record
+    here = {"device": torch.cuda.get_device_name(), **{k: versions.get(k) for k in EXACT_VERSIONS}}
     made = {"device": header["device_name"], **{k: header["versions"].get(k) for k in EXACT_VERSIONS}}
     if here != made:
         pytest.skip(f"{golden.name} was made with {made}, this machine has {here}: the exact tier does not apply")

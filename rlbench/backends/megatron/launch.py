@@ -56,23 +56,45 @@ def _init(rank: int, world: int, device: str, store) -> Ranks:
     return Ranks(rank, world, device, channel)
 
 
-def start(world: int, device: str) -> Ranks:
-    """Rank 0: start ranks 1..world-1 and join them (one rank: an in-process group of one)."""
+@dataclass
+class Pending:
+    """Rank 0's half of starting the ranks: the store is open and the workers are importing."""
+
+    world: int
+    device: str
+    store: object
+    workers: list[subprocess.Popen]
+
+
+def spawn(world: int, device: str) -> Pending:
+    """Rank 0: open the store and start ranks 1..world-1, which join when `join` is called."""
     if world == 1:
-        return _init(0, 1, device, dist.HashStore())
+        return Pending(1, device, dist.HashStore(), [])
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     env = {**os.environ, _PORT_ENV: str(store.port), "WORLD_SIZE": str(world), "RLBENCH_MEGATRON_DEVICE": device,
            "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
     workers = [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
                                 env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
                for rank in range(1, world)]
-    try:
-        ranks = _init(0, world, device, store)
-    except BaseException:
-        for proc in workers:
+    return Pending(world, device, store, workers)
+
+
+def kill(workers: list[subprocess.Popen]) -> None:
+    """Stop worker processes that were never joined or cannot be told to stop."""
+    for proc in workers:
+        if proc.poll() is None:
             proc.kill()
+            proc.wait()
+
+
+def join(pending: Pending) -> Ranks:
+    """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
+    try:
+        ranks = _init(0, pending.world, pending.device, pending.store)
+    except BaseException:
+        kill(pending.workers)
         raise
-    ranks.workers = workers
+    ranks.workers = pending.workers
     return ranks
 
 
@@ -82,8 +104,8 @@ def stop(ranks: Ranks, timeout: float = 60) -> None:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+    kill(ranks.workers)
     ranks.workers = []
     if dist.is_initialized():
         dist.destroy_process_group()

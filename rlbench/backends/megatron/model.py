@@ -86,7 +86,10 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
                  use_cpu_initialization=device == "cpu",
                  # The loss is already normalised over the whole minibatch, so data-parallel
                  # gradients must be summed, not averaged (Megatron's DDP scales by 1/dp otherwise).
-                 calculate_per_token_loss=True, deterministic_mode=deterministic)
+                 calculate_per_token_loss=True,
+                 # deterministic kernels (an embedding backward without atomics) where --deterministic
+                 # asks for them: on a GPU; the CPU is deterministic either way
+                 deterministic_mode=deterministic and device.startswith("cuda"))
     try:
         with quiet():
             return TransformerConfig(**owned, **overrides)

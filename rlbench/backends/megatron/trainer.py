@@ -18,8 +18,8 @@ DistributedDataParallel, AdamW over the shard, and the torch trainer's own loss 
   (convert.py), gathered to rank 0, so diff, replay and the engine see one naming.
 
 `MegatronTrainer` is what the loop holds, on rank 0: it sends each call to every rank
-(launch.py) and runs it on its own shard. The ranks start at the first call, so a run refused
-while it is built leaves no process behind; `close()` stops them.
+(launch.py) and runs it on its own shard. The worker processes start when it is made and join
+at its first call; `close()` stops them.
 
 Checkpoints: per TP rank `model-tpNN.safetensors` and `optimizer-tpNN.safetensors` (Megatron
 names, that rank's shard; data-parallel replicas are equal), `layout.json` (TP, DP, the model's
@@ -30,6 +30,7 @@ Hugging Face names that diff, train-only runs and `check logprobs --recompute` r
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -57,13 +58,11 @@ def _import_megatron():
     return parallel_state
 
 
-def _validate(config: RunConfig) -> tuple[object, Dims]:
-    """Everything that can be refused, checked before any rank starts (BadInput names the field)."""
-    hf_config = load_model_config(config.model.path)
-    dims = mmodel.dims_of(hf_config, config.tp, config.model.path)
+def _validate(config: RunConfig, dims: Dims) -> None:
+    """The settings megatron-core itself must accept (BadInput names the field)."""
     _import_megatron()
-    mmodel.transformer_config(hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron)
-    return hf_config, dims
+    mmodel.transformer_config(load_model_config(config.model.path), dims, config.tp, config.deterministic,
+                              config.device, config.train.megatron)
 
 
 class RankTrainer(TorchTrainer):
@@ -82,6 +81,7 @@ class RankTrainer(TorchTrainer):
             compat.apply()
         ps.initialize_model_parallel(tensor_model_parallel_size=config.tp)
         self.ranks, self.tp, self.dp = ranks, config.tp, config.dp
+        self.is_main = ranks.is_main
         self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         model_parallel_cuda_manual_seed(config.seed)  # Megatron's RNG tracker must exist; rlbench draws nothing from it
@@ -156,8 +156,9 @@ class RankTrainer(TorchTrainer):
         """Every TP rank's copy of `tensors` (same names and shapes on each), on the CPU, in rank order."""
         shards = [{} for _ in range(self.tp)]
         for name, t in tensors.items():
+            t = t.detach().to(self.device).contiguous()  # NCCL gathers device tensors only
             parts = [torch.empty_like(t) for _ in range(self.tp)]
-            dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
+            dist.all_gather(parts, t, group=self.tp_group)
             for shard, part in zip(shards, parts):
                 shard[name] = part.cpu()
         return shards
@@ -177,6 +178,8 @@ class RankTrainer(TorchTrainer):
         opt_tensors, meta = optimizer_state(self.optimizer, self.gpt)
         model_shards = self._tp_shards(self._megatron_state())
         opt_shards = self._tp_shards(opt_tensors)
+        if not self.ranks.is_main:  # it took part in the gathers; only rank 0 writes
+            return {}
         layout = {"format": LAYOUT, "tp": self.tp, "dp": self.dp, "dims": self.dims.to_json(),
                   "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
                   "optimizer": meta}
@@ -262,7 +265,17 @@ class MegatronTrainer:
     def __init__(self, hf_model: torch.nn.Module, config: RunConfig):
         self.config = config
         self.hf_model = hf_model  # the initial weights: read when the ranks start
-        _, self.dims = _validate(config)
+        self.dims = mmodel.dims_of(load_model_config(config.model.path), config.tp, config.model.path)
+        # The workers start importing now, while this rank imports megatron-core to validate; they
+        # join at the first call. Refused, or dropped unused (a run refused later while it is
+        # built), the trainer takes them down.
+        self._pending = launch.spawn(config.tp * config.dp, config.device)
+        weakref.finalize(self, launch.kill, self._pending.workers)
+        try:
+            _validate(config, self.dims)
+        except BaseException:
+            launch.kill(self._pending.workers)
+            raise
         self._checkpoint: Path | None = None
         self._ranks: launch.Ranks | None = None
         self._local: RankTrainer | None = None
@@ -274,7 +287,7 @@ class MegatronTrainer:
         return _dispatch(self._local, op, meta or {}, tensors or {})
 
     def _start(self) -> None:
-        self._ranks = launch.start(self.config.tp * self.config.dp, self.config.device)
+        self._ranks = launch.join(self._pending)
         initial = {name: t.detach().cpu() for name, t in named_weights(self.hf_model).items()}
         try:
             launch.send(self._ranks, "init", {"config": self.config.to_dict()}, initial)
@@ -315,8 +328,7 @@ class MegatronTrainer:
         try:
             launch.send(ranks, "stop", {}, {})
         except Exception:  # a worker is gone (its error is on stderr): take the others down too
-            for proc in ranks.workers:
-                proc.kill()
+            launch.kill(ranks.workers)
         if self._local is not None:
             self._local.close()
             self._local = None
