@@ -51,8 +51,8 @@ SCHEMA = "rlbench.golden/1"
 # rlbench's own changes are what the golden check is there to catch.
 EXACT_VERSIONS = ("torch", "transformers", "tokenizers", "megatron-core", "sglang")
 RECORDED_VERSIONS = ("python", "rlbench", *EXACT_VERSIONS)
-# Left out of the configuration identity: I/O settings, and placement (device, threads), which the
-# exact tier checks as platform and determinism settings and the approx tier compares across.
+# Left out of the configuration identity: I/O settings, and placement (device, threads, deterministic),
+# which the exact tier checks as platform and determinism settings and the approx tier compares across.
 IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic")
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.

@@ -85,7 +85,7 @@ def run(
     trainer_backend: Annotated[Optional[TrainerBackend], typer.Option("--trainer-backend", "--trainer", help="Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip install '.[megatron]'); [train.megatron] in --config passes through to its TransformerConfig.")] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", help="megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs). [default: 1]", min=1)] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="megatron: data-parallel ranks. [default: 1]", min=1)] = None,
-    deterministic: Annotated[Optional[bool], typer.Option("--deterministic", is_flag=True, help="On a GPU: slime's reproducibility recipe (deterministic algorithms, cuBLAS workspace, NCCL Ring, Megatron deterministic mode), recorded in the manifest. The CPU is always deterministic.")] = None,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="On a GPU: slime's reproducibility recipe (deterministic algorithms, cuBLAS workspace, NCCL Ring, Megatron deterministic mode), recorded in the manifest. The CPU is always deterministic.")] = False,
     custom_rm_path: Annotated[Optional[str], typer.Option(help="Reward function by dotted path, package.module.function: fn(sample) -> float.")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda[:N]. [default: cpu]")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, fixed and recorded (results depend on it). [default: 1]", min=1)] = None,
@@ -104,7 +104,7 @@ def run(
                                           ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
                                           ("--threads", threads), ("--custom-rm-path", custom_rm_path),
                                           ("--trainer", trainer_backend), ("--tp", tp), ("--dp", dp),
-                                          ("--deterministic", deterministic))
+                                          ("--deterministic", deterministic or None))
                  if value is not None]
         if given:
             raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
@@ -116,7 +116,7 @@ def run(
                        field="--rollouts")
     cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
                       device=device, threads=threads, out=str(out) if out else None, tp=tp, dp=dp,
-                      deterministic=deterministic,
+                      deterministic=deterministic or None,
                       rollouts=str(rollouts) if rollouts else None,
                       record=False if no_record else None,
                       rollout__backend=rollout_backend.value if rollout_backend else None,

@@ -155,7 +155,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     if config.mode in ("full", "train-only") and config.train.backend == "megatron":
         from rlbench.backends.megatron.trainer import MegatronTrainer
 
-        trainer = MegatronTrainer(model, config)  # validates here; its ranks start when the loop first calls it
+        trainer = MegatronTrainer(model, config)  # checks its settings, starts its rank processes
     elif config.mode in ("full", "train-only"):
         trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
     if trainer is not None:

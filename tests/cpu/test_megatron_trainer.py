@@ -96,6 +96,16 @@ def test_refused_before_anything_starts(tmp_path, overrides, field):
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_megatron_table_passes_through():
+    from rlbench.backends.megatron import model as mmodel
+    from rlbench.core.model import load_model_config
+
+    hf_config = load_model_config(load_config().model.path)
+    dims = mmodel.dims_of(hf_config, 1, load_config().model.path)
+    tconfig = mmodel.transformer_config(hf_config, dims, 1, False, "cpu", {"init_method_std": 0.5})
+    assert tconfig.init_method_std == 0.5 and tconfig.num_query_groups == 2  # theirs, and the model's
+
+
 def test_settings_the_megatron_trainer_cannot_take():
     with pytest.raises(BadInput, match="tp"):
         load_config(tp=2)  # the torch trainer

@@ -4,7 +4,7 @@ The TransformerConfig is made from the Hugging Face config: RMSNorm, SwiGLU, GQA
 tied embeddings as the model has them, no dropout, no biases. These fields are rlbench's (they
 say what the model is); every other TransformerConfig field can be set in the `[train.megatron]`
 table, which passes through unchanged (slime's convention: Megatron's own arguments are not
-redeclared). The local layer spec is used unless Transformer Engine is installed.
+redeclared). The local layer spec is used unless Transformer Engine is installed and a GPU trains.
 
 The logits are gathered over tensor-parallel ranks (`parallel_output=False`), so the loss, the
 log-probs and the entropy are the torch trainer's own functions (rlbench/core/algo.py) on the
@@ -53,8 +53,9 @@ def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def dims_of(hf_config, tp: int, source: str | Path) -> Dims:
-    """The model's shape, refused (BadInput) where this converter or the TP size cannot take it."""
+def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims:
+    """The model's shape, refused (BadInput) where this converter or the TP size cannot take it.
+    Transformer Engine's layer spec (and its parameter names) where it is installed and a GPU trains."""
     where = Path(source) / "config.json"
     if hf_config.model_type not in SUPPORTED:
         raise BadInput(f"the megatron trainer converts {', '.join(SUPPORTED)} models, not {hf_config.model_type!r}",
@@ -63,7 +64,8 @@ def dims_of(hf_config, tp: int, source: str | Path) -> Dims:
         raise BadInput("attention biases are not converted", path=where, field="attention_bias")
     dims = Dims(layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=hf_config.num_attention_heads,
                 groups=hf_config.num_key_value_heads, head_dim=hf_config.head_dim, ffn=hf_config.intermediate_size,
-                vocab=hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings), te_names=has_transformer_engine())
+                vocab=hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings),
+                te_names=device.startswith("cuda") and has_transformer_engine())
     for key, value in (("num_key_value_heads", dims.groups), ("intermediate_size", dims.ffn), ("vocab_size", dims.vocab)):
         if value % tp:
             raise BadInput(f"{value} does not divide by the tensor-parallel size {tp}", path=where, field=key)

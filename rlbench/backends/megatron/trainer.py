@@ -42,7 +42,7 @@ from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_
 from rlbench.backends.torch_trainer import TorchTrainer, load_optimizer_state, optimizer_state
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core import algo
-from rlbench.core.model import load_model_config, named_weights
+from rlbench.core.model import load_model_config, load_named_, named_weights
 from rlbench.errors import BadInput
 
 LAYOUT = "rlbench.megatron-checkpoint/1"
@@ -56,13 +56,6 @@ def _import_megatron():
         import megatron.core.optimizer.clip_grads  # noqa: F401
         from megatron.core import parallel_state
     return parallel_state
-
-
-def _validate(config: RunConfig, dims: Dims) -> None:
-    """The settings megatron-core itself must accept (BadInput names the field)."""
-    _import_megatron()
-    mmodel.transformer_config(load_model_config(config.model.path), dims, config.tp, config.deterministic,
-                              config.device, config.train.megatron)
 
 
 class RankTrainer(TorchTrainer):
@@ -84,9 +77,10 @@ class RankTrainer(TorchTrainer):
         self.is_main = ranks.is_main
         self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
-        model_parallel_cuda_manual_seed(config.seed)  # Megatron's RNG tracker must exist; rlbench draws nothing from it
+        with torch.random.fork_rng(devices=[]):  # on the CPU it seeds this process's RNG: keep it as it was
+            model_parallel_cuda_manual_seed(config.seed)  # Megatron's RNG tracker must exist; rlbench draws nothing from it
         self.hf_config = load_model_config(config.model.path)
-        self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path)
+        self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path, config.device)
         self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
                                                  config.device, config.train.megatron)
         self.gpt = self._shard(initial, device)
@@ -96,7 +90,7 @@ class RankTrainer(TorchTrainer):
 
     def _shard(self, initial: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
         gpt = mmodel.build(self.hf_config, self.dims, self.tconfig).to(device)
-        gpt.load_state_dict(to_megatron(initial, self.dims, self.tp, self.tp_rank), strict=True)
+        load_named_(gpt, to_megatron(initial, self.dims, self.tp, self.tp_rank), source="the initial weights")
         return gpt
 
     # -- where it differs from TorchTrainer --
@@ -193,8 +187,6 @@ class RankTrainer(TorchTrainer):
     def load_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import load_file
 
-        from rlbench.core.model import load_named_
-
         shard = directory / f"model-tp{self.tp_rank:02d}.safetensors"
         load_named_(self.gpt, load_file(str(shard), device=self.device), source=shard)
         layout = json.loads((directory / "layout.json").read_text())
@@ -265,14 +257,17 @@ class MegatronTrainer:
     def __init__(self, hf_model: torch.nn.Module, config: RunConfig):
         self.config = config
         self.hf_model = hf_model  # the initial weights: read when the ranks start
-        self.dims = mmodel.dims_of(load_model_config(config.model.path), config.tp, config.model.path)
-        # The workers start importing now, while this rank imports megatron-core to validate; they
-        # join at the first call. Refused, or dropped unused (a run refused later while it is
-        # built), the trainer takes them down.
+        hf_config = load_model_config(config.model.path)
+        self.dims = mmodel.dims_of(hf_config, config.tp, config.model.path, config.device)
+        # The workers start importing now, while this rank imports megatron-core to check the
+        # settings; they join at the first call. Refused, or dropped unused (a run refused later
+        # while it is built), the trainer takes them down.
         self._pending = launch.spawn(config.tp * config.dp, config.device)
         weakref.finalize(self, launch.kill, self._pending.workers)
         try:
-            _validate(config, self.dims)
+            _import_megatron()
+            mmodel.transformer_config(hf_config, self.dims, config.tp, config.deterministic, config.device,
+                                      config.train.megatron)
         except BaseException:
             launch.kill(self._pending.workers)
             raise
@@ -322,7 +317,8 @@ class MegatronTrainer:
             self._call("load", {"directory": str(directory)})
 
     def close(self) -> None:
-        if self._ranks is None:
+        if self._ranks is None:  # never joined: nothing to tell them
+            launch.kill(self._pending.workers)
             return
         ranks, self._ranks = self._ranks, None
         try:
