@@ -4,7 +4,9 @@
 itself (the loop, the engine, the run directory); ranks 1.. are worker processes started here
 (`python -m rlbench.backends.megatron.launch`), which only train. torch.distributed joins them
 (gloo on the CPU, NCCL on GPUs; rank r takes cuda:r), through a TCP store on 127.0.0.1 that
-rank 0 opens on a free port.
+rank 0 opens on a free port. The workers are started (`spawn`) when the trainer is made, so
+they import torch and megatron-core while rank 0 checks the settings, and join the process
+group (`join`) at the trainer's first call.
 
 Rank 0 drives: every trainer call is sent to all ranks as a command (a JSON header and tensors,
 broadcast over a gloo group: no pickle), and every rank then runs the same call, so the

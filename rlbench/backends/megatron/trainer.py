@@ -43,6 +43,7 @@ from rlbench.backends.torch_trainer import TorchTrainer, load_optimizer_state, o
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core import algo
 from rlbench.core.model import load_model_config, load_named_, named_weights
+from rlbench.core.seeding import configure_determinism
 from rlbench.errors import BadInput
 
 LAYOUT = "rlbench.megatron-checkpoint/1"
@@ -238,7 +239,9 @@ def serve(ranks: launch.Ranks) -> None:
     """A worker rank's life: the init command (config and initial weights), then commands until stop."""
     op, meta, tensors = launch.receive(ranks)
     assert op == "init", op
-    trainer = RankTrainer(ranks, config_from_dict(meta["config"], "the init command"), tensors)
+    config = config_from_dict(meta["config"], "the init command")
+    configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
+    trainer = RankTrainer(ranks, config, tensors)
     try:
         while True:
             op, meta, tensors = launch.receive(ranks)
@@ -272,6 +275,7 @@ class MegatronTrainer:
             launch.kill(self._pending.workers)
             raise
         self._checkpoint: Path | None = None
+        self._broken = False
         self._ranks: launch.Ranks | None = None
         self._local: RankTrainer | None = None
 
@@ -279,7 +283,11 @@ class MegatronTrainer:
         if self._local is None:
             self._start()
         launch.send(self._ranks, op, meta or {}, tensors or {})
-        return _dispatch(self._local, op, meta or {}, tensors or {})
+        try:
+            return _dispatch(self._local, op, meta or {}, tensors or {})
+        except BaseException:  # the others may be inside a collective this rank left: no more commands
+            self._broken = True
+            raise
 
     def _start(self) -> None:
         self._ranks = launch.join(self._pending)
@@ -321,10 +329,13 @@ class MegatronTrainer:
             launch.kill(self._pending.workers)
             return
         ranks, self._ranks = self._ranks, None
-        try:
-            launch.send(ranks, "stop", {}, {})
-        except Exception:  # a worker is gone (its error is on stderr): take the others down too
+        if self._broken:
             launch.kill(ranks.workers)
+        else:
+            try:
+                launch.send(ranks, "stop", {}, {})
+            except Exception:  # a worker is gone (its error is on stderr): stop the others
+                launch.kill(ranks.workers)
         if self._local is not None:
             self._local.close()
             self._local = None
