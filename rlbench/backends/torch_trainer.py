@@ -44,7 +44,8 @@ class TorchTrainer:
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
         if algo_config.kl_coef > 0:
-            self.reference = (reference or copy.deepcopy(model)).eval().requires_grad_(False)
+            reference = copy.deepcopy(model) if reference is None else reference
+            self.reference = reference.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
                                            eps=train.adam_eps, weight_decay=train.weight_decay)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -40,14 +39,8 @@ micro_batch_size = 3
 """
 
 
-def _run(root: Path, name: str, *args: str, env: dict | None = None):
-    old = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+def _run(root: Path, name: str, *args: str):
+    return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +78,10 @@ def test_tp2_matches_tp1_within_rtol_1e6(runs):
     assert (manifest["config"]["tp"], manifest["config"]["dp"]) == (2, 1)
 
 
-def test_unfinalised_qk_norm_grads_part_tp2_from_tp1(runs, tmp_path):
+def test_unfinalised_qk_norm_grads_part_tp2_from_tp1(runs, tmp_path, monkeypatch):
     (tmp_path / "s.toml").write_text(TOML)
-    res = _run(tmp_path, "unfinalised", "--tp", "2", "--steps", "1", env={"RLBENCH_MEGATRON_FAULT": "no-tp-grad-finalize"})
+    monkeypatch.setenv("RLBENCH_MEGATRON_FAULT", "no-tp-grad-finalize")
+    res = _run(tmp_path, "unfinalised", "--tp", "2", "--steps", "1")
     assert res.returncode == 0, res.stderr
     code, doc = _diff(runs / "tp1", tmp_path / "unfinalised", "--rtol", "1e-6")
     assert code == 1
@@ -121,11 +115,14 @@ def _processes_with(tag: str) -> list[int]:
     return found
 
 
-def test_sigkilled_tp2_run_resumes_to_the_same_files(runs, tmp_path):
+def test_sigkilled_tp2_run_resumes_to_the_same_files(runs, tmp_path, monkeypatch):
     (tmp_path / "s.toml").write_text(TOML)
     tag = str(tmp_path)
     # rank 0 dies right after step 8 is committed (checkpoint 8 holds the state after step 7)
-    res = _run(tmp_path, "run", "--tp", "2", env={"RLBENCH_FAILPOINT": "metrics.appended@9", "RLBENCH_TEST_TAG": tag})
+    monkeypatch.setenv("RLBENCH_FAILPOINT", "metrics.appended@9")
+    monkeypatch.setenv("RLBENCH_TEST_TAG", tag)  # the workers inherit it: found in /proc afterwards
+    res = _run(tmp_path, "run", "--tp", "2")
+    monkeypatch.delenv("RLBENCH_FAILPOINT")
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     deadline = time.monotonic() + 30
     while _processes_with(tag) and time.monotonic() < deadline:

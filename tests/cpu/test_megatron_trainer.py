@@ -85,6 +85,15 @@ def test_train_only_from_a_megatron_recording(runs, tmp_path):
     assert [h["train/loss"] for h in result.history] == [row["train/loss"] for row in read_run(runs / "a").metrics]
 
 
+def test_kl_to_the_reference_policy(tmp_path):
+    """The reference is its own GPTModel shard with the initial weights: at step 0 it agrees with
+    the policy bit for bit; after the first optimizer step the KL is positive."""
+    result = run(_config(tmp_path / "kl", steps=1, algo__kl_coef=0.1))
+    tensors = read_step(tmp_path / "kl", 0)[0]
+    assert torch.equal(tensors["ref_logprobs"], tensors["old_logprobs"])
+    assert result.history[0]["train/kl_loss"] > 0
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"train__megatron": {"no_such_field": 1}}, "train.megatron"),
     ({"train__megatron": {"hidden_size": 32}}, "train.megatron"),
@@ -126,18 +135,13 @@ def test_a_checkpoint_of_another_layout_is_refused(runs):
         check_layout(checkpoint, 2, Dims(**layout["dims"]))
 
 
-def test_weight_check_stops_a_broken_conversion_at_step_0(tmp_path):
+def test_weight_check_stops_a_broken_conversion_at_step_0(tmp_path, monkeypatch):
     """k and v swapped in the Megatron -> HF split of the fused QKV: the trainer's first export is
     not the model the engine loaded, and the run stops before step 0, exit 1, naming where."""
     (tmp_path / "s.toml").write_text(small_toml(3))
-    import os
-
-    os.environ["RLBENCH_MEGATRON_FAULT"] = "swap-kv-split"
-    try:
-        res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--trainer", "megatron", "--out", str(tmp_path / "run"),
-                      "--json")
-    finally:
-        del os.environ["RLBENCH_MEGATRON_FAULT"]
+    monkeypatch.setenv("RLBENCH_MEGATRON_FAULT", "swap-kv-split")
+    res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--trainer", "megatron", "--out", str(tmp_path / "run"),
+                  "--json")
     assert res.returncode == 1, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlbench: check failed: before step 0, first sync:"), res.stderr

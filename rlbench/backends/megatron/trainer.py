@@ -54,7 +54,6 @@ def _import_megatron():
     with mmodel.quiet():
         import megatron.core.distributed  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.optimizer.clip_grads  # noqa: F401
         from megatron.core import parallel_state
     return parallel_state
 
