@@ -149,9 +149,11 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The trainer: AdamW, optimizer steps per rollout step, micro-batches, gradient clipping."""
+    """The trainer: AdamW, optimizer steps per rollout step, micro-batches, gradient clipping.
+    `megatron` (the `[train.megatron]` table) passes through unchanged to megatron-core's
+    TransformerConfig; only the megatron trainer reads it."""
 
-    backend: Literal["torch"] = "torch"
+    backend: Literal["torch", "megatron"] = "torch"
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -159,9 +161,13 @@ class TrainConfig:
     minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
     micro_batch_size: int = 16
     grad_clip: float = 1.0
+    megatron: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("torch",), "train.backend", "one of: torch", self.backend)
+        _check(self.backend in ("torch", "megatron"), "train.backend", "one of: torch, megatron", self.backend)
+        _check(isinstance(self.megatron, dict), "train.megatron", "a table", self.megatron)
+        _check(not self.megatron or self.backend == "megatron", "train.megatron",
+               "no [train.megatron] settings unless train.backend is megatron", self.megatron)
         _number(self.lr, "train.lr", 0, 10, open_low=True)
         _number(self.weight_decay, "train.weight_decay", 0, 1)
         _check(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
@@ -186,6 +192,9 @@ class RunConfig:
     checkpoint_every: int = 25
     threads: int = 1
     device: str = "cpu"
+    deterministic: bool = False  # on a GPU: slime's reproducibility recipe (the CPU is always deterministic)
+    tp: int = 1  # megatron trainer: tensor-parallel ranks
+    dp: int = 1  # megatron trainer: data-parallel ranks (rlbench starts tp * dp rank processes)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -206,6 +215,18 @@ class RunConfig:
         _number(self.threads, "threads", 1, 1024, integer=True)
         _check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
                "cpu, cuda or cuda:N", self.device)
+        _number(self.tp, "tp", 1, 1024, integer=True)
+        _number(self.dp, "dp", 1, 1024, integer=True)
+        _check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
+        if self.train.backend != "megatron":
+            _check(self.tp == self.dp == 1, "tp", "1 unless train.backend is megatron (--trainer megatron)",
+                   (self.tp, self.dp))
+        else:
+            _check(not self.rollout.true_on_policy, "rollout.true_on_policy",
+                   "false with the megatron trainer (the engine cannot run its forward)", self.rollout.true_on_policy)
+            _check(self.model.dtype == "float32", "model.dtype", "float32 with the megatron trainer", self.model.dtype)
+            _check(self.device == "cpu" or self.tp * self.dp == 1 or self.device == "cuda", "device",
+                   "cuda (rank r takes cuda:r) when the megatron trainer spans ranks", self.device)
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
         _check(batch % self.train.minibatches == 0, "train.minibatches",
                f"a divisor of the step's sample count ({batch})", self.train.minibatches)
@@ -240,6 +261,8 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
     elif isinstance(default, str):
         _text(value, key)
+    elif isinstance(default, dict):
+        _check(isinstance(value, dict), key, "a table", value)
     elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
         pass
     elif default is None and key.endswith("seed"):

@@ -37,3 +37,7 @@ class Divergence(RlbenchError):
 
 class NonFinite(BadInput):
     """A value the loop computes or reads is NaN or infinite: the step is not committed."""
+
+
+class WeightMismatch(Divergence):
+    """After a weight sync the engine's weights are not the trainer's export (weight_check.py)."""

@@ -33,16 +33,20 @@ def pad_right(sequences: Sequence[Sequence[int]], pad: int = 0) -> torch.Tensor:
 
 
 class TorchTrainer:
+    """The embedded trainer. The methods starting `_` with a one-line body are the places where the
+    megatron trainer (backends/megatron/trainer.py), which reuses this loss and step, differs."""
+
     is_main = True
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo_config: AlgoConfig,
-                 temperature: float, seed: int, device: str = "cpu"):
+                 temperature: float, seed: int, device: str = "cpu", reference: torch.nn.Module | None = None):
         self.model = model.to(device)
         self.train_config, self.algo_config = train, algo_config
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
         if algo_config.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            reference = copy.deepcopy(model) if reference is None else reference
+            self.reference = reference.eval().requires_grad_(False)
         # fused: its sqrt is the exact vector instruction; the for-loop AdamW calls torch.sqrt, which on
         # the CPU is MKL's VML and rounds differently on AMD and Intel (rlbench/numerics.py).
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
@@ -68,8 +72,38 @@ class TorchTrainer:
         parts = []
         for mb in self._micro_batches(tokens.shape[0]):
             ids = tokens[mb.start: mb.stop].to(self.device)
-            parts.append(algo.token_logprobs(model(input_ids=ids).logits, ids, self.temperature).cpu())
+            parts.append(algo.token_logprobs(self._logits(model, ids), ids, self.temperature).cpu())
         return torch.cat(parts)
+
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    def _train_micro_batches(self, n: int):
+        """The micro-batches of a minibatch of `n` samples that this trainer (rank) computes."""
+        return self._micro_batches(n)
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _finalize_grads(self) -> None:
+        """After the micro-batches' backward passes, before the gradients are read."""
+
+    def _named_grads(self):
+        """(Hugging Face name, full gradient) of every parameter, in the model's order."""
+        return ((name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
+
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+    def _clip_grads(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip))
+
+    def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+        """Every rank's share of the losses and metric sums, added up (one rank: as they are)."""
+        return losses, sums
+
+    def close(self) -> None:
+        """Nothing to release in-process (a multi-rank trainer stops its ranks here)."""
 
     def train_step(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
         cfg, acfg = self.train_config, self.algo_config
@@ -77,31 +111,32 @@ class TorchTrainer:
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
         grads_hash = hashlib.sha256()
-        per_param = {name: hashlib.sha256() for name, _ in self.model.named_parameters()}
+        per_param = {name: hashlib.sha256() for name in self._param_names()}
         sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0}
         losses, grad_norms = [], []
         self.model.train()
         for update in range(cfg.minibatches):
             index = order[update * per_update: (update + 1) * per_update]
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
             total = torch.zeros((), dtype=torch.float32)
-            for mb in self._micro_batches(per_update):
+            for mb in self._train_micro_batches(per_update):
                 part = self._loss(batch, index[mb.start: mb.stop], weight=(mb.stop - mb.start) / per_update, sums=sums)
                 part.backward()
                 total += part.detach().cpu()
-            for name, param in self.model.named_parameters():
-                if param.grad is not None:
-                    digest.update(grads_hash, name, param.grad)
-                    digest.update(per_param[name], name, param.grad)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+            self._finalize_grads()
+            for name, grad in self._named_grads():
+                digest.update(grads_hash, name, grad)
+                digest.update(per_param[name], name, grad)
+            grad_norms.append(self._clip_grads())
             self.optimizer.step()
             losses.append(total)
+        losses, sums = self._reduce_stats(torch.stack(losses), sums)
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
         if acfg.kl_coef == 0:
             del metrics["train/kl_loss"]
-        metrics["train/loss"] = float(torch.stack(losses).mean())
+        metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        return algo.TrainStats(metrics=metrics, losses=torch.stack(losses), grads_digest=grads_hash.hexdigest(),
+        return algo.TrainStats(metrics=metrics, losses=losses, grads_digest=grads_hash.hexdigest(),
                                param_grads={name: h.hexdigest() for name, h in per_param.items()})
 
     def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict) -> torch.Tensor:
@@ -111,7 +146,7 @@ class TorchTrainer:
         width = int(mask.nonzero()[:, 1].max()) + 1 if mask.any() else 1
         ids = batch.tokens[index, :width].to(self.device)
         mask = mask[:, :width].to(self.device)
-        logits = self.model(input_ids=ids).logits
+        logits = self._logits(self.model, ids)
         logp = algo.token_logprobs(logits, ids, self.temperature)
         old = batch.old_logprobs[index, :width].to(self.device)
         pg_loss, clipfrac, ppo_kl = algo.ppo_clip_loss(logp, old, batch.advantages[index].to(self.device), mask,
@@ -135,18 +170,7 @@ class TorchTrainer:
         """The checkpoint's files as bytes (the run directory writes them atomically)."""
         from safetensors.torch import save
 
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        opt_tensors, opt_scalars = {}, {}
-        for param, state in self.optimizer.state.items():
-            name = names[id(param)]
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    opt_tensors[f"{key}/{name}"] = value.detach().cpu().contiguous()
-                else:
-                    opt_scalars[f"{key}/{name}"] = float(value)
-        meta = {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                       for g in self.optimizer.param_groups],
-                "scalars": opt_scalars}
+        opt_tensors, meta = optimizer_state(self.optimizer, self.model)
         return {
             "model.safetensors": save({k: v.contiguous() for k, v in self.export_hf_weights().items()}),
             "optimizer.safetensors": save(opt_tensors),
@@ -158,17 +182,39 @@ class TorchTrainer:
         from rlbench.rundir.jsonio import read_json
 
         load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
-        tensors = load_safetensors(directory / "optimizer.safetensors")
         meta = read_json(directory / "optimizer.json")
         scalars = meta.get("scalars") if isinstance(meta, dict) else None
-        if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                    for v in scalars.values()):
-            raise BadInput("expected {\"scalars\": {name: number}}", path=directory / "optimizer.json")
-        params = dict(self.model.named_parameters())
-        for key, value in {**tensors, **scalars}.items():
-            field, _, name = key.partition("/")
-            if name not in params or field not in ("step", "exp_avg", "exp_avg_sq") or (
-                    torch.is_tensor(value) and value.shape != params[name].shape):
-                raise BadInput(f"optimizer state {key!r} fits no parameter of the model", path=directory)
-            state = self.optimizer.state[params[name]]
-            state[field] = value.to(self.device) if torch.is_tensor(value) else torch.tensor(float(value))
+        load_optimizer_state(self.optimizer, self.model, load_safetensors(directory / "optimizer.safetensors"),
+                             scalars, self.device, directory)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """AdamW's state as safetensors tensors (`field/param name`) and JSON (param groups, scalars)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    tensors, scalars = {}, {}
+    for param, state in optimizer.state.items():
+        name = names[id(param)]
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"{key}/{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{key}/{name}"] = float(value)
+    meta = {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                   for g in optimizer.param_groups], "scalars": scalars}
+    return tensors, meta
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                         scalars: object, device: str, source: Path) -> None:
+    """The inverse of `optimizer_state`, every entry held to the model's parameters (BadInput naming `source`)."""
+    if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                for v in scalars.values()):
+        raise BadInput("optimizer state: expected {\"scalars\": {name: number}}", path=source)
+    params = dict(model.named_parameters())
+    for key, value in {**tensors, **scalars}.items():
+        field, _, name = key.partition("/")
+        if name not in params or field not in ("step", "exp_avg", "exp_avg_sq") or (
+                torch.is_tensor(value) and value.shape != params[name].shape):
+            raise BadInput(f"optimizer state {key!r} fits no parameter of the model", path=source)
+        state = optimizer.state[params[name]]
+        state[field] = value.to(device) if torch.is_tensor(value) else torch.tensor(float(value))

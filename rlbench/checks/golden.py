@@ -21,9 +21,10 @@ steps may be at most `max_ratio` times the golden's (Megatron-LM compares iterat
 
 Both tiers refuse a run whose configuration identity differs from the golden's: a golden file
 is one configuration's curve. The identity is the resolved config without its I/O settings
-(out, steps, record, checkpoint_every, rollouts) and placement (device, threads: the platform
-and determinism checks cover them), with file paths replaced by the sha256 of their contents,
-so a checkout elsewhere, a longer run or the same run on a GPU compares.
+(out, steps, record, checkpoint_every, rollouts) and placement (device, threads, deterministic:
+the platform and determinism checks cover them), with file paths replaced by the sha256 of their
+contents, so a checkout elsewhere, a longer run or the same run on a GPU compares. Settings added
+later (tp, dp, [train.megatron]) count only when set, so older files keep their identity.
 
 Megatron-LM golden values files (`{"lm loss": {"start_step": 1, ...}}`, no header) are read as
 golden input too: approx tier only, metric names mapped with `rename`, and Megatron's iteration
@@ -51,9 +52,12 @@ SCHEMA = "rlbench.golden/1"
 # tier needs them equal, except these, recorded only: rlbench's own changes are what the golden check is
 # there to catch, and the others store or route values without computing them.
 RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router")
-# Left out of the configuration identity: I/O settings, and placement (device, threads), which the
-# exact tier checks as platform and determinism settings and the approx tier compares across.
-IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads")
+# Left out of the configuration identity: I/O settings, and placement (device, threads, deterministic),
+# which the exact tier checks as platform and determinism settings and the approx tier compares across.
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic")
+# Settings added after golden files were first made: left out of the identity at their neutral
+# value, so the files made before them still name the same configuration.
+LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}}
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 KINDS = ("exact", "approx", "median")
 TIERS = ("exact", "approx")
@@ -372,6 +376,13 @@ def config_identity(manifest: dict) -> dict:
     config = json.loads(json.dumps(manifest.get("config", {})))
     for key in IO_KEYS:
         config.pop(key, None)
+    for path, neutral in LATER_KEYS.items():
+        *parents, key = path
+        table = config
+        for parent in parents:
+            table = table.get(parent, {})
+        if table.get(key, neutral) == neutral:
+            table.pop(key, None)
     hashes = manifest.get("hashes", {})
     for (section, key), hash_name in PATH_KEYS.items():
         if key in config.get(section, {}):

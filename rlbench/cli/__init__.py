@@ -71,7 +71,7 @@ def main() -> None:
     except RlbenchError as exc:
         if debug:
             traceback.print_exc()
-        _fail(str(exc), exc.exit_code)
+        _fail(str(exc), exc.exit_code, "check failed" if exc.exit_code == 1 else "error")
     except typer.Exit as exc:  # --help
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
@@ -103,8 +103,8 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    stderr.print(f"rlbench: error: {message}", markup=False, highlight=False, soft_wrap=True)
+def _fail(message: str, code: int = 2, kind: str = "error") -> None:
+    stderr.print(f"rlbench: {kind}: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

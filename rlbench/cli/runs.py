@@ -33,6 +33,7 @@ class RolloutBackend(str, Enum):
 
 class TrainerBackend(str, Enum):
     torch = "torch"
+    megatron = "megatron"
 
 
 def _default_out() -> str:
@@ -86,7 +87,10 @@ def run(
     rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
     rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help=f"Rollout engine. hf: embedded transformers, in-process. \\[default: {_DEFAULT.rollout.backend}]")] = None,
-    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option(help=f"Trainer. torch: embedded transformers model + AdamW. \\[default: {_DEFAULT.train.backend}]")] = None,
+    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option("--trainer-backend", "--trainer", help=f"Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip install '.[megatron]'); [train.megatron] in --config passes through to its TransformerConfig. \\[default: {_DEFAULT.train.backend}]")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help=f"megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs). \\[default: {_DEFAULT.tp}]", min=1)] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help=f"megatron: data-parallel ranks. \\[default: {_DEFAULT.dp}]", min=1)] = None,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="On a GPU: slime's reproducibility recipe (deterministic algorithms, cuBLAS workspace, NCCL Ring, Megatron deterministic mode), recorded in the manifest. The CPU is always deterministic.")] = False,
     custom_rm_path: Annotated[Optional[str], typer.Option(help=f"Reward function by dotted path, package.module.function: fn(sample) -> float. \\[default: the built-in {_DEFAULT.reward.verifier!r} verifier]")] = None,
     device: Annotated[Optional[str], typer.Option(help=f"cpu or cuda[:N]. \\[default: {_DEFAULT.device}]")] = None,
     threads: Annotated[Optional[int], typer.Option(help=f"torch CPU threads, fixed and recorded (results depend on it). \\[default: {_DEFAULT.threads}]", min=1)] = None,
@@ -103,7 +107,9 @@ def run(
     if resume is not None:
         given = [name for name, value in (("--config", config), ("--seed", seed), ("--steps", steps), ("--out", out),
                                           ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
-                                          ("--threads", threads), ("--custom-rm-path", custom_rm_path))
+                                          ("--threads", threads), ("--custom-rm-path", custom_rm_path),
+                                          ("--trainer", trainer_backend), ("--tp", tp), ("--dp", dp),
+                                          ("--deterministic", deterministic or None))
                  if value is not None]
         if given:
             raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
@@ -114,7 +120,8 @@ def run(
         raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
                        field="--rollouts")
     cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
-                      device=device, threads=threads, out=str(out) if out else None,
+                      device=device, threads=threads, out=str(out) if out else None, tp=tp, dp=dp,
+                      deterministic=deterministic or None,
                       rollouts=str(rollouts) if rollouts else None,
                       record=False if no_record else None,
                       rollout__backend=rollout_backend.value if rollout_backend else None,
@@ -254,6 +261,7 @@ def diff(
     run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")],
     atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0)] = None,
     rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B compares steps A..B-1 only (both runs must have committed them). \\[default: every step either run committed]")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -265,7 +273,7 @@ def diff(
 
     from rlbench.replay.diff import diff as diff_runs
 
-    res = diff_runs(run_a, run_b, atol, rtol)
+    res = diff_runs(run_a, run_b, atol, rtol, steps)
     if as_json:
         stdout.print_json(json.dumps(asdict(res), default=str))
     else:

@@ -61,7 +61,8 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
     packages = list(_PACKAGES)
     if config is not None:
         for (section, backend), extra in _BACKEND_PACKAGES.items():
-            if getattr(getattr(config, section), "backend", None) == backend:
+            trains = section != "train" or getattr(config, "mode", "full") != "rollout-only"
+            if trains and getattr(getattr(config, section), "backend", None) == backend:
                 packages += extra
     found = {"python": sys.version.split()[0], "rlbench": __version__}
     for name in packages:
@@ -135,7 +136,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         if int(config.device.partition(":")[2] or 0) >= torch.cuda.device_count():
             raise BadInput(f"{config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
                            field="device")
-    determinism = configure_determinism(config.threads, config.device)
+    determinism = configure_determinism(config.threads, config.device, config.deterministic)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
     if tokenizer.eos_token_id is None:
@@ -173,8 +174,13 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     from rlbench.backends.torch_trainer import TorchTrainer
 
     trainer = None
-    if config.mode in ("full", "train-only"):
+    if config.mode in ("full", "train-only") and config.train.backend == "megatron":
+        from rlbench.backends.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(model, config)  # checks its settings, starts its rank processes
+    elif config.mode in ("full", "train-only"):
         trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
+    if trainer is not None:
         if init_checkpoint is not None:
             if not (Path(init_checkpoint) / "state.json").is_file():
                 raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rlbench.config import RunConfig
-from rlbench.core import algo, metrics, samples
+from rlbench.core import algo, metrics, samples, weight_check
 from rlbench.core.context import Context, build
 from rlbench.core.plugins import call_plugin
 from rlbench.core.reward import RewardInput, score
@@ -199,8 +199,23 @@ def train(ctx: Context, state: StepState) -> None:
 
 
 def sync(ctx: Context, state: StepState) -> None:
-    ctx.engine.update_weights(ctx.trainer.export_hf_weights(), version=state.step + 1)
-    state.checksums["engine_weights"] = weights_digest(ctx.engine.export_weights())
+    weights = ctx.trainer.export_hf_weights()
+    ctx.engine.update_weights(weights, version=state.step + 1)
+    engine_weights = ctx.engine.export_weights()
+    weight_check.check(weights, engine_weights, f"step {state.step}, sync")
+    state.checksums["engine_weights"] = weights_digest(engine_weights)
+
+
+def first_sync(ctx: Context, start: int) -> None:
+    """Before the first step the engine takes the trainer's weights (on resume the trainer holds a
+    checkpoint the engine has not seen). At step 0 the weights the engine loaded from the model are
+    the reference the trainer's export must equal (weight_check.py)."""
+    loaded = {k: v.clone() for k, v in ctx.engine.export_weights().items()} if start == 0 else None
+    weights = ctx.trainer.export_hf_weights()
+    if loaded is not None:
+        weight_check.check(loaded, weights, "before step 0, first sync", labels=("model", "trainer"))
+    ctx.engine.update_weights(weights, version=start)
+    weight_check.check(weights, ctx.engine.export_weights(), f"before step {start}, first sync")
 
 
 def verify(expected: dict[str, str], state: StepState) -> None:
@@ -250,6 +265,8 @@ def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *
     ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume, command=command)
     history = []
     try:
+        if ctx.engine is not None and ctx.trainer is not None:
+            first_sync(ctx, start)
         if ctx.writer is not None and ctx.trainer is not None and start == 0 and not ctx.writer.has_checkpoint(0):
             checkpoint(ctx, 0)
         for step in range(start, config.steps):
@@ -285,4 +302,6 @@ def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *
             ctx.writer.close()
         if ctx.engine is not None:
             ctx.engine.close()
+        if ctx.trainer is not None:
+            ctx.trainer.close()
     return RunResult(config, ctx.manifest, history, time.perf_counter() - started, start)

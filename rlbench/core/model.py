@@ -90,8 +90,8 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    try:
-        return load(Path(path).read_bytes())
+    try:  # sorted by name: `load` hands them out in a per-process hash order, and order reaches state dicts
+        return dict(sorted(load(Path(path).read_bytes()).items()))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BadInput(f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})",
                        path=path) from None

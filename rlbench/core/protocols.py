@@ -2,7 +2,7 @@
 
 The embedded backends (`hf` engine, `torch` trainer) live in-tree; Megatron-core, SGLang and
 Ray backends are imported lazily, only when chosen. The shapes here are for what comes next:
-a trainer may span several ranks (Megatron-core TP/DP: only rank 0 exports and records), and
+a trainer may span several ranks (megatron-core TP/DP: only rank 0 exports and records), and
 an engine may be remote (SGLang over HTTP: it takes weights from disk, not from memory).
 """
 
@@ -40,8 +40,9 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class Trainer(Protocol):
-    """Computes log-probs and takes optimizer steps. A multi-rank trainer runs the same calls on
-    every rank; `is_main` says which rank exports weights, checkpoints and reports."""
+    """Computes log-probs and takes optimizer steps. A multi-rank trainer (megatron) is held by rank
+    0, which sends every call to all ranks and returns rank 0's result: only it exports weights,
+    checkpoints and reports (`is_main`)."""
 
     is_main: bool
 
@@ -60,6 +61,9 @@ class Trainer(Protocol):
         """The checkpoint's files (name -> bytes); the run directory writes them atomically."""
 
     def load_checkpoint(self, directory: Path) -> None: ...
+
+    def close(self) -> None:
+        """Release what the trainer holds (a multi-rank trainer stops its rank processes)."""
 
 
 class RewardFn(Protocol):

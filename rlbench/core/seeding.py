@@ -15,6 +15,8 @@ import os
 import torch
 
 _DOMAIN = b"rlbench.seed/1\x00"
+# slime's GPU reproducibility environment; NVTE_* is read by Transformer Engine where it is installed.
+GPU_RECIPE = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
 
 def derive_seed(master: int, purpose: str, *path: int | str) -> int:
@@ -30,20 +32,32 @@ def generator(master: int, purpose: str, *path: int | str, device: str = "cpu") 
     return gen
 
 
-def configure_determinism(threads: int, device: str) -> dict:
-    """Fix the thread count and turn on deterministic algorithms; return what was set, for the manifest."""
-    if device.startswith("cuda"):
-        # cuBLAS needs this before its first handle is made, else deterministic mode raises.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+def configure_determinism(threads: int, device: str, deterministic: bool = False) -> dict:
+    """Fix the thread count and turn on deterministic algorithms; return what was set, for the manifest.
+
+    On the CPU this is always on. On a GPU only with `deterministic`: slime's reproducibility
+    recipe (docs/en/advanced/reproducibility.md): deterministic algorithms and cuDNN, the cuBLAS
+    workspace config, NCCL's Ring algorithm, Transformer Engine's deterministic kernels only, no
+    TF32; megatron-core's own `deterministic_mode` follows it (backends/megatron/model.py). The
+    environment is set before any CUDA or NCCL handle exists, and rank processes inherit it."""
+    cuda = device.startswith("cuda")
+    if cuda and deterministic:
+        for key, value in GPU_RECIPE.items():
+            os.environ.setdefault(key, value)  # cuBLAS reads its config when its first handle is made
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    return {
+    torch.use_deterministic_algorithms(not cuda or deterministic)
+    settings = {
         "torch_threads": torch.get_num_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "seed_derivation": "sha256(rlbench.seed/1 || json([master, purpose, *path]))[:8] >> 1",
     }
+    if cuda:
+        settings.update({"deterministic": deterministic, "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                         "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                         **{key.lower(): os.environ.get(key) for key in GPU_RECIPE if key != "CUBLAS_WORKSPACE_CONFIG"}})
+    return settings

@@ -111,7 +111,7 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
             raise BadInput(f"missing: the recording of committed step {step} is not there", path=path)
     raw = read_bytes(st_path)
     try:
-        tensors = load(raw)
+        tensors = dict(sorted(load(raw).items()))  # `load` gives a per-process hash order
         header_len = int.from_bytes(raw[:8], "little")
         header = json.loads(json.loads(raw[8:8 + header_len])["__metadata__"]["rlbench"])
         if not isinstance(header, dict):

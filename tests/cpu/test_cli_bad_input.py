@@ -160,6 +160,9 @@ def test_invalid_value_caught_after_parsing(tmp_path):
     pytest.param("steps = 0\n", ("steps", "in [1, 10,000,000]"), id="out-of-range-steps"),
     pytest.param("[train]\nminibatches = 3\n", ("train.minibatches", "divisor"), id="inconsistent-minibatches"),
     pytest.param("steps = = 3\n", ("invalid TOML", "line 1"), id="invalid-toml-syntax"),
+    pytest.param("tp = 2\n", ("tp", "unless train.backend is megatron"), id="tp-without-megatron"),
+    pytest.param("[train.megatron]\nhidden_dropout = 0.1\n", ("train.megatron", "unless train.backend is megatron"),
+                 id="megatron-table-for-torch"),
 ])
 def test_invalid_config_file(tmp_path, text, needles):
     cfg = write_config(tmp_path, text)

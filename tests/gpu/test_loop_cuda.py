@@ -9,7 +9,7 @@ from rlbench.core.loop import run
 
 
 def _small(out, seed=3):
-    return load_config(steps=4, seed=seed, device="cuda", out=str(out), data__prompts_per_step=4,
+    return load_config(steps=4, seed=seed, device="cuda", deterministic=True, out=str(out), data__prompts_per_step=4,
                        rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=8)
 
 

@@ -1,0 +1,168 @@
+"""Rank processes of the megatron trainer: rlbench starts them; the user never writes a launcher.
+
+`rlbench run --trainer megatron --tp T --dp D` runs T*D ranks. Rank 0 is the rlbench process
+itself (the loop, the engine, the run directory); ranks 1.. are worker processes started here
+(`python -m rlbench.backends.megatron.launch`), which only train. torch.distributed joins them
+(gloo on the CPU, NCCL on GPUs; rank r takes cuda:r), through a TCP store on 127.0.0.1 that
+rank 0 opens on a free port. The workers are started (`spawn`) when the trainer is made, so
+they import torch and megatron-core while rank 0 checks the settings, and join the process
+group (`join`) at the trainer's first call.
+
+Rank 0 drives: every trainer call is sent to all ranks as a command (a JSON header and tensors,
+broadcast over a gloo group: no pickle), and every rank then runs the same call, so the
+collectives inside Megatron line up. Only rank 0 records, exports and checkpoints. Workers
+die with rank 0: the broadcast they wait in fails when its socket closes, and on Linux the
+kernel kills them when their parent dies (PR_SET_PDEATHSIG), whatever killed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_PORT_ENV = "RLBENCH_MEGATRON_STORE_PORT"
+
+
+@dataclass
+class Ranks:
+    """This process's place among the ranks: its rank, the world size, the command group, and
+    (rank 0 only) the worker processes."""
+
+    rank: int
+    world: int
+    device: str
+    channel: object = None  # the gloo group commands travel on
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def _init(rank: int, world: int, device: str, store) -> Ranks:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(rank_device(device, rank)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    channel = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return Ranks(rank, world, device, channel)
+
+
+@dataclass
+class Pending:
+    """Rank 0's half of starting the ranks: the store is open and the workers are importing."""
+
+    world: int
+    device: str
+    store: object
+    workers: list[subprocess.Popen]
+
+
+def spawn(world: int, device: str) -> Pending:
+    """Rank 0: open the store and start ranks 1..world-1, which join when `join` is called."""
+    if world == 1:
+        return Pending(1, device, dist.HashStore(), [])
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    env = {**os.environ, _PORT_ENV: str(store.port), "WORLD_SIZE": str(world), "RLBENCH_MEGATRON_DEVICE": device,
+           "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
+    workers = [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
+                                env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+               for rank in range(1, world)]
+    return Pending(world, device, store, workers)
+
+
+def kill(workers: list[subprocess.Popen]) -> None:
+    """Stop worker processes that were never joined or cannot be told to stop."""
+    for proc in workers:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def join(pending: Pending) -> Ranks:
+    """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
+    try:
+        ranks = _init(0, pending.world, pending.device, pending.store)
+    except BaseException:
+        kill(pending.workers)
+        raise
+    ranks.workers = pending.workers
+    return ranks
+
+
+def stop(ranks: Ranks, timeout: float = 60) -> None:
+    """Rank 0, after the workers were told to stop: wait for them, then leave the group."""
+    for proc in ranks.workers:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    kill(ranks.workers)
+    ranks.workers = []
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def send(ranks: Ranks, op: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Rank 0: broadcast one command (op, JSON-able meta, named CPU tensors) to every rank."""
+    if ranks.world == 1:
+        return
+    header = json.dumps({"op": op, "meta": meta,
+                         "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]})
+    data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=ranks.channel)
+    dist.broadcast(data, src=0, group=ranks.channel)
+    for t in tensors.values():
+        dist.broadcast(t.detach().cpu().contiguous(), src=0, group=ranks.channel)
+
+
+def receive(ranks: Ranks) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """A worker: the next command from rank 0."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=ranks.channel)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=ranks.channel)
+    header = json.loads(bytes(data.numpy()).decode())
+    tensors = {}
+    for name, dtype, shape in header["tensors"]:
+        tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.broadcast(tensors[name], src=0, group=ranks.channel)
+    return header["op"], header["meta"], tensors
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this worker when rank 0 dies, even by SIGKILL (no cleanup runs there)."""
+    import signal
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def main() -> None:
+    """A worker rank: join, then serve rank 0's commands until it says stop."""
+    _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ[_PORT_ENV]), world, is_master=False)
+    ranks = _init(rank, world, os.environ["RLBENCH_MEGATRON_DEVICE"], store)
+    from rlbench.backends.megatron.trainer import serve
+
+    serve(ranks)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

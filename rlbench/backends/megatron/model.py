@@ -1,0 +1,128 @@
+"""A megatron-core GPTModel equal to the fixture's transformers model (Qwen3).
+
+The TransformerConfig is made from the Hugging Face config: RMSNorm, SwiGLU, GQA, q/k norm, RoPE,
+tied embeddings as the model has them, no dropout, no biases. These fields are rlbench's (they
+say what the model is); every other TransformerConfig field can be set in the `[train.megatron]`
+table, which passes through unchanged (slime's convention: Megatron's own arguments are not
+redeclared). The local layer spec is used unless Transformer Engine is installed and a GPU trains.
+
+The logits are gathered over tensor-parallel ranks (`parallel_output=False`), so the loss, the
+log-probs and the entropy are the torch trainer's own functions (rlbench/core/algo.py) on the
+full vocabulary: the two trainers differ only in the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from rlbench.backends.megatron.convert import Dims
+from rlbench.errors import BadInput
+
+SUPPORTED = ("qwen3",)
+# Set from the model's config.json or by rlbench's loop; not [train.megatron] settings.
+OWNED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
+         "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "tensor_model_parallel_size",
+         "pipeline_model_parallel_size", "params_dtype", "use_cpu_initialization", "calculate_per_token_loss",
+         "deterministic_mode")
+
+
+@contextmanager
+def quiet():
+    """megatron-core warns, once per rank, that Apex and Transformer Engine are absent and about
+    defaults rlbench does not use (cuda_graph_scope): not the user's concern, so not on stderr."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        yield
+
+
+def silence_runtime_warnings() -> None:
+    """For the life of a rank process: megatron-core's forward calls a torch collective that torch
+    deprecates, and under TP it advises CUDA_DEVICE_MAX_CONNECTIONS=1, a speed setting for
+    overlapping communication that rlbench's small models do not need."""
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
+
+
+def has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims:
+    """The model's shape, refused (BadInput) where this converter or the TP size cannot take it.
+    Transformer Engine's layer spec (and its parameter names) where it is installed and a GPU trains."""
+    where = Path(source) / "config.json"
+    if hf_config.model_type not in SUPPORTED:
+        raise BadInput(f"the megatron trainer converts {', '.join(SUPPORTED)} models, not {hf_config.model_type!r}",
+                       path=where, field="model_type")
+    if getattr(hf_config, "attention_bias", False):
+        raise BadInput("attention biases are not converted", path=where, field="attention_bias")
+    dims = Dims(layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=hf_config.num_attention_heads,
+                groups=hf_config.num_key_value_heads, head_dim=hf_config.head_dim, ffn=hf_config.intermediate_size,
+                vocab=hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings),
+                te_names=device.startswith("cuda") and has_transformer_engine())
+    for key, value in (("num_key_value_heads", dims.groups), ("intermediate_size", dims.ffn), ("vocab_size", dims.vocab)):
+        if value % tp:
+            raise BadInput(f"{value} does not divide by the tensor-parallel size {tp}", path=where, field=key)
+    return dims
+
+
+def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict):
+    with quiet():
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    taken = sorted(set(overrides) & set(OWNED))
+    if taken:
+        raise BadInput(f"{', '.join(taken)}: set from the model's config.json or by rlbench, not here",
+                       field="train.megatron")
+    owned = dict(num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
+                 num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
+                 normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+                 activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+                 qk_layernorm=True, hidden_dropout=0.0, attention_dropout=float(hf_config.attention_dropout),
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=torch.float32,
+                 use_cpu_initialization=device == "cpu",
+                 # The loss is already normalised over the whole minibatch, so data-parallel
+                 # gradients must be summed, not averaged (Megatron's DDP scales by 1/dp otherwise).
+                 calculate_per_token_loss=True,
+                 # deterministic kernels (an embedding backward without atomics) where --deterministic
+                 # asks for them: on a GPU; the CPU is deterministic either way
+                 deterministic_mode=deterministic and device.startswith("cuda"))
+    try:
+        with quiet():
+            return TransformerConfig(**owned, **overrides)
+    except TypeError as exc:
+        raise BadInput(f"not a megatron-core TransformerConfig field ({exc})", field="train.megatron") from None
+    except (ValueError, AssertionError) as exc:
+        raise BadInput(f"megatron-core refused the settings ({exc})", field="train.megatron") from None
+
+
+def build(hf_config, dims: Dims, config) -> torch.nn.Module:
+    """The GPTModel of this rank (parallel state must be initialised)."""
+    with quiet():
+        from megatron.core.models.gpt import GPTModel
+
+        spec = _layer_spec(dims)
+        return GPTModel(config, spec, vocab_size=dims.vocab, max_sequence_length=hf_config.max_position_embeddings,
+                        parallel_output=False, share_embeddings_and_output_weights=dims.tied,
+                        position_embedding_type="rope", rotary_base=hf_config.rope_parameters["rope_theta"])
+
+
+def _layer_spec(dims: Dims):
+    if dims.te_names:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[n, L, vocab] logits of right-padded ids (Megatron's RoPE uses positions 0..L-1, as HF does here)."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return model(ids, positions, None)

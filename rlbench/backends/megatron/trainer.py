@@ -1,0 +1,342 @@
+"""The megatron trainer (`--trainer megatron`): megatron-core GPTModel shards under tensor and data
+parallelism, behind the same Trainer protocol as the torch trainer.
+
+Each rank holds a `RankTrainer`: its GPTModel shard wrapped in megatron-core's
+DistributedDataParallel, AdamW over the shard, and the torch trainer's own loss and step
+(it subclasses TorchTrainer, so the two trainers differ only where Megatron does). Where:
+
+- the forward is Megatron's; the logits are gathered over TP ranks, then the same algo.py;
+- a data-parallel rank computes every dp-th micro-batch of a minibatch; the loss weights are
+  fractions of the whole minibatch, so DDP sums the gradients (calculate_per_token_loss);
+- gradients are finalised by megatron-core's `finalize_model_grads`: the DP all-reduce and,
+  under TP, the all-reduce of the q/k-norm gradients, which each rank sees only for its own
+  heads (skip it, and TP=2 parts from TP=1: tests/cpu/test_megatron_parallel.py);
+- the gradient norm is taken over TP shards in float64 and clipped as torch's
+  clip_grad_norm_ does. Hand-written: megatron-core's clip_grads builds its buffers with
+  device="cuda" and has no CPU path;
+- weights, per-parameter gradient digests and checkpoints go through Hugging Face names
+  (convert.py), gathered to rank 0, so diff, replay and the engine see one naming.
+
+`MegatronTrainer` is what the loop holds, on rank 0: it sends each call to every rank
+(launch.py) and runs it on its own shard. The worker processes start when it is made and join
+at its first call; `close()` stops them.
+
+Checkpoints: per TP rank `model-tpNN.safetensors` and `optimizer-tpNN.safetensors` (Megatron
+names, that rank's shard; data-parallel replicas are equal), `layout.json` (TP, DP, the model's
+dims, the optimizer's settings and step counts), and `model.safetensors`, the full weights under
+Hugging Face names that diff, train-only runs and `check logprobs --recompute` read.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlbench.backends.megatron import faults, launch
+from rlbench.backends.megatron import model as mmodel
+from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
+from rlbench.backends.torch_trainer import TorchTrainer, load_optimizer_state, optimizer_state
+from rlbench.config import RunConfig, config_from_dict
+from rlbench.core import algo
+from rlbench.core.model import load_model_config, load_named_, named_weights
+from rlbench.core.seeding import configure_determinism
+from rlbench.errors import BadInput
+
+LAYOUT = "rlbench.megatron-checkpoint/1"
+
+
+def _import_megatron():
+    """megatron-core, imported quietly (model.quiet says why)."""
+    with mmodel.quiet():
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        from megatron.core import parallel_state
+    return parallel_state
+
+
+class RankTrainer(TorchTrainer):
+    """One rank's shard of the megatron trainer (see the module docstring)."""
+
+    def __init__(self, ranks: launch.Ranks, config: RunConfig, initial: dict[str, torch.Tensor]):
+        ps = _import_megatron()
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        device = launch.rank_device(config.device, ranks.rank)
+        mmodel.silence_runtime_warnings()
+        if device == "cpu":
+            from rlbench.backends.megatron import compat
+
+            compat.apply()
+        ps.initialize_model_parallel(tensor_model_parallel_size=config.tp)
+        self.ranks, self.tp, self.dp = ranks, config.tp, config.dp
+        self.is_main = ranks.is_main
+        self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+        self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        with torch.random.fork_rng(devices=[]):  # on the CPU it seeds this process's RNG: keep it as it was
+            model_parallel_cuda_manual_seed(config.seed)  # Megatron's RNG tracker must exist; rlbench draws nothing from it
+        self.hf_config = load_model_config(config.model.path)
+        self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path, config.device)
+        self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
+                                                 config.device, config.train.megatron)
+        self.gpt = self._shard(initial, device)
+        ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(), self.gpt)
+        reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
+        super().__init__(ddp, config.train, config.algo, config.rollout.temperature, config.seed, device, reference)
+
+    def _shard(self, initial: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
+        gpt = mmodel.build(self.hf_config, self.dims, self.tconfig).to(device)
+        load_named_(gpt, to_megatron(initial, self.dims, self.tp, self.tp_rank), source="the initial weights")
+        return gpt
+
+    # -- where it differs from TorchTrainer --
+
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return mmodel.logits(model, ids)
+
+    def _train_micro_batches(self, n: int):
+        return self._micro_batches(n)[self.dp_rank::self.dp]
+
+    def _zero_grads(self) -> None:
+        super()._zero_grads()
+        self.model.zero_grad_buffer()
+
+    def _finalize_grads(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        if faults.active("no-tp-grad-finalize"):
+            self.model.finish_grad_sync()  # the data-parallel all-reduce only
+        else:
+            finalize_model_grads([self.model])
+        for p in self.gpt.parameters():  # what megatron-core's own optimizer does for fp32 params
+            p.grad = p.main_grad
+
+    def _named_grads(self):
+        return self._full_hf({name: p.grad for name, p in self.gpt.named_parameters()}).items()
+
+    def _param_names(self) -> list[str]:
+        return hf_names(self.dims)
+
+    def _clip_grads(self) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.gpt.parameters():
+            if param_is_not_tensor_parallel_duplicate(p):  # replicated params count once
+                total += p.grad.double().square().sum()
+        dist.all_reduce(total, group=self.tp_group)
+        norm = float(total) ** 0.5
+        coef = min(self.train_config.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+        for p in self.gpt.parameters():
+            p.grad.mul_(coef)
+        return norm
+
+    def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+        if self.dp == 1:
+            return losses, sums
+        packed = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
+        losses = losses.to(self.device)
+        dist.all_reduce(packed, group=self.dp_group)
+        dist.all_reduce(losses, group=self.dp_group)
+        return losses.cpu(), dict(zip(sums, packed.tolist()))
+
+    # -- gathering to rank 0, export, checkpoints --
+
+    def _tp_shards(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every TP rank's copy of `tensors` (same names and shapes on each), on the CPU, in rank order."""
+        shards = [{} for _ in range(self.tp)]
+        for name, t in tensors.items():
+            t = t.detach().to(self.device).contiguous()  # NCCL gathers device tensors only
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t, group=self.tp_group)
+            for shard, part in zip(shards, parts):
+                shard[name] = part.cpu()
+        return shards
+
+    def _megatron_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.gpt.named_parameters()}
+
+    def _full_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return to_hf(self._tp_shards(tensors), self.dims)
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        return self._full_hf(self._megatron_state())
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        from safetensors.torch import save
+
+        opt_tensors, meta = optimizer_state(self.optimizer, self.gpt)
+        model_shards = self._tp_shards(self._megatron_state())
+        opt_shards = self._tp_shards(opt_tensors)
+        if not self.ranks.is_main:  # it took part in the gathers; only rank 0 writes
+            return {}
+        layout = {"format": LAYOUT, "tp": self.tp, "dp": self.dp, "dims": self.dims.to_json(),
+                  "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
+                  "optimizer": meta}
+        files = {"model.safetensors": save(to_hf(model_shards, self.dims)),
+                 "layout.json": (json.dumps(layout, indent=1, sort_keys=True) + "\n").encode()}
+        for r in range(self.tp):
+            files[f"model-tp{r:02d}.safetensors"] = save(model_shards[r])
+            files[f"optimizer-tp{r:02d}.safetensors"] = save(opt_shards[r])
+        return files
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from rlbench.core.model import load_safetensors
+        from rlbench.rundir.jsonio import read_json
+
+        shard = directory / f"model-tp{self.tp_rank:02d}.safetensors"
+        load_named_(self.gpt, {k: v.to(self.device) for k, v in load_safetensors(shard).items()}, source=shard)
+        layout = read_json(directory / "layout.json")
+        opt = directory / f"optimizer-tp{self.tp_rank:02d}.safetensors"
+        scalars = (layout.get("optimizer") or {}).get("scalars") if isinstance(layout, dict) else None
+        load_optimizer_state(self.optimizer, self.gpt, load_safetensors(opt), scalars, self.device, opt)
+
+    def close(self) -> None:
+        ps = _import_megatron()
+        ps.destroy_model_parallel()
+
+
+def check_layout(directory: Path, tp: int, dims: Dims) -> None:
+    """Refuse (BadInput) a checkpoint this trainer cannot load, before any rank is asked to."""
+    path = directory / "layout.json"
+    if not path.is_file():
+        raise BadInput("not a megatron trainer checkpoint (no layout.json)", path=directory)
+    try:
+        layout = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"unreadable ({exc.__class__.__name__})", path=path) from None
+    for key, want in (("format", LAYOUT), ("tp", tp), ("dims", dims.to_json())):
+        if layout.get(key) != want:
+            raise BadInput(f"expected {want!r}, got {layout.get(key)!r}", path=path, field=key)
+    for r in range(tp):
+        for kind in ("model", "optimizer"):
+            if not (directory / f"{kind}-tp{r:02d}.safetensors").is_file():
+                raise BadInput(f"missing {kind}-tp{r:02d}.safetensors", path=directory)
+
+
+# -- commands: the same call on every rank --
+
+def _dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torch.Tensor]):
+    if op == "logprobs":
+        return trainer.logprobs(tensors["tokens"], reference=meta["reference"])
+    if op == "train_step":
+        batch = algo.TrainBatch(**{"ref_logprobs": None, **tensors})
+        return trainer.train_step(batch, meta["step"])
+    if op == "export":
+        return trainer.export_hf_weights()
+    if op == "checkpoint":
+        return trainer.checkpoint_files()
+    if op == "load":
+        return trainer.load_checkpoint(Path(meta["directory"]))
+    raise AssertionError(f"unknown command {op!r}")
+
+
+def serve(ranks: launch.Ranks) -> None:
+    """A worker rank's life: the init command (config and initial weights), then commands until stop."""
+    op, meta, tensors = launch.receive(ranks)
+    assert op == "init", op
+    config = config_from_dict(meta["config"], "the init command")
+    configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
+    trainer = RankTrainer(ranks, config, tensors)
+    try:
+        while True:
+            op, meta, tensors = launch.receive(ranks)
+            if op == "stop":
+                return
+            _dispatch(trainer, op, meta, tensors)
+    finally:
+        trainer.close()
+
+
+class MegatronTrainer:
+    """The Trainer the loop holds (rank 0): each call goes to every rank, then runs on rank 0's shard."""
+
+    is_main = True
+
+    def __init__(self, hf_model: torch.nn.Module, config: RunConfig):
+        self.config = config
+        self.hf_model = hf_model  # the initial weights: read when the ranks start
+        hf_config = load_model_config(config.model.path)
+        self.dims = mmodel.dims_of(hf_config, config.tp, config.model.path, config.device)
+        # The workers start importing now, while this rank imports megatron-core to check the
+        # settings; they join at the first call. Refused, or dropped unused (a run refused later
+        # while it is built), the trainer takes them down.
+        self._pending = launch.spawn(config.tp * config.dp, config.device)
+        weakref.finalize(self, launch.kill, self._pending.workers)
+        try:
+            _import_megatron()
+            mmodel.transformer_config(hf_config, self.dims, config.tp, config.deterministic, config.device,
+                                      config.train.megatron)
+        except BaseException:
+            launch.kill(self._pending.workers)
+            raise
+        self._checkpoint: Path | None = None
+        self._broken = False
+        self._ranks: launch.Ranks | None = None
+        self._local: RankTrainer | None = None
+
+    def _call(self, op: str, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None):
+        if self._local is None:
+            self._start()
+        launch.send(self._ranks, op, meta or {}, tensors or {})
+        try:
+            return _dispatch(self._local, op, meta or {}, tensors or {})
+        except BaseException:  # the others may be inside a collective this rank left: no more commands
+            self._broken = True
+            raise
+
+    def _start(self) -> None:
+        self._ranks = launch.join(self._pending)
+        initial = {name: t.detach().cpu() for name, t in named_weights(self.hf_model).items()}
+        try:
+            launch.send(self._ranks, "init", {"config": self.config.to_dict()}, initial)
+            self._local = RankTrainer(self._ranks, self.config, initial)
+        except BaseException:
+            self.close()
+            raise
+        if self._checkpoint is not None:
+            self._call("load", {"directory": str(self._checkpoint)})
+
+    def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
+                 per_sample: bool = False) -> torch.Tensor:
+        assert not per_sample, "true on-policy is refused with the megatron trainer (config.py)"
+        return self._call("logprobs", {"reference": reference}, {"tokens": tokens})
+
+    def train_step(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
+        tensors = {k: v for k, v in vars(batch).items() if v is not None}
+        return self._call("train_step", {"step": step}, tensors)
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("export")
+
+    def save_checkpoint(self) -> dict[str, bytes]:
+        return self._call("checkpoint")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Checked now; loaded when the ranks start (or at once, when they run)."""
+        check_layout(Path(directory), self.config.tp, self.dims)
+        if self._local is None:
+            self._checkpoint = Path(directory)
+        else:
+            self._call("load", {"directory": str(directory)})
+
+    def close(self) -> None:
+        if self._ranks is None:  # never joined: nothing to tell them
+            launch.kill(self._pending.workers)
+            return
+        ranks, self._ranks = self._ranks, None
+        if self._broken:
+            launch.kill(ranks.workers)
+        else:
+            try:
+                launch.send(ranks, "stop", {}, {})
+            except Exception:  # a worker is gone (its error is on stderr): stop the others
+                launch.kill(ranks.workers)
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        launch.stop(ranks)

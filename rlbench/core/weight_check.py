@@ -1,0 +1,60 @@
+"""The weight-update check, for every trainer: what the engine holds after a sync is the trainer's
+export, bit for bit (slime: --check-weight-update-equal).
+
+Two comparisons. After every sync, the engine's own export must equal what the trainer sent
+(a loader that drops, re-fuses or re-casts a tensor shows here). Before step 0, the trainer's
+first export must equal the weights the engine loaded from the model itself: the trainer was
+initialised from those same weights, so a conversion that is wrong one way (a fused QKV or
+gate/up split, a tied embedding) shows before a single step is trained.
+
+A mismatch raises WeightMismatch (exit 1) naming the first differing tensor, in the trainer's
+order, and its first differing element, with both values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from rlbench.errors import WeightMismatch
+
+
+def _first_element(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The flat index of the first element whose bytes differ (-0.0 vs 0.0 and NaN payloads count)."""
+    bytes_a = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8).view(a.numel(), -1)
+    bytes_b = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).view(b.numel(), -1)
+    differ = (bytes_a != bytes_b).any(dim=1).nonzero()
+    return int(differ[0]) if differ.numel() else None
+
+
+def first_difference(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
+                     labels: tuple[str, str]) -> str | None:
+    """Where `got` first differs from `expected` (names, dtypes, shapes, then bytes); None when equal."""
+    missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
+    if missing or extra:
+        return f"tensor names differ: only the {labels[0]}'s {missing[:3]}, only the {labels[1]}'s {extra[:3]}"
+    differing = []
+    for name, a in expected.items():
+        b = got[name]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{name}: {labels[0]} {a.dtype} {tuple(a.shape)}, {labels[1]} {b.dtype} {tuple(b.shape)}"
+        index = _first_element(a, b)
+        if index is not None:
+            differing.append((name, index))
+    if not differing:
+        return None
+    name, index = differing[0]
+    a, b = expected[name], got[name]
+    place = list(torch.unravel_index(torch.tensor(index), a.shape)) if a.dim() else []
+    where = f"{name}[{', '.join(str(int(i)) for i in place)}]"
+    more = f"; {len(differing)} tensors differ" if len(differing) > 1 else ""
+    return (f"{where} (element {index} of {a.numel()}): {labels[0]} {a.reshape(-1)[index].item()!r}, "
+            f"{labels[1]} {b.reshape(-1)[index].item()!r}{more}")
+
+
+def check(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], when: str,
+          labels: tuple[str, str] = ("trainer", "engine")) -> None:
+    found = first_difference(expected, got, labels)
+    if found is not None:
+        raise WeightMismatch(f"{when}: {labels[1]} weights differ from the {labels[0]}'s at {found}")

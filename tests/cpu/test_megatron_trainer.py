@@ -1,0 +1,180 @@
+"""The megatron trainer at TP=1, in-process: bitwise reruns, agreement with the torch trainer at
+step 0 and where they part, replay, refused settings, and the weight-update check (for every
+trainer) stopping a run whose conversion or engine loader is broken.
+Multi-rank runs (TP=2, DP=2, SIGKILL and resume) are in test_megatron_parallel.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlbench.config import apply_overrides, load_config
+from rlbench.core.loop import run
+from rlbench.errors import BadInput, WeightMismatch
+from rlbench.rundir.directory import read_run
+from rlbench.rundir.recording import read_step
+from tests.conftest import run_cli, small_toml
+
+SEED = 7  # step 0 of the small config has a reward signal at this seed (a non-zero loss)
+
+
+def _config(out: Path, **overrides):
+    base = load_config(seed=SEED, steps=3, checkpoint_every=2, data__prompts_per_step=2,
+                       rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=3)
+    return apply_overrides(base, out=str(out), **{"train__backend": "megatron", **overrides})
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in ("manifest.json", "metrics.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    for name in ("a", "b"):
+        run(_config(root / name))
+    run(_config(root / "torch", train__backend="torch"))
+    return root
+
+
+def test_reruns_are_bit_identical(runs):
+    a, b = _files(runs / "a"), _files(runs / "b")
+    assert sorted(a) == sorted(b) and "checkpoints/000002/model-tp00.safetensors" in a
+    assert [name for name in a if a[name] != b[name]] == []
+    strip = lambda run: [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(run).metrics]
+    assert strip(runs / "a") == strip(runs / "b")
+    res = run_cli("diff", str(runs / "a"), str(runs / "b"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no difference (bit for bit): 3 steps x 10 stages" in res.stdout
+    manifest = json.loads((runs / "a" / "manifest.json").read_text())
+    assert manifest["versions"]["megatron-core"] is not None
+
+
+def test_step0_losses_match_the_torch_trainer_and_diff_names_where_they_part(runs):
+    mega, torch_run = read_step(runs / "a", 0)[0], read_step(runs / "torch", 0)[0]
+    assert torch.equal(mega["tokens"], torch_run["tokens"])  # same engine, same initial weights
+    losses_m, losses_t = mega["losses"].double(), torch_run["losses"].double()
+    assert bool((losses_t != 0).any())
+    assert float(((losses_m - losses_t).abs() / losses_t.abs().clamp(min=1e-30)).max()) <= 1e-5
+    res = run_cli("diff", str(runs / "torch"), str(runs / "a"), "--json")
+    assert res.returncode == 1, res.stderr
+    first = json.loads(res.stdout)["first"]
+    assert (first["step"], first["stage"]) == (0, "old_logprobs")  # the first stage the trainer computes
+    assert first["where"].startswith("sample ") and "token" in first["where"]
+    assert 0 < first["max_abs"] < 1e-5
+
+
+def test_replay_reproduces_a_megatron_run(runs, tmp_path):
+    from rlbench.replay.replay import replay
+
+    res = replay(runs / "a", tmp_path / "replay")
+    assert res.ok and res.reproduced == 3, res.diverged
+
+
+def test_train_only_from_a_megatron_recording(runs, tmp_path):
+    """The recording's initial weights come from its checkpoint 0 (model.safetensors, HF names)."""
+    from rlbench.replay.replay import train_only_config
+
+    config = train_only_config(_config(tmp_path / "t", mode="train-only", rollouts=str(runs / "a")),
+                               runs / "a", None)
+    result = run(config)
+    assert [h["train/loss"] for h in result.history] == [row["train/loss"] for row in read_run(runs / "a").metrics]
+
+
+def test_kl_to_the_reference_policy(tmp_path):
+    """The reference is its own GPTModel shard with the initial weights: at step 0 it agrees with
+    the policy bit for bit; after the first optimizer step the KL is positive."""
+    result = run(_config(tmp_path / "kl", steps=1, algo__kl_coef=0.1))
+    tensors = read_step(tmp_path / "kl", 0)[0]
+    assert torch.equal(tensors["ref_logprobs"], tensors["old_logprobs"])
+    assert result.history[0]["train/kl_loss"] > 0
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"train__megatron": {"no_such_field": 1}}, "train.megatron"),
+    ({"train__megatron": {"hidden_size": 32}}, "train.megatron"),
+    ({"tp": 4}, "num_key_value_heads"),
+])
+def test_refused_before_anything_starts(tmp_path, overrides, field):
+    with pytest.raises(BadInput, match=field.replace(".", r"\.")):
+        run(_config(tmp_path / "bad", **overrides))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_megatron_table_passes_through():
+    from rlbench.backends.megatron import model as mmodel
+    from rlbench.core.model import load_model_config
+
+    hf_config = load_model_config(load_config().model.path)
+    dims = mmodel.dims_of(hf_config, 1, load_config().model.path)
+    tconfig = mmodel.transformer_config(hf_config, dims, 1, False, "cpu", {"init_method_std": 0.5})
+    assert tconfig.init_method_std == 0.5 and tconfig.num_query_groups == 2  # theirs, and the model's
+
+
+def test_settings_the_megatron_trainer_cannot_take():
+    with pytest.raises(BadInput, match="tp"):
+        load_config(tp=2)  # the torch trainer
+    with pytest.raises(BadInput, match="true_on_policy"):
+        load_config(train__backend="megatron", rollout__true_on_policy=True)
+    with pytest.raises(BadInput, match=r"train\.megatron"):
+        load_config(train__megatron={"deterministic_mode": True})  # a Megatron table for the torch trainer
+
+
+def test_a_checkpoint_of_another_layout_is_refused(runs):
+    from rlbench.backends.megatron.convert import Dims
+    from rlbench.backends.megatron.trainer import check_layout
+
+    checkpoint = runs / "a" / "checkpoints" / "000002"
+    layout = json.loads((checkpoint / "layout.json").read_text())
+    check_layout(checkpoint, 1, Dims(**layout["dims"]))
+    with pytest.raises(BadInput, match="tp"):
+        check_layout(checkpoint, 2, Dims(**layout["dims"]))
+
+
+def test_weight_check_stops_a_broken_conversion_at_step_0(tmp_path, monkeypatch):
+    """k and v swapped in the Megatron -> HF split of the fused QKV: the trainer's first export is
+    not the model the engine loaded, and the run stops before step 0, exit 1, naming where."""
+    (tmp_path / "s.toml").write_text(small_toml(3))
+    monkeypatch.setenv("RLBENCH_MEGATRON_FAULT", "swap-kv-split")
+    res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--trainer", "megatron", "--out", str(tmp_path / "run"),
+                  "--json")
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlbench: check failed: before step 0, first sync:"), res.stderr
+    assert "model.layers.0.self_attn.k_proj.weight[0, 0] (element 0 of 2048)" in lines[0]
+    assert lines[0].endswith("; 4 tensors differ")  # k and v of both layers
+    assert not (tmp_path / "run").exists()  # nothing was committed: no --out is left behind
+
+
+def test_weight_check_holds_the_torch_trainers_engine_too(tmp_path, monkeypatch, run_small):
+    """An engine loader that drops one value after the first update: caught at step 0's sync."""
+    from rlbench.backends.hf_engine import HFEngine
+
+    loader = HFEngine.update_weights
+
+    def lossy(self, weights, version):
+        loader(self, weights, version)
+        if version >= 1:
+            with torch.no_grad():
+                self.model.model.norm.weight[5] = 0.0
+
+    monkeypatch.setattr(HFEngine, "update_weights", lossy)
+    with pytest.raises(WeightMismatch, match=r"step 0, sync: engine weights differ from the trainer's at "
+                                             r"model\.norm\.weight\[5\] \(element 5 of 64\): trainer "):
+        run_small("lossy")
+    assert not (tmp_path / "lossy").exists()  # nothing was committed: no --out is left behind
+
+
+def test_first_difference_compares_bytes():
+    from rlbench.core.weight_check import first_difference
+
+    a = {"w": torch.tensor([[1.0, 0.0], [2.0, 3.0]]), "v": torch.zeros(3)}
+    assert first_difference(a, {k: t.clone() for k, t in a.items()}, ("a", "b")) is None
+    b = {"w": torch.tensor([[1.0, -0.0], [2.0, 3.5]]), "v": torch.zeros(3)}  # -0.0 == 0.0, but not in bytes
+    assert first_difference(a, b, ("a", "b")) == "w[0, 1] (element 1 of 4): a 0.0, b -0.0"
+    assert "only the b's ['u']" in first_difference(a, {**a, "u": torch.zeros(1)}, ("a", "b"))
+    assert "float64" in first_difference(a, {**a, "v": torch.zeros(3, dtype=torch.float64)}, ("a", "b"))
