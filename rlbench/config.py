@@ -71,6 +71,12 @@ class RolloutConfig:
     n_samples_per_prompt: int = 8
     max_new_tokens: int = 4
     temperature: float = 1.0
+    top_k: int = -1  # SGLang's sampling_params.top_k: -1 (or 0) = every token
+    top_p: float = 1.0  # SGLang's sampling_params.top_p: 1.0 = every token
+    # The embedded engine's decode: "batched" (fixed-shape buckets) or "per-sample" (the reference,
+    # one request at a time); both are batch-invariant (rlbench/backends/hf_engine.py).
+    decode: Literal["batched", "per-sample"] = "batched"
+    decode_batch_size: int = 64  # rows of every batched decode forward (fixed: padding fills it)
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
@@ -84,6 +90,12 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "rollout.temperature",
                "a finite number >= 0 (0 = greedy)", self.temperature)
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "rollout.top_k", "-1, 0 (both off) or a count >= 1",
+               self.top_k)
+        _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "rollout.top_p", "a number in (0, 1] (1 = off)",
+               self.top_p)
+        _check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
+        _check(self.decode_batch_size >= 1, "rollout.decode_batch_size", "an integer >= 1", self.decode_batch_size)
         _check(self.sampling_seed is None or (isinstance(self.sampling_seed, int) and 0 <= self.sampling_seed < 2**63),
                "rollout.sampling_seed", "an integer in [0, 2**63)", self.sampling_seed)
 

@@ -70,7 +70,7 @@ def rollout(ctx: Context, state: StepState) -> None:
     seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
     # A sample's seed names its place (step, group, index in group), never its batch position.
     requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
-                                cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
+                                cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids, cfg.top_k, cfg.top_p)
                 for g, p in enumerate(state.prompts) for j in range(n)]
     if ctx.generate_fn is not None:
         state.samples = [samples.from_trajectory(ctx.generate_fn(ctx.generate_env, state.prompts[i // n], req.prompt_ids,
