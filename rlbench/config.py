@@ -139,7 +139,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64  # also the no-grad log-prob pass: one forward for the default step
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:

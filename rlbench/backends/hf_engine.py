@@ -4,21 +4,20 @@ Batch invariance by construction: a request's tokens and log-probs are the same 
 else is in the batch and in whichever row it sits. Two decode paths hold it:
 
 - `batched` (the default): requests are bucketed by (prompt length rounded up to 32, max new
-  tokens), both the request's own. Each bucket decodes in chunks of a fixed `batch_size` rows
-  with a fixed padded KV length: prompts are left-padded to the bucket's width, a mask hides
-  the padding, rows past the chunk's requests are empty padding. Every forward of a bucket thus
-  has the same shapes whatever the chunk holds, and row-wise kernels (GEMM rows, per-row
-  attention, softmax) give each row the same arithmetic. Batching only ever changes what sits
-  in the other rows.
-- `per-sample` (the reference): each request decodes alone at batch size 1 with a cache that
-  grows by one column per token.
+  tokens), both the request's own. A bucket decodes in chunks of a fixed `batch_size` rows with
+  a fixed KV length: prompts are left-padded to the bucket's width, a mask hides the padding,
+  rows past the chunk's requests are empty padding. The chunk's distinct prompts are prefilled
+  once each, in forwards of a fixed PREFILL_ROWS rows at the bucket's width, and copied into the
+  rows of their requests. Every forward thus has shapes fixed by the bucket alone, whatever the
+  chunk holds, and row-wise kernels (GEMM rows, per-row attention and softmax) give each row the
+  same arithmetic: batching only ever changes what sits in the other rows.
+- `per-sample` (the reference): each request decodes alone at batch size 1, from a prefill at
+  the prompt's own length (one per distinct prompt), with a cache growing by one column a token.
 
-Both share the rest. One prefill per distinct prompt, at batch size 1 and the prompt's own
-length; its keys and values seed every request of that prompt (copied into a row, or extended),
-so the first token of a request has the same bits on both paths. Sampling (`sampling.py`) is
-Gumbel-max with noise from the request's own generator, so it needs no per-row random calls
-inside the batch. What the two paths do not share is the decode forward's shape, so from the
-second token on their log-probs agree to rounding only (tests/cpu/test_batch_invariance.py).
+Sampling (`sampling.py`) is shared: Gumbel-max with noise from the request's own generator, so
+a row's randomness is its own. The two paths differ in the shapes of their forwards only, so
+their log-probs agree to rounding (tests/cpu/test_batch_invariance.py holds both to the property,
+and to each other).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from rlbench.errors import BadInput
 
 DECODES = ("batched", "per-sample")
 PROMPT_BUCKET = 32  # prompt widths are rounded up to a multiple of this: fewer distinct shapes
+PREFILL_ROWS = 8  # rows of every batched prefill forward (distinct prompts; padding fills it)
 
 
 class KVStore:
@@ -74,11 +74,11 @@ class KVStore:
         """A store that grows from this one's entries without changing them."""
         return KVStore(list(self.keys), list(self.values))
 
-    def put(self, row: int, column: int, prefill: KVStore) -> None:
-        """Copy a batch-1 prefill into `row` of a fixed store, starting at `column`."""
+    def put(self, rows: slice, source_rows: torch.Tensor, prefill: KVStore) -> None:
+        """Copy a prefill's rows `source_rows` (its keys span the first columns) into `rows`."""
         for mine, theirs in ((self.keys, prefill.keys), (self.values, prefill.values)):
             for layer, tensor in enumerate(theirs):
-                mine[layer][row, :, column: column + tensor.shape[2]] = tensor[0]
+                mine[layer][rows, :, : tensor.shape[2]] = tensor[source_rows]
 
 
 def _head_dim(config) -> int:
@@ -107,10 +107,10 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        prefills: dict[tuple[int, ...], tuple[KVStore, torch.Tensor]] = {}
         if self.decode == "batched":
-            results = self._generate_batched(requests, prefills)
+            results = self._generate_batched(requests)
         else:
+            prefills: dict[tuple[int, ...], tuple[KVStore, torch.Tensor]] = {}
             results = [self._decode_alone(req, prefills) for req in requests]
         if self.true_on_policy:
             results = [self._rescore(req, res) for req, res in zip(requests, results)]
@@ -125,17 +125,14 @@ class HFEngine:
                          attention_mask={"full_attention": mask}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def _prefill(self, prompt: tuple[int, ...], prefills: dict) -> tuple[KVStore, torch.Tensor]:
-        """The prompt's keys/values and last logits, computed once per distinct prompt and call."""
-        if prompt not in prefills:
-            kv = KVStore()
-            logits = self._forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], kv, None)
-            prefills[prompt] = (kv, logits[0])
-        return prefills[prompt]
-
     def _decode_alone(self, req: GenerateRequest, prefills: dict) -> GenerateResult:
-        """The reference path: batch size 1, a cache growing by one column per token."""
-        prefill, logits = self._prefill(req.prompt_ids, prefills)
+        """The reference path: batch size 1, a cache growing by one column per token; one prefill
+        per distinct prompt of the call, at the prompt's own length."""
+        if req.prompt_ids not in prefills:
+            kv = KVStore()
+            logits = self._forward(torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None], kv, None)
+            prefills[req.prompt_ids] = (kv, logits[0])
+        prefill, logits = prefills[req.prompt_ids]
         kv, rows, noise = prefill.extended(), SamplingRows([req], 1, self.device), RequestNoise(req, self.vocab)
         output, logprobs, finish = [], [], "length"
         for step in range(req.max_new_tokens):
@@ -149,7 +146,7 @@ class HFEngine:
                 logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
-    def _generate_batched(self, requests: Sequence[GenerateRequest], prefills: dict) -> list[GenerateResult]:
+    def _generate_batched(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, req in enumerate(requests):
             width = -(-len(req.prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -158,36 +155,60 @@ class HFEngine:
         for (width, new), members in buckets.items():
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start: start + self.batch_size]
-                decoded = self._decode_rows([requests[i] for i in chunk], width, new, prefills)
-                for i, result in zip(chunk, decoded):
+                for i, result in zip(chunk, self._decode_rows([requests[i] for i in chunk], width, new)):
                     results[i] = result
         return results
 
-    def _decode_rows(self, reqs: list[GenerateRequest], width: int, new: int, prefills: dict) -> list[GenerateResult]:
+    def _prefill_rows(self, prompts: list[tuple[int, ...]], width: int) -> tuple[KVStore, torch.Tensor, torch.Tensor]:
+        """Distinct prompts, left-padded to `width`, in forwards of PREFILL_ROWS rows: keys/values
+        [rows, heads, width, head_dim] per layer, last logits [rows, vocab], visible columns."""
+        stores, logits, visible = [], [], []
+        for start in range(0, len(prompts), PREFILL_ROWS):
+            ids = torch.zeros(PREFILL_ROWS, width, dtype=torch.long)
+            positions = torch.zeros(PREFILL_ROWS, width, dtype=torch.long)
+            # Causal within a prompt; a padding query sees only itself, so no softmax row is empty.
+            mask = torch.eye(width, dtype=torch.bool).repeat(PREFILL_ROWS, 1, 1, 1)
+            seen = torch.zeros(PREFILL_ROWS, width, dtype=torch.bool)
+            causal = torch.ones(width, width, dtype=torch.bool).tril()
+            for row, prompt in enumerate(prompts[start: start + PREFILL_ROWS]):
+                pad = width - len(prompt)
+                ids[row, pad:] = torch.tensor(prompt)
+                positions[row, pad:] = torch.arange(len(prompt))
+                mask[row, 0, pad:, pad:] = causal[pad:, pad:]
+                seen[row, pad:] = True
+            kv = KVStore()
+            logits.append(self._forward(ids, positions, kv, mask.to(self.device)))
+            stores.append(kv)
+            visible.append(seen)
+        merged = KVStore([torch.cat(k) for k in zip(*(s.keys for s in stores))],
+                         [torch.cat(v) for v in zip(*(s.values for s in stores))])
+        return merged, torch.cat(logits), torch.cat(visible)
+
+    def _decode_rows(self, reqs: list[GenerateRequest], width: int, new: int) -> list[GenerateResult]:
         """One chunk of a bucket: `batch_size` rows, KV length width + new, prompts left-padded
         to `width` so every row writes its t-th token at column width + t."""
-        rows, length = self.batch_size, width + new
-        kv = KVStore.fixed(self.model.config, rows, length, self.model.dtype, self.device)
-        visible = torch.zeros(rows, length, dtype=torch.bool)
+        rows, count = self.batch_size, len(reqs)
+        distinct = list(dict.fromkeys(r.prompt_ids for r in reqs))  # one prefill per prompt, first-seen order
+        prefill, first_logits, prompt_visible = self._prefill_rows(distinct, width)
+        which = torch.tensor([distinct.index(r.prompt_ids) for r in reqs])
+        kv = KVStore.fixed(self.model.config, rows, width + new, self.model.dtype, self.device)
+        kv.put(slice(0, count), which.to(self.device), prefill)
+        visible = torch.zeros(rows, width + new, dtype=torch.bool)
+        visible[:count, :width] = prompt_visible[which]
         logits = torch.zeros(rows, self.vocab, device=self.device)
+        logits[:count] = first_logits[which.to(self.device)]
         starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
-        for row, req in enumerate(reqs):
-            prefill, last = self._prefill(req.prompt_ids, prefills)
-            n = len(req.prompt_ids)
-            kv.put(row, width - n, prefill)
-            visible[row, width - n: width] = True
-            logits[row], starts[row] = last, n
+        starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
         sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
         outputs: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[float]] = [[] for _ in reqs]
-        finish = ["length"] * len(reqs)
-        done = [False] * len(reqs)
+        finish = ["length"] * count
+        done = [False] * count
         quiet = torch.full((self.vocab,), 0.5)  # finished and padding rows draw nothing
         for step in range(new):
-            uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)]
-                                  + [quiet] * (rows - len(reqs)))
+            uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)] + [quiet] * (rows - count))
             tokens, chosen = choose(logits, uniform, sampling)
-            for row, (token, logprob) in enumerate(zip(tokens.tolist()[:len(reqs)], chosen.tolist())):
+            for row, (token, logprob) in enumerate(zip(tokens.tolist()[:count], chosen.tolist())):
                 if done[row]:
                     continue
                 outputs[row].append(token)

@@ -113,8 +113,13 @@ class TorchTrainer:
         old = batch.old_logprobs[index, :width].to(self.device)
         pg_loss, clipfrac, ppo_kl = algo.ppo_clip_loss(logp, old, batch.advantages[index].to(self.device), mask,
                                                        acfg.eps_clip, acfg.eps_clip_high)
-        entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
-        loss = pg_loss - acfg.entropy_coef * entropy
+        if acfg.entropy_coef > 0:
+            entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
+            loss = pg_loss - acfg.entropy_coef * entropy
+        else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
+            with torch.no_grad():
+                entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
+            loss = pg_loss
         kl = torch.zeros(())
         if batch.ref_logprobs is not None:
             kl = algo.sample_mean(algo.kl_penalty(logp, batch.ref_logprobs[index, :width].to(self.device),

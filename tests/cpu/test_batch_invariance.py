@@ -26,10 +26,10 @@ class NaiveEngine(HFEngine):
     padded to the longest of them. The row arithmetic then depends on the batch's size and on
     its longest prompt, which is what the fixed buckets of HFEngine rule out."""
 
-    def _generate_batched(self, requests, prefills):
+    def _generate_batched(self, requests):
         self.batch_size = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
-        return self._decode_rows(list(requests), width, requests[0].max_new_tokens, prefills)
+        return self._decode_rows(list(requests), width, requests[0].max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -102,19 +102,17 @@ def test_naive_batched_decode_breaks_the_property(setup):
 
 
 def test_paths_agree(setup):
-    """Both paths start from one prefill, so first tokens and their log-probs are the same bits;
-    after that only the decode forward's shape differs: log-probs agree to rounding, ids exactly
-    (no near-tie in these requests)."""
+    """The two paths run the same model on differently shaped batches, so their log-probs agree
+    to rounding and, with no near-tie among these requests, their token ids exactly. (Bit-equal
+    they are not: that the batched path differs from batch size 1 is what makes it fast.)"""
     engines, prompts, eos, _ = setup
     requests = [_request(prompts, eos, (i, 1000 + i, [1.0, 0.7, 0.0][i % 3], [-1, 5][i % 2], [1.0, 0.9][i % 2], 5))
                 for i in range(13)]
     batched, alone = engines["batched"].generate(requests), engines["per-sample"].generate(requests)
-    assert [r.logprobs[0] for r in batched] == [r.logprobs[0] for r in alone]
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
     gaps = [abs(a - b) for x, y in zip(batched, alone) for a, b in zip(x.logprobs, y.logprobs)]
-    assert max(gaps) < 1e-5
-    assert sum(len(r.output_ids) for r in batched) > 3 * len(requests)  # it compared more than first tokens
+    assert len(gaps) > 3 * len(requests) and max(gaps) < 1e-5
 
 
 def test_temperature_zero_ignores_the_seed(setup):
