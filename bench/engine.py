@@ -1,8 +1,9 @@
 """The embedded engine's speed: per-sample against batched decoding, a default step by stage, a run.
 
-1. Generation: the default step 0's requests (8 prompts x 8 samples, 4 new tokens) decoded by the
-   per-sample path and by the batched path, alternating, `--repeats` times each, in one process.
-   Prints both medians and their ratio, and checks that both paths chose the same token ids.
+1. Generation: the default step 0's 64 requests decoded by the per-sample path and by the batched
+   path, alternating, `--repeats` times each, in one process; then the same with 4 new tokens
+   (the shape the issue measured). Prints both medians and their ratio, and checks that both
+   paths chose the same token ids.
 2. A default step split into stages (data, rollout, reward, advantage, logprob, train, sync,
    record), median over `--steps` steps after one untimed step, with a run directory written.
 3. The default run's wall time as a user sees it: `rlbench run` in a subprocess, start-up included.
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,7 +96,8 @@ def main() -> None:
     parser.add_argument("--no-run", action="store_true", help="skip the whole-run timing")
     args = parser.parse_args()
     config = load_config(device=args.device, threads=args.threads)
-    generation(config, args.repeats)
+    for new in dict.fromkeys((config.rollout.max_new_tokens, 4)):
+        generation(config.replace(rollout=replace(config.rollout, max_new_tokens=new)), args.repeats)
     step_stages(config, args.steps)
     if not args.no_run:
         whole_run(args.device, args.threads)

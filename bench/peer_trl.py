@@ -56,7 +56,9 @@ def main() -> None:
     except ImportError as exc:
         sys.exit(f"needs trl (python -m pip install -c constraints.txt trl): {exc}")
 
-    config = load_config(threads=args.threads, steps=args.rounds + 1)
+    # The shape, whatever the default run's is: 8 prompts x 8 samples, 4 new tokens, 4 minibatches of 16.
+    config = load_config(threads=args.threads, steps=args.rounds + 1, data__prompts_per_step=8,
+                         rollout__n_samples_per_prompt=GENERATIONS, rollout__max_new_tokens=4, train__minibatches=ROUND)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = build(config.replace(out=str(Path(tmp) / "rlbench")))  # sets threads and deterministic mode
         rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines()]

@@ -191,14 +191,9 @@ class HFEngine:
         distinct = list(dict.fromkeys(r.prompt_ids for r in reqs))  # one prefill per prompt, first-seen order
         prefill, first_logits, prompt_visible = self._prefill_rows(distinct, width)
         which = torch.tensor([distinct.index(r.prompt_ids) for r in reqs])
-        kv = KVStore.fixed(self.model.config, rows, width + new, self.model.dtype, self.device)
-        kv.put(slice(0, count), which.to(self.device), prefill)
-        visible = torch.zeros(rows, width + new, dtype=torch.bool)
-        visible[:count, :width] = prompt_visible[which]
         logits = torch.zeros(rows, self.vocab, device=self.device)
         logits[:count] = first_logits[which.to(self.device)]
-        starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
-        starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
+        kv = visible = starts = None  # the decode's store, made once a second token is needed
         sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
         outputs: list[list[int]] = [[] for _ in reqs]
         logprobs: list[list[float]] = [[] for _ in reqs]
@@ -218,6 +213,13 @@ class HFEngine:
                 done[row] = done[row] or len(outputs[row]) == new
             if all(done):
                 break
+            if kv is None:
+                kv = KVStore.fixed(self.model.config, rows, width + new, self.model.dtype, self.device)
+                kv.put(slice(0, count), which.to(self.device), prefill)
+                visible = torch.zeros(rows, width + new, dtype=torch.bool)
+                visible[:count, :width] = prompt_visible[which]
+                starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
+                starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
             visible[:, width + step] = True  # padding rows see their own token: no all-masked row
             kv.column = width + step
             logits = self._forward(tokens[:, None], (starts + step)[:, None], kv,
