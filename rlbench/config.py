@@ -57,7 +57,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     label_key: str = "label"
     shuffle: bool = True
-    prompts_per_step: int = 8  # slime: rollout_batch_size
+    prompts_per_step: int = 4  # slime: rollout_batch_size (4 x 16 samples: see the README, "Why the default run learns")
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", "an integer >= 1", self.prompts_per_step)
@@ -68,7 +68,7 @@ class RolloutConfig:
     """The rollout engine and its sampling parameters."""
 
     backend: Literal["hf"] = "hf"
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: int = 16
     max_new_tokens: int = 4
     temperature: float = 1.0
     top_k: int = -1  # SGLang's sampling_params.top_k: -1 (or 0) = every token
@@ -134,7 +134,7 @@ class TrainConfig:
     """The trainer: AdamW, optimizer steps per rollout step, micro-batches, gradient clipping."""
 
     backend: Literal["torch"] = "torch"
-    lr: float = 3e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8

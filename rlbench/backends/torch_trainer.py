@@ -105,20 +105,23 @@ class TorchTrainer:
         """One micro-batch's share of the minibatch loss; adds its share of each metric to `sums`."""
         acfg = self.algo_config
         mask = batch.loss_mask[index]
-        width = int(mask.nonzero()[:, 1].max()) + 1 if mask.any() else 1
+        columns = mask.any(dim=0).nonzero()[:, 0]
+        first, width = (int(columns[0]), int(columns[-1]) + 1) if len(columns) else (1, 1)
         ids = batch.tokens[index, :width].to(self.device)
         mask = mask[:, :width].to(self.device)
-        logits = self.model(input_ids=ids).logits
+        # Logits only where a loss token is predicted (positions first-1 .. width-1): the LM head,
+        # log-softmax and entropy then run on the response span, not on every prompt position.
+        logits = self.model(input_ids=ids, logits_to_keep=width - first + 1).logits
         logp = algo.token_logprobs(logits, ids, self.temperature)
         old = batch.old_logprobs[index, :width].to(self.device)
         pg_loss, clipfrac, ppo_kl = algo.ppo_clip_loss(logp, old, batch.advantages[index].to(self.device), mask,
                                                        acfg.eps_clip, acfg.eps_clip_high)
         if acfg.entropy_coef > 0:
-            entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
+            entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
             loss = pg_loss - acfg.entropy_coef * entropy
         else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
             with torch.no_grad():
-                entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
+                entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
             loss = pg_loss
         kl = torch.zeros(())
         if batch.ref_logprobs is not None:
