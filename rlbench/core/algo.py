@@ -76,7 +76,8 @@ def token_entropy(logits: torch.Tensor, temperature: float, length: int | None =
     if temperature > 0:
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), ((length or logits.shape[1]) - logits.shape[1] + 1, 0))
+    unpredicted = (length or logits.shape[1]) - logits.shape[1] + 1
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (unpredicted, 0))
 
 
 def sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
