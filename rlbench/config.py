@@ -79,7 +79,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     label_key: str = "label"
     shuffle: bool = True
-    prompts_per_step: int = 8  # slime: rollout_batch_size
+    prompts_per_step: int = 4  # slime: rollout_batch_size (4 x 16 samples: see the README, "Why the default run learns")
 
     def __post_init__(self) -> None:
         for key in ("path", "prompt_key", "label_key"):
@@ -93,9 +93,15 @@ class RolloutConfig:
     """The rollout engine and its sampling parameters."""
 
     backend: Literal["hf"] = "hf"
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: int = 16
     max_new_tokens: int = 4
     temperature: float = 1.0
+    top_k: int = -1  # SGLang's sampling_params.top_k: -1 (or 0) = every token
+    top_p: float = 1.0  # SGLang's sampling_params.top_p: 1.0 = every token
+    # The embedded engine's decode: "batched" (fixed-shape buckets) or "per-sample" (the reference,
+    # one request at a time); both are batch-invariant (rlbench/backends/hf_engine.py).
+    decode: Literal["batched", "per-sample"] = "batched"
+    decode_batch_size: int = 64  # rows of every batched decode forward (fixed: padding fills it)
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
@@ -111,6 +117,11 @@ class RolloutConfig:
             _number(self.sampling_seed, "rollout.sampling_seed", 0, 2**63 - 1, integer=True)
         _check(isinstance(self.true_on_policy, bool), "rollout.true_on_policy", "true or false", self.true_on_policy)
         _text(self.custom_generate_function_path, "rollout.custom_generate_function_path", optional=True)
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1, "rollout.top_k",
+               "-1, 0 (both off) or a count >= 1", self.top_k)
+        _number(self.top_p, "rollout.top_p", 0, 1, open_low=True)  # 1 = off
+        _check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
+        _number(self.decode_batch_size, "rollout.decode_batch_size", 1, 100_000, integer=True)
 
 
 @dataclass(frozen=True)
@@ -154,12 +165,12 @@ class TrainConfig:
     TransformerConfig; only the megatron trainer reads it."""
 
     backend: Literal["torch", "megatron"] = "torch"
-    lr: float = 3e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64  # also the no-grad log-prob pass: one forward for the default step
     grad_clip: float = 1.0
     megatron: dict = field(default_factory=dict)
 

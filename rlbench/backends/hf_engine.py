@@ -1,91 +1,241 @@
-"""The embedded rollout engine (`hf`): transformers model forward with a KV cache, in-process.
+"""The embedded rollout engine (`hf`): a transformers model with a KV cache, in-process.
 
-Batch invariance by construction: each request is decoded on its own (batch size 1), with its
-own `torch.Generator` seeded from the request's seed, so its tokens and log-probs are the same
-bytes whatever else is in the batch. Batched decoding would be faster, but padded and batched
-kernels round differently per batch shape, which is exactly the drift rlbench exists to expose.
-What is shared is exact: requests with the same prompt reuse one prefill (a copy of its cache).
+Batch invariance by construction: a request's tokens and log-probs are the same bytes whatever
+else is in the batch and in whichever row it sits. Two decode paths hold it:
 
-Sampling is plain temperature sampling (temperature 0 = greedy). The log-prob reported for a
-token is log_softmax(logits / temperature) at that token, as the trainer computes it.
+- `batched` (the default): requests are bucketed by (prompt length rounded up to 32, max new
+  tokens), both the request's own. A bucket decodes in chunks of a fixed `batch_size` rows with
+  a fixed KV length: prompts are left-padded to the bucket's width, a mask hides the padding,
+  rows past the chunk's requests are empty padding. The chunk's distinct prompts are prefilled
+  once each, in forwards of a fixed PREFILL_ROWS rows at the bucket's width, and copied into the
+  rows of their requests. Every forward thus has shapes fixed by the bucket alone, whatever the
+  chunk holds, and row-wise kernels (GEMM rows, per-row attention and softmax) give each row the
+  same arithmetic: batching only ever changes what sits in the other rows.
+- `per-sample` (the reference): each request decodes alone at batch size 1, from a prefill at
+  the prompt's own length (one per distinct prompt), with a cache growing by one column a token.
+
+Sampling (`sampling.py`) is shared: Gumbel-max with noise from the request's own generator, so
+a row's randomness is its own. The two paths differ in the shapes of their forwards only, so
+their log-probs agree to rounding (tests/cpu/test_batch_invariance.py holds both to the property,
+and to each other).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from rlbench.backends.sampling import RequestNoise, SamplingRows, choose
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.types import GenerateRequest, GenerateResult
+from rlbench.errors import BadInput
+
+DECODES = ("batched", "per-sample")
+PROMPT_BUCKET = 32  # prompt widths are rounded up to a multiple of this: fewer distinct shapes
+PREFILL_ROWS = 8  # rows of every batched prefill forward (distinct prompts; padding fills it)
+
+
+class KVStore:
+    """The engine's own key/value cache, handed to transformers' attention layers as
+    `past_key_values`: they call `update(keys, values, layer_idx, ...)` and attend over what it
+    returns. Owning it (rather than transformers' Cache classes, whose internals change between
+    releases) keeps the decode shapes ours: with `column` None it grows (prefill, per-sample),
+    else new entries are written into a fixed buffer at that column (batched)."""
+
+    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None):
+        self.keys, self.values = keys or [], values or []
+        self.column: int | None = None
+
+    @classmethod
+    def fixed(cls, config, rows: int, width: int, dtype: torch.dtype, device: str) -> KVStore:
+        shape = (rows, config.num_key_value_heads, width, _head_dim(config))
+        layers = config.num_hidden_layers
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.column is not None:
+            span = slice(self.column, self.column + keys.shape[2])
+            self.keys[layer_idx][:, :, span] = keys
+            self.values[layer_idx][:, :, span] = values
+        elif layer_idx == len(self.keys):
+            self.keys.append(keys)
+            self.values.append(values)
+        else:  # torch.cat makes new tensors: a shared prefill is never written into
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def extended(self) -> KVStore:
+        """A store that grows from this one's entries without changing them."""
+        return KVStore(list(self.keys), list(self.values))
+
+    def put(self, rows: slice, source_rows: torch.Tensor, prefill: KVStore) -> None:
+        """Copy a prefill's rows `source_rows` (its keys span the first columns) into `rows`."""
+        for mine, theirs in ((self.keys, prefill.keys), (self.values, prefill.values)):
+            for layer, tensor in enumerate(theirs):
+                mine[layer][rows, :, : tensor.shape[2]] = tensor[source_rows]
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class HFEngine:
     """Holds its own copy of the policy, as a real engine does; weights arrive through `update_weights`."""
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu", engine_id: str = "hf:0",
-                 true_on_policy: bool = False):
+                 true_on_policy: bool = False, decode: str = "batched", batch_size: int = 64):
+        if decode not in DECODES:
+            raise BadInput(f"expected one of {', '.join(DECODES)}, got {decode!r}", field="rollout.decode")
+        layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise BadInput(f"the embedded engine decodes full-attention models only, this one has {sorted(layer_types)}",
+                           field="model.path")
         self.model = copy.deepcopy(model).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device
         self.true_on_policy = true_on_policy
+        self.decode, self.batch_size = decode, batch_size
         self.engine_id = engine_id
         self.weight_version = 0
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        from transformers import DynamicCache
-
-        prefills: dict[tuple[int, ...], tuple[DynamicCache, torch.Tensor]] = {}
-        results = []
-        for req in requests:
-            if req.prompt_ids not in prefills:
-                cache = DynamicCache(config=self.model.config)
-                ids = torch.tensor([req.prompt_ids], device=self.device)
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                prefills = {req.prompt_ids: (out.past_key_values, out.logits[0, -1])}  # prompts come grouped
-            cache, logits = prefills[req.prompt_ids]
-            result = self._decode(req, copy.deepcopy(cache), logits)
-            if self.true_on_policy:
-                result = self._rescore(req, result)
-            results.append(result)
+        if self.decode == "batched":
+            results = self._generate_batched(requests)
+        else:
+            prefills: dict[tuple[int, ...], tuple[KVStore, torch.Tensor]] = {}
+            results = [self._decode_alone(req, prefills) for req in requests]
+        if self.true_on_policy:
+            results = [self._rescore(req, res) for req, res in zip(requests, results)]
         return results
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
+        transformers builds nothing that depends on the batch (its default mask checks the whole
+        batch for padding). A None mask is causal for a prefill and all-visible for one token."""
+        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device), past_key_values=kv,
+                         attention_mask={"full_attention": mask}, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _decode_alone(self, req: GenerateRequest, prefills: dict) -> GenerateResult:
+        """The reference path: batch size 1, a cache growing by one column per token; one prefill
+        per distinct prompt of the call, at the prompt's own length."""
+        if req.prompt_ids not in prefills:
+            kv = KVStore()
+            logits = self._forward(torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None], kv, None)
+            prefills[req.prompt_ids] = (kv, logits[0])
+        prefill, logits = prefills[req.prompt_ids]
+        kv, rows, noise = prefill.extended(), SamplingRows([req], 1, self.device), RequestNoise(req, self.vocab)
+        output, logprobs, finish = [], [], "length"
+        for step in range(req.max_new_tokens):
+            token, logprob = choose(logits[None], noise.draw()[None], rows)
+            output.append(int(token[0]))
+            logprobs.append(float(logprob[0]))
+            if output[-1] in req.stop_token_ids:
+                finish = "stop"
+                break
+            if len(output) < req.max_new_tokens:
+                logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
+        return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
+
+    def _generate_batched(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for i, req in enumerate(requests):
+            width = -(-len(req.prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+            buckets.setdefault((width, req.max_new_tokens), []).append(i)
+        results: list[GenerateResult | None] = [None] * len(requests)
+        for (width, new), members in buckets.items():
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start: start + self.batch_size]
+                for i, result in zip(chunk, self._decode_rows([requests[i] for i in chunk], width, new)):
+                    results[i] = result
+        return results
+
+    def _prefill_rows(self, prompts: list[tuple[int, ...]], width: int) -> tuple[KVStore, torch.Tensor, torch.Tensor]:
+        """Distinct prompts, left-padded to `width`, in forwards of PREFILL_ROWS rows: keys/values
+        [rows, heads, width, head_dim] per layer, last logits [rows, vocab], visible columns."""
+        stores, logits, visible = [], [], []
+        for start in range(0, len(prompts), PREFILL_ROWS):
+            ids = torch.zeros(PREFILL_ROWS, width, dtype=torch.long)
+            positions = torch.zeros(PREFILL_ROWS, width, dtype=torch.long)
+            # Causal within a prompt; a padding query sees only itself, so no softmax row is empty.
+            mask = torch.eye(width, dtype=torch.bool).repeat(PREFILL_ROWS, 1, 1, 1)
+            seen = torch.zeros(PREFILL_ROWS, width, dtype=torch.bool)
+            causal = torch.ones(width, width, dtype=torch.bool).tril()
+            for row, prompt in enumerate(prompts[start: start + PREFILL_ROWS]):
+                pad = width - len(prompt)
+                ids[row, pad:] = torch.tensor(prompt)
+                positions[row, pad:] = torch.arange(len(prompt))
+                mask[row, 0, pad:, pad:] = causal[pad:, pad:]
+                seen[row, pad:] = True
+            kv = KVStore()
+            logits.append(self._forward(ids, positions, kv, mask.to(self.device)))
+            stores.append(kv)
+            visible.append(seen)
+        merged = KVStore([torch.cat(k) for k in zip(*(s.keys for s in stores))],
+                         [torch.cat(v) for v in zip(*(s.values for s in stores))])
+        return merged, torch.cat(logits), torch.cat(visible)
+
+    def _decode_rows(self, reqs: list[GenerateRequest], width: int, new: int) -> list[GenerateResult]:
+        """One chunk of a bucket: `batch_size` rows, KV length width + new, prompts left-padded
+        to `width` so every row writes its t-th token at column width + t."""
+        rows, count = self.batch_size, len(reqs)
+        distinct = list(dict.fromkeys(r.prompt_ids for r in reqs))  # one prefill per prompt, first-seen order
+        prefill, first_logits, prompt_visible = self._prefill_rows(distinct, width)
+        which = torch.tensor([distinct.index(r.prompt_ids) for r in reqs])
+        logits = torch.zeros(rows, self.vocab, device=self.device)
+        logits[:count] = first_logits[which.to(self.device)]
+        kv = visible = starts = None  # the decode's store, made once a second token is needed
+        sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
+        outputs: list[list[int]] = [[] for _ in reqs]
+        logprobs: list[list[float]] = [[] for _ in reqs]
+        finish = ["length"] * count
+        done = [False] * count
+        quiet = torch.full((self.vocab,), 0.5)  # finished and padding rows draw nothing
+        for step in range(new):
+            uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)] + [quiet] * (rows - count))
+            tokens, chosen = choose(logits, uniform, sampling)
+            for row, (token, logprob) in enumerate(zip(tokens.tolist()[:count], chosen.tolist())):
+                if done[row]:
+                    continue
+                outputs[row].append(token)
+                logprobs[row].append(logprob)
+                if token in reqs[row].stop_token_ids:
+                    finish[row], done[row] = "stop", True
+                done[row] = done[row] or len(outputs[row]) == new
+            if all(done):
+                break
+            if kv is None:
+                kv = KVStore.fixed(self.model.config, rows, width + new, self.model.dtype, self.device)
+                kv.put(slice(0, count), which.to(self.device), prefill)
+                visible = torch.zeros(rows, width + new, dtype=torch.bool)
+                visible[:count, :width] = prompt_visible[which]
+                starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
+                starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
+            visible[:, width + step] = True  # padding rows see their own token: no all-masked row
+            kv.column = width + step
+            logits = self._forward(tokens[:, None], (starts + step)[:, None], kv,
+                                   visible[:, None, None, :].to(self.device))
+        return [GenerateResult(tuple(o), tuple(lp), f, self.engine_id, self.weight_version)
+                for o, lp, f in zip(outputs, logprobs, finish)]
 
     def _rescore(self, req: GenerateRequest, result: GenerateResult) -> GenerateResult:
         """True on-policy: log-probs from the trainer's own forward (`sequence_logprobs`) of the
         finished sequence. The tokens were still sampled from the cached decode's logits, which
         differ from these in the last bits; what trains (and is compared) is now one computation."""
-        from dataclasses import replace
-
         from rlbench.core.algo import sequence_logprobs
 
         ids = torch.tensor(req.prompt_ids + result.output_ids)
         scores = sequence_logprobs(self.model, ids, req.temperature, self.device)[len(req.prompt_ids):]
         return replace(result, logprobs=tuple(float(x) for x in scores))
-
-    def _decode(self, req: GenerateRequest, cache, logits: torch.Tensor) -> GenerateResult:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(req.seed)
-        output, logprobs, finish = [], [], "length"
-        for _ in range(req.max_new_tokens):
-            scaled = logits.float() / req.temperature if req.temperature > 0 else logits.float()
-            logp = torch.log_softmax(scaled, dim=-1)
-            if req.temperature > 0:
-                token = int(torch.multinomial(logp.exp(), 1, generator=gen))
-            else:
-                token = int(torch.argmax(logp))
-            output.append(token)
-            logprobs.append(float(logp[token]))
-            if token in req.stop_token_ids:
-                finish = "stop"
-                break
-            if len(output) < req.max_new_tokens:
-                step = self.model(input_ids=torch.tensor([[token]], device=self.device),
-                                  past_key_values=cache, use_cache=True)
-                logits = step.logits[0, -1]
-        return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         load_named_(self.model, dict(weights), source=f"engine {self.engine_id} weight update")

@@ -75,8 +75,9 @@ class TorchTrainer:
             parts.append(algo.token_logprobs(self._logits(model, ids), ids, self.temperature).cpu())
         return torch.cat(parts)
 
-    def _logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids).logits
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """Logits of the last `keep` positions of `ids` (None: all)."""
+        return model(input_ids=ids, logits_to_keep=keep or 0).logits
 
     def _train_micro_batches(self, n: int):
         """The micro-batches of a minibatch of `n` samples that this trainer (rank) computes."""
@@ -143,16 +144,24 @@ class TorchTrainer:
         """One micro-batch's share of the minibatch loss; adds its share of each metric to `sums`."""
         acfg = self.algo_config
         mask = batch.loss_mask[index]
-        width = int(mask.nonzero()[:, 1].max()) + 1 if mask.any() else 1
+        columns = mask.any(dim=0).nonzero()[:, 0]
+        first, width = (int(columns[0]), int(columns[-1]) + 1) if len(columns) else (1, 1)
         ids = batch.tokens[index, :width].to(self.device)
         mask = mask[:, :width].to(self.device)
-        logits = self._logits(self.model, ids)
+        # Logits only where a loss token is predicted (positions first-1 .. width-1): the LM head,
+        # log-softmax and entropy then run on the response span, not on every prompt position.
+        logits = self._logits(self.model, ids, keep=width - first + 1)
         logp = algo.token_logprobs(logits, ids, self.temperature)
         old = batch.old_logprobs[index, :width].to(self.device)
         pg_loss, clipfrac, ppo_kl = algo.ppo_clip_loss(logp, old, batch.advantages[index].to(self.device), mask,
                                                        acfg.eps_clip, acfg.eps_clip_high)
-        entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature), mask)
-        loss = pg_loss - acfg.entropy_coef * entropy
+        if acfg.entropy_coef > 0:
+            entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
+            loss = pg_loss - acfg.entropy_coef * entropy
+        else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
+            with torch.no_grad():
+                entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
+            loss = pg_loss
         kl = torch.zeros(())
         if batch.ref_logprobs is not None:
             kl = algo.sample_mean(algo.kl_penalty(logp, batch.ref_logprobs[index, :width].to(self.device),

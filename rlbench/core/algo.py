@@ -52,12 +52,14 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token t | tokens < t) at every position t >= 1 (position 0 gets 0), as [n, L]."""
+    """log p(token t | tokens < t) as [n, L], from the logits of the last k positions of `tokens`
+    [n, L] (k = L: all of them); positions they do not predict get 0 (position 0 always)."""
+    k, length = logits.shape[1], tokens.shape[1]
     scaled = logits[:, :-1].float()
     if temperature > 0:
         scaled = scaled / temperature
-    picked = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    picked = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, length - k + 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (length - k + 1, 0))
 
 
 def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, device: str) -> torch.Tensor:
@@ -67,13 +69,15 @@ def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: fl
     return token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].cpu()
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the next-token distribution predicting token t, as [n, L] (position 0 gets 0)."""
+def token_entropy(logits: torch.Tensor, temperature: float, length: int | None = None) -> torch.Tensor:
+    """Entropy of the next-token distribution predicting token t, as [n, length], from the logits
+    of the last k positions (as `token_logprobs`; length None: k); unpredicted positions get 0."""
     scaled = logits[:, :-1].float()
     if temperature > 0:
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    unpredicted = (length or logits.shape[1]) - logits.shape[1] + 1
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (unpredicted, 0))
 
 
 def sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

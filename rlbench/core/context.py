@@ -187,7 +187,8 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
             trainer.load_checkpoint(Path(init_checkpoint))
     engine = None
     if config.mode != "train-only":
-        engine = HFEngine(model, device=config.device, true_on_policy=config.rollout.true_on_policy)
+        engine = HFEngine(model, device=config.device, true_on_policy=config.rollout.true_on_policy,
+                          decode=config.rollout.decode, batch_size=config.rollout.decode_batch_size)
         engine.weight_version = start
     stages = {"full": STAGES, "rollout-only": STAGES[:3], "train-only": ("recorded",) + STAGES[3:6]}[config.mode]
     manifest = {
@@ -231,5 +232,6 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         from rlbench.core.generate import GenerateEnv
 
         context.generate_env = GenerateEnv(engine, tokenizer, config.rollout.max_new_tokens,
-                                           config.rollout.temperature, context.stop_token_ids)
+                                           config.rollout.temperature, context.stop_token_ids,
+                                           config.rollout.top_k, config.rollout.top_p)
     return context

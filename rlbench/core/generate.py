@@ -26,11 +26,13 @@ class GenerateEnv:
     max_new_tokens: int
     temperature: float
     stop_token_ids: tuple[int, ...]
+    top_k: int = -1
+    top_p: float = 1.0
 
     def sample(self, prompt_ids: list[int] | tuple[int, ...], seed: int, turn: int) -> GenerateResult:
         """One assistant turn from the engine; the turn's seed is derived from the sample's."""
         request = GenerateRequest(tuple(prompt_ids), derive_seed(seed, "turn", turn), self.max_new_tokens,
-                                  self.temperature, self.stop_token_ids)
+                                  self.temperature, self.stop_token_ids, self.top_k, self.top_p)
         return self.engine.generate([request])[0]
 
 

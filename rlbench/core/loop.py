@@ -67,13 +67,19 @@ def data(ctx: Context, state: StepState) -> None:
     state.checksums["data"] = tensors_digest(samples.prompt_tensors(state.prompts, ctx.prompt_ids))
 
 
-def rollout(ctx: Context, state: StepState) -> None:
-    cfg, n = ctx.config.rollout, ctx.config.rollout.n_samples_per_prompt
+def step_requests(ctx: Context, state: StepState) -> list[GenerateRequest]:
+    """The step's engine requests, group after group; a sample's seed names its place (step,
+    group, index in group), never its batch position."""
+    cfg = ctx.config.rollout
     seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
-    # A sample's seed names its place (step, group, index in group), never its batch position.
-    requests = [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
-                                cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids)
-                for g, p in enumerate(state.prompts) for j in range(n)]
+    return [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
+                            cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids, cfg.top_k, cfg.top_p)
+            for g, p in enumerate(state.prompts) for j in range(cfg.n_samples_per_prompt)]
+
+
+def rollout(ctx: Context, state: StepState) -> None:
+    n = ctx.config.rollout.n_samples_per_prompt
+    requests = step_requests(ctx, state)
     if ctx.generate_fn is not None:
         state.samples = [samples.from_trajectory(call_plugin(ctx.generate_fn, "generate function", ctx.generate_name,
                                                              ctx.generate_env, state.prompts[i // n], req.prompt_ids,

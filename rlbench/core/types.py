@@ -32,6 +32,8 @@ class GenerateRequest:
     max_new_tokens: int
     temperature: float
     stop_token_ids: tuple[int, ...]
+    top_k: int = -1  # SGLang's meaning: -1 (or 0) keeps every token
+    top_p: float = 1.0  # 1.0 keeps every token
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
     tensor = tensor.detach().to("cpu").contiguous()
     header = json.dumps([name, str(tensor.dtype), list(tensor.shape)], separators=(",", ":")).encode()
     digest.update(len(header).to_bytes(4, "little") + header)
-    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # hashed in place: no bytes copy
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbench.core.algo import grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, token_logprobs
+from rlbench.core.algo import grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, token_entropy, token_logprobs
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -212,3 +212,16 @@ def test_token_logprobs_matches_hand_computation(temperature):
     assert got.shape == (n, length)
     assert torch.equal(got[:, 0], torch.zeros(n))
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("keep", [2, 4])
+def test_logprobs_and_entropy_from_the_last_positions_only(keep):
+    """The trainer keeps logits of the response span only: the same values there, 0 before it."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 9, generator=gen)
+    tokens = torch.randint(0, 9, (2, 6), generator=gen)
+    full, part = token_logprobs(logits, tokens, 0.7), token_logprobs(logits[:, -keep:], tokens, 0.7)
+    assert part.shape == full.shape and torch.equal(part[:, -(keep - 1):], full[:, -(keep - 1):])
+    assert not part[:, : 6 - keep + 1].any()
+    whole, tail = token_entropy(logits, 0.7), token_entropy(logits[:, -keep:], 0.7, 6)
+    assert tail.shape == whole.shape and torch.equal(tail[:, -(keep - 1):], whole[:, -(keep - 1):])

@@ -35,7 +35,8 @@ def test_same_seed_same_bytes_across_processes(tmp_path, run_small):
 
 
 def test_every_stage_is_checksummed(run_small, tmp_path):
-    run_small("a")
+    # A dense reward (the response's length): every step has a training signal to move the weights.
+    run_small("a", reward__custom_rm_path="tests.cpu.plugins.rewards.response_length")
     rows = [json.loads(line) for line in (tmp_path / "a" / "checksums.jsonl").read_text().splitlines()]
     stages = {"data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
               "grads", "weights", "engine_weights"}

@@ -9,13 +9,17 @@ import json
 import pytest
 import torch
 
+from rlbench.config import RunConfig
 from rlbench.replay.diff import diff
 from rlbench.rundir.recording import read_step
 from rlbench.replay.replay import replay
 from tests.conftest import run_cli
 from tests.cpu.recordings import copy_run, edit_step, response_positions
 
-SMALL = dict(steps=5, checkpoint_every=2)
+# A dense reward (the response's length) gives every step a training signal, whatever the
+# default task's learning curve: the tests below need gradients from step 0 on.
+SMALL = dict(steps=5, checkpoint_every=2, reward__custom_rm_path="tests.cpu.plugins.rewards.response_length")
+LR = RunConfig().train.lr
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def test_diff_names_one_changed_token(original, tmp_path):
 
 
 def test_diff_names_a_learning_rate_change(original, run_small, tmp_path):
-    run_small("lr", train__lr=3e-3 * 1.01, **SMALL)
+    run_small("lr", train__lr=LR * 1.01, **SMALL)
     found = diff(original, tmp_path / "lr").first
     # Until the first step with reward signal every advantage is 0 and the lr changes nothing.
     assert found.step == _first_step_with_signal(original)
@@ -121,7 +125,7 @@ def test_diff_names_a_sampling_seed_change(original, run_small, tmp_path):
 
 
 def test_diff_with_tolerance_accepts_small_and_names_large(original, run_small, tmp_path):
-    run_small("lr", train__lr=3e-3 * 1.01, **SMALL)
+    run_small("lr", train__lr=LR * 1.01, **SMALL)
     assert diff(original, tmp_path / "lr", atol=1.0, rtol=1.0).first is None
     found = diff(original, tmp_path / "lr", atol=1e-9).first
     assert found is not None and found.step == _first_step_with_signal(original)

@@ -68,6 +68,12 @@ class Pending:
     workers: list[subprocess.Popen]
 
 
+# Workers print to the process's standard error (descriptor 2), never to rank 0's standard output,
+# which carries the run's report; descriptor 2, not sys.stderr, which a caller may have replaced
+# with an object that has no descriptor (an in-process CLI runner).
+_STDERR_FD = 2
+
+
 def spawn(world: int, device: str) -> Pending:
     """Rank 0: open the store and start ranks 1..world-1, which join when `join` is called."""
     if world == 1:
@@ -76,7 +82,7 @@ def spawn(world: int, device: str) -> Pending:
     env = {**os.environ, _PORT_ENV: str(store.port), "WORLD_SIZE": str(world), "RLBENCH_MEGATRON_DEVICE": device,
            "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
     workers = [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
-                                env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+                                env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=_STDERR_FD)
                for rank in range(1, world)]
     return Pending(world, device, store, workers)
 

@@ -95,8 +95,10 @@ class RankTrainer(TorchTrainer):
 
     # -- where it differs from TorchTrainer --
 
-    def _logits(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return mmodel.logits(model, ids)
+    def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        # GPTModel computes every position's logits; the loss reads the last `keep`.
+        logits = mmodel.logits(model, ids)
+        return logits if keep is None else logits[:, -keep:]
 
     def _train_micro_batches(self, n: int):
         return self._micro_batches(n)[self.dp_rank::self.dp]

@@ -1,0 +1,35 @@
+"""Shared by the benches: one step of the loop, stage by stage, each stage timed.
+
+`loop.run` times a step as a whole (perf/step_time); a bench that wants to know where a step's
+time goes calls the loop's stage functions itself, in `loop.run`'s order, with a clock around
+each. The numbers are the same work as a run's: same stages, same context, same writer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlbench.core import loop
+
+STAGES = (("data", loop.data), ("rollout", loop.rollout), ("reward", loop.reward), ("advantage", loop.advantage),
+          ("logprob", loop.logprob), ("train", loop.train), ("sync", loop.sync), ("record", loop.record))
+
+
+def sync_device(device: str) -> None:
+    """Wait for queued kernels, so a clock read after it measures the work and not its launch."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_step(ctx, step: int) -> dict[str, float]:
+    """Run step `step` of a full-mode context; seconds per stage, in loop order."""
+    state = loop.StepState(step)
+    times = {}
+    for name, stage in STAGES:
+        start = time.perf_counter()
+        stage(ctx, state)
+        sync_device(ctx.config.device)
+        times[name] = time.perf_counter() - start
+    return times
