@@ -11,6 +11,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# Wide output, as `run_cli` gives a process: rich reads COLUMNS once, when rlbench.cli makes its consoles.
+os.environ["COLUMNS"] = "200"
 
 import pytest  # noqa: E402
 
@@ -46,31 +48,56 @@ def run_small(tmp_path, small_config):
     return _run
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`rlbench ARGS` in this process, through the console entry point itself (`rlbench.cli.main`): the
     same parsing, error boundary and exit codes as a subprocess, without paying the interpreter's
-    start-up each time. For what needs a process of its own (signals, locks, crashes), `run_cli`."""
+    start-up (importing torch and transformers: seconds per call, most of the suite's time when every
+    call was a process). What a run leaves in the process is undone: the working directory, sys.path, and modules imported from outside the installed packages (plugins: a module-level
+    counter or a same-named module in another test's directory must not carry over). For what needs a
+    process of its own (signals, locks, crashes, bits across processes), `run_cli(..., process=True)`."""
     import contextlib
     import io
 
     from rlbench.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    saved_modules = set(sys.modules)
     sys.argv = ["rlbench", *args]
     try:
+        if cwd is not None:
+            os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        sys.argv = saved
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        for name in set(sys.modules) - saved_modules:
+            if _user_module(sys.modules[name]):
+                del sys.modules[name]
     return subprocess.CompletedProcess(["rlbench", *args], code, out.getvalue(), err.getvalue())
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`rlbench ARGS` in a subprocess, as a user runs it."""
+_INSTALLED = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}) + \
+    (str(REPO / "rlbench"),)
+
+
+def _user_module(module) -> bool:
+    """A module imported from outside the interpreter's prefixes and rlbench itself: a plugin."""
+    path = getattr(module, "__file__", None)
+    return bool(path) and not str(Path(path).resolve()).startswith(_INSTALLED)
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, process: bool = False) \
+        -> subprocess.CompletedProcess:
+    """`rlbench ARGS` as a user runs it: in this process (`cli`) unless `process`, where it gets an
+    interpreter of its own (`python -m rlbench.cli`, COLUMNS=200); `timeout` applies to a process."""
+    if not process:
+        return cli(*args, cwd=cwd or REPO)
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "rlbench.cli", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -96,6 +123,14 @@ def pytest_configure(config):
 
 def pytest_terminal_summary(terminalreporter):
     import json as _json
+
+    from rlbench import numerics
+
+    # The machine the suite's bit-exact verdicts held on (or failed on), in CI's log too.
+    ident = numerics.identity()
+    cpu = ident.get("cpu") or {}
+    terminalreporter.write_line(f"platform: {cpu.get('model')} ({cpu.get('vendor')}, {cpu.get('isa')}), numerics "
+                                f"{ident['mode']} (ATen {ident['aten_capability']}, MKL_CBWR {ident['mkl_cbwr']})")
 
     base = os.environ.get("RLBENCH_SWEEP_DIR")
     totals: dict[str, int] = {}

@@ -73,7 +73,7 @@ def _crash(tmp_path: Path, point: str, count: int) -> Path:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        proc = run_cli("run", "-c", str(tmp_path / "s.toml"), "--out", str(out), "--json")
+        proc = run_cli("run", "-c", str(tmp_path / "s.toml"), "--out", str(out), "--json", process=True)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -96,7 +96,7 @@ def test_killed_during_resume_then_resumed_again(tmp_path, reference):
     out = _crash(tmp_path, "metrics.half_written", 4)
     os.environ["RLBENCH_FAILPOINT"] = "resume.cut_back@1"
     try:
-        proc = run_cli("run", "--resume", str(out), "--json")
+        proc = run_cli("run", "--resume", str(out), "--json", process=True)
     finally:
         del os.environ["RLBENCH_FAILPOINT"]
     assert proc.returncode == -signal.SIGKILL

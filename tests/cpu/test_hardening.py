@@ -50,6 +50,15 @@ def done(tmp_path_factory, toml):
     return out
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, toml):
+    """A run SIGKILLed before its third step (steps 0 and 1 and checkpoint 2 committed): a real process
+    killed once; tests resume copies of it."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    assert _process("run", "-c", str(toml), "--out", str(out), failpoint="step.start@3").wait(120) == -signal.SIGKILL
+    return out
+
+
 def _process(*args: str, failpoint: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if failpoint:
@@ -80,9 +89,8 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, toml):
     try:
         _wait_stopped(holder)
         before = _snapshot(out)
-        second = subprocess.run([sys.executable, "-m", "rlbench.cli", "run", "--resume", str(out)], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
-        _one_line(second, f"pid {holder.pid} is writing this run directory")
+        # The second writer: this process (a POSIX lock is held per process).
+        _one_line(cli("run", "--resume", str(out)), f"pid {holder.pid} is writing this run directory")
         assert _snapshot(out) == before
     finally:
         holder.send_signal(signal.SIGCONT)
@@ -91,10 +99,8 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, toml):
     assert steps == [0, 1, 2]
 
 
-def test_two_resumes_at_once_one_wins(tmp_path, toml):
-    out = tmp_path / "run"
-    killed = _process("run", "-c", str(toml), "--out", str(out), failpoint="step.start@2")
-    killed.wait(120)
+def test_two_resumes_at_once_one_wins(tmp_path, killed):
+    out = copy_run(killed, tmp_path / "run")
     first = _process("run", "--resume", str(out), "--json", failpoint="step.start@1:stop")
     try:
         _wait_stopped(first)
@@ -121,10 +127,8 @@ def test_a_kill_while_claiming_out_leaves_it_usable(tmp_path, toml):
 
 
 @pytest.mark.parametrize("entry", [".metrics.jsonl.tmp", "rollouts", "metrics.jsonl", "checkpoints/000002"])
-def test_resume_refuses_links_and_writes_nothing_through_them(tmp_path, toml, entry):
-    out = tmp_path / "run"
-    proc = _process("run", "-c", str(toml), "--out", str(out), failpoint="step.start@3")
-    proc.wait(120)
+def test_resume_refuses_links_and_writes_nothing_through_them(tmp_path, killed, entry):
+    out = copy_run(killed, tmp_path / "run")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "users-file").write_text("precious")

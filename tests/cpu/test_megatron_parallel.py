@@ -24,6 +24,11 @@ from tests.cpu.test_crash_resume import assert_same_run
 
 pytestmark = pytest.mark.slow  # rank processes each import torch, transformers and megatron-core
 
+# An entropy term of weight 1 keeps every minibatch's loss near -log(vocabulary) (about -5.7), far from 0,
+# and a dense reward (the response's length) gives the policy term a gradient at every step. A GRPO loss
+# alone is -mean(ratio x advantage) with advantages zero-mean per group: it nearly cancels, and a relative
+# tolerance on it measures rounding noise (a TP gap of 3e-7 on a loss of 0.09 is 3e-6 relative; a policy
+# term of 0.58 less 0.1 x entropy 5.7 cancels the same way).
 STEPS = 10
 TOML = f"""seed = 7
 steps = {STEPS}
@@ -32,6 +37,10 @@ checkpoint_every = 2
 prompts_per_step = 2
 [rollout]
 n_samples_per_prompt = 4
+[reward]
+custom_rm_path = "tests.cpu.plugins.rewards.response_length"
+[algo]
+entropy_coef = 1.0
 [train]
 backend = "megatron"
 minibatches = 2
@@ -40,7 +49,8 @@ micro_batch_size = 3
 
 
 def _run(root: Path, name: str, *args: str):
-    return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args)
+    # A process of its own: rank 0 holds a gloo group with its workers, and a failpoint may kill it.
+    return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args, process=True)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,10 @@ SEED = 7  # step 0 of the small config has a reward signal at this seed (a non-z
 
 def _config(out: Path, **overrides):
     base = load_config(seed=SEED, steps=3, checkpoint_every=2, data__prompts_per_step=2,
-                       rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=3)
+                       rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=3,
+                       reward__custom_rm_path="tests.cpu.plugins.rewards.response_length")
+    # The dense reward gives every minibatch a loss well away from 0 (the default task's step-0 rewards are
+    # nearly all 0, and so are its losses, where a relative tolerance would measure only rounding noise).
     return apply_overrides(base, out=str(out), **{"train__backend": "megatron", **overrides})
 
 
