@@ -54,19 +54,20 @@ MODULES = {
     "rlbench/core/algo.py": ["tests/cpu/test_algo.py"],
     "rlbench/core/seeding.py": ["tests/cpu/test_seeding.py"],
     "rlbench/core/reward.py": ["tests/cpu/test_reward_plugin.py", "-k", "not drives_the_loop"],
-    "rlbench/rundir/digest.py": ["tests/cpu/test_recording.py"],
-    "rlbench/rundir/recording.py": ["tests/cpu/test_recording.py"],
+    "rlbench/rundir/digest.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
+    "rlbench/rundir/recording.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
     "rlbench/checks/compare.py": ["tests/cpu/test_compare.py"],
     "rlbench/checks/golden_compare.py": ["tests/cpu/test_golden_compare.py"],
     "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
     "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
-    "rlbench/checks/logprobs.py": ["tests/cpu/test_check_logprobs.py", "-k", "not run_"],
+    "rlbench/checks/logprobs.py": ["tests/cpu/test_check_logprobs.py", "-k",
+                                   "by_hand or recorded or gate_passes or without_trainer or recompute_uses"],
 }
 LINKED = ("rlbench", "tests", "fixtures", "golden", "configs", "examples")
 KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too
 
 
-def _workdir(module: str, fresh: bool) -> Path:
+def _workdir(module: str, fresh: bool, timeout_multiplier: float = 3.0) -> Path:
     work = WORK / module.removesuffix(".py").replace("/", ".")
     if fresh and work.exists():
         shutil.rmtree(work)
@@ -81,7 +82,8 @@ def _workdir(module: str, fresh: bool) -> Path:
         "also_copy": [name for name in LINKED if name not in ("rlbench", "tests")],
         "pytest_add_cli_args_test_selection": selection,
         "pytest_add_cli_args": ["-p", "no:xdist", "-p", "no:randomly", "--hypothesis-profile=mutation"],
-        "timeout_multiplier": 3.0,  # CPU-time limit per mutant: (its tests' time + 5 s) x 3 x 2
+        # a worker's limits: (its tests' time + 5 s) x multiplier seconds of wall time, twice that of CPU time
+        "timeout_multiplier": timeout_multiplier,
         "timeout_constant": 5.0,
         "process_isolation": "forkserver",  # torch's threads do not survive a plain fork of a busy process
         "use_git_change_detection": False,
@@ -102,7 +104,9 @@ def _toml(value) -> str:
 
 
 def _mutmut(work: Path, *args: str, log: Path | None = None) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # One thread: a worker forked from a process whose OpenMP pool is running can hang in torch.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
     with open(log, "w") if log else open(os.devnull, "w") as sink:
         proc = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
                               stdout=subprocess.PIPE if log is None else sink, stderr=subprocess.STDOUT)
@@ -126,6 +130,13 @@ def mutate(module: str, fresh: bool, equivalent: dict[str, dict], workers: int) 
     started = time.monotonic()
     _mutmut(work, "run", "--max-children", str(workers), log=work / "run.log")
     results = _results(work)
+    if "timeout" in results.values():
+        # On a loaded machine a failing test can outlast the wall-time limit: mutmut re-runs (only) the timed-out
+        # mutants when the limit changes, here five times as long. What times out again is a hang.
+        _workdir(module, False, timeout_multiplier=15.0)
+        _mutmut(work, "run", "--max-children", str(workers), log=work / "rerun.log")
+        results = _results(work)
+        _workdir(module, False)
     seconds = time.monotonic() - started
     stale, equal = [], []
     for name, entry in ((n, e) for n, e in equivalent.items() if e["module"] == module):
@@ -139,6 +150,7 @@ def mutate(module: str, fresh: bool, equivalent: dict[str, dict], workers: int) 
     survivors = [n for n, s in results.items() if s not in KILLED and n not in equal]
     scored = len(results) - len(equal)
     return {"module": module, "total": len(results), "killed": len(killed), "equivalent": len(equal),
+            "timeouts": sum(s == "timeout" for s in results.values()),
             "score": len(killed) / scored if scored else 1.0, "seconds": seconds, "stale": stale,
             "survivors": [(n, results[n], _mutmut(work, "show", n)) for n in survivors]}
 
@@ -242,9 +254,10 @@ def main() -> int:
             print(f"  {status}: {name}\n" + "\n".join(f"      {line}" for line in diff.strip().splitlines()[2:]))
         for line in report["stale"]:
             print(f"  stale equivalent entry: {line}")
-    print("\nmodule                              killed  total  equivalent  score")
+    print("\nmodule                              killed  (timeouts)  total  equivalent  score")
     for r in reports:
-        print(f"{r['module']:<36}{r['killed']:>6}{r['total']:>7}{r['equivalent']:>12}  {r['score']:6.1%}")
+        print(f"{r['module']:<36}{r['killed']:>6}{r['timeouts']:>12}{r['total']:>7}{r['equivalent']:>12}  "
+              f"{r['score']:6.1%}")
     below = [r["module"] for r in reports if r["score"] < 0.9 or r["stale"]]
     print(f"\n{len(reports) - len(below)} of {len(reports)} modules at >= 90% with no stale entry"
           + (f"; below or stale: {', '.join(below)}" if below else ""))

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbench.core.algo import grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, token_logprobs
+from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
+                                token_logprobs)
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -340,3 +341,14 @@ def test_token_logprobs_matches_hand_computation(temperature):
     assert got.shape == (n, length)
     assert torch.equal(got[:, 0], torch.zeros(n))
     torch.testing.assert_close(got, expected)
+
+
+def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
+    """The true on-policy definition: one sequence, batch size 1, its own length; returned on the CPU."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(6, 9, generator=gen)
+    ids = torch.tensor([3, 1, 8, 0, 5])
+    got = sequence_logprobs(_PositionLogits(table), ids, 0.5, "cpu")
+    assert got.shape == (5,) and got.device.type == "cpu"
+    assert torch.equal(got, token_logprobs(table[None, :5], ids[None], 0.5)[0])
+    assert got[0] == 0 and bool((got[1:] < 0).all())
