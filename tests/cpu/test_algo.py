@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
-                                token_logprobs)
+                                token_entropy, token_logprobs)
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -352,3 +352,15 @@ def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
     assert got.shape == (5,) and got.device.type == "cpu"
     assert torch.equal(got, token_logprobs(table[None, :5], ids[None], 0.5)[0])
     assert got[0] == 0 and bool((got[1:] < 0).all())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_token_entropy_matches_hand_computation(temperature):
+    """Entropy of the distribution predicting each token; temperature 0 (greedy) leaves the logits unscaled."""
+    logits = torch.tensor([[[0.0, 0.0], [1.0, -1.0], [5.0, 5.0]]])
+    got = token_entropy(logits, temperature)
+    scale = temperature or 1.0
+    p = 1 / (1 + math.exp(-2 / scale))  # softmax of (1, -1) / T
+    assert got.shape == (1, 3) and got[0, 0] == 0
+    assert got[0, 1].item() == pytest.approx(math.log(2))
+    assert got[0, 2].item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-5)
