@@ -97,6 +97,12 @@ def test_grpo_matches_hand_computation():
     std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
     expected = torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]) / (std + 1e-6)
     torch.testing.assert_close(adv, expected.float())
+    # eps is added to the std: it matters where the std is as small as eps itself
+    tiny = grpo_advantages(torch.tensor([0.0, 2e-6]), 2)
+    std = math.sqrt(2) * 1e-6
+    assert tiny.tolist() == pytest.approx([-1e-6 / (std + 1e-6), 1e-6 / (std + 1e-6)], rel=1e-4)
+    assert grpo_advantages(torch.tensor([0.0, 2e-6]), 2, eps=0.0).tolist() == pytest.approx([-1 / math.sqrt(2),
+                                                                                            1 / math.sqrt(2)], rel=1e-4)
 
 
 # ---------------------------------------------------------------- PPO-clip loss
