@@ -94,6 +94,8 @@ def _workdir(module: str, fresh: bool, timeout_multiplier: float = 3.0) -> Path:
 
 
 def _toml(value) -> str:
+    """A TOML value: the standard library reads TOML but does not write it, and these few strings, numbers and
+    lists need no package of their own."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -107,13 +109,13 @@ def _mutmut(work: Path, *args: str, log: Path | None = None) -> str:
     # One thread: a worker forked from a process whose OpenMP pool is running can hang in torch.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
-    with open(log, "w") if log else open(os.devnull, "w") as sink:
+    with open(log or os.devnull, "w") as sink:  # a long run writes its progress to `log` as it goes
         proc = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
-                              stdout=subprocess.PIPE if log is None else sink, stderr=subprocess.STDOUT)
+                              stdout=sink if log else subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = log.read_text() if log else proc.stdout
     if proc.returncode != 0:
-        tail = log.read_text()[-3000:] if log else proc.stdout[-3000:]
-        raise SystemExit(f"mutmut {' '.join(args)} failed in {work} (exit {proc.returncode}):\n{tail}")
-    return proc.stdout or ""
+        raise SystemExit(f"mutmut {' '.join(args)} failed in {work} (exit {proc.returncode}):\n{out[-3000:]}")
+    return out
 
 
 def _results(work: Path) -> dict[str, str]:

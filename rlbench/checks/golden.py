@@ -500,8 +500,8 @@ def golden_file_name(name: str, manifest: dict) -> str:
     if not str(manifest.get("device") or "cpu").startswith("cuda"):
         return f"{name}.json"
     versions = manifest.get("versions") or {}
-    parts = [str(manifest.get("device_name")).lower()] + [f"{p}{versions.get(p)}" for p in ("torch", "cuda", "transformers")]
-    return f"{name}/{'-'.join(re.sub(r'[^a-z0-9.]+', '_', part.lower()).strip('_') for part in parts)}.json"
+    parts = [str(manifest.get("device_name"))] + [f"{p}{versions.get(p)}" for p in ("torch", "cuda", "transformers")]
+    return f"{name}/{'-'.join(re.sub(r'[^a-z0-9.]+', '_', p.lower()).strip('_') for p in parts)}.json"
 
 
 def write_golden(path: str | Path, doc: dict) -> None:
