@@ -1,7 +1,9 @@
 """Regenerate the golden logs in this directory, deliberately: python golden/regenerate.py --reason TEXT
 
 Each entry of suite.json (or of --suite FILE) is `rlbench run ARGS` (from the repository root), whose run directory
-`rlbench golden update` turns into NAME.json beside the suite file, the reason appended to the file's history.
+`rlbench golden update` turns into NAME.json beside the suite file, the reason appended to the file's history. A CUDA
+run's file is NAME/<gpu>-torch<v>-cuda<v>-transformers<v>.json instead (rlbench.checks.golden.golden_file_name): on
+the GPU machine this writes the file for that machine's GPU and versions, and leaves other machines' files alone.
 Only through `rlbench golden update`: the suite (tests/cpu/test_golden_suite.py) checks that the
 committed files are what it writes for the same run.
 """
@@ -17,6 +19,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from rlbench.checks.golden import golden_file_name  # noqa: E402
 
 
 def main() -> int:
@@ -38,7 +43,10 @@ def main() -> int:
             run_dir = Path(tmp) / name
             subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO, check=True,
                            stdout=subprocess.DEVNULL)
-            subprocess.run([*rlbench, "golden", "update", str(run_dir), str((suite_file.parent / f"{name}.json").relative_to(REPO)),
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+            golden = suite_file.parent / golden_file_name(name, manifest)  # a CUDA run's: keyed to GPU and versions
+            golden.parent.mkdir(exist_ok=True)
+            subprocess.run([*rlbench, "golden", "update", str(run_dir), str(golden.relative_to(REPO)),
                             "--reason", args.reason], cwd=REPO, check=True)
     return 0
 

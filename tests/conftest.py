@@ -15,8 +15,13 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["COLUMNS"] = "200"
 
 import pytest  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
 
 from rlbench.config import RunConfig, load_config  # noqa: E402
+
+# bench/mutation.py runs the tests once per mutant with --hypothesis-profile=mutation: a failing example is all
+# it needs, not the minimal one hypothesis otherwise searches for (shrinking), which can take minutes.
+settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 REPO = Path(__file__).resolve().parents[1]
 

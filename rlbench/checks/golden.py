@@ -492,6 +492,18 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
     return doc, changes
 
 
+def golden_file_name(name: str, manifest: dict) -> str:
+    """Where a golden suite keeps entry `name`'s file, relative to the suite: `NAME.json` for a CPU run. A
+    CUDA run's bits depend on the GPU model and the torch, CUDA and transformers builds, so its file is
+    keyed to them, `NAME/<gpu>-torch<v>-cuda<v>-transformers<v>.json`: each GPU environment is checked
+    against its own golden file, never skipped for another's."""
+    if not str(manifest.get("device") or "cpu").startswith("cuda"):
+        return f"{name}.json"
+    versions = manifest.get("versions") or {}
+    parts = [str(manifest.get("device_name"))] + [f"{p}{versions.get(p)}" for p in ("torch", "cuda", "transformers")]
+    return f"{name}/{'-'.join(re.sub(r'[^a-z0-9.]+', '_', p.lower()).strip('_') for p in parts)}.json"
+
+
 def write_golden(path: str | Path, doc: dict) -> None:
     path = Path(path)
     if path.is_dir():

@@ -70,6 +70,10 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
+    if config is not None and str(getattr(config, "device", "cpu")).startswith("cuda"):
+        import torch
+
+        found["cuda"] = torch.version.cuda  # the CUDA build's kernels decide a GPU run's bits too
     return found
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _DOMAIN = b"rlbench.seed/1\x00"
 # slime's GPU reproducibility environment; NVTE_* is read by Transformer Engine where it is installed.
@@ -27,6 +29,8 @@ def derive_seed(master: int, purpose: str, *path: int | str) -> int:
 
 def generator(master: int, purpose: str, *path: int | str, device: str = "cpu") -> torch.Generator:
     """A torch.Generator seeded from `derive_seed`; the caller owns it, no global state is touched."""
+    import torch  # here, not at the top: derive_seed alone needs no torch (a cross-process test imports it)
+
     gen = torch.Generator(device=device)
     gen.manual_seed(derive_seed(master, purpose, *path))
     return gen
@@ -40,6 +44,8 @@ def configure_determinism(threads: int, device: str, deterministic: bool = False
     workspace config, NCCL's Ring algorithm, Transformer Engine's deterministic kernels only, no
     TF32; megatron-core's own `deterministic_mode` follows it (backends/megatron/model.py). The
     environment is set before any CUDA or NCCL handle exists, and rank processes inherit it."""
+    import torch
+
     cuda = device.startswith("cuda")
     if cuda and deterministic:
         for key, value in GPU_RECIPE.items():

@@ -4,13 +4,15 @@ sample-mean aggregation and token log-probs, checked against their definitions."
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbench.core.algo import grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, token_entropy, token_logprobs
+from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
+                                token_entropy, token_logprobs)
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -95,6 +97,12 @@ def test_grpo_matches_hand_computation():
     std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
     expected = torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]) / (std + 1e-6)
     torch.testing.assert_close(adv, expected.float())
+    # eps is added to the std: it matters where the std is as small as eps itself
+    tiny = grpo_advantages(torch.tensor([0.0, 2e-6]), 2)
+    std = math.sqrt(2) * 1e-6
+    assert tiny.tolist() == pytest.approx([-1e-6 / (std + 1e-6), 1e-6 / (std + 1e-6)], rel=1e-4)
+    assert grpo_advantages(torch.tensor([0.0, 2e-6]), 2, eps=0.0).tolist() == pytest.approx([-1 / math.sqrt(2),
+                                                                                            1 / math.sqrt(2)], rel=1e-4)
 
 
 # ---------------------------------------------------------------- PPO-clip loss
@@ -149,6 +157,53 @@ def test_ppo_no_clip_below_one_plus_eps_high_for_positive_advantage():
     torch.testing.assert_close(loss, torch.tensor(-1.1))
 
 
+# Asymmetric clipping (DAPO's clip-higher): eps_low bounds the ratio below, eps_high above. Each case is one
+# token of one sample: (ratio, advantage, the ratio the loss uses, whether the token is clipped). The ratios
+# between the two bounds (1.25; 0.75) tell the bounds apart: swapped, each would be clipped the other way.
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+ASYMMETRIC = [
+    (1.25, 1.0, 1.25, False),  # above 1 + eps_low, below 1 + eps_high: not clipped
+    (1.5, 1.0, 1.28, True),  # above 1 + eps_high: clipped to it
+    (0.5, 1.0, 0.5, False),  # A > 0 and a lower ratio: the pessimistic bound is the unclipped one
+    (0.75, -1.0, 0.8, True),  # below 1 - eps_low, above 1 - eps_high: clipped to 1 - eps_low
+    (0.5, -1.0, 0.8, True),  # far below: clipped to 1 - eps_low
+    (0.85, -1.0, 0.85, False),  # inside the range
+    (1.5, -1.0, 1.5, False),  # A < 0 and a higher ratio: the unclipped term, not 1 + eps_high
+    (1.25, 2.0, 1.25, False),
+    (0.75, -3.0, 0.8, True),
+]
+
+
+@pytest.mark.parametrize("ratio, advantage, used, clipped", ASYMMETRIC)
+def test_ppo_asymmetric_clip_both_advantage_signs(ratio, advantage, used, clipped):
+    old = torch.tensor([[0.0, -1.0]])
+    logp = (old + math.log(ratio)).requires_grad_(True)
+    mask = torch.tensor([[0.0, 1.0]])
+    loss, clipfrac, ppo_kl = ppo_clip_loss(logp, old, torch.tensor([advantage]), mask, EPS_LOW, EPS_HIGH)
+    assert loss.item() == pytest.approx(-advantage * used, rel=1e-6)
+    assert clipfrac.item() == (1.0 if clipped else 0.0)
+    assert ppo_kl.item() == pytest.approx(-math.log(ratio), rel=1e-5)
+    loss.backward()
+    # d/dlogp of -A * exp(logp - old) is -A * ratio; a clipped token's term is constant
+    assert logp.grad[0, 0].item() == 0.0  # masked
+    assert logp.grad[0, 1].item() == pytest.approx(0.0 if clipped else -advantage * ratio, rel=1e-5)
+
+
+def test_ppo_asymmetric_clip_in_one_batch_takes_the_sample_mean():
+    """The cases above as one batch of samples with two tokens each (the second a ratio-1 token): the loss is
+    the mean over samples of each sample's token mean."""
+    n = len(ASYMMETRIC)
+    old = torch.full((n, 3), -2.0)
+    logp = old.clone()
+    logp[:, 1] += torch.tensor([math.log(r) for r, *_ in ASYMMETRIC])
+    adv = torch.tensor([a for _, a, *_ in ASYMMETRIC])
+    mask = torch.tensor([[0.0, 1.0, 1.0]] * n)
+    loss, clipfrac, _ = ppo_clip_loss(logp, old, adv, mask, EPS_LOW, EPS_HIGH)
+    expected = sum((-a * used - a) / 2 for _, a, used, _ in ASYMMETRIC) / n
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert clipfrac.item() == pytest.approx(sum(c for *_, c in ASYMMETRIC) / 2 / n)
+
+
 # ---------------------------------------------------------------- KL to the reference
 
 
@@ -171,6 +226,86 @@ def test_kl_estimators_match_definitions():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -0.5])
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), logp - ref)
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.exp(ref - logp) - (ref - logp) - 1)
+    # by hand: k1 = logp - ref; k3 = e^(ref - logp) - (ref - logp) - 1
+    assert kl_penalty(logp, ref, "k1").tolist() == pytest.approx([0.5, -1.5])
+    assert kl_penalty(logp, ref, "k3").tolist() == pytest.approx([math.exp(-0.5) - 0.5, math.exp(1.5) - 2.5])
+
+
+# ---------------------------------------------------------------- the trainer's loss: pg - entropy + KL
+
+
+class _PositionLogits(torch.nn.Module):
+    """A 'model' whose logits depend on the position only (a [L, V] table): every term of the loss can be
+    computed by hand from the table."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.clone())
+
+    def forward(self, input_ids, logits_to_keep: int = 0):
+        """As a transformers model: the logits of the last `logits_to_keep` positions (0: all)."""
+        n, length = input_ids.shape
+        return SimpleNamespace(logits=self.table[length - (logits_to_keep or length):length].expand(n, -1, -1))
+
+
+def _by_hand(table, tokens, mask, adv, old, ref, temperature, eps_low, eps_high, kl_type):
+    """(pg, entropy, kl) of the trainer's loss, in Python floats from the definitions in algo.py's docstring."""
+    def log_softmax(row):
+        top = max(row)
+        norm = top + math.log(sum(math.exp(x - top) for x in row))
+        return [x - norm for x in row]
+
+    per_sample = {"pg": [], "entropy": [], "kl": []}
+    for i in range(len(tokens)):
+        terms = {"pg": [], "entropy": [], "kl": []}
+        for t in range(1, len(tokens[i])):
+            if not mask[i][t]:
+                continue
+            logps = log_softmax([x / temperature for x in table[t - 1]])
+            logp = logps[tokens[i][t]]
+            ratio = math.exp(logp - old[i][t])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            terms["pg"].append(max(-adv[i] * ratio, -adv[i] * clipped))
+            terms["entropy"].append(-sum(math.exp(lp) * lp for lp in logps))
+            log_ratio = logp - ref[i][t]
+            terms["kl"].append(log_ratio if kl_type == "k1" else math.exp(-log_ratio) + log_ratio - 1)
+        for key, values in terms.items():
+            per_sample[key].append(sum(values) / len(values))
+    return {key: sum(values) / len(values) for key, values in per_sample.items()}
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k3"])
+def test_trainer_loss_is_pg_minus_entropy_plus_kl_by_hand(kl_type):
+    """kl_coef and entropy_coef above 0, eps_clip != eps_clip_high, a temperature: the trainer's reported
+    loss and each of its terms equal the hand computation (before the optimizer step changes anything)."""
+    from rlbench.backends.torch_trainer import TorchTrainer
+    from rlbench.config import AlgoConfig, TrainConfig
+    from rlbench.core.algo import TrainBatch
+
+    gen = torch.Generator().manual_seed(11)
+    table = torch.randn(4, 6, generator=gen)
+    tokens = [[0, 2, 5, 1], [0, 3, 1, 0]]  # the second sample is one token shorter (right-padded)
+    mask = [[0, 1, 1, 1], [0, 1, 1, 0]]
+    adv = [1.5, -0.5]
+    temperature, eps_low, eps_high, kl_coef, entropy_coef = 0.7, 0.1, 0.3, 0.25, 0.05
+    exact = token_logprobs(table[None].expand(2, 4, 6), torch.tensor(tokens), temperature)
+    # old log-probs that put ratios on both sides of both bounds, and a reference apart from the policy
+    old = (exact - torch.tensor([[0.0, 0.2, -0.5, 0.05], [0.0, -0.3, 0.15, 0.0]])).tolist()
+    ref = (exact + torch.tensor([[0.0, 0.4, -0.7, 0.1], [0.0, 0.3, -0.2, 0.0]])).tolist()
+    algo_config = AlgoConfig(eps_clip=eps_low, eps_clip_high=eps_high, kl_coef=kl_coef, kl_type=kl_type,
+                             entropy_coef=entropy_coef)
+    trainer = TorchTrainer(_PositionLogits(table), TrainConfig(minibatches=1, micro_batch_size=2), algo_config,
+                           temperature, seed=0)
+    batch = TrainBatch(torch.tensor(tokens), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv),
+                       torch.tensor(old), torch.tensor(ref))
+    metrics = trainer.train_step(batch, step=0).metrics
+    hand = _by_hand(table.tolist(), tokens, mask, adv, old, ref, temperature, eps_low, eps_high, kl_type)
+    assert metrics["train/pg_loss"] == pytest.approx(hand["pg"], rel=1e-5)
+    assert metrics["train/entropy_loss"] == pytest.approx(hand["entropy"], rel=1e-5)
+    assert metrics["train/kl_loss"] == pytest.approx(hand["kl"], rel=1e-5)
+    expected = hand["pg"] - entropy_coef * hand["entropy"] + kl_coef * hand["kl"]
+    assert metrics["train/loss"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < metrics["train/pg_clipfrac"] < 1  # some tokens were clipped, not all
 
 
 # ---------------------------------------------------------------- sample_mean
@@ -198,8 +333,9 @@ def test_sample_mean_weights_samples_equally_regardless_of_length():
 # ---------------------------------------------------------------- token_logprobs
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
 def test_token_logprobs_matches_hand_computation(temperature):
+    """Temperature 0 (greedy decoding) leaves the logits unscaled."""
     gen = torch.Generator().manual_seed(7)
     n, length, vocab = 2, 5, 11
     logits = torch.randn(n, length, vocab, generator=gen)
@@ -207,7 +343,7 @@ def test_token_logprobs_matches_hand_computation(temperature):
     expected = torch.zeros(n, length)
     for i in range(n):
         for t in range(1, length):
-            expected[i, t] = torch.log_softmax(logits[i, t - 1] / temperature, dim=-1)[tokens[i, t]]
+            expected[i, t] = torch.log_softmax(logits[i, t - 1] / (temperature or 1.0), dim=-1)[tokens[i, t]]
     got = token_logprobs(logits, tokens, temperature)
     assert got.shape == (n, length)
     assert torch.equal(got[:, 0], torch.zeros(n))
@@ -225,3 +361,26 @@ def test_logprobs_and_entropy_from_the_last_positions_only(keep):
     assert not part[:, : 6 - keep + 1].any()
     whole, tail = token_entropy(logits, 0.7), token_entropy(logits[:, -keep:], 0.7, 6)
     assert tail.shape == whole.shape and torch.equal(tail[:, -(keep - 1):], whole[:, -(keep - 1):])
+
+
+def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
+    """The true on-policy definition: one sequence, batch size 1, its own length; returned on the CPU."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(6, 9, generator=gen)
+    ids = torch.tensor([3, 1, 8, 0, 5])
+    got = sequence_logprobs(_PositionLogits(table), ids, 0.5, "cpu")
+    assert got.shape == (5,) and got.device.type == "cpu"
+    assert torch.equal(got, token_logprobs(table[None, :5], ids[None], 0.5)[0])
+    assert got[0] == 0 and bool((got[1:] < 0).all())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_token_entropy_matches_hand_computation(temperature):
+    """Entropy of the distribution predicting each token; temperature 0 (greedy) leaves the logits unscaled."""
+    logits = torch.tensor([[[0.0, 0.0], [1.0, -1.0], [5.0, 5.0]]])
+    got = token_entropy(logits, temperature)
+    scale = temperature or 1.0
+    p = 1 / (1 + math.exp(-2 / scale))  # softmax of (1, -1) / T
+    assert got.shape == (1, 3) and got[0, 0] == 0
+    assert got[0, 1].item() == pytest.approx(math.log(2))
+    assert got[0, 2].item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-5)

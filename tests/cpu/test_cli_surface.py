@@ -6,11 +6,13 @@ remove an option, update the expected set here in the same change (and the docs)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import typer
 
 import rlbench.cli
-from tests.conftest import run_cli
+from tests.conftest import cli
 
 EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden"}
 
@@ -69,29 +71,128 @@ def test_golden_options_are_frozen(path):
     assert got == EXPECTED_GOLDEN_OPTIONS[path], CHANGE_MESSAGE
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_top_level_help(flag):
-    res = run_cli(flag, timeout=60)
+# ---------------------------------------------------------------- what --help shows, parsed
+
+def _help(monkeypatch, *args) -> str:
+    monkeypatch.setenv("COLUMNS", "200")  # one row per option, as wide as the help needs
+    res = cli(*args)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr
-    for command in EXPECTED_COMMANDS:
-        assert command in res.stdout, f"{command!r} not in `rlbench {flag}`:\n{res.stdout}"
+    return res.stdout
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_run_help_mentions_every_option(flag):
-    res = run_cli("run", flag, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert "Traceback" not in res.stderr
-    missing = sorted(opt for opt in EXPECTED_RUN_OPTIONS if opt not in res.stdout)
-    assert not missing, f"`rlbench run {flag}` does not mention {missing}:\n{res.stdout}"
+def _panels(text: str) -> dict[str, list[str]]:
+    """The help's boxed panels (Options, Arguments, Commands): title -> each line's content inside the box."""
+    panels, title = {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        head = re.match(r"╭─ (.+?) ─", line)
+        if head:
+            title = head.group(1)
+            panels[title] = []
+        elif line.startswith("╰"):
+            title = None
+        elif title is not None:
+            panels[title].append(line[1:-1].rstrip())  # between the box's │ and │
+    return panels
 
 
-def test_no_arguments_shows_help(tmp_path):
-    """Bare `rlbench`: the help on stdout, exit 0, no traceback."""
-    res = run_cli(cwd=tmp_path, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert "Traceback" not in res.stderr, res.stderr
-    for command in EXPECTED_COMMANDS:
-        assert command in res.stdout, f"{command!r} not in bare `rlbench` output:\n{res.stdout}"
+def _rows(lines: list[str], starts, lead) -> list[tuple[list[str], str]]:
+    """Each table row as (its cells before the help text, the help text with its wrapped lines joined).
+    A row starts on a line that `starts` accepts, and the lines after it that it does not are its help's
+    continuation. Cells are separated by two or more spaces; `lead(cells)` says how many come before the help."""
+    rows = []
+    for line in lines:
+        if starts(line):
+            cells = re.split(r"\s{2,}", line.strip())
+            n = lead(cells)
+            rows.append((cells[:n], " ".join(cells[n:])))
+        else:
+            assert rows, f"a continuation line before any row: {line!r}"
+            rows[-1] = (rows[-1][0], f"{rows[-1][1]} {line.strip()}")
+    return rows
+
+
+def _option_cells(cells: list[str]) -> int:
+    """The cells before an option's help: a required marker, its names, its metavar (`<int range> [x>=1]`)."""
+    n = 0
+    while n < len(cells) - 1 and cells[n][:1] in ("*", "-", "<"):
+        n += 1
+    return n
+
+
+def _as_written(help_text: str) -> str:
+    """A help string as its author means it to read: `\\[` is how a bracket is written for rich, which would
+    take `[megatron]` for a style and drop it. Whitespace collapsed, as the terminal wraps it."""
+    return " ".join(help_text.replace("\\[", "[").split())
+
+
+def _commands(group) -> list[tuple[tuple[str, ...], object]]:
+    """(argv, command) for every command, groups' subcommands included."""
+    out = []
+    for name, command in group.commands.items():
+        out.append(((name,), command))
+        out += [((name, *sub), c) for sub, c in _commands(command)] if hasattr(command, "commands") else []
+    return out
+
+
+LEAVES = [(argv, c) for argv, c in _commands(_group()) if not hasattr(c, "commands")]
+GROUPS = [((), _group())] + [(argv, c) for argv, c in _commands(_group()) if hasattr(c, "commands")]
+
+
+def test_the_parser_reads_what_it_claims():
+    """The help parser on a box written by hand: each row's names, metavar and wrapped help text, as written."""
+    box = ["│ --config   -c   <path>  TOML file of settings; CLI options        │",
+           "│                          override it.                              │",
+           "│ --json                   Print the result as one JSON document.    │"]
+    text = "\n".join(["╭─ Options ──────╮", *box, "╰────────╯"])
+    rows = _rows(_panels(text)["Options"], lambda line: line[1:2] == "-", _option_cells)
+    assert rows == [(["--config", "-c", "<path>"], "TOML file of settings; CLI options override it."),
+                    (["--json"], "Print the result as one JSON document.")]
+
+
+@pytest.mark.parametrize("argv, command", LEAVES, ids=[" ".join(argv) for argv, _ in LEAVES])
+def test_help_shows_every_option_and_argument_with_its_own_text(monkeypatch, argv, command):
+    """`rlbench ... CMD --help`, parsed: the Options panel lists exactly the command's options (and --help/-h),
+    each with the help text it declares, rendered as written (rich markup such as `[megatron]` would eat
+    brackets); the Arguments panel names every argument."""
+    from typer.core import TyperArgument, TyperOption
+
+    panels = _panels(_help(monkeypatch, *argv, "--help"))
+    shown = {}
+    # a row starts with its option, after the required-marker column when one is shown (" *  --reason")
+    for cells, text in _rows(panels["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None,
+                             _option_cells):
+        names = [n for cell in cells if cell.startswith("-") for n in cell.split(",")]
+        assert names, (cells, text)
+        for name in names:
+            shown[name] = text
+    declared = {opt: p for p in command.params if isinstance(p, TyperOption) and not p.hidden
+                for opt in (*p.opts, *p.secondary_opts)}
+    assert set(shown) == set(declared) | {"--help", "-h"}, CHANGE_MESSAGE
+    for opt, param in declared.items():
+        assert " ".join(shown[opt].split()).startswith(_as_written(param.help or "")), (opt, shown[opt], param.help)
+    arguments = [p.name for p in command.params if isinstance(p, TyperArgument)]
+    names = [cells[0].removesuffix("...") for line in panels.get("Arguments", [])
+             for cells in [[c for c in re.split(r"\s{2,}", line.strip()) if c != "*"]]
+             if len(cells) > 1 and cells[1].startswith("<")]
+    assert names == arguments
+
+
+@pytest.mark.parametrize("argv, group", GROUPS, ids=[" ".join(argv) or "rlbench" for argv, _ in GROUPS])
+def test_help_lists_exactly_the_commands_of_each_group(monkeypatch, argv, group):
+    rows = _rows(_panels(_help(monkeypatch, *argv, "--help"))["Commands"], lambda line: line[1:2] != " ",
+                 lambda cells: 1)
+    assert [cells[0] for cells, _ in rows] == list(group.commands), CHANGE_MESSAGE
+    for cells, text in rows:
+        assert _as_written(group.commands[cells[0]].help).startswith(" ".join(text.split())), (cells[0], text)
+    if not argv:
+        assert set(group.commands) == EXPECTED_COMMANDS
+        assert _help(monkeypatch, "-h") == _help(monkeypatch, "--help")
+
+
+def test_no_arguments_shows_help(tmp_path, monkeypatch):
+    """Bare `rlbench`: the help on stdout, exit 0, no traceback, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    assert _help(monkeypatch) == _help(monkeypatch, "--help")
     assert list(tmp_path.iterdir()) == [], "bare `rlbench` wrote files"

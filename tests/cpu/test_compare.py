@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbench.checks.compare import first_divergence, locate
+from rlbench.checks.compare import Divergence, first_divergence, locate
 
 ids = st.lists(st.integers(0, 50), min_size=0, max_size=200)
 # The numpy path (512+ ids). Built from a drawn seed and length: hypothesis drawing 1,500 list elements
@@ -69,3 +69,14 @@ def test_long_sequences_take_the_array_path_and_agree(seq, data):
     new = seq[:pos] + [data.draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1:]
     assert first_divergence(seq, new) == pos
     assert first_divergence(seq, seq[:pos]) == pos  # a strict prefix parts at its length
+
+
+def test_locate_shows_the_same_window_of_both_sequences_around_the_divergence():
+    a = list(range(20))
+    b = a[:10] + [99] + a[11:]
+    assert locate(a, b) == Divergence(10, tuple(range(6, 15)), (6, 7, 8, 9, 99, 11, 12, 13, 14), 6)
+    assert locate(a, b, context=2) == Divergence(10, (8, 9, 10, 11, 12), (8, 9, 99, 11, 12), 8)
+    assert locate([5, 6, 7], [5, 0, 7]) == Divergence(1, (5, 6, 7), (5, 0, 7), 0)  # the window starts at 0
+    assert locate([1, 2, 3, 4], [1, 2]) == Divergence(2, (1, 2, 3, 4), (1, 2), 0)  # a strict prefix
+    long = list(range(600))
+    assert first_divergence(long, long[:-1] + [7]) == 599 and first_divergence(long + [1], long) == 600

@@ -52,6 +52,14 @@ def _metrics(data: bytes) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")} for line in data.splitlines()]
 
 
+def _manifest(data: bytes, root: Path) -> dict:
+    """A manifest with only what may differ between two runs of one configuration masked: its creation time,
+    and the directory the run was made in (its command line and config name the run and its config file)."""
+    doc = json.loads(data.decode().replace(str(root.parent), "<dir>"))
+    doc.pop("created")
+    return doc
+
+
 def assert_same_run(got: Path, want: Path) -> None:
     a, b = _files(got), _files(want)
     assert sorted(a) == sorted(b), f"files differ: extra {sorted(set(a) - set(b))}, missing {sorted(set(b) - set(a))}"
@@ -60,8 +68,10 @@ def assert_same_run(got: Path, want: Path) -> None:
     for name in a:
         if name == "metrics.jsonl":
             same = _metrics(a[name]) == _metrics(b[name])
+        elif name == "manifest.json":
+            same = _manifest(a[name], got) == _manifest(b[name], want)
         else:
-            same = name == "manifest.json" or a[name] == b[name]  # the manifest holds its creation time
+            same = a[name] == b[name]
         if not same:
             raise AssertionError(f"{name} differs from the uninterrupted run's")
 
@@ -125,3 +135,23 @@ def test_the_comparison_can_fail(tmp_path, reference):
     assert proc.returncode == 0
     with pytest.raises(AssertionError):
         assert_same_run(tmp_path / "other", reference)
+
+
+def test_the_manifest_comparison_masks_only_time_and_place(tmp_path, reference):
+    """A copy of the run made elsewhere at another time is the same run; any other manifest field is not."""
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(reference, moved)
+    manifest = json.loads((moved / "manifest.json").read_text().replace(str(reference.parent), str(moved.parent)))
+    assert str(moved) in manifest["command"]  # the masked place is really there
+    manifest["created"] = "2001-01-01T00:00:00+00:00"
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert_same_run(moved, reference)
+    for edit in (lambda m: m["hashes"].update(tokenizer="0" * 64), lambda m: m.update(seed=m["seed"] + 1),
+                 lambda m: m["determinism"].update(torch_threads=2), lambda m: m.pop("numerics")):
+        changed = json.loads(json.dumps(manifest))
+        edit(changed)
+        (moved / "manifest.json").write_text(json.dumps(changed))
+        with pytest.raises(AssertionError, match="manifest.json differs"):
+            assert_same_run(moved, reference)

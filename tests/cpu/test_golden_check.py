@@ -506,8 +506,10 @@ def test_plot_marks_failing_steps(run_dir, golden_file, tmp_path):
 
 def test_checks_write_nothing_into_the_run(run_dir, golden_file):
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    _check(run_dir, golden_file)
-    run_cli("golden", "update", str(run_dir), str(golden_file), "--reason", "again")
+    res = _check(run_dir, golden_file)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli("golden", "update", str(run_dir), str(golden_file), "--reason", "again")
+    assert res.returncode == 0, res.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
@@ -541,3 +543,18 @@ def test_update_from_another_configuration_says_so(golden_file, small_config, tm
 
 def test_rename_must_name_a_golden_metric(run_dir, golden_file):
     _one_line_error(_check(run_dir, golden_file, "--rename", "lm loss=train/loss"), "--rename", "'lm loss' matches no metric")
+
+
+def test_a_cuda_golden_file_is_keyed_to_its_gpu_and_versions():
+    """The GPU suite's files: one per GPU model and torch, CUDA and transformers build; a CPU run's is NAME.json."""
+    cuda = {"device": "cuda", "device_name": "NVIDIA H200",
+            "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.17.0", "python": "3.12.3"}}
+    assert g.golden_file_name("default", {"device": "cpu", "versions": cuda["versions"]}) == "default.json"
+    assert g.golden_file_name("default-cuda", cuda) == \
+        "default-cuda/nvidia_h200-torch2.11.0_cu130-cuda13.0-transformers5.17.0.json"
+    names = {g.golden_file_name("d", cuda)}
+    for key, value in (("torch", "2.12.0"), ("cuda", "12.8"), ("transformers", "5.18.0")):
+        names.add(g.golden_file_name("d", {**cuda, "versions": {**cuda["versions"], key: value}}))
+    names.add(g.golden_file_name("d", {**cuda, "device": "cuda:1", "device_name": "NVIDIA H100 80GB HBM3"}))
+    names.add(g.golden_file_name("d", {**cuda, "versions": {**cuda["versions"], "python": "3.13.0"}}))
+    assert len(names) == 5  # each of GPU, torch, CUDA, transformers makes its own file; python does not

@@ -67,8 +67,21 @@ def test_import_then_replay_and_diff(tmp_path):
     assert tensors["loss_mask"][first.start:first.stop].tolist() == [1, 1]
     res = replay(tmp_path / "imp", tmp_path / "rep")
     assert res.ok and res.reproduced == 3  # the recording's own stages verified, then trained on
-    assert diff(tmp_path / "imp", tmp_path / "imp").first is None
     assert diff(tmp_path / "imp", tmp_path / "rep").first is None  # compares the stages both have
+    # ... and finds where two imports part: one log-prob of rollout 1's sample 5, response token 1
+    from rlbench.config import ModelConfig
+    from rlbench.replay.slime import import_slime
+
+    (tmp_path / "edited").mkdir()
+    edited = write_dumps(tmp_path / "edited")
+    dump = torch.load(edited[1], weights_only=True)
+    dump["samples"][5]["rollout_log_probs"][1] = -0.9
+    torch.save(dump, edited[1])
+    import_slime(edited, tmp_path / "imp2", ModelConfig(), model_given=False)
+    first = diff(tmp_path / "imp", tmp_path / "imp2").first
+    assert (first.step, first.stage, first.count) == (1, "rollout_logprobs", 1)
+    assert "sample 5" in first.where and "response token 1" in first.where, first.where
+    assert (first.a, first.b) == (pytest.approx(-0.6), pytest.approx(-0.9))
 
 
 class Status(enum.Enum):

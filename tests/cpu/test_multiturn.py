@@ -142,8 +142,14 @@ def test_check_trajectory_rejects_bad_masks_and_reasons():
         check_trajectory(Trajectory([1], [1], [0.0], "done", "", []), "f")
 
 
-@pytest.mark.parametrize("expr, result", [("3+4", "7"), ("2*-3", "-6"), (" 10 - 4 * 2 ", "2"),
-                                          ("__import__('os')", "error"), ("1+", "error"), ("10**9", "error"),
-                                          ("(1).real", "error")])
+ERROR = "error: expected integers joined by + - *"
+
+
+@pytest.mark.parametrize("expr, result", [("3+4", "7"), ("2*-3", "-6"), (" 10 - 4 * 2 ", "2"), ("-7", "-7"),
+                                          ("999999*999999", "999998000001"), ("1000000", ERROR),
+                                          ("__import__('os')", ERROR), ("1+", ERROR), ("10**9", ERROR),
+                                          ("(1).real", ERROR), ("7/2", ERROR), ("7.0", ERROR), ("+7", ERROR),
+                                          ("True+1", ERROR), ("-" * 5000 + "1", ERROR)])
 def test_calculator_evaluates_only_arithmetic(expr, result):
-    assert calculator(expr).startswith(result)
+    """The tool's exact output: what the model reads back is the integer as Python writes it, or the error."""
+    assert calculator(expr) == result

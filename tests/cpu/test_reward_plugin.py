@@ -61,6 +61,50 @@ def test_parity_takes_the_first_answer():
     assert BUILTIN["parity"](_sample("even odd")) == 0.0
     assert BUILTIN["parity"](_sample("ODD")) == 1.0
     assert BUILTIN["parity"](_sample("no answer")) == 0.0
+    assert BUILTIN["parity"](_sample("The number is Odd, not even.")) == 1.0
+    assert BUILTIN["parity"](_sample("odd", label="ODD")) == 1.0  # the label's case does not matter either
+    assert BUILTIN["parity"](_sample("even", label="even")) == 1.0
+
+
+@pytest.mark.parametrize("response, label, expected", [
+    ("odd", "odd", 1.0),
+    ("  odd\n", "odd", 1.0),  # whitespace around the response is not part of the answer
+    ("odd", " odd \t", 1.0),  # nor around the label
+    ("\n\nseven ", "seven", 1.0),
+    ("Odd", "odd", 0.0),  # exact: case counts
+    ("odd.", "odd", 0.0),
+    ("o dd", "odd", 0.0),
+    ("even", "odd", 0.0),
+    ("", "odd", 0.0),
+    ("", "", 1.0),
+])
+def test_exact_match(response, label, expected):
+    assert BUILTIN["exact_match"](_sample(response, label)) == expected
+
+
+def test_the_builtin_is_looked_up_by_name_and_a_custom_path_wins():
+    assert load_reward_fn("exact_match", None) == ("exact_match", BUILTIN["exact_match"])
+    assert load_reward_fn("parity", None) == ("parity", BUILTIN["parity"])
+    with pytest.raises(BadInput) as info:
+        load_reward_fn("nope", None)
+    assert info.value.field == "reward.verifier" and "parity, exact_match" in str(info.value)
+    name, fn = load_reward_fn("exact_match", "tests.cpu.plugins.rewards.constant_half")
+    assert name == "tests.cpu.plugins.rewards.constant_half" and fn(_sample("x")) == 0.5
+
+
+@pytest.mark.parametrize("value, expected", [(1, 1.0), (0, 0.0), (-2.5, -2.5), (3.4028234663852886e38, 3.4028234663852886e38),
+                                             (-3.4028234663852886e38, -3.4028234663852886e38)])
+def test_score_takes_finite_numbers_within_float32_as_floats(value, expected):
+    got = score("f", lambda sample: value, _sample("x"))
+    assert got == expected and type(got) is float
+
+
+@pytest.mark.parametrize("value", [True, False, None, "1.0", float("inf"), float("-inf"), float("nan"), 3.5e38,
+                                   -3.5e38, [1.0]])
+def test_score_refuses_anything_else_naming_the_function(value):
+    with pytest.raises(BadInput, match="expected a finite number") as info:
+        score("my.reward", lambda sample: value, _sample("x"))
+    assert info.value.field == "my.reward" and repr(value) in str(info.value)
 
 
 def test_custom_reward_drives_the_loop(run_small, tmp_path):

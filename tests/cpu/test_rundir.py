@@ -1,5 +1,5 @@
 """The run directory and what it is built from: atomic writes, committed-step reading, the prompt
-cursor, seed derivation, the flat recording layout and weight digests."""
+cursor, the flat recording layout and weight digests (seed derivation: test_seeding.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from rlbench.core.data import PromptCursor
 from rlbench.core.samples import flatten
-from rlbench.core.seeding import derive_seed
 from rlbench.core.types import Prompt, Sample
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
@@ -141,36 +140,6 @@ def test_cursor_epochs_differ():
 def test_cursor_without_shuffle_is_sequential():
     cursor = PromptCursor(5, 123, per_step=3, shuffle=False)
     assert [cursor.indices(step) for step in range(4)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3], [4, 0, 1]]
-
-
-# ---------------------------------------------------------------- derive_seed
-
-
-def test_derive_seed_is_deterministic_and_in_range():
-    seeds = [derive_seed(master, purpose, step, index)
-             for master in (0, 1, 2**63 - 1) for purpose in ("init", "sample", "data")
-             for step in range(4) for index in range(4)]
-    assert seeds == [derive_seed(master, purpose, step, index)
-                     for master in (0, 1, 2**63 - 1) for purpose in ("init", "sample", "data")
-                     for step in range(4) for index in range(4)]
-    assert all(0 <= s < 2**63 for s in seeds)
-    assert len(set(seeds)) == len(seeds)  # differs by master, purpose, step and index
-
-
-def test_derive_seed_pinned_value():
-    """The derivation is part of the run format: a change here breaks every recorded seed."""
-    assert derive_seed(1234, "sample", 0, 0) == 389002002616586331
-    assert derive_seed(0, "data", 0) == 2965597561215025095
-    assert derive_seed(1234, "sample", 0, 1) != derive_seed(1234, "sample", 1, 0)
-    assert derive_seed(1234, "sample", 1) != derive_seed(1234, "sample", "1")
-
-
-@PROPERTY
-@given(st.integers(0, 2**63 - 1), st.text(max_size=8), st.lists(st.integers(0, 2**40), max_size=3))
-def test_derive_seed_range_property(master, purpose, path):
-    seed = derive_seed(master, purpose, *path)
-    assert 0 <= seed < 2**63
-    assert seed == derive_seed(master, purpose, *path)
 
 
 # ---------------------------------------------------------------- recording layout

@@ -100,3 +100,14 @@ def test_cli_audit_exit_codes():
     assert json.loads(clean.stdout)["findings"] == []
     drift = run_cli("check", "tito", "--tokenizer", str(TOKENIZERS / "tito-reasoning"), "--audit")
     assert drift.returncode == 1 and "reasoning" in drift.stdout
+
+
+def test_the_special_finding_points_at_the_dropped_special_token():
+    """tito-special marks <tool_call> and </tool_call> special: a decode that skips them drops the first one
+    sampled, and the finding's index is that token, the text on both sides from there."""
+    findings = [f for f in audit(TOKENIZERS / "tito-special").findings if f.mode == "special"]
+    assert findings and {f.shape for f in findings} >= {"tool-result", "tool-result-with-tools"}
+    for f in findings:
+        assert (f.number, f.strict, f.expected[0]) == (8, True, 316), f
+        assert f.expected_text.startswith("<tool_call>") and not f.got_text.startswith("<tool_call>")
+        assert f.where.startswith("decode of turn ")

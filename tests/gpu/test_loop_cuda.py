@@ -22,6 +22,10 @@ def test_cuda_runs_repeat_bit_for_bit(tmp_path):
 
 
 def test_cuda_learning_signal(tmp_path):
+    """30 steps of the default task learn on a GPU as on the CPU. On the CPU (seeds 1 and 2) the mean reward of
+    steps 20-29 beats that of steps 0-9 by 0.40 and 0.31, reaching 0.49 and 0.43; a CUDA run draws other samples,
+    so the bounds are half that rise and a level no random policy reaches (it scores about 0.1)."""
     result = run(load_config(steps=30, device="cuda", out=str(tmp_path / "c")))
     rewards = [h["rollout/raw_reward"] for h in result.history]
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.15 and last >= 0.25, (first, last)

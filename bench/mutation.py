@@ -1,0 +1,270 @@
+"""Mutation testing of the modules whose bugs would corrupt a verdict: a score per module, and the survivors.
+
+A mutant is the module with one small change (an operator swapped, a number or string altered, an argument
+dropped, a condition forced). A test suite that lets a mutant pass would let that bug through. For each
+module below this runs its mutants against the tests that target it (MODULES) and prints
+
+    score = killed / (total - equivalent)
+
+where a mutant counts as killed when a test fails (or times out) with it, and the equivalent mutants (ones that
+cannot change behaviour) are listed, each with its reason, in bench/mutation_equivalent.toml. Every other
+mutant that passes the tests is printed as a survivor, with its diff. A listed equivalent that no longer
+exists, or that a test now kills, is reported as stale.
+
+Tool: mutmut 3, not cosmic-ray. Both are maintained; mutmut decides the run time here: it runs pytest once
+to learn which tests call which function, then forks a worker per mutant that runs only those tests, with
+torch and the fixtures already imported, and switches mutants on at call time (trampolines) instead of
+rewriting files. cosmic-ray starts a test command per mutant in a fresh interpreter: with torch and
+transformers to import, seconds per mutant before a test runs, hours per module on two cores.
+
+mutmut reads its settings from pyproject.toml in its working directory and writes mutants/ there, so each
+module gets a work directory under .mutation/ (git-ignored): links to the repository's rlbench/, tests/ and
+fixtures, and a pyproject.toml that adds a [tool.mutmut] table for that module and its tests. Nothing in the
+repository is changed. Mutation runs are too slow for CI (.ci/run does not run them).
+
+    python bench/mutation.py                      # every module, from scratch (the README's figures)
+    python bench/mutation.py rlbench/core/algo.py # some modules
+    python bench/mutation.py --planted            # the 9 bugs of issue 14, each planted: the test that fails
+
+`--planted` copies the repository to a temporary directory, plants one bug there at a time (never in the
+working tree), runs the tests named for it and prints which fail and their first error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".mutation"
+EQUIVALENT = REPO / "bench" / "mutation_equivalent.toml"
+
+# module -> the pytest arguments that select the tests targeting it (mutmut then runs, per mutant, the
+# selected tests that call the mutated function). Fast unit tests only: a forked worker reruns its
+# tests' fixtures for every mutant.
+MODULES = {
+    "rlbench/core/algo.py": ["tests/cpu/test_algo.py"],
+    "rlbench/core/seeding.py": ["tests/cpu/test_seeding.py"],
+    "rlbench/core/reward.py": ["tests/cpu/test_reward_plugin.py", "-k", "not drives_the_loop"],
+    "rlbench/rundir/digest.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
+    "rlbench/rundir/recording.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
+    "rlbench/checks/compare.py": ["tests/cpu/test_compare.py"],
+    "rlbench/checks/golden_compare.py": ["tests/cpu/test_golden_compare.py"],
+    "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
+    "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
+    "rlbench/checks/logprobs.py": ["tests/cpu/test_check_logprobs.py", "-k",
+                                   "by_hand or recorded or gate_passes or without_trainer or recompute_uses"],
+}
+LINKED = ("rlbench", "tests", "fixtures", "golden", "configs", "examples")
+KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too
+
+
+def _workdir(module: str, fresh: bool, timeout_multiplier: float = 3.0) -> Path:
+    work = WORK / module.removesuffix(".py").replace("/", ".")
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in LINKED:
+        if not (work / name).exists():
+            (work / name).symlink_to(REPO / name)
+    selection = MODULES[module]
+    table = {
+        "source_paths": ["rlbench"],
+        "only_mutate": [module],
+        "also_copy": [name for name in LINKED if name not in ("rlbench", "tests")],
+        "pytest_add_cli_args_test_selection": selection,
+        "pytest_add_cli_args": ["-p", "no:xdist", "-p", "no:randomly", "--hypothesis-profile=mutation"],
+        # a worker's limits: (its tests' time + 5 s) x multiplier seconds of wall time, twice that of CPU time
+        "timeout_multiplier": timeout_multiplier,
+        "timeout_constant": 5.0,
+        "process_isolation": "forkserver",  # torch's threads do not survive a plain fork of a busy process
+        "use_git_change_detection": False,
+    }
+    lines = ["", "[tool.mutmut]"] + [f"{key} = {_toml(value)}" for key, value in table.items()]
+    (work / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + "\n".join(lines) + "\n")
+    return work
+
+
+def _toml(value) -> str:
+    """A TOML value: the standard library reads TOML but does not write it, and these few strings, numbers and
+    lists need no package of their own."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _mutmut(work: Path, *args: str, log: Path | None = None) -> str:
+    # One thread: a worker forked from a process whose OpenMP pool is running can hang in torch.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
+    with open(log or os.devnull, "w") as sink:  # a long run writes its progress to `log` as it goes
+        proc = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
+                              stdout=sink if log else subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = log.read_text() if log else proc.stdout
+    if proc.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} failed in {work} (exit {proc.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def _results(work: Path) -> dict[str, str]:
+    out = _mutmut(work, "results", "--all", "true")
+    return dict(re.findall(r"^\s+(\S+): (.+)$", out, re.M))
+
+
+def _changed_lines(diff: str) -> list[str]:
+    return [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+
+
+def mutate(module: str, fresh: bool, equivalent: dict[str, dict], workers: int) -> dict:
+    work = _workdir(module, fresh)
+    started = time.monotonic()
+    _mutmut(work, "run", "--max-children", str(workers), log=work / "run.log")
+    results = _results(work)
+    if "timeout" in results.values():
+        # On a loaded machine a failing test can outlast the wall-time limit: mutmut re-runs (only) the timed-out
+        # mutants when the limit changes, here five times as long. What times out again is a hang.
+        _workdir(module, False, timeout_multiplier=15.0)
+        _mutmut(work, "run", "--max-children", str(workers), log=work / "rerun.log")
+        results = _results(work)
+        _workdir(module, False)
+    seconds = time.monotonic() - started
+    stale, equal = [], []
+    for name, entry in ((n, e) for n, e in equivalent.items() if e["module"] == module):
+        status = results.get(name)
+        diff = _mutmut(work, "show", name) if status else ""
+        if status is None or status in KILLED or entry["change"] not in _changed_lines(diff):
+            stale.append(f"{name}: {status or 'no such mutant'} (listed change: {entry['change']!r})")
+        else:
+            equal.append(name)
+    killed = [n for n, s in results.items() if s in KILLED]
+    survivors = [n for n, s in results.items() if s not in KILLED and n not in equal]
+    scored = len(results) - len(equal)
+    return {"module": module, "total": len(results), "killed": len(killed), "equivalent": len(equal),
+            "timeouts": sum(s == "timeout" for s in results.values()),
+            "score": len(killed) / scored if scored else 1.0, "seconds": seconds, "stale": stale,
+            "survivors": [(n, results[n], _mutmut(work, "show", n)) for n in survivors]}
+
+
+def load_equivalent() -> dict[str, dict]:
+    """bench/mutation_equivalent.toml: [[equivalent]] tables of module, mutant, change (the mutated line, so a
+    renumbered mutant is noticed) and reason."""
+    doc = tomllib.loads(EQUIVALENT.read_text()) if EQUIVALENT.exists() else {}
+    out = {}
+    for entry in doc.get("equivalent", []):
+        missing = {"module", "mutant", "change", "reason"} - set(entry)
+        if missing or not entry["reason"].strip():
+            raise SystemExit(f"{EQUIVALENT}: an entry lacks {sorted(missing) or ['a reason']}: {entry}")
+        out[entry["mutant"]] = entry
+    return out
+
+
+# ---------------------------------------------------------------- the planted bugs of issue 14
+
+# (bug, file, the original text, the planted text, the tests that should catch it)
+PLANTED = [
+    ("PPO clip bounds swapped", "rlbench/core/algo.py", "ratio.clamp(1 - eps_low, 1 + eps_high)",
+     "ratio.clamp(1 - eps_high, 1 + eps_low)", ["tests/cpu/test_algo.py"]),
+    ("PPO clip lower bound dropped", "rlbench/core/algo.py", "ratio.clamp(1 - eps_low, 1 + eps_high)",
+     "ratio.clamp(max=1 + eps_high)", ["tests/cpu/test_algo.py"]),
+    ("golden perf window: warm-up not left out", "rlbench/checks/golden_compare.py",
+     "window = [s for s in steps if tol.window[0] <= s <= tol.window[1]]", "window = list(steps)",
+     ["tests/cpu/test_golden_compare.py"]),
+    ("exact_match without strip()", "rlbench/core/reward.py",
+     "sample.response.strip() == sample.label.strip()", "sample.response == sample.label",
+     ["tests/cpu/test_reward_plugin.py"]),
+    ("exact_match always 0", "rlbench/core/reward.py",
+     "return 1.0 if sample.response.strip() == sample.label.strip() else 0.0", "return 0.0",
+     ["tests/cpu/test_reward_plugin.py"]),
+    ("derive_seed through Python's salted hash()", "rlbench/core/seeding.py",
+     'return int.from_bytes(hashlib.sha256(_DOMAIN + key).digest()[:8], "little") >> 1',
+     "return (hash(key) % 2**64) >> 1", ["tests/cpu/test_seeding.py"]),
+    ("audit: the special-token finding's index off by one", "rlbench/checks/tito_audit.py",
+     "len(buffer) + dropped,", "len(buffer) + dropped + 1,", ["tests/cpu/test_tito_audit.py"]),
+    ("calculator prints 7.0 for 7", "rlbench/tasks/calculator.py",
+     'return str(value(ast.parse(expression.strip(), mode="eval").body))',
+     'return str(float(value(ast.parse(expression.strip(), mode="eval").body)))',
+     ["tests/cpu/test_multiturn.py", "-k", "calculator"]),
+    ("`rlbench --help` no longer lists `run`", "rlbench/cli/runs.py", "@app.command()\ndef run(",
+     "@app.command(hidden=True)\ndef run(", ["tests/cpu/test_cli_surface.py"]),
+]
+
+
+def planted() -> int:
+    missed = 0
+    with tempfile.TemporaryDirectory(prefix="rlbench-planted-") as tmp:
+        copy = Path(tmp) / "repo"
+        for name in (*LINKED, "pyproject.toml"):
+            (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, copy / name)
+        for bug, path, original, mutated, tests in PLANTED:
+            source = (copy / path).read_text()
+            if source.count(original) != 1:
+                raise SystemExit(f"{path}: the text to plant the bug in is not there once: {original!r}")
+            (copy / path).write_text(source.replace(original, mutated))
+            try:
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--tb=line",
+                                       "-p", "no:randomly", *tests], cwd=copy, text=True, capture_output=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(copy)})
+            finally:
+                (copy / path).write_text(source)
+            failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+            errors = [line for line in proc.stdout.splitlines() if line.startswith("E ") or ": AssertionError" in
+                      line or re.match(r"^/.*:\d+: ", line)]
+            print(f"{bug}\n  {path}: {original!r} -> {mutated!r}")
+            if proc.returncode == 1 and failed:
+                print(f"  caught by {len(failed)} test(s), e.g. {failed[0]}\n  {(errors or ['?'])[0][:300]}")
+            else:
+                missed += 1
+                print(f"  NOT CAUGHT (pytest exit {proc.returncode})\n{proc.stdout[-1500:]}")
+    print(f"\n{len(PLANTED) - missed} of {len(PLANTED)} planted bugs caught")
+    return 1 if missed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help=f"modules to mutate [default: all]: {', '.join(MODULES)}")
+    parser.add_argument("--planted", action="store_true", help="plant the 9 bugs of issue 14 and show the tests "
+                                                               "that fail")
+    parser.add_argument("--keep", action="store_true", help="reuse an earlier run's results for functions that "
+                                                            "did not change (quicker; the figures are a fresh run's)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args()
+    if args.planted:
+        return planted()
+    unknown = sorted(set(args.modules) - set(MODULES))
+    if unknown:
+        parser.error(f"not a mutated module: {', '.join(unknown)}")
+    equivalent = load_equivalent()
+    reports = []
+    for module in args.modules or MODULES:
+        report = mutate(module, not args.keep, equivalent, args.workers)
+        reports.append(report)
+        print(f"\n== {module}: {report['killed']} killed of {report['total']} mutants, {report['equivalent']} "
+              f"equivalent, score {report['score']:.1%} ({report['seconds']:.0f} s)", flush=True)
+        for name, status, diff in report["survivors"]:
+            print(f"  {status}: {name}\n" + "\n".join(f"      {line}" for line in diff.strip().splitlines()[2:]))
+        for line in report["stale"]:
+            print(f"  stale equivalent entry: {line}")
+    print("\nmodule                              killed  (timeouts)  total  equivalent  score")
+    for r in reports:
+        print(f"{r['module']:<36}{r['killed']:>6}{r['timeouts']:>12}{r['total']:>7}{r['equivalent']:>12}  "
+              f"{r['score']:6.1%}")
+    below = [r["module"] for r in reports if r["score"] < 0.9 or r["stale"]]
+    print(f"\n{len(reports) - len(below)} of {len(reports)} modules at >= 90% with no stale entry"
+          + (f"; below or stale: {', '.join(below)}" if below else ""))
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

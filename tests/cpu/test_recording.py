@@ -1,0 +1,163 @@
+"""A step's recording (rlbench/rundir/recording.py) and the digests it and checksums.jsonl rest on
+(rlbench/rundir/digest.py): the layout as built, a round trip, and every defect refused naming the file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from rlbench.errors import BadInput
+from rlbench.rundir import recording
+from rlbench.rundir.digest import tensors_digest, weights_digest
+
+
+def _packed():
+    return recording.pack([[5, 6], [7]], [[8, 9, 10], []], [[1, 0, 1], []], [[-0.5, -0.25, -1.0], []], [3, 3], [0, 0])
+
+
+def test_pack_lays_samples_out_flat():
+    t = _packed()
+    assert t["tokens"].tolist() == [5, 6, 8, 9, 10, 7] and t["offsets"].tolist() == [0, 5, 6]
+    assert t["prompt_lengths"].tolist() == [2, 1] and t["prompt_index"].tolist() == [3, 3]
+    assert t["group_index"].tolist() == [0, 0]
+    assert t["loss_mask"].tolist() == [0, 0, 1, 0, 1, 0]  # response-aligned mask, 0 on prompts
+    assert t["rollout_logprobs"].tolist() == [0.0, 0.0, -0.5, -0.25, -1.0, 0.0]
+    assert {k: v.dtype for k, v in t.items()} == {k: recording.DTYPES[k] for k in t}
+
+
+def test_padded_and_unpad_are_inverse():
+    t = _packed()
+    rows = recording.padded(t["tokens"], t["offsets"], 6, fill=-1)
+    assert rows.tolist() == [[5, 6, 8, 9, 10, -1], [7, -1, -1, -1, -1, -1]] and rows.dtype == torch.int64
+    assert recording.padded(t["rollout_logprobs"], t["offsets"], 5).tolist()[1] == [0.0] * 5  # fill 0 by default
+    assert torch.equal(recording.unpad(rows, t["offsets"]), t["tokens"])
+    empty = recording.unpad(torch.zeros(0, 4), torch.zeros(1, dtype=torch.long))
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def _write(root, step=3, tensors=None, samples=None, extra=None):
+    tensors = tensors if tensors is not None else {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
+    samples = samples if samples is not None else [{"response": "odd"}, {"response": ""}]
+    st, js = recording.encode_step(step, tensors, samples, extra)
+    (root / "rollouts").mkdir(exist_ok=True)
+    (root / "rollouts" / f"{step:06d}.safetensors").write_bytes(st)
+    (root / "rollouts" / f"{step:06d}.json").write_bytes(js)
+    return root / "rollouts" / f"{step:06d}.safetensors", root / "rollouts" / f"{step:06d}.json"
+
+
+def test_a_step_round_trips_and_carries_its_digests(tmp_path):
+    st, js = _write(tmp_path, extra={"engine": "hf"})
+    tensors, meta = recording.read_step(tmp_path, 3)
+    expected = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
+    assert list(tensors) == sorted(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
+    assert meta["schema"] == recording.SCHEMA and meta["step"] == 3 and meta["engine"] == "hf"
+    assert meta["samples"] == [{"response": "odd"}, {"response": ""}]
+    assert meta["samples_sha256"] == hashlib.sha256(
+        json.dumps(meta["samples"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    header = json.loads(st.read_bytes()[8:8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
+    assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
+    assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3,
+                                             "tensors_sha256": tensors_digest(dict(sorted(expected.items())))}
+    assert js.read_text().endswith("}\n") and json.loads(js.read_text())["samples"] == meta["samples"]
+    (tmp_path / "again").mkdir()
+    again = _write(tmp_path / "again", extra={"engine": "hf"})
+    assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
+
+
+def _refused(root, step=3, match=""):
+    with pytest.raises(BadInput, match=match) as info:
+        recording.read_step(root, step)
+    return info.value
+
+
+def test_missing_truncated_or_edited_files_are_refused_naming_the_file(tmp_path):
+    st, js = _write(tmp_path)
+    assert _refused(tmp_path, 4, "missing: the recording of committed step 4").path == str(st.with_name("000004.safetensors"))
+    raw = st.read_bytes()
+    st.write_bytes(raw[: len(raw) // 2])
+    assert _refused(tmp_path, match="corrupt or truncated safetensors").path == str(st)
+    flipped = bytearray(raw)
+    flipped[-1] ^= 1  # a tensor byte
+    st.write_bytes(bytes(flipped))
+    assert _refused(tmp_path, match="tensors do not match the digest").path == str(st)
+    st.write_bytes(raw)
+    js.unlink()
+    assert _refused(tmp_path, match="missing").path == str(js)
+
+
+def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
+    st, js = _write(tmp_path)
+    st.rename(st.with_name("000004.safetensors"))
+    js.rename(js.with_name("000004.json"))
+    error = _refused(tmp_path, 4, "expected schema 'rlbench.run/1' and step 4, got 'rlbench.run/1' and 3")
+    assert error.field == "__metadata__"
+    st, js = _write(tmp_path)
+    doc = json.loads(js.read_text())
+    js.write_text(json.dumps({**doc, "schema": "rlbench.run/0"}))
+    assert _refused(tmp_path, match="expected 'rlbench.run/1', got 'rlbench.run/0'").field == "schema"
+    js.write_text("[]")
+    assert _refused(tmp_path, match="got 'list'").path == str(js)
+    js.write_text(json.dumps({**doc, "samples": [{"response": "even"}, {"response": ""}]}))
+    assert _refused(tmp_path, match="samples do not match samples_sha256").path == str(js)
+    _write(tmp_path, samples=["odd", "even"])
+    assert _refused(tmp_path, match="expected a list of per-sample objects").field == "samples"
+    _write(tmp_path, samples=[{"response": "odd"}])
+    _refused(tmp_path, match="'offsets' has 3 values, expected 2")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("rewards"), "tensor 'rewards' missing"),
+    (lambda t: t.update(rewards=t["rewards"].double()), "tensor 'rewards' is torch.float64 of shape"),
+    (lambda t: t.update(tokens=t["tokens"].reshape(2, 3)), "expected a flat torch.int64 tensor"),
+    (lambda t: t["tokens"].__setitem__(0, -1), "tensor 'tokens' holds -1; ids and indices are >= 0"),
+    (lambda t: t["group_index"].__setitem__(1, -2), "tensor 'group_index' holds -2"),
+    (lambda t: t["loss_mask"].__setitem__(0, 2), "tensor 'loss_mask' holds 2; expected 0 or 1"),
+    (lambda t: t.update(rewards=torch.zeros(3)), "tensor 'rewards' has 3 values, expected 2"),
+    (lambda t: t.update(old_logprobs=torch.zeros(5)), "tensor 'old_logprobs' has 5 values, expected 6"),
+    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), "not a monotone split"),
+    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), "not a monotone split"),
+    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), "not a monotone split"),
+    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), "'prompt_lengths' does not fit"),
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), "'prompt_lengths' does not fit"),
+])
+def test_a_layout_defect_is_refused(tmp_path, edit, message):
+    tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
+    edit(tensors)
+    st, _ = _write(tmp_path, tensors=tensors)
+    assert _refused(tmp_path, match=message).path == str(st)
+
+
+def test_edge_values_of_the_layout_are_accepted(tmp_path):
+    tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0]), "old_logprobs": torch.zeros(6)}
+    tensors["prompt_lengths"] = torch.tensor([5, 0])  # a sample that is all prompt, one that is all response
+    tensors["tokens"][0] = 0
+    _write(tmp_path, tensors=tensors)
+    assert recording.read_step(tmp_path, 3)[0]["prompt_lengths"].tolist() == [5, 0]
+
+
+def test_check_ids_holds_tokens_to_the_vocabulary(tmp_path):
+    t = _packed()
+    recording.check_ids(t, 11, tmp_path / "x", "the tokenizer")  # max id 10 of 11 ids
+    with pytest.raises(BadInput, match=r"token id 10 is outside the tokenizer \(10 ids\)") as info:
+        recording.check_ids(t, 10, tmp_path / "x", "the tokenizer")
+    assert info.value.path == str(tmp_path / "x")
+    recording.check_ids({"tokens": torch.zeros(0, dtype=torch.long)}, 0, tmp_path, "none")
+
+
+# ---------------------------------------------------------------- digests
+
+
+def test_tensors_digest_is_sha256_of_name_dtype_shape_and_bytes():
+    tensor = torch.tensor([[1, 2], [3, 4]], dtype=torch.int16)
+    header = b'["w","torch.int16",[2,2]]'
+    by_hand = hashlib.sha256(len(header).to_bytes(4, "little") + header + tensor.numpy().tobytes()).hexdigest()
+    assert tensors_digest({"w": tensor}) == tensors_digest([("w", tensor)]) == by_hand
+    assert tensors_digest({"w": tensor.t().contiguous().t()}) == by_hand  # a non-contiguous view: its values
+    pair = [("a", tensor), ("b", tensor.float())]
+    assert tensors_digest(pair) != tensors_digest(pair[::-1])  # in the order given
+    assert weights_digest(dict(pair)) == weights_digest(dict(pair[::-1])) == tensors_digest(pair)
+    assert tensors_digest({}) == hashlib.sha256().hexdigest()
+    assert tensors_digest({"w": tensor.requires_grad_(False)}) != tensors_digest({"v": tensor})
