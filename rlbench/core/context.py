@@ -175,13 +175,13 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     model_weights = None
     if config.mode == "full" and start == 0:  # what the trainer's first export must equal (loop.first_sync)
         model_weights = {name: tensor.clone() for name, tensor in named_weights(model).items()}
+    if init_checkpoint is not None and not (Path(init_checkpoint) / "state.json").is_file():
+        raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)
     trainer = engine = None
     if config.placement.backend == "local" and config.mode in ("full", "train-only"):
         trainer = _local_trainer(config, model)
-    if trainer is not None and init_checkpoint is not None:
-        if not (Path(init_checkpoint) / "state.json").is_file():
-            raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)
-        trainer.load_checkpoint(Path(init_checkpoint))
+        if init_checkpoint is not None:
+            trainer.load_checkpoint(Path(init_checkpoint))
     if config.placement.backend == "local" and config.mode != "train-only" and config.rollout.backend == "hf":
         from rlbench.backends.hf_engine import HFEngine
 
@@ -221,7 +221,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
                                                            config.data.shuffle)
     writer = None
     try:  # the processes, actors and servers started from here on are stopped again if anything fails
-        trainer, engine = _remote_backends(config, start, init_checkpoint, trainer, engine)
+        trainer, engine = _remote_backends(config, model, start, init_checkpoint, trainer, engine)
         if engine is not None and hasattr(engine, "server_info"):
             manifest["engines"] = engine.server_info
         manifest = json.loads(json.dumps(manifest))  # JSON-normal form (tuples become lists), as read back
@@ -255,13 +255,13 @@ def _local_trainer(config: RunConfig, model):
     return TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
 
 
-def _remote_backends(config: RunConfig, start: int, init_checkpoint: Path | None, trainer, engine):
+def _remote_backends(config: RunConfig, model, start: int, init_checkpoint: Path | None, trainer, engine):
     """The backends that live outside this process: Ray actors (`--placement ray`) and SGLang servers.
     Started last, once every input has been checked."""
     if config.placement.backend == "ray":
         from rlbench.placement.ray import place
 
-        return place(config, start, init_checkpoint)
+        return place(config, model, start, init_checkpoint)
     if config.mode != "train-only" and config.rollout.backend == "sglang":
         from rlbench.backends.sglang.engine import open_engine
 

@@ -24,6 +24,7 @@ from fastapi.responses import ORJSONResponse, Response
 from rlbench.backends.sglang import wire
 from rlbench.core.types import GenerateRequest
 from rlbench.errors import BadInput
+from rlbench.rundir.failpoints import hit
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
@@ -75,6 +76,7 @@ def build_app(state) -> FastAPI:
         call = wire.parse_generate(await _json(request), state.vocab, state.context_len,
                                    lambda text: state.tokenizer.encode(text, add_special_tokens=False),
                                    lambda: uuid.uuid4().hex)
+        hit("serve.generate")
         results = await state.worker.generate(call.requests)
         latency = time.perf_counter() - started
         items = [_answer(state, req, res, rid, call, skip, latency)
