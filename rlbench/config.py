@@ -170,7 +170,12 @@ class RolloutConfig:
         _check(not self.sglang or (sglang and not given), "rollout.sglang",
                "no server arguments unless rlbench starts the servers (rollout.backend sglang, no router url, "
                "no external addresses)", self.sglang)
-        from rlbench.backends.sglang.fleet import OWNED  # noqa: PLC0415 - a module without heavy imports
+        from rlbench.backends.sglang.fleet import OWNED, normalize_url  # a module without heavy imports
+
+        for addr in self.external_engine_addrs:
+            normalize_url(addr)
+        if self.sglang_router_url is not None:
+            normalize_url(self.sglang_router_url, "rollout.sglang_router_url")
 
         owned = [k for k in self.sglang if k in OWNED[self.sglang_server]]
         _check(not owned, "rollout.sglang", f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})",

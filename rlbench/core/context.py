@@ -138,6 +138,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         if int(config.device.partition(":")[2] or 0) >= torch.cuda.device_count():
             raise BadInput(f"{config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
                            field="device")
+    _check_installed(config)
     determinism = configure_determinism(config.threads, config.device, config.deterministic)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
@@ -242,6 +243,27 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
                                            config.rollout.temperature, context.stop_token_ids,
                                            config.rollout.top_k, config.rollout.top_p)
     return context
+
+
+def _check_installed(config: RunConfig) -> None:
+    """What `config` needs is installed here: say so before anything is loaded or started."""
+    import importlib.util
+
+    rollout = config.rollout
+    needs = []
+    if rollout.backend == "sglang" and config.mode != "train-only":
+        needs.append(("aiohttp", "rollout.backend", "pip install '.[router]'"))
+        if rollout.use_router and not rollout.sglang_router_url:
+            needs.append(("sglang_router", "rollout.use_router", "pip install '.[router]'"))
+        if not (rollout.sglang_router_url or rollout.external_engine_addrs):
+            needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
+                          "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
+                         else ("fastapi", "rollout.sglang_server", "pip install '.[serve]'"))
+    if config.placement.backend == "ray":
+        needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
+    for module, field, how in needs:
+        if importlib.util.find_spec(module) is None:
+            raise BadInput(f"the {module} package is not installed here ({how})", field=field)
 
 
 def _local_trainer(config: RunConfig, model):

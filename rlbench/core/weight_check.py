@@ -75,10 +75,10 @@ def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str) -> str:
         differing = [name for name in want if got.get(name) != want[name]]
         extra = [name for name in got if name not in want]
         if extra or any(name not in got for name in differing):
-            found = first_difference(want, got, ("trainer", label))  # names only: the values are not needed
+            found = first_difference(want, got, ("trainer", "engine"))  # names only: the values are not needed
         else:
             held = engine.export_weights(holder, differing)
-            found = first_difference({name: weights[name] for name in differing}, held, ("trainer", label))
+            found = first_difference({name: weights[name] for name in differing}, held, ("trainer", "engine"))
             found = found or f"{differing[0]}: its checksum differs, its values read back equal (dtype?)"
         raise WeightMismatch(f"{when}: {label} weights differ from the trainer's at {found}")
     return weights_digest(weights)

@@ -56,7 +56,8 @@ class Client:
         return self._session
 
     async def call(self, method: str, url: str, body: Any = None, timeout_s: float | None = None) -> tuple[int, Any]:
-        """(status, the answer's JSON, or its text when it is not JSON); Retryable when another attempt may do."""
+        """(status, the answer's JSON, or its text when it is not JSON); Retryable when another attempt may do.
+        `body` is sent as JSON, or as it is when it is bytes already."""
         import aiohttp
         import orjson
 
@@ -64,7 +65,9 @@ class Client:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         async with self._slots:
             try:
-                async with session.request(method, url, json=body, timeout=timeout) as response:
+                data = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
+                    else {"json": body}
+                async with session.request(method, url, timeout=timeout, **data) as response:
                     raw = await response.read()
                     status = response.status
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -151,12 +151,6 @@ def server_command(config, host: str, port: int) -> list[str]:
 
 def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1") -> Process:
     """Start one server; `wait_server` says where it listens once it answers."""
-    if config.rollout.sglang_server == "sglang":
-        import importlib.util
-
-        if importlib.util.find_spec("sglang") is None:
-            raise BadInput('the sglang package is not installed here (pip install "sglang[all]"); '
-                           'sglang_server = "rlbench" starts rlbench serve instead', field="rollout.sglang_server")
     port = 0 if config.rollout.sglang_server == "rlbench" else free_port()
     proc = start_process(f"server-{index}", server_command(config, host, port), logs, stdout=subprocess.PIPE)
     if port:

@@ -1,0 +1,79 @@
+"""Servers a run starts itself, and all of them dying: the run stops with exit 2 and one line, its
+committed steps intact and nothing of the failed step recorded; Ctrl-C stops it too; each time no
+process the run started is left behind; `--resume` starts new servers and finishes the run with
+the checksums of a run that was never disturbed."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlbench.config import apply_overrides
+from rlbench.core.loop import run
+from rlbench.rundir.directory import read_run
+from tests.conftest import cli, small_toml
+
+
+@pytest.fixture
+def reference(small_config, tmp_path) -> Path:
+    out = tmp_path / "reference"
+    run(apply_overrides(small_config, out=str(out)))
+    return out
+
+
+def _checksums(run_dir: Path) -> bytes:
+    return (run_dir / "checksums.jsonl").read_bytes()
+
+
+def _tagged(tag: str) -> list[int]:
+    """Processes (other than this one) that inherited RLBENCH_TEST_TAG=tag: what the run started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RLBENCH_TEST_TAG={tag}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def test_every_server_dead_stops_the_run_then_resume_finishes_it(tmp_path, reference, monkeypatch):
+    """Servers the run starts itself (one `rlbench serve` behind a router it starts): the server dies at
+    step 1's fourth request (a failpoint in it). No engine answers: exit 2, one line, step 0 committed
+    and readable, nothing of step 1 recorded, nothing left running. Resumed, Ctrl-C after step 1:
+    stopped, its steps kept, nothing left running. Resumed again: the reference run's checksums."""
+    from rlbench.replay.resume import resume
+
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("RLBENCH_TEST_TAG", tag)  # inherited by every process the run starts
+    (tmp_path / "s.toml").write_text(small_toml(3))
+    out = tmp_path / "run"
+    monkeypatch.setenv("RLBENCH_FAILPOINT", "serve.generate@12")  # the server's 12th /generate: step 1's 4th
+    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--sglang-server", "rlbench",
+              "--out", str(out), "--json")
+    monkeypatch.delenv("RLBENCH_FAILPOINT")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rlbench: error: no SGLang server answers: http://127.0.0.1:"), lines[0]
+    assert read_run(out).steps == [0] and not list((out / "rollouts").glob("000001*"))
+    assert _tagged(tag) == []
+
+    def interrupt(state):
+        if state.step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        resume(out, on_step=interrupt)
+    assert read_run(out).steps == [0, 1]
+    assert _tagged(tag) == []
+
+    res = cli("run", "--resume", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    assert _checksums(out) == _checksums(reference)
+    assert _tagged(tag) == []
