@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 
 from rlbench.backends.sglang import wire
 from rlbench.core.types import GenerateRequest
@@ -44,15 +44,15 @@ def build_app(state) -> FastAPI:
 
     @app.exception_handler(wire.RequestError)
     async def refused(_request: Request, exc: wire.RequestError):
-        return ORJSONResponse(exc.body, status_code=exc.status)
+        return _json_response(exc.body, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError):
-        return ORJSONResponse(wire.envelope_error(str(exc)).body, status_code=400)
+        return _json_response(wire.envelope_error(str(exc)).body, status_code=400)
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, exc: Exception):  # a bug in rlbench serve: said as such, the server lives on
-        return ORJSONResponse({"error": {"message": f"internal error: {exc.__class__.__name__}: {exc}"}},
+        return _json_response({"error": {"message": f"internal error: {exc.__class__.__name__}: {exc}"}},
                               status_code=500)
 
     async def healthy(_request: Request) -> Response:
@@ -66,9 +66,9 @@ def build_app(state) -> FastAPI:
     for path in ("/health", "/health_generate"):
         app.get(path)(healthy)
     for path in ("/server_info", "/get_server_info"):
-        app.get(path)(lambda: ORJSONResponse(state.server_info()))
+        app.get(path)(lambda: _json_response(state.server_info()))
     for path in ("/model_info", "/get_model_info"):
-        app.get(path)(lambda: ORJSONResponse(state.model_info()))
+        app.get(path)(lambda: _json_response(state.model_info()))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
@@ -81,7 +81,7 @@ def build_app(state) -> FastAPI:
         latency = time.perf_counter() - started
         items = [_answer(state, req, res, rid, call, skip, latency)
                  for req, res, rid, skip in zip(call.requests, results, call.rids, call.skip_special_tokens)]
-        return ORJSONResponse(items if call.batched else items[0])
+        return _json_response(items if call.batched else items[0])
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -94,12 +94,12 @@ def build_app(state) -> FastAPI:
         try:
             message = await state.worker.call(state.load_weights, path)
         except BadInput as exc:
-            return ORJSONResponse({"success": False, "message": f"Failed to update weights: {exc}",
+            return _json_response({"success": False, "message": f"Failed to update weights: {exc}",
                                    "num_paused_requests": 0}, status_code=400)
         if version is not None:
             state.weight_version = version
             message += f". Weight version updated to {version}."
-        return ORJSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+        return _json_response({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -110,10 +110,10 @@ def build_app(state) -> FastAPI:
         body = await _json(request)
         action = body.get("action", "checksum") if isinstance(body, dict) else None
         if action != "checksum":
-            return ORJSONResponse({"success": False, "message": f"Unsupported action={action!r}: rlbench serve "
+            return _json_response({"success": False, "message": f"Unsupported action={action!r}: rlbench serve "
                                    "answers action=checksum only"}, status_code=400)
         payload = await state.worker.call(weights_payload, state)
-        return ORJSONResponse({"success": True, "message": f"checksum of {len(payload['checksums'])} tensors",
+        return _json_response({"success": True, "message": f"checksum of {len(payload['checksums'])} tensors",
                                "payload": payload})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -126,7 +126,7 @@ def build_app(state) -> FastAPI:
         params = dict(state.engine.model.named_parameters())
         if name not in params:
             raise wire.value_error("Get parameter by name failed")
-        return ORJSONResponse(await state.worker.call(lambda: params[name].detach().float().cpu()[:size].tolist()))
+        return _json_response(await state.worker.call(lambda: params[name].detach().float().cpu()[:size].tolist()))
 
     return app
 
@@ -166,3 +166,10 @@ def _answer(state, req: GenerateRequest, res, rid: str, call: wire.GenerateCall,
         meta["input_token_logprobs"] = []
     return {"text": state.tokenizer.decode(list(res.output_ids), skip_special_tokens=skip),
             "output_ids": list(res.output_ids), "meta_info": meta}
+
+
+def _json_response(content: Any, status_code: int = 200) -> Response:
+    """orjson's bytes (as SGLang answers; FastAPI's own ORJSONResponse is deprecated)."""
+    import orjson
+
+    return Response(content=orjson.dumps(content), status_code=status_code, media_type="application/json")
