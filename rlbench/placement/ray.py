@@ -165,10 +165,13 @@ class ServerActor:
             client.close()
 
     def stop(self) -> None:
+        import shutil
+
         from rlbench.backends.sglang.fleet import stop_processes
 
         if getattr(self, "proc", None) is not None:
             stop_processes([self.proc])
+            shutil.rmtree(self.logs, ignore_errors=True)
             self.proc = None
 
 

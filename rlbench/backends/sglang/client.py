@@ -40,8 +40,17 @@ class Client:
         self._slots: asyncio.Semaphore | None = None
 
     def run(self, work: Coroutine) -> Any:
-        """Run a coroutine of this client to completion (from synchronous code)."""
-        return self._loop.run_until_complete(work)
+        """Run a coroutine of this client to completion (from synchronous code). Interrupted (Ctrl-C),
+        it cancels what is still in flight and waits for that before the interruption goes on."""
+        try:
+            return self._loop.run_until_complete(work)
+        except BaseException:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            raise
 
     async def _open(self):
         if self._session is None:
