@@ -64,7 +64,7 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
     if config is not None:
         for (section, backend), extra in _BACKEND_PACKAGES.items():
             trains = section != "train" or getattr(config, "mode", "full") != "rollout-only"
-            if trains and getattr(getattr(config, section), "backend", None) == backend:
+            if trains and getattr(getattr(config, section, None), "backend", None) == backend:
                 packages += extra
     found = {"python": sys.version.split()[0], "rlbench": __version__}
     for name in packages:

@@ -26,10 +26,12 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlbench.core.types import GenerateRequest, GenerateResult
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: a server actor never needs it
+    import torch
 
 
 # ---- what crosses between the driver and the actors ----------------------------------------------
@@ -151,8 +153,7 @@ class ServerActor:
         import ray
 
         from rlbench.backends.sglang.client import Client
-        from rlbench.backends.sglang.engine import _answers
-        from rlbench.backends.sglang.fleet import launch_server, make_logs, wait_server
+        from rlbench.backends.sglang.fleet import answers, launch_server, make_logs, wait_server
 
         config = _config(config_json)
         host = ray.util.get_node_ip_address()
@@ -160,7 +161,7 @@ class ServerActor:
         self.proc = launch_server(config, self.logs, index, host=host)
         client = Client(4, 30)
         try:
-            return wait_server(self.proc, lambda url: client.run(_answers(client, url)))
+            return wait_server(self.proc, lambda url: client.run(answers(client, url)))
         finally:
             client.close()
 

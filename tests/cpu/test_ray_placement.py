@@ -1,7 +1,10 @@
-"""`--placement ray`: the trainer and the rollout engine as Ray actors in one placement group give the
-in-process run's checksums, bit for bit, with the embedded engine in an actor and with an `rlbench
-serve` server started by an actor behind sglang-router. One local Ray instance for the module
-(`num_cpus=2`, no dashboard, `RAY_AUTH_MODE=disabled`, a private `RAY_TMPDIR`), shut down after it."""
+"""`--placement ray`: the trainer and the rollout engines as Ray actors in one placement group give
+the in-process run's checksums, bit for bit: a real local Ray instance (`num_cpus=2`, no dashboard,
+`RAY_AUTH_MODE=disabled`, a private `RAY_TMPDIR`, shut down after) places a trainer actor and a
+server actor (`rlbench serve`) behind sglang-router. The embedded-engine actor's path is held to
+the same bits without Ray's processes (each actor taking ~10 s to import torch): its actor classes
+are called in this process through the same proxies, so everything that crosses is packed and
+unpacked as it is between processes."""
 
 from __future__ import annotations
 
@@ -16,8 +19,6 @@ import pytest
 from rlbench.config import apply_overrides
 from rlbench.core.loop import run
 from rlbench.rundir.directory import read_run
-
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray instance: every test of the module on one worker
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +51,38 @@ def _same_run(got: Path, want: Path) -> None:
     assert strip == [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(want).metrics]
 
 
-def test_trainer_and_engine_as_actors_give_the_in_process_run(ray_instance, small_config, reference, tmp_path):
-    out = tmp_path / "ray"
+class _InProcess:
+    """Placement without Ray: an "actor" is its class, instantiated here; a method's `.remote()` calls it."""
+
+    def __init__(self, config):
+        self.users, self.bundles = 0, None
+
+    def make_group(self, bundles):
+        self.bundles = bundles
+
+    def actor(self, cls, bundle, resources, *args):
+        from types import SimpleNamespace
+
+        instance = cls(*args)
+        return SimpleNamespace(**{name: SimpleNamespace(remote=getattr(instance, name)) for name in dir(cls)
+                                  if not name.startswith("_")})
+
+    def release(self):
+        self.users -= 1
+
+    def close(self):
+        pass
+
+
+def test_trainer_and_engine_actor_classes_give_the_in_process_run(small_config, reference, tmp_path, monkeypatch):
+    from rlbench.placement import ray as placement
+
+    monkeypatch.setattr(placement, "Placement", _InProcess)
+    for proxy in (placement.RayTrainer, placement.RayEngine):
+        monkeypatch.setattr(proxy, "_get", lambda self, ref: ref)
+    out = tmp_path / "actors"
     run(apply_overrides(small_config, out=str(out), placement__backend="ray"))
     _same_run(out, reference)
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["config"]["placement"]["backend"] == "ray" and manifest["versions"]["ray"]
-    assert ray_instance.is_initialized()  # rlbench left the instance it did not start running
-    assert not ray_instance.util.placement_group_table() or all(
-        group["state"] == "REMOVED" for group in ray_instance.util.placement_group_table().values())
 
 
 def test_servers_started_by_actors_behind_the_router_give_the_in_process_run(ray_instance, small_config,
@@ -67,4 +91,8 @@ def test_servers_started_by_actors_behind_the_router_give_the_in_process_run(ray
     run(apply_overrides(small_config, out=str(out), placement__backend="ray", rollout__backend="sglang",
                         rollout__sglang_server="rlbench"))
     _same_run(out, reference)
-    assert len(json.loads((out / "manifest.json").read_text())["engines"]) == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["placement"]["backend"] == "ray" and manifest["versions"]["ray"]
+    assert len(manifest["engines"]) == 1
+    assert ray_instance.is_initialized()  # rlbench left running the instance it did not start
+    assert all(group["state"] == "REMOVED" for group in ray_instance.util.placement_group_table().values())

@@ -134,14 +134,13 @@ def test_the_client_sends_no_field_the_router_drops():
     comparison can fail: a `seed` in sampling_params, a field the router drops, does not arrive."""
     from rlbench.backends.sglang import wire
     from rlbench.backends.sglang.client import Client
-    from rlbench.backends.sglang.fleet import Fleet, make_logs, start_router
-    from rlbench.backends.sglang.engine import _registered
+    from rlbench.backends.sglang.fleet import Fleet, make_logs, registered, start_router
     from rlbench.core.types import GenerateRequest
 
     recorder, client = _Recorder(), Client(8, 60)
     fleet = Fleet(route=[], workers=[recorder.url], logs=make_logs())
     try:
-        start_router(fleet, lambda url: client.run(_registered(client, url)))
+        start_router(fleet, lambda url: client.run(registered(client, url)))
         sent = wire.request_body(GenerateRequest((1, 2, 3), 2**62 + 12345, 7, 0.7, (2, 9), 5, 0.9))
         answer = client.run(client.ok("POST", f"{fleet.router}/generate", sent))
         assert len(recorder.bodies) == 1 and _missing(sent, recorder.bodies[0]) == []

@@ -33,7 +33,8 @@ import torch
 
 from rlbench.backends.sglang import wire
 from rlbench.backends.sglang.client import Client, Retryable
-from rlbench.backends.sglang.fleet import Fleet, launch_server, make_logs, normalize_url, start_router, wait_server
+from rlbench.backends.sglang.fleet import (Fleet, answers, launch_server, make_logs, normalize_url, registered,
+                                           start_router, wait_server)
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
 
@@ -160,10 +161,10 @@ class SGLangEngine:
                 return data
             raise EngineUnavailable(f"{url}{path} failed {self.attempts} times")
 
-        answers = await asyncio.gather(*(one(url) for url in self.fleet.workers))
-        if any(a is None for a in answers):
+        replies = await asyncio.gather(*(one(url) for url in self.fleet.workers))
+        if any(reply is None for reply in replies):
             await self._drop_dead()
-        return [a for a in answers if a is not None]
+        return [reply for reply in replies if reply is not None]
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         if not self.verify:
@@ -214,7 +215,7 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
         if rollout.sglang_router_url:
             router = normalize_url(rollout.sglang_router_url, "rollout.sglang_router_url")
             fleet.router, fleet.route = router, [router]
-            fleet.workers = sorted(client.run(_registered(client, router)))
+            fleet.workers = sorted(client.run(registered(client, router)))
             if not fleet.workers:
                 raise EngineUnavailable(f"sglang-router {router} lists no healthy server (GET /workers)")
         else:
@@ -225,9 +226,9 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
             else:
                 procs = [launch_server(config, fleet.logs, i) for i in range(rollout.num_engines)]
                 fleet.processes.extend(procs)
-                fleet.workers = [wait_server(p, lambda url: client.run(_answers(client, url))) for p in procs]
+                fleet.workers = [wait_server(p, lambda url: client.run(answers(client, url))) for p in procs]
             if rollout.use_router:
-                start_router(fleet, lambda url: client.run(_registered(client, url)))
+                start_router(fleet, lambda url: client.run(registered(client, url)))
             else:
                 fleet.route = list(fleet.workers)
         engine.server_info = client.run(_server_info(client, fleet.workers))
@@ -235,23 +236,6 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
         engine.close()
         raise
     return engine
-
-
-async def _answers(client: Client, url: str) -> bool:
-    try:
-        status, _ = await client.call("GET", f"{url}/health_generate", timeout_s=30)
-    except Retryable:
-        return False
-    return status == 200
-
-
-async def _registered(client: Client, router: str) -> set[str]:
-    try:
-        status, data = await client.call("GET", f"{router}/workers", timeout_s=10)
-    except Retryable:
-        return set()
-    workers = data.get("workers", []) if status == 200 and isinstance(data, dict) else []
-    return {w["url"] for w in workers if isinstance(w, dict) and w.get("is_healthy", True) and "url" in w}
 
 
 async def _server_info(client: Client, workers: list[str]) -> dict[str, dict]:
@@ -262,5 +246,5 @@ async def _server_info(client: Client, workers: list[str]) -> dict[str, dict]:
         except Retryable as exc:
             raise EngineUnavailable(f"SGLang server {url} does not answer: {exc}") from None
 
-    answers = await asyncio.gather(*(one(url) for url in workers))
-    return dict(zip(workers, answers))
+    replies = await asyncio.gather(*(one(url) for url in workers))
+    return dict(zip(workers, replies))

@@ -216,9 +216,9 @@ def make_logs() -> Path:
     return Path(tempfile.mkdtemp(prefix="rlbench-sglang-"))
 
 
-def start_router(fleet: Fleet, registered: Callable[[str], set[str]]) -> None:
+def start_router(fleet: Fleet, listed: Callable[[str], set[str]]) -> None:
     """Start sglang-router in front of `fleet.workers` and wait until it has registered all of them
-    (`registered(router_url)`: the worker URLs it lists as healthy)."""
+    (`listed(router_url)`: the worker URLs it lists as healthy)."""
     port, metrics = free_port(), free_port()
     proc = start_process("router", router_command(fleet.workers, port, metrics), fleet.logs)
     fleet.processes.append(proc)
@@ -228,9 +228,32 @@ def start_router(fleet: Fleet, registered: Callable[[str], set[str]]) -> None:
         if not proc.alive():
             raise EngineUnavailable(f"sglang-router exited with code {proc.popen.returncode} "
                                     f"(its last lines: {proc.tail() or 'none'})")
-        if set(fleet.workers) <= registered(url):
+        if set(fleet.workers) <= listed(url):
             fleet.router, fleet.route = url, [url]
             return
         time.sleep(0.2)
     raise EngineUnavailable(f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
                             f"(its last lines: {proc.tail() or 'none'})")
+
+
+async def answers(client, url: str) -> bool:
+    """Does the server at `url` generate (GET /health_generate answers 200)?"""
+    from rlbench.backends.sglang.client import Retryable
+
+    try:
+        status, _ = await client.call("GET", f"{url}/health_generate", timeout_s=30)
+    except Retryable:
+        return False
+    return status == 200
+
+
+async def registered(client, router: str) -> set[str]:
+    """The servers `router` lists as healthy (GET /workers)."""
+    from rlbench.backends.sglang.client import Retryable
+
+    try:
+        status, data = await client.call("GET", f"{router}/workers", timeout_s=10)
+    except Retryable:
+        return set()
+    workers = data.get("workers", []) if status == 200 and isinstance(data, dict) else []
+    return {w["url"] for w in workers if isinstance(w, dict) and w.get("is_healthy", True) and "url" in w}
