@@ -114,9 +114,9 @@ class RolloutConfig:
     sglang_router_url: str | None = None  # an sglang-router someone else runs: its servers are its GET /workers
     external_engine_addrs: tuple[str, ...] = ()  # SGLang servers someone else runs (host:port or http://host:port)
     num_engines: int = 1  # else: the servers rlbench starts, and stops
-    sglang_server: Literal["sglang", "rlbench"] = "sglang"  # what rlbench starts: sglang.launch_server, or rlbench serve
+    sglang_server: Literal["sglang", "rlbench"] = "sglang"  # what rlbench starts: sglang.launch_server, rlbench serve
     use_router: bool = True  # false: no router; the client spreads requests over the servers and retries elsewhere
-    sglang: dict = field(default_factory=dict)  # --sglang-KEY VALUE: passed to the servers rlbench starts as --KEY VALUE
+    sglang: dict = field(default_factory=dict)  # --sglang-KEY VALUE: to the servers rlbench starts, as --KEY VALUE
     max_inflight: int = 256  # requests in flight at once
     request_timeout: float = 600.0  # seconds per HTTP request
     request_attempts: int = 5  # attempts of a request before the run stops (exit 2)
@@ -176,10 +176,9 @@ class RolloutConfig:
             normalize_url(addr)
         if self.sglang_router_url is not None:
             normalize_url(self.sglang_router_url, "rollout.sglang_router_url")
-
         owned = [k for k in self.sglang if k in OWNED[self.sglang_server]]
-        _check(not owned, "rollout.sglang", f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})",
-               owned)
+        _check(not owned, "rollout.sglang",
+               f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})", owned)
         _check(not (sglang and self.true_on_policy), "rollout.true_on_policy",
                "false with rollout.backend sglang (the server cannot run the trainer's forward)", self.true_on_policy)
 

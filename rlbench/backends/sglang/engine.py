@@ -39,7 +39,6 @@ from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
 
 
-
 class SGLangEngine:
     def __init__(self, config, fleet: Fleet, client: Client):
         rollout = config.rollout
@@ -150,7 +149,7 @@ class SGLangEngine:
         async def one(url: str):
             for attempt in range(self.attempts):
                 try:
-                    data = await self.client.ok(method, f"{url}{path}", body, timeout_s=self.config.rollout.request_timeout)
+                    data = await self.client.ok(method, f"{url}{path}", body)
                 except Retryable as exc:
                     if exc.unreachable:
                         return None
