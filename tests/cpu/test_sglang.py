@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from rlbench.core.loop import run
 from rlbench.errors import WeightMismatch
 from rlbench.rundir.directory import read_run
 from tests.conformance.test_sglang_api import *  # noqa: F401,F403 - the conformance tests, run against `fleet`
+from tests.conftest import tagged_processes
 
 # One xdist worker runs every test of this module (the conformance tests imported above too), so
 # the fleet is started once: `--dist loadgroup` (pyproject.toml) keeps a group on one worker.
@@ -42,14 +44,21 @@ def reference(small_config, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(small_config):
-    """Two `rlbench serve` workers and sglang-router in front of them (started as a run starts them)."""
+    """Two `rlbench serve` workers and sglang-router in front of them, started as a run starts them, and
+    stopped as a run that ends well stops them: afterwards, no process they started is left."""
     from rlbench.backends.sglang.engine import open_engine
 
-    engine = open_engine(_sglang(small_config, rollout__sglang_server="rlbench", rollout__num_engines=2))
+    tag = uuid.uuid4().hex
+    os.environ["RLBENCH_TEST_TAG"] = tag  # inherited by the processes started now
+    try:
+        engine = open_engine(_sglang(small_config, rollout__sglang_server="rlbench", rollout__num_engines=2))
+    finally:
+        del os.environ["RLBENCH_TEST_TAG"]
     try:
         yield engine.fleet
     finally:
         engine.close()
+    assert tagged_processes(tag) == []
 
 
 @pytest.fixture(scope="module")

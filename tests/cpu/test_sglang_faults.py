@@ -1,11 +1,11 @@
 """Servers a run starts itself, and all of them dying: the run stops with exit 2 and one line, its
 committed steps intact and nothing of the failed step recorded; `--resume` starts new servers and
 finishes the run with the checksums of a run that was never disturbed; Ctrl-C stops a run too;
-each time no process the run started is left behind."""
+each time no process the run started is left behind (and none after a clean stop either:
+test_sglang.py's fleet fixture checks that)."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import pytest
 from rlbench.config import apply_overrides
 from rlbench.core.loop import run
 from rlbench.rundir.directory import read_run
-from tests.conftest import cli, small_toml
+from tests.conftest import cli, small_toml, tagged_processes
 
 
 @pytest.fixture
@@ -26,21 +26,6 @@ def reference(small_config, tmp_path) -> Path:
 
 def _checksums(run_dir: Path) -> bytes:
     return (run_dir / "checksums.jsonl").read_bytes()
-
-
-def _tagged(tag: str) -> list[int]:
-    """Processes (other than this one) that inherited RLBENCH_TEST_TAG=tag: what the run started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RLBENCH_TEST_TAG={tag}".encode() in environ:
-            found.append(int(entry.name))
-    return found
 
 
 def test_every_server_dead_stops_the_run_then_resume_finishes_it(tmp_path, reference, monkeypatch):
@@ -63,7 +48,7 @@ def test_every_server_dead_stops_the_run_then_resume_finishes_it(tmp_path, refer
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert lines[0].startswith("rlbench: error: no SGLang server answers: http://127.0.0.1:"), lines[0]
     assert read_run(out).steps == [0] and not list((out / "rollouts").glob("000001*"))
-    assert _tagged(tag) == []
+    assert tagged_processes(tag) == []
 
     def interrupt(state):
         if state.step == 2:
@@ -73,4 +58,4 @@ def test_every_server_dead_stops_the_run_then_resume_finishes_it(tmp_path, refer
         resume(out, on_step=interrupt)
     assert read_run(out).steps == [0, 1, 2]
     assert _checksums(out) == _checksums(reference)
-    assert _tagged(tag) == []
+    assert tagged_processes(tag) == []
