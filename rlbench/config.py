@@ -90,9 +90,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """The rollout engine and its sampling parameters."""
+    """The rollout engine and its sampling parameters. `hf`: the embedded engine, in-process.
+    `sglang`: SGLang servers over HTTP (rlbench/backends/sglang/): an existing router
+    (`sglang_router_url`), servers someone else runs (`external_engine_addrs`, with a router rlbench
+    starts in front), or `num_engines` servers rlbench starts (`sglang_server`: sglang's own, or
+    `rlbench serve`) with `[rollout.sglang]` / `--sglang-*` passed through to them."""
 
-    backend: Literal["hf"] = "hf"
+    backend: Literal["hf", "sglang"] = "hf"
     n_samples_per_prompt: int = 16
     max_new_tokens: int = 4
     temperature: float = 1.0
@@ -107,9 +111,20 @@ class RolloutConfig:
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
     true_on_policy: bool = False
     custom_generate_function_path: str | None = None  # multi-turn / agentic rollouts (rlbench/core/generate.py)
+    sglang_router_url: str | None = None  # an sglang-router someone else runs: its servers are its GET /workers
+    external_engine_addrs: tuple[str, ...] = ()  # SGLang servers someone else runs (host:port or http://host:port)
+    num_engines: int = 1  # else: the servers rlbench starts, and stops
+    sglang_server: Literal["sglang", "rlbench"] = "sglang"  # what rlbench starts: sglang.launch_server, rlbench serve
+    use_router: bool = True  # false: no router; the client spreads requests over the servers and retries elsewhere
+    sglang: dict = field(default_factory=dict)  # --sglang-KEY VALUE: to the servers rlbench starts, as --KEY VALUE
+    max_inflight: int = 256  # requests in flight at once
+    request_timeout: float = 600.0  # seconds per HTTP request
+    request_attempts: int = 5  # attempts of a request before the run stops (exit 2)
+    verify_engine_weights: bool = True  # the weight-update check through /weights_checker (false for SGLang's own)
+    weights_dir: str | None = None  # where weight versions are written for the servers to load (default: a temp dir)
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("hf",), "rollout.backend", "one of: hf", self.backend)
+        _check(self.backend in ("hf", "sglang"), "rollout.backend", "one of: hf, sglang", self.backend)
         _number(self.n_samples_per_prompt, "rollout.n_samples_per_prompt", 1, 10_000, integer=True)
         _number(self.max_new_tokens, "rollout.max_new_tokens", 1, 100_000, integer=True)
         _number(self.temperature, "rollout.temperature", 0, 100)  # 0 = greedy
@@ -122,6 +137,70 @@ class RolloutConfig:
         _number(self.top_p, "rollout.top_p", 0, 1, open_low=True)  # 1 = off
         _check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
         _number(self.decode_batch_size, "rollout.decode_batch_size", 1, 100_000, integer=True)
+        self._check_sglang()
+
+    def _check_sglang(self) -> None:
+        _text(self.sglang_router_url, "rollout.sglang_router_url", optional=True)
+        _check(isinstance(self.external_engine_addrs, tuple) and all(
+            isinstance(a, str) and a and "\x00" not in a for a in self.external_engine_addrs),
+            "rollout.external_engine_addrs", "a list of host:port addresses", self.external_engine_addrs)
+        _number(self.num_engines, "rollout.num_engines", 1, 4096, integer=True)
+        _check(self.sglang_server in ("sglang", "rlbench"), "rollout.sglang_server", "sglang or rlbench",
+               self.sglang_server)
+        _check(isinstance(self.use_router, bool), "rollout.use_router", "true or false", self.use_router)
+        _number(self.max_inflight, "rollout.max_inflight", 1, 100_000, integer=True)
+        _number(self.request_timeout, "rollout.request_timeout", 0, 86_400, open_low=True)
+        _number(self.request_attempts, "rollout.request_attempts", 1, 100, integer=True)
+        _check(isinstance(self.verify_engine_weights, bool), "rollout.verify_engine_weights", "true or false",
+               self.verify_engine_weights)
+        _text(self.weights_dir, "rollout.weights_dir", optional=True)
+        _check(isinstance(self.sglang, dict) and all(
+            isinstance(k, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]*", k) and (
+                isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(isinstance(x, (str, int, float))
+                                                                                       for x in v)))
+            for k, v in self.sglang.items()), "rollout.sglang",
+            "server arguments as KEY = VALUE (KEY as on the server's command line, without --)", self.sglang)
+        sglang = self.backend == "sglang"
+        given = [name for name, on in (("sglang_router_url", self.sglang_router_url is not None),
+                                       ("external_engine_addrs", bool(self.external_engine_addrs))) if on]
+        _check(sglang or not given, f"rollout.{given[0] if given else ''}", "unset unless rollout.backend is sglang",
+               "set")
+        _check(len(given) < 2, "rollout.external_engine_addrs", "unset when rollout.sglang_router_url is set",
+               self.external_engine_addrs)
+        _check(not self.sglang or (sglang and not given), "rollout.sglang",
+               "no server arguments unless rlbench starts the servers (rollout.backend sglang, no router url, "
+               "no external addresses)", self.sglang)
+        from rlbench.backends.sglang.fleet import OWNED, normalize_url  # a module without heavy imports
+
+        for addr in self.external_engine_addrs:
+            normalize_url(addr)
+        if self.sglang_router_url is not None:
+            normalize_url(self.sglang_router_url, "rollout.sglang_router_url")
+        owned = [k for k in self.sglang if k in OWNED[self.sglang_server]]
+        _check(not owned, "rollout.sglang",
+               f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})", owned)
+        _check(not (sglang and self.true_on_policy), "rollout.true_on_policy",
+               "false with rollout.backend sglang (the server cannot run the trainer's forward)", self.true_on_policy)
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where the pieces run. `local`: the trainer and the embedded engine in this process (the
+    servers rlbench starts as processes of this machine). `ray`: the trainer and the rollout engines
+    as Ray actors in one placement group, slime's shape (rlbench/placement/ray.py)."""
+
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None  # an existing cluster ("auto", "HOST:6379", "ray://HOST:10001"); none: start one
+    num_cpus: int | None = None  # the Ray instance rlbench starts: its logical CPUs (default: the machine's)
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("local", "ray"), "placement.backend", "local or ray", self.backend)
+        _text(self.ray_address, "placement.ray_address", optional=True)
+        if self.num_cpus is not None:
+            _number(self.num_cpus, "placement.num_cpus", 1, 100_000, integer=True)
+        _check(self.backend == "ray" or (self.ray_address is None and self.num_cpus is None),
+               "placement.ray_address", "unset unless placement.backend is ray (--placement ray)",
+               self.ray_address or self.num_cpus)
 
 
 @dataclass(frozen=True)
@@ -212,6 +291,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         _number(self.seed, "seed", 0, 2**63 - 1, integer=True)
@@ -254,7 +334,7 @@ class RunConfig:
 
 
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
-                    "reward": RewardConfig, "algo": AlgoConfig, "train": TrainConfig}
+                    "reward": RewardConfig, "algo": AlgoConfig, "train": TrainConfig, "placement": PlacementConfig}
 
 
 def _coerce(value: Any, default: Any, key: str) -> Any:
@@ -267,6 +347,10 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     elif isinstance(default, float):
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
+    elif default == ():  # a list of any length: strings (addresses)
+        _check(isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), key, "a list of strings",
+               value)
+        value = tuple(value)
     elif isinstance(default, tuple):
         _check(isinstance(value, (list, tuple)) and len(value) == len(default), key, f"a list of {len(default)}", value)
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
@@ -276,7 +360,7 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         _check(isinstance(value, dict), key, "a table", value)
     elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
         pass
-    elif default is None and key.endswith("seed"):
+    elif default is None and (key.endswith("seed") or key.endswith("num_cpus")):
         _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
         _text(value, key)
@@ -296,7 +380,7 @@ def _build(cls: type, table: dict, prefix: str, base_dir: Path) -> Any:
             kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{key}.", base_dir)
             continue
         value = _coerce(value, getattr(defaults, key), dotted)
-        if key in ("path", "tokenizer", "out", "rollouts") and isinstance(value, str):
+        if key in ("path", "tokenizer", "out", "rollouts", "weights_dir") and isinstance(value, str):
             value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
         kwargs[key] = value
     return cls(**kwargs)

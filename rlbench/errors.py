@@ -41,3 +41,8 @@ class NonFinite(BadInput):
 
 class WeightMismatch(Divergence):
     """After a weight sync the engine's weights are not the trainer's export (weight_check.py)."""
+
+
+class EngineUnavailable(RlbenchError):
+    """No rollout engine answers (every SGLang server dead or unreachable): the run stops, exit 2, its
+    committed steps intact for `--resume`."""

@@ -108,6 +108,21 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, process: 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def tagged_processes(tag: str) -> list[int]:
+    """Processes (other than this one) that inherited RLBENCH_TEST_TAG=tag: what the run started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RLBENCH_TEST_TAG={tag}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
 # The hostile-input sweep (tests/cpu/test_sweep.py) counts what it tried; each xdist worker adds its counts to a
 # file under the session's base temporary directory, and the controller prints their sum at the end.
 def record_sweep(**counts: int) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -33,6 +32,7 @@ from rlbench.backends.sampling import RequestNoise, SamplingRows, choose
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput
+from rlbench.rundir.digest import tensor_digests
 
 DECODES = ("batched", "per-sample")
 PROMPT_BUCKET = 32  # prompt widths are rounded up to a multiple of this: fewer distinct shapes
@@ -241,13 +241,12 @@ class HFEngine:
         load_named_(self.model, dict(weights), source=f"engine {self.engine_id} weight update")
         self.weight_version = version
 
-    def update_weights_from_disk(self, path: Path, version: int) -> None:
-        from safetensors.torch import load_file
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        return {self.engine_id: tensor_digests(named_weights(self.model))}
 
-        self.update_weights(load_file(str(path), device=self.device), version)
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return named_weights(self.model)
+    def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        weights = named_weights(self.model)
+        return {name: weights[name] for name in names if name in weights}
 
     def close(self) -> None:
         pass

@@ -22,9 +22,10 @@ steps may be at most `max_ratio` times the golden's (Megatron-LM compares iterat
 Both tiers refuse a run whose configuration identity differs from the golden's: a golden file
 is one configuration's curve. The identity is the resolved config without its I/O settings
 (out, steps, record, checkpoint_every, rollouts) and placement (device, threads, deterministic:
-the platform and determinism checks cover them), with file paths replaced by the sha256 of their
-contents, so a checkout elsewhere, a longer run or the same run on a GPU compares. Settings added
-later (tp, dp, [train.megatron]) count only when set, so older files keep their identity.
+the platform and determinism checks cover them; [placement]; how requests reach SGLang servers),
+with file paths replaced by the sha256 of their contents, so a checkout elsewhere, a longer run or
+the same run on a GPU compares. Settings added later (tp, dp, [train.megatron], [rollout.sglang])
+count only when set, so older files keep their identity.
 
 Megatron-LM golden values files (`{"lm loss": {"start_step": 1, ...}}`, no header) are read as
 golden input too: approx tier only, metric names mapped with `rename`, and Megatron's iteration
@@ -51,13 +52,18 @@ SCHEMA = "rlbench.golden/1"
 # A run records the versions of the packages it used (rlbench/core/context.py `versions`). The exact
 # tier needs them equal, except these, recorded only: rlbench's own changes are what the golden check is
 # there to catch, and the others store or route values without computing them.
-RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router")
+RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router", "ray")
 # Left out of the configuration identity: I/O settings, and placement (device, threads, deterministic),
 # which the exact tier checks as platform and determinism settings and the approx tier compares across.
-IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic")
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic",
+           "placement")
+# How requests reach the SGLang servers and how many there are: a request's result does not depend on
+# them (its seed travels with it), so they are left out too.
+TRANSPORT_KEYS = ("sglang_router_url", "external_engine_addrs", "num_engines", "sglang_server", "use_router",
+                  "max_inflight", "request_timeout", "request_attempts", "verify_engine_weights", "weights_dir")
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.
-LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}}
+LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}, ("rollout", "sglang"): {}}
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 KINDS = ("exact", "approx", "median")
 TIERS = ("exact", "approx")
@@ -376,6 +382,8 @@ def config_identity(manifest: dict) -> dict:
     config = json.loads(json.dumps(manifest.get("config", {})))
     for key in IO_KEYS:
         config.pop(key, None)
+    for key in TRANSPORT_KEYS:
+        config.get("rollout", {}).pop(key, None)
     for path, neutral in LATER_KEYS.items():
         *parents, key = path
         table = config

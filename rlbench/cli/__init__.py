@@ -6,6 +6,7 @@ error, 130 Ctrl-C.
     __init__.py   the app, the consoles and options every command shares, main() (errors -> exit codes)
     runs.py       run, replay, diff, import slime
     checks.py     check logprobs / tito / golden, golden update
+    serve.py      serve: the embedded engine behind SGLang's native HTTP API
 """
 
 from __future__ import annotations
@@ -111,3 +112,4 @@ def _fail(message: str, code: int = 2, kind: str = "error") -> None:
 # Importing them registers their commands on `app`, in this order (the order of `rlbench --help`).
 from rlbench.cli import runs  # noqa: E402,F401
 from rlbench.cli import checks  # noqa: E402,F401
+from rlbench.cli import serve  # noqa: E402,F401

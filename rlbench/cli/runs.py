@@ -29,6 +29,17 @@ class Mode(str, Enum):
 
 class RolloutBackend(str, Enum):
     hf = "hf"
+    sglang = "sglang"
+
+
+class SGLangServer(str, Enum):
+    sglang = "sglang"
+    rlbench = "rlbench"
+
+
+class Placement(str, Enum):
+    local = "local"
+    ray = "ray"
 
 
 class TrainerBackend(str, Enum):
@@ -77,8 +88,9 @@ def _render_summary(summary: dict) -> None:
     stdout.print(table)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
+    ctx: typer.Context,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config.py); CLI options override it.")] = None,
     seed: Annotated[Optional[int], typer.Option(help=f"Master seed; every random draw is derived from it. \\[default: {_DEFAULT.seed}]", min=0)] = None,
     steps: Annotated[Optional[int], typer.Option(help=f"Number of steps (rollout ids). \\[default: {_DEFAULT.steps}]", min=1)] = None,
@@ -86,7 +98,13 @@ def run(
     mode: Annotated[Optional[Mode], typer.Option(help=f"full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine. \\[default: {_DEFAULT.mode}]")] = None,
     rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
-    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option(help=f"Rollout engine. hf: embedded transformers, in-process. \\[default: {_DEFAULT.rollout.backend}]")] = None,
+    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option("--rollout-backend", "--rollout", help=f"Rollout engine. hf: embedded transformers, in-process. sglang: SGLang servers over their native HTTP API, through sglang-router (pip install '.\\[router]'). \\[default: {_DEFAULT.rollout.backend}]")] = None,
+    external_engine_addrs: Annotated[Optional[str], typer.Option("--rollout-external-engine-addrs", help="sglang: servers rlbench does not own, host:port[,host:port...]; rlbench starts sglang-router in front of them.")] = None,
+    sglang_router_url: Annotated[Optional[str], typer.Option("--sglang-router-url", help="sglang: an sglang-router someone else runs (its servers: GET /workers); rlbench starts nothing.")] = None,
+    num_engines: Annotated[Optional[int], typer.Option("--rollout-num-engines", help=f"sglang: how many servers rlbench starts (and stops), behind a router it starts. \\[default: {_DEFAULT.rollout.num_engines}]", min=1)] = None,
+    sglang_server: Annotated[Optional[SGLangServer], typer.Option("--sglang-server", help=f"sglang: what rlbench starts. sglang: python -m sglang.launch_server (every other --sglang-KEY VALUE is passed to it as --KEY VALUE). rlbench: rlbench serve, the embedded engine behind the same API. \\[default: {_DEFAULT.rollout.sglang_server}]")] = None,
+    placement: Annotated[Optional[Placement], typer.Option("--placement", help=f"local: this process (and the processes it starts). ray: the trainer and the rollout engines as Ray actors in one placement group (pip install '.\\[ray]'). \\[default: {_DEFAULT.placement.backend}]")] = None,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="ray: an existing Ray cluster (auto, HOST:6379 or ray://HOST:10001). \\[default: start a local Ray instance]")] = None,
     trainer_backend: Annotated[Optional[TrainerBackend], typer.Option("--trainer-backend", "--trainer", help=f"Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip install '.\\[megatron]'); \\[train.megatron] in --config passes through to its TransformerConfig. \\[default: {_DEFAULT.train.backend}]")] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", help=f"megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs). \\[default: {_DEFAULT.tp}]", min=1)] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help=f"megatron: data-parallel ranks. \\[default: {_DEFAULT.dp}]", min=1)] = None,
@@ -104,12 +122,19 @@ def run(
     """
     from rlbench.config import load_config
 
+    sglang_args = _sglang_args(ctx.args)
     if resume is not None:
         given = [name for name, value in (("--config", config), ("--seed", seed), ("--steps", steps), ("--out", out),
                                           ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
                                           ("--threads", threads), ("--custom-rm-path", custom_rm_path),
                                           ("--trainer", trainer_backend), ("--tp", tp), ("--dp", dp),
-                                          ("--deterministic", deterministic or None))
+                                          ("--deterministic", deterministic or None),
+                                          ("--rollout", rollout_backend),
+                                          ("--rollout-external-engine-addrs", external_engine_addrs),
+                                          ("--sglang-router-url", sglang_router_url),
+                                          ("--rollout-num-engines", num_engines), ("--sglang-server", sglang_server),
+                                          ("--placement", placement), ("--ray-address", ray_address),
+                                          ("--sglang-*", sglang_args or None))
                  if value is not None]
         if given:
             raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
@@ -125,8 +150,17 @@ def run(
                       rollouts=str(rollouts) if rollouts else None,
                       record=False if no_record else None,
                       rollout__backend=rollout_backend.value if rollout_backend else None,
+                      rollout__external_engine_addrs=tuple(a.strip() for a in external_engine_addrs.split(",") if
+                                                           a.strip()) if external_engine_addrs is not None else None,
+                      rollout__sglang_router_url=sglang_router_url, rollout__num_engines=num_engines,
+                      rollout__sglang_server=sglang_server.value if sglang_server else None,
+                      placement__backend=placement.value if placement else None, placement__ray_address=ray_address,
                       train__backend=trainer_backend.value if trainer_backend else None,
                       reward__custom_rm_path=custom_rm_path)
+    if sglang_args:
+        from rlbench.config import apply_overrides
+
+        cfg = apply_overrides(cfg, rollout__sglang={**cfg.rollout.sglang, **sglang_args})
     if rollouts is not None:
         from rlbench.replay.replay import recorded_overrides, train_only_config
 
@@ -148,6 +182,23 @@ def run(
     for note in notes:  # after the run: bad input stays one line
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     _render_summary(_summary(result))
+
+
+def _sglang_args(args: list[str]) -> dict:
+    """`--sglang-KEY VALUE` (or a bare `--sglang-KEY` flag) from the arguments typer did not know;
+    anything else there is an unknown option, as typer would have said."""
+    out, i = {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--sglang-") or len(arg) == len("--sglang-"):
+            raise BadInput(f"no such option: {arg}" if arg.startswith("-") else f"unexpected argument {arg!r}",
+                           field="rlbench run")
+        key, _, value = arg[len("--sglang-"):].partition("=")
+        if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, i = args[i + 1], i + 1
+        out[key] = value or True
+        i += 1
+    return out
 
 
 @contextmanager

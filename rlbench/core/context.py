@@ -33,7 +33,8 @@ from rlbench.rundir.directory import SCHEMA, RunDir, RunWriter, read_run
 STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
 # The packages whose versions a run records: those it used. Every run uses these; a backend adds its own.
 _PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
-_BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router")}
+_BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router"),
+                     ("placement", "ray"): ("ray",)}
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Context:
     generate_fn: Callable | None = None
     generate_name: str = ""
     generate_env: object | None = None
+    model_weights: dict | None = None  # the weights the model was built with, until the first sync checks them
 
 
 def versions(config: RunConfig | None = None) -> dict[str, str | None]:
@@ -62,7 +64,7 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
     if config is not None:
         for (section, backend), extra in _BACKEND_PACKAGES.items():
             trains = section != "train" or getattr(config, "mode", "full") != "rollout-only"
-            if trains and getattr(getattr(config, section), "backend", None) == backend:
+            if trains and getattr(getattr(config, section, None), "backend", None) == backend:
                 packages += extra
     found = {"python": sys.version.split()[0], "rlbench": __version__}
     for name in packages:
@@ -140,6 +142,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
         if int(config.device.partition(":")[2] or 0) >= torch.cuda.device_count():
             raise BadInput(f"{config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
                            field="device")
+    _check_installed(config)
     determinism = configure_determinism(config.threads, config.device, config.deterministic)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = load_tokenizer(config.model.tokenizer)
@@ -174,23 +177,19 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     _initial_weights(model, source)
     initial_digest = weights_digest(named_weights(model))
 
-    from rlbench.backends.hf_engine import HFEngine
-    from rlbench.backends.torch_trainer import TorchTrainer
-
-    trainer = None
-    if config.mode in ("full", "train-only") and config.train.backend == "megatron":
-        from rlbench.backends.megatron.trainer import MegatronTrainer
-
-        trainer = MegatronTrainer(model, config)  # checks its settings, starts its rank processes
-    elif config.mode in ("full", "train-only"):
-        trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
-    if trainer is not None:
+    model_weights = None
+    if config.mode == "full" and start == 0:  # what the trainer's first export must equal (loop.first_sync)
+        model_weights = {name: tensor.clone() for name, tensor in named_weights(model).items()}
+    if init_checkpoint is not None and not (Path(init_checkpoint) / "state.json").is_file():
+        raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)
+    trainer = engine = None
+    if config.placement.backend == "local" and config.mode in ("full", "train-only"):
+        trainer = _local_trainer(config, model)
         if init_checkpoint is not None:
-            if not (Path(init_checkpoint) / "state.json").is_file():
-                raise BadInput("not a checkpoint (no state.json)", path=init_checkpoint)
             trainer.load_checkpoint(Path(init_checkpoint))
-    engine = None
-    if config.mode != "train-only":
+    if config.placement.backend == "local" and config.mode != "train-only" and config.rollout.backend == "hf":
+        from rlbench.backends.hf_engine import HFEngine
+
         engine = HFEngine(model, device=config.device, true_on_policy=config.rollout.true_on_policy,
                           decode=config.rollout.decode, batch_size=config.rollout.decode_batch_size)
         engine.weight_version = start
@@ -221,17 +220,26 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     if source is not None:
         manifest["source"] = {"run": str(source.root), "steps": len(source.steps),
                               "created": source.manifest.get("created")}
-    manifest = json.loads(json.dumps(manifest))  # JSON-normal form (tuples become lists), as read back
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     prompt_ids = _encode_prompts(tokenizer, dataset, positions - config.rollout.max_new_tokens, config.data.path)
-    writer = None
-    if config.out:
-        writer = RunWriter(Path(config.out), None if resume else manifest, record=config.record)
     cursor = None if source is not None else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step,
                                                            config.data.shuffle)
+    writer = None
+    try:  # the processes, actors and servers started from here on are stopped again if anything fails
+        trainer, engine = _remote_backends(config, model, start, init_checkpoint, trainer, engine)
+        if engine is not None and hasattr(engine, "server_info"):
+            manifest["engines"] = engine.server_info
+        manifest = json.loads(json.dumps(manifest))  # JSON-normal form (tuples become lists), as read back
+        if config.out:
+            writer = RunWriter(Path(config.out), None if resume else manifest, record=config.record)
+    except BaseException:
+        for backend in (engine, trainer):
+            if backend is not None:
+                backend.close()
+        raise
     context = Context(config, tokenizer, dataset, cursor, prompt_ids, (tokenizer.eos_token_id,), engine, trainer,
                       reward_name, reward_fn, writer, manifest, config.rollout.n_samples_per_prompt,
-                      generate_fn, generate_name)
+                      generate_fn, generate_name, model_weights=model_weights)
     if generate_fn is not None:
         from rlbench.core.generate import GenerateEnv
 
@@ -239,3 +247,49 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
                                            config.rollout.temperature, context.stop_token_ids,
                                            config.rollout.top_k, config.rollout.top_p)
     return context
+
+
+def _check_installed(config: RunConfig) -> None:
+    """What `config` needs is installed here: say so before anything is loaded or started."""
+    import importlib.util
+
+    rollout = config.rollout
+    needs = []
+    if rollout.backend == "sglang" and config.mode != "train-only":
+        needs.append(("aiohttp", "rollout.backend", "pip install '.[router]'"))
+        if rollout.use_router and not rollout.sglang_router_url:
+            needs.append(("sglang_router", "rollout.use_router", "pip install '.[router]'"))
+        if not (rollout.sglang_router_url or rollout.external_engine_addrs):
+            needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
+                          "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
+                         else ("fastapi", "rollout.sglang_server", "pip install '.[serve]'"))
+    if config.placement.backend == "ray":
+        needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
+    for module, field, how in needs:
+        if importlib.util.find_spec(module) is None:
+            raise BadInput(f"the {module} package is not installed here ({how})", field=field)
+
+
+def _local_trainer(config: RunConfig, model):
+    """The trainer in this process (the megatron trainer's other ranks are processes it starts)."""
+    if config.train.backend == "megatron":
+        from rlbench.backends.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(model, config)  # checks its settings, starts its rank processes
+    from rlbench.backends.torch_trainer import TorchTrainer
+
+    return TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
+
+
+def _remote_backends(config: RunConfig, model, start: int, init_checkpoint: Path | None, trainer, engine):
+    """The backends that live outside this process: Ray actors (`--placement ray`) and SGLang servers.
+    Started last, once every input has been checked."""
+    if config.placement.backend == "ray":
+        from rlbench.placement.ray import place
+
+        return place(config, model, start, init_checkpoint)
+    if config.mode != "train-only" and config.rollout.backend == "sglang":
+        from rlbench.backends.sglang.engine import open_engine
+
+        engine = open_engine(config)
+    return trainer, engine

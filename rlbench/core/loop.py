@@ -29,7 +29,7 @@ from rlbench.errors import BadInput, Divergence, NonFinite
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS
 from rlbench.rundir.failpoints import hit
-from rlbench.rundir.digest import tensors_digest, weights_digest
+from rlbench.rundir.digest import tensor_digests, tensors_digest, weights_digest
 
 
 class Diverged(Divergence):
@@ -201,27 +201,25 @@ def train(ctx: Context, state: StepState) -> None:
     state.checksums["grads"] = stats.grads_digest
     state.checksums["weights"] = weights_digest(weights)
     state.extra["param_digests"] = {"grads": stats.param_grads,
-                                    "weights": {n: tensors_digest({n: t}) for n, t in weights.items()}}
+                                    "weights": tensor_digests(weights)}
 
 
 def sync(ctx: Context, state: StepState) -> None:
     weights = ctx.trainer.export_hf_weights()
     ctx.engine.update_weights(weights, version=state.step + 1)
-    engine_weights = ctx.engine.export_weights()
-    weight_check.check(weights, engine_weights, f"step {state.step}, sync")
-    state.checksums["engine_weights"] = weights_digest(engine_weights)
+    state.checksums["engine_weights"] = weight_check.check_engine(ctx.engine, weights, f"step {state.step}, sync")
 
 
 def first_sync(ctx: Context, start: int) -> None:
     """Before the first step the engine takes the trainer's weights (on resume the trainer holds a
-    checkpoint the engine has not seen). At step 0 the weights the engine loaded from the model are
-    the reference the trainer's export must equal (weight_check.py)."""
-    loaded = {k: v.clone() for k, v in ctx.engine.export_weights().items()} if start == 0 else None
+    checkpoint the engine has not seen). At step 0 the weights the model was built with are the
+    reference the trainer's export must equal (weight_check.py)."""
     weights = ctx.trainer.export_hf_weights()
-    if loaded is not None:
-        weight_check.check(loaded, weights, "before step 0, first sync", labels=("model", "trainer"))
+    if ctx.model_weights is not None:
+        weight_check.check(ctx.model_weights, weights, "before step 0, first sync", labels=("model", "trainer"))
+        ctx.model_weights = None
     ctx.engine.update_weights(weights, version=start)
-    weight_check.check(weights, ctx.engine.export_weights(), f"before step {start}, first sync")
+    weight_check.check_engine(ctx.engine, weights, f"before step {start}, first sync")
 
 
 def verify(expected: dict[str, str], state: StepState) -> None:

@@ -27,13 +27,16 @@ class RolloutEngine(Protocol):
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]: ...
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """In-process push of Hugging Face-named tensors (the embedded engine)."""
+        """Take Hugging Face-named tensors as weight version `version` (in-process: copied into the
+        model; SGLang: written to disk, then /update_weights_from_disk on every server)."""
 
-    def update_weights_from_disk(self, path: Path, version: int) -> None:
-        """Load a safetensors file of Hugging Face-named tensors (SGLang: /update_weights_from_disk)."""
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """For each copy of the weights the engine holds (one in-process, one per server), its id ->
+        tensor name -> sha256 of (name, dtype, shape, bytes) (rundir/digest.py): what the weight-update
+        check compares with the trainer's export."""
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The engine's current weights under Hugging Face names, for the `engine_weights` checksum."""
+    def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The named tensors of one copy, to show where a checksum differs."""
 
     def close(self) -> None: ...
 

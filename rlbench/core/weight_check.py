@@ -7,8 +7,11 @@ first export must equal the weights the engine loaded from the model itself: the
 initialised from those same weights, so a conversion that is wrong one way (a fused QKV or
 gate/up split, a tied embedding) shows before a single step is trained.
 
-A mismatch raises WeightMismatch (exit 1) naming the first differing tensor, in the trainer's
-order, and its first differing element, with both values.
+An engine reports what it holds as one checksum per tensor for each copy of the weights (one
+in-process; one per SGLang server, which cannot hand the tensors over cheaply): a copy agrees when
+every name and checksum is the trainer's. Only where one differs are its tensors fetched, to name
+the place. A mismatch raises WeightMismatch (exit 1) naming the first differing tensor, in the
+trainer's order, and its first differing element, with both values.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from rlbench.errors import WeightMismatch
+from rlbench.rundir.digest import tensor_digests, weights_digest
 
 
 def _first_element(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -58,3 +62,23 @@ def check(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
     found = first_difference(expected, got, labels)
     if found is not None:
         raise WeightMismatch(f"{when}: {labels[1]} weights differ from the {labels[0]}'s at {found}")
+
+
+def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str) -> str:
+    """Every copy of the weights `engine` holds is `weights`, bit for bit; returns their digest (the
+    `engine_weights` checksum: the digest of what the engine holds, proven equal to `weights`)."""
+    want = tensor_digests(weights)
+    for holder, got in engine.weight_checksums().items():
+        if got == want:
+            continue
+        label = "engine" if holder == engine.engine_id else f"engine {holder}"
+        differing = [name for name in want if got.get(name) != want[name]]
+        extra = [name for name in got if name not in want]
+        if extra or any(name not in got for name in differing):
+            found = first_difference(want, got, ("trainer", "engine"))  # names only: the values are not needed
+        else:
+            held = engine.export_weights(holder, differing)
+            found = first_difference({name: weights[name] for name in differing}, held, ("trainer", "engine"))
+            found = found or f"{differing[0]}: its checksum differs, its values read back equal (dtype?)"
+        raise WeightMismatch(f"{when}: {label} weights differ from the trainer's at {found}")
+    return weights_digest(weights)

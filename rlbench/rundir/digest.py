@@ -29,6 +29,11 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, tor
     return digest.hexdigest()
 
 
+def tensor_digests(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each tensor's own digest, by name: what an engine reports of the weights it holds."""
+    return {name: tensors_digest({name: tensor}) for name, tensor in weights.items()}
+
+
 def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     """Digest of a state dict, by sorted name, so the order parameters were visited does not matter."""
     return tensors_digest(sorted(weights.items()))

@@ -24,6 +24,7 @@ POINTS = (
     "checkpoint.renamed",  # a checkpoint in place
     "resume.cut_back",  # resume: cut the directory back, nothing recomputed yet
     "claim.made",  # a new run directory made whole beside --out, not yet renamed into place
+    "serve.generate",  # rlbench serve: a /generate request read, before the engine sees it (a worker dying mid-step)
 )
 
 _armed: dict[str, int] = {}

@@ -14,7 +14,7 @@ import typer
 import rlbench.cli
 from tests.conftest import cli
 
-EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden"}
+EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config", "-c",
@@ -24,7 +24,13 @@ EXPECTED_RUN_OPTIONS = {
     "--mode",
     "--rollouts",
     "--resume",
-    "--rollout-backend",
+    "--rollout-backend", "--rollout",
+    "--rollout-external-engine-addrs",
+    "--sglang-router-url",
+    "--rollout-num-engines",
+    "--sglang-server",
+    "--placement",
+    "--ray-address",
     "--trainer-backend", "--trainer",
     "--tp",
     "--dp",
@@ -36,6 +42,10 @@ EXPECTED_RUN_OPTIONS = {
     "--json",
     "--debug",
 }
+
+EXPECTED_SERVE_OPTIONS = {"--model-path", "--tokenizer-path", "--host", "--port", "--random-seed", "--dtype", "--device",
+                          "--threads", "--decode", "--decode-batch-size", "--batch-wait-ms", "--weight-version",
+                          "--log-level", "--debug"}
 
 EXPECTED_GOLDEN_OPTIONS = {
     ("check", "golden"): {"--tier", "--ignore", "--tolerance", "--rename", "--plot", "--json", "--debug"},
@@ -62,6 +72,10 @@ def test_run_options_are_frozen():
     got = _option_names(_group().commands["run"])
     added, removed = sorted(got - EXPECTED_RUN_OPTIONS), sorted(EXPECTED_RUN_OPTIONS - got)
     assert got == EXPECTED_RUN_OPTIONS, f"{CHANGE_MESSAGE}: added {added}, removed {removed}"
+
+
+def test_serve_options_are_frozen():
+    assert _option_names(_group().commands["serve"]) == EXPECTED_SERVE_OPTIONS, CHANGE_MESSAGE
 
 
 @pytest.mark.parametrize("path", sorted(EXPECTED_GOLDEN_OPTIONS))

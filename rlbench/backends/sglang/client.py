@@ -1,0 +1,115 @@
+"""The HTTP client of SGLang's native API: aiohttp on an event loop of its own, driven synchronously.
+
+aiohttp rather than httpx: sglang-router already installs it (no new dependency), SGLang's own
+benchmark client uses it, and its connection pool keeps one keep-alive connection per in-flight
+request, which is what a few hundred concurrent /generate calls need. The loop calls the engine
+synchronously, so the client runs its own event loop with `run()`; the session and its connections
+live as long as the client.
+
+Bounded: at most `max_inflight` requests at a time (a semaphore, and the pool's own limit); each
+request times out after `timeout_s`. A request that fails in a way another attempt can mend
+(no connection, a timeout, 408, 429 or a 5xx) raises `Retryable`; any other status is the server
+refusing the request, BadInput naming the URL and its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from rlbench.errors import BadInput
+
+RETRY_STATUSES = {408, 429, 500, 502, 503, 504}  # what sglang-router itself retries
+
+
+class Retryable(Exception):
+    """This attempt failed, another (on another engine, or later) may not. `unreachable`: no
+    connection at all (refused, or dropped before an answer), which is how a dead server looks."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class Client:
+    def __init__(self, max_inflight: int = 256, timeout_s: float = 600.0):
+        self.max_inflight, self.timeout_s = max_inflight, timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._session = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def run(self, work: Coroutine) -> Any:
+        """Run a coroutine of this client to completion (from synchronous code). Interrupted (Ctrl-C),
+        it cancels what is still in flight and waits for that before the interruption goes on."""
+        try:
+            return self._loop.run_until_complete(work)
+        except BaseException:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            raise
+
+    async def _open(self):
+        if self._session is None:
+            import aiohttp
+            import orjson
+
+            self._slots = asyncio.Semaphore(self.max_inflight)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_inflight, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                json_serialize=lambda obj: orjson.dumps(obj).decode())
+        return self._session
+
+    async def call(self, method: str, url: str, body: Any = None, timeout_s: float | None = None) -> tuple[int, Any]:
+        """(status, the answer's JSON, or its text when it is not JSON); Retryable when another attempt may do.
+        `body` is sent as JSON, or as it is when it is bytes already."""
+        import aiohttp
+        import orjson
+
+        session = await self._open()
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        async with self._slots:
+            try:
+                data = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
+                    else {"json": body}
+                async with session.request(method, url, timeout=timeout, **data) as response:
+                    raw = await response.read()
+                    status = response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                unreachable = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                                               ConnectionError))
+                raise Retryable(f"{method} {url}: {exc.__class__.__name__}: {exc or 'timed out'}", unreachable) \
+                    from None
+        try:
+            data = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            data = raw.decode(errors="replace")
+        if status in RETRY_STATUSES:
+            raise Retryable(f"{method} {url}: {status} {str(data)[:200]}")
+        return status, data
+
+    async def ok(self, method: str, url: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        """The answer of a call that must succeed (2xx); another status is BadInput naming the URL."""
+        status, data = await self.call(method, url, body, timeout_s)
+        if not 200 <= status < 300:
+            raise BadInput(f"answered {status}: {str(data)[:300]}", path=url)
+        return data
+
+    async def alive(self, url: str, timeout_s: float = 5.0) -> bool:
+        """Does a server answer at all (any status, GET /model_info)? Only a refused or dropped
+        connection says no: a slow answer is a busy server, not a dead one."""
+        try:
+            await self.call("GET", f"{url}/model_info", timeout_s=timeout_s)
+        except Retryable as exc:
+            return not exc.unreachable
+        return True
+
+    def close(self) -> None:
+        if self._session is not None:
+            self.run(self._session.close())
+            self._session = None
+        self._loop.close()

@@ -1,0 +1,259 @@
+"""The SGLang servers a run generates with, and the sglang-router in front of them.
+
+Three ways to get them, in the order rlbench looks (config.py's [rollout] fields):
+
+- `sglang_router_url`: a router someone else runs; its servers are read from its `GET /workers`.
+  rlbench starts and stops nothing.
+- `external_engine_addrs`: servers someone else runs (slime's --rollout-external-engine-addrs).
+  rlbench starts a router in front of them (unless `use_router` is false: then the client spreads
+  requests over the servers itself) and stops only that.
+- otherwise rlbench starts `num_engines` servers itself: `python -m sglang.launch_server` per
+  engine (`sglang_server = "sglang"`, where the sglang package is installed) with every
+  `--sglang-*` argument passed through, or `rlbench serve` (`"rlbench"`: the embedded engine
+  behind the same API, with the run's model, seed and decode settings), and a router in front.
+
+What rlbench starts, it stops: each process leads a process group of its own, and `close()`
+sends the group SIGTERM, then SIGKILL after a grace period, on success, on error and on Ctrl-C
+(the loop's `finally`). Each child also gets SIGKILL from the kernel if rlbench dies without
+cleaning up (PR_SET_PDEATHSIG, Linux). Their output goes to log files in a temporary directory,
+whose last lines are quoted when a process fails to start; the directory goes with `close()`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from rlbench.errors import BadInput, EngineUnavailable
+
+STARTUP_TIMEOUT_S = 600.0  # a server loading a large model takes minutes
+ROUTER_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+# The server arguments rlbench sets itself, per server kind; a --sglang-* argument may not name them.
+OWNED = {"sglang": ("model-path", "tokenizer-path", "host", "port", "random-seed", "enable-deterministic-inference"),
+         "rlbench": ("model-path", "tokenizer-path", "host", "port", "random-seed", "dtype", "device", "threads",
+                     "decode", "decode-batch-size")}
+
+
+def normalize_url(addr: str, field: str = "rollout.external_engine_addrs") -> str:
+    """`host:port` or `http://host:port` as a base URL (slime's normalize_external_engine_addr)."""
+    url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    try:
+        parsed = urlparse(url)
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None:
+        raise BadInput(f"expected host:port or http://host:port (IPv6 in brackets), got {addr!r}", field=field)
+    return url
+
+
+@dataclass
+class Process:
+    """A process rlbench started: a process group of its own, its output in `log`."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str | None = None  # a server's, where known before it answers
+
+    def tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text[-lines:])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_process(name: str, command: list[str], logs: Path, env: dict | None = None,
+                  stdout: int | None = None) -> Process:
+    log = logs / f"{name.replace(' ', '-')}.log"
+    with open(log, "wb") as sink:
+        popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout or sink, stderr=sink,
+                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    return Process(name, popen, log)
+
+
+def stop_processes(processes: list[Process], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to each process group, SIGKILL to whatever is left after `grace_s`."""
+    def signal_group(proc: Process, sig: int) -> None:
+        try:
+            os.killpg(proc.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    for proc in processes:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        try:
+            proc.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+        signal_group(proc, signal.SIGKILL)  # the group's other members too (sglang's scheduler processes)
+        proc.popen.wait()
+        if proc.popen.stdout is not None:
+            proc.popen.stdout.close()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def passthrough(args: dict) -> list[str]:
+    """[rollout.sglang] / --sglang-KEY VALUE as the server's own --KEY VALUE (true: a bare flag)."""
+    out = []
+    for key, value in args.items():
+        if value is False or value is None:
+            continue
+        out.append(f"--{key}")
+        if value is not True:
+            out.extend(str(v) for v in value) if isinstance(value, (list, tuple)) else out.append(str(value))
+    return out
+
+
+def server_command(config, host: str, port: int) -> list[str]:
+    """The command that starts one server for the run `config` (a RunConfig) on host:port."""
+    rollout, model = config.rollout, config.model
+    if rollout.sglang_server == "rlbench":
+        return [sys.executable, "-m", "rlbench.cli", "serve", "--host", host, "--port", str(port),
+                "--model-path", model.path, "--tokenizer-path", model.tokenizer, "--random-seed", str(config.seed),
+                "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
+                "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
+                *passthrough(rollout.sglang)]
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model.path, "--tokenizer-path",
+            model.tokenizer, "--host", host, "--port", str(port), "--random-seed", str(config.seed),
+            # per-request sampling_seed takes effect only in this mode (sglang-api.md section 5)
+            "--enable-deterministic-inference", *passthrough(rollout.sglang)]
+
+
+def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1") -> Process:
+    """Start one server; `wait_server` says where it listens once it answers."""
+    port = 0 if config.rollout.sglang_server == "rlbench" else free_port()
+    proc = start_process(f"server-{index}", server_command(config, host, port), logs, stdout=subprocess.PIPE)
+    if port:
+        proc.url = f"http://{host}:{port}"
+    return proc
+
+
+def wait_server(proc: Process, probe: Callable[[str], bool], timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """The server's URL once `probe(url)` holds (its /health_generate answers 200)."""
+    import select
+
+    from rlbench.serve.server import LISTENING
+
+    deadline = time.monotonic() + timeout_s
+    url = proc.url
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise EngineUnavailable(f"SGLang {proc.name} exited with code {proc.popen.returncode} before it answered "
+                                    f"(its last lines: {proc.tail() or 'none'})")
+        if url is None:  # rlbench serve says where it listens on its first line
+            ready, _, _ = select.select([proc.popen.stdout], [], [], 0.5)
+            line = proc.popen.stdout.readline().decode(errors="replace") if ready else ""
+            if line.startswith(LISTENING):
+                url = line[len(LISTENING):].split()[0]
+            continue
+        if probe(url):
+            return url
+        time.sleep(0.2)
+    raise EngineUnavailable(f"SGLang {proc.name} did not answer within {timeout_s:.0f} s "
+                            f"(its last lines: {proc.tail() or 'none'})")
+
+
+def router_command(workers: list[str], port: int, metrics_port: int) -> list[str]:
+    # A distinct --prometheus-port per router: two routers on one port panic (research.md section 5).
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(metrics_port), "--log-level", "error", "--worker-urls", *workers]
+
+
+@dataclass
+class Fleet:
+    """Where a run's requests go (`route`: the router, or the servers), the servers themselves
+    (`workers`: weight updates and checksums go to each), and what rlbench started."""
+
+    route: list[str]
+    workers: list[str]
+    router: str | None = None
+    processes: list[Process] = field(default_factory=list)
+    logs: Path | None = None
+    stoppers: list[Callable[[], None]] = field(default_factory=list)  # e.g. Ray actors that run servers
+
+    def close(self) -> None:
+        try:
+            stop_processes(self.processes)
+            for stop in self.stoppers:
+                stop()
+        finally:
+            self.processes, self.stoppers = [], []
+            if self.logs is not None:
+                shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def make_logs() -> Path:
+    return Path(tempfile.mkdtemp(prefix="rlbench-sglang-"))
+
+
+def start_router(fleet: Fleet, listed: Callable[[str], set[str]]) -> None:
+    """Start sglang-router in front of `fleet.workers` and wait until it has registered all of them
+    (`listed(router_url)`: the worker URLs it lists as healthy)."""
+    port, metrics = free_port(), free_port()
+    proc = start_process("router", router_command(fleet.workers, port, metrics), fleet.logs)
+    fleet.processes.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ROUTER_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise EngineUnavailable(f"sglang-router exited with code {proc.popen.returncode} "
+                                    f"(its last lines: {proc.tail() or 'none'})")
+        if set(fleet.workers) <= listed(url):
+            fleet.router, fleet.route = url, [url]
+            return
+        time.sleep(0.2)
+    raise EngineUnavailable(f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
+                            f"(its last lines: {proc.tail() or 'none'})")
+
+
+async def answers(client, url: str) -> bool:
+    """Does the server at `url` generate (GET /health_generate answers 200)?"""
+    from rlbench.backends.sglang.client import Retryable
+
+    try:
+        status, _ = await client.call("GET", f"{url}/health_generate", timeout_s=30)
+    except Retryable:
+        return False
+    return status == 200
+
+
+async def registered(client, router: str) -> set[str]:
+    """The servers `router` lists as healthy (GET /workers)."""
+    from rlbench.backends.sglang.client import Retryable
+
+    try:
+        status, data = await client.call("GET", f"{router}/workers", timeout_s=10)
+    except Retryable:
+        return set()
+    workers = data.get("workers", []) if status == 200 and isinstance(data, dict) else []
+    return {w["url"] for w in workers if isinstance(w, dict) and w.get("is_healthy", True) and "url" in w}

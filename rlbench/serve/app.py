@@ -1,0 +1,175 @@
+"""The routes of `rlbench serve`: SGLang's native API over the embedded engine.
+
+/health and /health_generate (a one-token generation, 503 when it does not answer in 20 s),
+/server_info and /model_info (and their /get_* aliases, which sglang-router asks for on
+registration), /generate (one item or a batch), /update_weights_from_disk (a Hugging Face-format
+directory of safetensors, with its weight version), /flush_cache (there is no cache between
+calls: it answers as SGLang does), /weights_checker {"action": "checksum"} and /get_weights_by_name
+(for the weight-update check: see weights_payload). Request bodies are read by wire.py; a malformed
+one is a 400 in SGLang's shape, never a 5xx, and never stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from rlbench.backends.sglang import wire
+from rlbench.core.types import GenerateRequest
+from rlbench.errors import BadInput
+from rlbench.rundir.failpoints import hit
+
+HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
+
+
+def build_app(state) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.worker.start()
+        try:
+            yield
+        finally:
+            await state.worker.stop()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+
+    @app.exception_handler(wire.RequestError)
+    async def refused(_request: Request, exc: wire.RequestError):
+        return _json_response(exc.body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError):
+        return _json_response(wire.envelope_error(str(exc)).body, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, exc: Exception):  # a bug in rlbench serve: said as such, the server lives on
+        return _json_response({"error": {"message": f"internal error: {exc.__class__.__name__}: {exc}"}},
+                              status_code=500)
+
+    async def healthy(_request: Request) -> Response:
+        probe = GenerateRequest((0,), wire.DEFAULT_SEED, 1, 0.0, ())
+        try:
+            await asyncio.wait_for(state.worker.generate([probe]), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure to answer is "unhealthy", as in SGLang
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    for path in ("/health", "/health_generate"):
+        app.get(path)(healthy)
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path)(lambda: _json_response(state.server_info()))
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(lambda: _json_response(state.model_info()))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        started = time.perf_counter()
+        call = wire.parse_generate(await _json(request), state.vocab, state.context_len,
+                                   lambda text: state.tokenizer.encode(text, add_special_tokens=False),
+                                   lambda: uuid.uuid4().hex)
+        hit("serve.generate")
+        results = await state.worker.generate(call.requests)
+        latency = time.perf_counter() - started
+        items = [_answer(state, req, res, rid, call, skip, latency)
+                 for req, res, rid, skip in zip(call.requests, results, call.rids, call.skip_special_tokens)]
+        return _json_response(items if call.batched else items[0])
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _json(request)
+        path, version = body.get("model_path") if isinstance(body, dict) else None, None
+        if isinstance(body, dict) and body.get("weight_version") is not None:
+            version = body["weight_version"]
+        if not isinstance(path, str) or not isinstance(version, (str, type(None))):
+            raise wire.envelope_error("model_path (a string) is required; weight_version is a string or null")
+        try:
+            message = await state.worker.call(state.load_weights, path)
+        except BadInput as exc:
+            return _json_response({"success": False, "message": f"Failed to update weights: {exc}",
+                                   "num_paused_requests": 0}, status_code=400)
+        if version is not None:
+            state.weight_version = version
+            message += f". Weight version updated to {version}."
+        return _json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return Response(content=FLUSHED, status_code=200)
+
+    @app.post("/weights_checker")
+    async def weights_checker(request: Request):
+        body = await _json(request)
+        action = body.get("action", "checksum") if isinstance(body, dict) else None
+        if action != "checksum":
+            return _json_response({"success": False, "message": f"Unsupported action={action!r}: rlbench serve "
+                                   "answers action=checksum only"}, status_code=400)
+        payload = await state.worker.call(weights_payload, state)
+        return _json_response({"success": True, "message": f"checksum of {len(payload['checksums'])} tensors",
+                               "payload": payload})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        body = await _json(request)
+        name = body.get("name") if isinstance(body, dict) else None
+        size = body.get("truncate_size", 100) if isinstance(body, dict) else None
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise wire.envelope_error("name (a string) is required; truncate_size is a non-negative integer")
+        params = dict(state.engine.model.named_parameters())
+        if name not in params:
+            raise wire.value_error("Get parameter by name failed")
+        return _json_response(await state.worker.call(lambda: params[name].detach().float().cpu()[:size].tolist()))
+
+    return app
+
+
+def weights_payload(state) -> dict:
+    """SGLang's /weights_checker checksum payload (`checksums` by parameter name, `parallelism_info`),
+    with rlbench's hash, which is what the trainer's side computes: sha256 over each tensor's name,
+    dtype, shape and bytes, under Hugging Face names. SGLang's own server hashes its own parameter
+    layout with another function, so the client tells them apart by `algorithm`."""
+    from rlbench.core.model import named_weights
+    from rlbench.rundir.digest import tensor_digests
+
+    one = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
+    return {"checksums": tensor_digests(named_weights(state.engine.model)), "parallelism_info": one,
+            "algorithm": wire.CHECKSUM_ALGORITHM, "weight_version": state.weight_version}
+
+
+async def _json(request: Request) -> Any:
+    import orjson
+
+    raw = await request.body()
+    try:
+        return orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError as exc:
+        raise wire.envelope_error(f"JSON decode error: {exc}") from None
+
+
+def _answer(state, req: GenerateRequest, res, rid: str, call: wire.GenerateCall, skip: bool, latency: float) -> dict:
+    """One item of SGLang's /generate answer."""
+    meta = {"id": rid, "finish_reason": wire.finish_reason(res.output_ids, res.finish_reason, req.stop_token_ids),
+            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(res.output_ids), "cached_tokens": 0,
+            "weight_version": state.weight_version, "e2e_latency": latency}
+    if call.return_logprob:
+        texts = [state.tokenizer.decode([t]) if call.return_text_in_logprobs else None for t in res.output_ids]
+        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(res.logprobs, res.output_ids, texts)]
+        meta["output_token_logprobs_length"] = len(res.output_ids)
+        meta["input_token_logprobs"] = []
+    return {"text": state.tokenizer.decode(list(res.output_ids), skip_special_tokens=skip),
+            "output_ids": list(res.output_ids), "meta_info": meta}
+
+
+def _json_response(content: Any, status_code: int = 200) -> Response:
+    """orjson's bytes (as SGLang answers; FastAPI's own ORJSONResponse is deprecated)."""
+    import orjson
+
+    return Response(content=orjson.dumps(content), status_code=status_code, media_type="application/json")
