@@ -36,6 +36,7 @@ def test_padded_and_unpad_are_inverse():
     assert torch.equal(recording.unpad(rows, t["offsets"]), t["tokens"])
     empty = recording.unpad(torch.zeros(0, 4), torch.zeros(1, dtype=torch.long))
     assert empty.shape == (0,) and empty.dtype == torch.float32
+    assert recording.unpad(rows[:1], t["offsets"][:2]).tolist() == [5, 6, 8, 9, 10]  # one sample
 
 
 def _write(root, step=3, tensors=None, samples=None, extra=None):
@@ -65,6 +66,9 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
     (tmp_path / "again").mkdir()
     again = _write(tmp_path / "again", extra={"engine": "hf"})
     assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
+
+
+MONOTONE = ": tensor 'offsets' is not a monotone split of 'tokens'$"
 
 
 def _refused(root, step=3, match=""):
@@ -117,11 +121,17 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     (lambda t: t["loss_mask"].__setitem__(0, 2), "tensor 'loss_mask' holds 2; expected 0 or 1"),
     (lambda t: t.update(rewards=torch.zeros(3)), "tensor 'rewards' has 3 values, expected 2"),
     (lambda t: t.update(old_logprobs=torch.zeros(5)), "tensor 'old_logprobs' has 5 values, expected 6"),
-    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), "not a monotone split"),
-    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), "not a monotone split"),
-    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), "not a monotone split"),
+    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), MONOTONE),
+    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), MONOTONE),
+    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), MONOTONE),
     (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), "'prompt_lengths' does not fit"),
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), "'prompt_lengths' does not fit"),  # the 2nd sample's
     (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), "'prompt_lengths' does not fit"),
+    *[(lambda t, key=key: t.update({key: torch.cat([t[key], t[key][:1]])}), f"tensor '{key}' has 3 values, expected 2")
+      for key in ("prompt_lengths", "prompt_index", "group_index")],
+    *[(lambda t, key=key: t.update({key: torch.zeros(7, dtype=recording.DTYPES[key])}),
+       f"tensor '{key}' has 7 values, expected 6") for key in ("loss_mask", "rollout_logprobs", "ref_logprobs")],
+    (lambda t: t.update(advantages=torch.zeros(1)), "tensor 'advantages' has 1 values, expected 2"),
 ])
 def test_a_layout_defect_is_refused(tmp_path, edit, message):
     tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
@@ -130,12 +140,26 @@ def test_a_layout_defect_is_refused(tmp_path, edit, message):
     assert _refused(tmp_path, match=message).path == str(st)
 
 
+def test_offsets_must_not_go_back_anywhere(tmp_path):
+    tensors = {**recording.pack([[5], [6], [7]], [[1], [], [2]], [[1], [], [1]], [[-0.5], [], [-0.5]], [0, 1, 2],
+                                [0, 1, 2]), "rewards": torch.zeros(3)}
+    _write(tmp_path, tensors=tensors, samples=[{}, {}, {}])
+    recording.read_step(tmp_path, 3)
+    tensors["offsets"] = torch.tensor([0, 3, 2, 5])  # the middle sample ends before it starts
+    _write(tmp_path, tensors=tensors, samples=[{}, {}, {}])
+    _refused(tmp_path, match=MONOTONE)
+
+
 def test_edge_values_of_the_layout_are_accepted(tmp_path):
     tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0]), "old_logprobs": torch.zeros(6)}
     tensors["prompt_lengths"] = torch.tensor([5, 0])  # a sample that is all prompt, one that is all response
     tensors["tokens"][0] = 0
     _write(tmp_path, tensors=tensors)
     assert recording.read_step(tmp_path, 3)[0]["prompt_lengths"].tolist() == [5, 0]
+    no_tokens = {**recording.pack([[5, 6], []], [[8], []], [[1], []], [[-0.5], []], [0, 1], [0, 1]),
+                 "rewards": torch.zeros(2)}  # a sample with no tokens at all: an empty span
+    _write(tmp_path, tensors=no_tokens)
+    assert recording.read_step(tmp_path, 3)[0]["offsets"].tolist() == [0, 3, 3]
 
 
 def test_check_ids_holds_tokens_to_the_vocabulary(tmp_path):
