@@ -41,7 +41,7 @@ def test_padded_and_unpad_are_inverse():
 
 def _write(root, step=3, tensors=None, samples=None, extra=None):
     tensors = tensors if tensors is not None else {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
-    samples = samples if samples is not None else [{"response": "odd"}, {"response": ""}]
+    samples = samples if samples is not None else [{"response": "odd", "finish_reason": "stop"}, {"response": ""}]
     st, js = recording.encode_step(step, tensors, samples, extra)
     (root / "rollouts").mkdir(exist_ok=True)
     (root / "rollouts" / f"{step:06d}.safetensors").write_bytes(st)
@@ -55,20 +55,21 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
     expected = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
     assert list(tensors) == sorted(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
     assert meta["schema"] == recording.SCHEMA and meta["step"] == 3 and meta["engine"] == "hf"
-    assert meta["samples"] == [{"response": "odd"}, {"response": ""}]
-    assert meta["samples_sha256"] == hashlib.sha256(
-        json.dumps(meta["samples"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert meta["samples"] == [{"response": "odd", "finish_reason": "stop"}, {"response": ""}]
+    assert meta["samples_sha256"] == hashlib.sha256(  # keys sorted: the digest does not depend on their order
+        b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
     header = json.loads(st.read_bytes()[8:8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
     assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
     assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3,
                                              "tensors_sha256": tensors_digest(dict(sorted(expected.items())))}
-    assert js.read_text().endswith("}\n") and json.loads(js.read_text())["samples"] == meta["samples"]
+    assert js.read_text() == json.dumps(meta, indent=1) + "\n"  # the bytes as written: one-space indents
     (tmp_path / "again").mkdir()
     again = _write(tmp_path / "again", extra={"engine": "hf"})
     assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
 
 
 MONOTONE = ": tensor 'offsets' is not a monotone split of 'tokens'$"
+FIT = ": tensor 'prompt_lengths' does not fit the samples' lengths$"
 
 
 def _refused(root, step=3, match=""):
@@ -124,9 +125,9 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), MONOTONE),
     (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), MONOTONE),
     (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), MONOTONE),
-    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), "'prompt_lengths' does not fit"),
-    (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), "'prompt_lengths' does not fit"),  # the 2nd sample's
-    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), "'prompt_lengths' does not fit"),
+    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), FIT),
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), FIT),  # the second sample's
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), FIT),
     *[(lambda t, key=key: t.update({key: torch.cat([t[key], t[key][:1]])}), f"tensor '{key}' has 3 values, expected 2")
       for key in ("prompt_lengths", "prompt_index", "group_index")],
     *[(lambda t, key=key: t.update({key: torch.zeros(7, dtype=recording.DTYPES[key])}),
