@@ -26,6 +26,9 @@ def test_pack_lays_samples_out_flat():
     assert t["loss_mask"].tolist() == [0, 0, 1, 0, 1, 0]  # response-aligned mask, 0 on prompts
     assert t["rollout_logprobs"].tolist() == [0.0, 0.0, -0.5, -0.25, -1.0, 0.0]
     assert {k: v.dtype for k, v in t.items()} == {k: recording.DTYPES[k] for k in t}
+    empty = recording.pack([[]], [[]], [[]], [[]], [0], [0])  # no ids at all: still int64 ids
+    assert {k: v.dtype for k, v in empty.items()} == {k: recording.DTYPES[k] for k in empty}
+    assert empty["offsets"].tolist() == [0, 0] and empty["tokens"].numel() == 0
 
 
 def test_padded_and_unpad_are_inverse():
@@ -87,10 +90,18 @@ def test_missing_truncated_or_edited_files_are_refused_naming_the_file(tmp_path)
     flipped = bytearray(raw)
     flipped[-1] ^= 1  # a tensor byte
     st.write_bytes(bytes(flipped))
-    assert _refused(tmp_path, match="tensors do not match the digest").path == str(st)
+    assert _refused(tmp_path, match=": corrupt: tensors do not match the digest in the file's header$").path == str(st)
     st.write_bytes(raw)
     js.unlink()
     assert _refused(tmp_path, match="missing").path == str(js)
+
+
+def test_a_header_that_is_not_an_object_is_refused(tmp_path):
+    from safetensors.torch import save
+
+    st, _ = _write(tmp_path)
+    st.write_bytes(save({"x": torch.zeros(1)}, metadata={"rlbench": "[1, 2]"}))
+    _refused(tmp_path, match=r"corrupt or truncated safetensors \(TypeError: the rlbench metadata is not an object\)")
 
 
 def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
@@ -98,7 +109,7 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     st.rename(st.with_name("000004.safetensors"))
     js.rename(js.with_name("000004.json"))
     error = _refused(tmp_path, 4, "expected schema 'rlbench.run/1' and step 4, got 'rlbench.run/1' and 3")
-    assert error.field == "__metadata__"
+    assert (error.field, error.path) == ("__metadata__", str(st.with_name("000004.safetensors")))
     st, js = _write(tmp_path)
     doc = json.loads(js.read_text())
     js.write_text(json.dumps({**doc, "schema": "rlbench.run/0"}))
@@ -106,9 +117,10 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     js.write_text("[]")
     assert _refused(tmp_path, match="got 'list'").path == str(js)
     js.write_text(json.dumps({**doc, "samples": [{"response": "even"}, {"response": ""}]}))
-    assert _refused(tmp_path, match="samples do not match samples_sha256").path == str(js)
+    assert _refused(tmp_path, match=": corrupt: samples do not match samples_sha256$").path == str(js)
     _write(tmp_path, samples=["odd", "even"])
-    assert _refused(tmp_path, match="expected a list of per-sample objects").field == "samples"
+    error = _refused(tmp_path, match=": expected a list of per-sample objects$")
+    assert (error.field, error.path) == ("samples", str(js))
     _write(tmp_path, samples=[{"response": "odd"}])
     _refused(tmp_path, match="'offsets' has 3 values, expected 2")
 
