@@ -314,3 +314,36 @@ def test_the_report_as_json():
     assert loss["failures"] == [{"step": 2, "expected": LOSS[2], "got": "inf", "delta": "nan", "allowed": 0.0}]
     assert set(doc) == {"ok", "tier", "run", "golden", "golden_format", "platform", "notes", "failed", "ignored",
                         "not_in_golden", "metrics"}
+
+
+def test_every_difference_is_named_and_only_differences_refuse():
+    """Several fields at once are joined with '; '; a package only one side recorded is a difference; a GPU
+    model that agrees is none."""
+    two = {**MANIFEST, "numerics": {**NUMERICS, "blas": "OpenBLAS", "mkl_cbwr": "AUTO"},
+           "determinism": {"torch_threads": 4, "deterministic_algorithms": False}}
+    with pytest.raises(BadInput) as info:
+        compare(_run({"train/loss": LOSS}, two), _golden({"train/loss": LOSS}))
+    assert ("CPU numerics: blas (golden 'MKL 2025', run 'OpenBLAS'); mkl_cbwr (golden 'COMPATIBLE', run 'AUTO')"
+            in str(info.value))
+    assert ("determinism settings: deterministic_algorithms (golden True, run False); torch_threads (golden 1, run 4)"
+            in str(info.value))
+    megatron = {**MANIFEST, "versions": {**MANIFEST["versions"], "megatron-core": "0.16.1"}}
+    with pytest.raises(BadInput, match="megatron-core: golden None, run 0.16.1"):
+        compare(_run({"train/loss": LOSS}, megatron), _golden({"train/loss": LOSS}))
+    with pytest.raises(BadInput, match="megatron-core: golden 0.16.1, run None"):
+        compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS}, megatron))
+    gpu = {**MANIFEST, "device": "cuda", "device_name": "NVIDIA H200"}
+    assert compare(_run({"train/loss": LOSS}, gpu), _golden({"train/loss": LOSS}, gpu)).ok
+
+
+def test_a_configuration_field_that_changed_its_kind_is_named():
+    other = {**MANIFEST, "config": {**MANIFEST["config"], "algo": 0.2}}
+    with pytest.raises(BadInput, match=r"algo \(golden \{'eps_clip': 0.2\}, run 0.2\)"):
+        compare(_run({"train/loss": LOSS}, other), _golden({"train/loss": LOSS}))
+
+
+def test_a_run_without_the_golden_steps_says_what_it_has():
+    with pytest.raises(BadInput, match=r"the run's committed steps are none; the golden's train/loss needs 0\.\.9"):
+        compare(_run({}), _golden({"train/loss": LOSS}))
+    m = _only(compare(_run({"train/loss": {0: 0.5}, "x": LOSS}), _golden({"train/loss": LOSS})))
+    assert m.message == "not logged at step(s) 1, 2, 3, 4, 5"  # the first five named
