@@ -177,11 +177,17 @@ def test_perf_median_leaves_the_warm_up_steps_out():
     assert (m.status, m.median_got) == ("pass", 3.5)
 
 
+def test_perf_median_is_over_exactly_the_window():
+    values = {s: float(s) for s in range(10)}  # the median of steps 1..9 is 5; of 0..9, 4.5; of 2..9, 5.5
+    m = _only(compare(_run(_perf(values)), _golden(_perf(values))))
+    assert (m.median_expected, m.median_got, m.status) == (5.0, 5.0, "pass")
+
+
 def test_perf_median_over_the_limit_fails_with_the_ratio():
-    golden = _golden(_perf(dict.fromkeys(range(10), 1.0)))
-    m = _only(compare(_run(_perf(dict.fromkeys(range(10), 3.0))), golden))
-    assert (m.status, m.message) == ("fail", "median 3 is x3.00 the golden's 1 (at most x2)")
-    assert _only(compare(_run(_perf(dict.fromkeys(range(10), 2.0))), golden)).status == "pass"  # x2 is allowed
+    golden = _golden(_perf(dict.fromkeys(range(10), 2.0)))
+    m = _only(compare(_run(_perf(dict.fromkeys(range(10), 6.0))), golden))
+    assert (m.status, m.message) == ("fail", "median 6 is x3.00 the golden's 2 (at most x2)")
+    assert _only(compare(_run(_perf(dict.fromkeys(range(10), 4.0))), golden)).status == "pass"  # x2 is allowed
     nan = _only(compare(_run(_perf(dict.fromkeys(range(10), math.nan))), golden))
     assert nan.status == "fail"  # NaN is no speed
     zero = _golden(_perf(dict.fromkeys(range(10), 0.0)))
@@ -347,3 +353,13 @@ def test_a_run_without_the_golden_steps_says_what_it_has():
         compare(_run({}), _golden({"train/loss": LOSS}))
     m = _only(compare(_run({"train/loss": {0: 0.5}, "x": LOSS}), _golden({"train/loss": LOSS})))
     assert m.message == "not logged at step(s) 1, 2, 3, 4, 5"  # the first five named
+
+
+def test_the_mean_residual_bound_is_inclusive_and_needs_steps_inside():
+    tol = g.Tolerance(kind="approx", rtol=0.0, atol=0.5, failing_steps=2, mean_residual=0.25)
+    at_bound = _only(compare(_run({"x": {0: 1.25, 1: 1.25}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}),
+                             "approx"))
+    assert (at_bound.status, at_bound.mean_residual) == ("pass", 0.25)
+    outside = _only(compare(_run({"x": {0: 3.0, 1: 3.0}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}),
+                            "approx"))
+    assert (outside.status, outside.mean_residual, len(outside.failures)) == ("pass", 0.0, 2)  # both allowed to fail
