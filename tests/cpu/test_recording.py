@@ -26,6 +26,9 @@ def test_pack_lays_samples_out_flat():
     assert t["loss_mask"].tolist() == [0, 0, 1, 0, 1, 0]  # response-aligned mask, 0 on prompts
     assert t["rollout_logprobs"].tolist() == [0.0, 0.0, -0.5, -0.25, -1.0, 0.0]
     assert {k: v.dtype for k, v in t.items()} == {k: recording.DTYPES[k] for k in t}
+    for empty in (recording.pack([[]], [[]], [[]], [[]], [0], [0]), recording.pack([], [], [], [], [], [])):
+        assert {k: v.dtype for k, v in empty.items()} == {k: recording.DTYPES[k] for k in empty}  # empty: same dtypes
+        assert empty["tokens"].numel() == 0
 
 
 def test_padded_and_unpad_are_inverse():
@@ -36,11 +39,12 @@ def test_padded_and_unpad_are_inverse():
     assert torch.equal(recording.unpad(rows, t["offsets"]), t["tokens"])
     empty = recording.unpad(torch.zeros(0, 4), torch.zeros(1, dtype=torch.long))
     assert empty.shape == (0,) and empty.dtype == torch.float32
+    assert recording.unpad(rows[:1], t["offsets"][:2]).tolist() == [5, 6, 8, 9, 10]  # one sample
 
 
 def _write(root, step=3, tensors=None, samples=None, extra=None):
     tensors = tensors if tensors is not None else {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
-    samples = samples if samples is not None else [{"response": "odd"}, {"response": ""}]
+    samples = samples if samples is not None else [{"response": "odd", "finish_reason": "stop"}, {"response": ""}]
     st, js = recording.encode_step(step, tensors, samples, extra)
     (root / "rollouts").mkdir(exist_ok=True)
     (root / "rollouts" / f"{step:06d}.safetensors").write_bytes(st)
@@ -54,17 +58,21 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
     expected = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
     assert list(tensors) == sorted(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
     assert meta["schema"] == recording.SCHEMA and meta["step"] == 3 and meta["engine"] == "hf"
-    assert meta["samples"] == [{"response": "odd"}, {"response": ""}]
-    assert meta["samples_sha256"] == hashlib.sha256(
-        json.dumps(meta["samples"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert meta["samples"] == [{"response": "odd", "finish_reason": "stop"}, {"response": ""}]
+    assert meta["samples_sha256"] == hashlib.sha256(  # keys sorted: the digest does not depend on their order
+        b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
     header = json.loads(st.read_bytes()[8:8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
     assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
     assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3,
                                              "tensors_sha256": tensors_digest(dict(sorted(expected.items())))}
-    assert js.read_text().endswith("}\n") and json.loads(js.read_text())["samples"] == meta["samples"]
+    assert js.read_text() == json.dumps(meta, indent=1) + "\n"  # the bytes as written: one-space indents
     (tmp_path / "again").mkdir()
     again = _write(tmp_path / "again", extra={"engine": "hf"})
     assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
+
+
+MONOTONE = ": tensor 'offsets' is not a monotone split of 'tokens'$"
+FIT = ": tensor 'prompt_lengths' does not fit the samples' lengths$"
 
 
 def _refused(root, step=3, match=""):
@@ -82,10 +90,18 @@ def test_missing_truncated_or_edited_files_are_refused_naming_the_file(tmp_path)
     flipped = bytearray(raw)
     flipped[-1] ^= 1  # a tensor byte
     st.write_bytes(bytes(flipped))
-    assert _refused(tmp_path, match="tensors do not match the digest").path == str(st)
+    assert _refused(tmp_path, match=": corrupt: tensors do not match the digest in the file's header$").path == str(st)
     st.write_bytes(raw)
     js.unlink()
     assert _refused(tmp_path, match="missing").path == str(js)
+
+
+def test_a_header_that_is_not_an_object_is_refused(tmp_path):
+    from safetensors.torch import save
+
+    st, _ = _write(tmp_path)
+    st.write_bytes(save({"x": torch.zeros(1)}, metadata={"rlbench": "[1, 2]"}))
+    _refused(tmp_path, match=r"corrupt or truncated safetensors \(TypeError: the rlbench metadata is not an object\)")
 
 
 def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
@@ -93,7 +109,7 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     st.rename(st.with_name("000004.safetensors"))
     js.rename(js.with_name("000004.json"))
     error = _refused(tmp_path, 4, "expected schema 'rlbench.run/1' and step 4, got 'rlbench.run/1' and 3")
-    assert error.field == "__metadata__"
+    assert (error.field, error.path) == ("__metadata__", str(st.with_name("000004.safetensors")))
     st, js = _write(tmp_path)
     doc = json.loads(js.read_text())
     js.write_text(json.dumps({**doc, "schema": "rlbench.run/0"}))
@@ -101,9 +117,10 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     js.write_text("[]")
     assert _refused(tmp_path, match="got 'list'").path == str(js)
     js.write_text(json.dumps({**doc, "samples": [{"response": "even"}, {"response": ""}]}))
-    assert _refused(tmp_path, match="samples do not match samples_sha256").path == str(js)
+    assert _refused(tmp_path, match=": corrupt: samples do not match samples_sha256$").path == str(js)
     _write(tmp_path, samples=["odd", "even"])
-    assert _refused(tmp_path, match="expected a list of per-sample objects").field == "samples"
+    error = _refused(tmp_path, match=": expected a list of per-sample objects$")
+    assert (error.field, error.path) == ("samples", str(js))
     _write(tmp_path, samples=[{"response": "odd"}])
     _refused(tmp_path, match="'offsets' has 3 values, expected 2")
 
@@ -117,11 +134,17 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     (lambda t: t["loss_mask"].__setitem__(0, 2), "tensor 'loss_mask' holds 2; expected 0 or 1"),
     (lambda t: t.update(rewards=torch.zeros(3)), "tensor 'rewards' has 3 values, expected 2"),
     (lambda t: t.update(old_logprobs=torch.zeros(5)), "tensor 'old_logprobs' has 5 values, expected 6"),
-    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), "not a monotone split"),
-    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), "not a monotone split"),
-    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), "not a monotone split"),
-    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), "'prompt_lengths' does not fit"),
-    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), "'prompt_lengths' does not fit"),
+    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), MONOTONE),
+    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), MONOTONE),
+    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), MONOTONE),
+    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), FIT),
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), FIT),  # the second sample's
+    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), FIT),
+    *[(lambda t, key=key: t.update({key: torch.cat([t[key], t[key][:1]])}), f"tensor '{key}' has 3 values, expected 2")
+      for key in ("prompt_lengths", "prompt_index", "group_index")],
+    *[(lambda t, key=key: t.update({key: torch.zeros(7, dtype=recording.DTYPES[key])}),
+       f"tensor '{key}' has 7 values, expected 6") for key in ("loss_mask", "rollout_logprobs", "ref_logprobs")],
+    (lambda t: t.update(advantages=torch.zeros(1)), "tensor 'advantages' has 1 values, expected 2"),
 ])
 def test_a_layout_defect_is_refused(tmp_path, edit, message):
     tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
@@ -130,12 +153,26 @@ def test_a_layout_defect_is_refused(tmp_path, edit, message):
     assert _refused(tmp_path, match=message).path == str(st)
 
 
+def test_offsets_must_not_go_back_anywhere(tmp_path):
+    tensors = {**recording.pack([[5], [6], [7]], [[1], [], [2]], [[1], [], [1]], [[-0.5], [], [-0.5]], [0, 1, 2],
+                                [0, 1, 2]), "rewards": torch.zeros(3)}
+    _write(tmp_path, tensors=tensors, samples=[{}, {}, {}])
+    recording.read_step(tmp_path, 3)
+    tensors["offsets"] = torch.tensor([0, 3, 2, 5])  # the middle sample ends before it starts
+    _write(tmp_path, tensors=tensors, samples=[{}, {}, {}])
+    _refused(tmp_path, match=MONOTONE)
+
+
 def test_edge_values_of_the_layout_are_accepted(tmp_path):
     tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0]), "old_logprobs": torch.zeros(6)}
     tensors["prompt_lengths"] = torch.tensor([5, 0])  # a sample that is all prompt, one that is all response
     tensors["tokens"][0] = 0
     _write(tmp_path, tensors=tensors)
     assert recording.read_step(tmp_path, 3)[0]["prompt_lengths"].tolist() == [5, 0]
+    no_tokens = {**recording.pack([[5, 6], []], [[8], []], [[1], []], [[-0.5], []], [0, 1], [0, 1]),
+                 "rewards": torch.zeros(2)}  # a sample with no tokens at all: an empty span
+    _write(tmp_path, tensors=no_tokens)
+    assert recording.read_step(tmp_path, 3)[0]["offsets"].tolist() == [0, 3, 3]
 
 
 def test_check_ids_holds_tokens_to_the_vocabulary(tmp_path):

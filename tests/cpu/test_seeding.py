@@ -78,6 +78,12 @@ def test_generator_is_seeded_by_derive_seed_and_owned_by_the_caller():
                            torch.rand(8, generator=generator(5, "sample", 2, 3)))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA generator is asked for, where there is none")
+def test_generator_is_made_on_the_device_asked_for():
+    with pytest.raises(RuntimeError):
+        generator(5, "sample", device="cuda")  # not quietly a CPU generator
+
+
 # ---------------------------------------------------------------- configure_determinism
 
 
