@@ -131,16 +131,16 @@ def test_sigkilled_tp2_run_resumes_to_the_same_files(runs, tmp_path, monkeypatch
     # rank 0 dies right after step 8 is committed (checkpoint 8 holds the state after step 7)
     monkeypatch.setenv("RLBENCH_FAILPOINT", "metrics.appended@9")
     monkeypatch.setenv("RLBENCH_TEST_TAG", tag)  # the workers inherit it: found in /proc afterwards
-    res = _run(tmp_path, "run", "--tp", "2")
+    res = _run(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
     monkeypatch.delenv("RLBENCH_FAILPOINT")
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     deadline = time.monotonic() + 30
     while _processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with(tag) == [], "a worker rank outlived rank 0"
-    assert len(read_run(tmp_path / "run").steps) == 9
-    res = run_cli("run", "--resume", str(tmp_path / "run"), "--json")
+    assert len(read_run(tmp_path / "tp2").steps) == 9
+    res = run_cli("run", "--resume", str(tmp_path / "tp2"), "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["restarted_from_checkpoint"] == 8 and doc["recomputed_and_verified"] == 1
-    assert_same_run(tmp_path / "run", runs / "tp2")
+    assert_same_run(tmp_path / "tp2", runs / "tp2")
