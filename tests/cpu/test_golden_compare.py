@@ -299,6 +299,8 @@ def test_approx_notes_when_the_bits_agree_only_if_they_do():
                           "but the bits agree)"]
     perf_only = compare(_run(_perf(LOSS)), _golden(_perf(LOSS)), "approx")
     assert perf_only.notes == []  # medians are not bits
+    gone = compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS, "train/gone": LOSS}), "approx")
+    assert not gone.ok and gone.notes == same.notes  # of the values compared; the missing metric fails on its own
 
 
 def test_a_megatron_golden_file_is_approx_only_and_the_run_notes_come_along():
