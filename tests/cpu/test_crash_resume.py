@@ -54,8 +54,9 @@ def _metrics(data: bytes) -> list[dict]:
 
 def _manifest(data: bytes, root: Path) -> dict:
     """A manifest with only what may differ between two runs of one configuration masked: its creation time,
-    and the directory the run was made in (its command line and config name the run and its config file)."""
-    doc = json.loads(data.decode().replace(str(root.parent), "<dir>"))
+    and where the run was made (its command line and config name the run directory and the config file beside
+    it)."""
+    doc = json.loads(data.decode().replace(str(root), "<run>").replace(str(root.parent), "<dir>"))
     doc.pop("created")
     return doc
 
@@ -141,9 +142,10 @@ def test_the_manifest_comparison_masks_only_time_and_place(tmp_path, reference):
     """A copy of the run made elsewhere at another time is the same run; any other manifest field is not."""
     import shutil
 
-    moved = tmp_path / "elsewhere" / "run"
+    moved = tmp_path / "elsewhere" / "moved"
     shutil.copytree(reference, moved)
-    manifest = json.loads((moved / "manifest.json").read_text().replace(str(reference.parent), str(moved.parent)))
+    manifest = json.loads((moved / "manifest.json").read_text().replace(str(reference), str(moved))
+                          .replace(str(reference.parent), str(moved.parent)))
     assert str(moved) in manifest["command"]  # the masked place is really there
     manifest["created"] = "2001-01-01T00:00:00+00:00"
     (moved / "manifest.json").write_text(json.dumps(manifest))

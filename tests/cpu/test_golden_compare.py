@@ -208,6 +208,7 @@ def test_missing_metrics_and_steps_are_failures_or_refusals():
     report = compare(_run({"train/loss": LOSS, "train/extra": LOSS}), golden)
     new = _only(report, "train/new")
     assert (new.status, new.message, new.kind) == ("missing", "not logged by the run", "approx")
+    assert new.tolerance == new.band == golden.metrics["train/new"].tolerance.to_json() and new.steps == list(range(10))
     assert new.expected == LOSS and not report.ok and report.failed == [new]
     assert report.not_in_golden == ["train/extra"]
     partial = {s: v for s, v in LOSS.items() if s != 5}
@@ -231,6 +232,10 @@ def test_ignore_and_overrides():
     assert loss.status == "fail" and loss.tolerance["atol"] == 0.001 and loss.tolerance["override"] == {
         "rtol": 0.0, "atol": 0.001}
     assert _only(report, "train/kl").tolerance == golden.metrics["train/kl"].tolerance.to_json()
+    median = _only(compare(run, golden, ignore=["perf/*", "train/kl"], overrides=[("train/loss", {"kind": "median"})]))
+    assert median.kind == "median" and median.tolerance["window"] == [1, 9]  # the override's window: from the steps
+    with pytest.raises(BadInput, match="^--tolerance: train/loss: max_ratio does not apply to a approx tolerance"):
+        compare(run, golden, overrides=[("train/loss", {"max_ratio": 3.0})])
     with pytest.raises(BadInput, match="'nothing/\\*' matches no metric of the golden file") as info:
         compare(run, golden, overrides=[("nothing/*", {"atol": 1.0})])
     assert info.value.field == "--tolerance"
@@ -294,6 +299,8 @@ def test_approx_notes_when_the_bits_agree_only_if_they_do():
                           "but the bits agree)"]
     perf_only = compare(_run(_perf(LOSS)), _golden(_perf(LOSS)), "approx")
     assert perf_only.notes == []  # medians are not bits
+    gone = compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS, "train/gone": LOSS}), "approx")
+    assert not gone.ok and gone.notes == same.notes  # of the values compared; the missing metric fails on its own
 
 
 def test_a_megatron_golden_file_is_approx_only_and_the_run_notes_come_along():
@@ -338,6 +345,7 @@ def test_every_difference_is_named_and_only_differences_refuse():
             in str(info.value))
     assert ("determinism settings: deterministic_algorithms (golden True, run False); torch_threads (golden 1, run 4)"
             in str(info.value))
+    assert "run 'AUTO'); determinism settings" in str(info.value) and info.value.path == "/golden.json"
     megatron = {**MANIFEST, "versions": {**MANIFEST["versions"], "megatron-core": "0.16.1"}}
     with pytest.raises(BadInput, match="megatron-core: golden None, run 0.16.1"):
         compare(_run({"train/loss": LOSS}, megatron), _golden({"train/loss": LOSS}))

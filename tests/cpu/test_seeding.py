@@ -88,13 +88,16 @@ def test_generator_is_made_on_the_device_asked_for():
 
 
 @pytest.fixture
-def restored(monkeypatch):
-    """configure_determinism sets process-wide state: put it back, and start with no GPU recipe variables."""
-    for key in GPU_RECIPE:
-        monkeypatch.delenv(key, raising=False)
+def restored():
+    """configure_determinism sets process-wide state: start with no GPU recipe variables, and put everything back
+    (by hand: monkeypatch.delenv of an unset variable would not remove what the code sets, and later runs in
+    this worker would record the GPU recipe's cuBLAS setting in their manifests)."""
+    env = {key: os.environ.pop(key, None) for key in GPU_RECIPE}
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     yield
+    for key, value in env.items():
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     torch.set_num_threads(saved[0])
     torch.use_deterministic_algorithms(saved[1])
     (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
@@ -136,3 +139,4 @@ def test_a_gpu_by_default_keeps_the_library_defaults(restored):
                         "cudnn_deterministic": torch.backends.cudnn.deterministic, "allow_tf32": True,
                         "nccl_algo": None, "nvte_allow_nondeterministic_algo": None}
     assert not any(key in os.environ for key in GPU_RECIPE)
+

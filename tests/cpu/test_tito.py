@@ -35,8 +35,8 @@ def classify(tok, got, expected, turn_ends=(), truncated_ends=()):
     return tito.classify(tok, got, expected, first_divergence(got, expected), list(turn_ends), list(truncated_ends))
 
 
-def test_encode_and_decode_are_the_tokenizers():
-    t = load_tokenizer(REPO / "fixtures" / "tokenizers" / "tito-special")
+def test_encode_and_decode_are_the_tokenizers(tok):
+    t = tok
     text = "Is 7 odd?<tool_call>x</tool_call><|im_end|>\n"
     assert enc(t, text) == t.encode(text, add_special_tokens=False)
     ids = enc(t, text)
