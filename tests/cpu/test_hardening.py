@@ -81,15 +81,13 @@ def _wait_stopped(proc: subprocess.Popen, timeout: float = 120) -> None:
 # --------------------------------------------------------------------------- 1. one writer
 
 
-def test_a_second_writer_is_refused_naming_the_holder(tmp_path, toml):
-    """A run held at step 1 (SIGSTOP at a failpoint, its lock held): resuming it, twice at once in effect,
-    is refused with the holder's pid and changes nothing; once it finishes, its steps are 0..N-1."""
-    out = tmp_path / "run"
-    holder = _process("run", "-c", str(toml), "--out", str(out), "--json", failpoint="step.start@2:stop")
+def _second_writer_refused(holder: subprocess.Popen, out: Path) -> None:
+    """`holder` stops itself at a failpoint with the run's lock held: a resume from this process (a POSIX lock
+    is held per process) is refused with the holder's pid and changes nothing; the holder then finishes the
+    run, steps 0..2."""
     try:
         _wait_stopped(holder)
         before = _snapshot(out)
-        # The second writer: this process (a POSIX lock is held per process).
         _one_line(cli("run", "--resume", str(out)), f"pid {holder.pid} is writing this run directory")
         assert _snapshot(out) == before
     finally:
@@ -99,17 +97,17 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, toml):
     assert steps == [0, 1, 2]
 
 
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path, toml):
+    """A run held at step 1 (SIGSTOP at a failpoint, its lock held): resuming it, twice at once in effect,
+    is refused with the holder's pid and changes nothing; once it finishes, its steps are 0..N-1."""
+    out = tmp_path / "run"
+    holder = _process("run", "-c", str(toml), "--out", str(out), "--json", failpoint="step.start@2:stop")
+    _second_writer_refused(holder, out)
+
+
 def test_two_resumes_at_once_one_wins(tmp_path, killed):
     out = copy_run(killed, tmp_path / "run")
-    first = _process("run", "--resume", str(out), "--json", failpoint="step.start@1:stop")
-    try:
-        _wait_stopped(first)
-        _one_line(cli("run", "--resume", str(out)), f"pid {first.pid} is writing")
-    finally:
-        first.send_signal(signal.SIGCONT)
-        assert first.wait(120) == 0, first.stderr.read()
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
+    _second_writer_refused(_process("run", "--resume", str(out), "--json", failpoint="step.start@1:stop"), out)
 
 
 def test_a_kill_while_claiming_out_leaves_it_usable(tmp_path, toml):

@@ -14,7 +14,7 @@ from rlbench.replay.diff import diff
 from rlbench.rundir.recording import read_step
 from rlbench.replay.replay import replay
 from tests.conftest import run_cli
-from tests.cpu.recordings import copy_run, edit_step, response_positions
+from tests.cpu.recordings import bump_response_token, copy_run, edit_step
 
 # A dense reward (the response's length) gives every step a training signal, whatever the
 # default task's learning curve: the tests below need gradients from step 0 on.
@@ -89,11 +89,7 @@ def test_replay_cli_exit_codes(original, tmp_path):
 def test_diff_names_one_changed_token(original, tmp_path):
     edited = copy_run(original, tmp_path / "edited")
     step, sample = 2, 5
-
-    def change(t, meta):
-        pos = response_positions(t, sample)[1]
-        t["tokens"][pos] = (t["tokens"][pos] + 1) % 300
-    edit_step(edited, step, change)
+    bump_response_token(edited, step, sample, 1)
     retrained = tmp_path / "retrained"
     res = replay(edited, retrained)  # the recording's own trainer config; stops at the edit, keeping it
     assert (res.diverged.step, res.diverged.stage) == (step, "rollout_tokens")

@@ -16,7 +16,7 @@ from rlbench.checks.tito_run import EVIDENCE_NATS, check_run
 from rlbench.config import ModelConfig
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, run_cli
-from tests.cpu.recordings import copy_run, edit_step, response_positions
+from tests.cpu.recordings import bump_response_token, copy_run
 from tests.cpu.test_import_slime import slime_sample
 
 QWEN = REPO / "fixtures" / "tokenizers" / "qwen-tiny"
@@ -51,11 +51,7 @@ def test_a_default_run_trains_on_what_its_engine_sampled(default_run):
 def test_an_id_changed_between_engine_and_trainer_is_found_where_it_is(default_run, tmp_path):
     edited = copy_run(default_run, tmp_path / "edited")
     step, sample = 1, 5
-
-    def change(t, meta):
-        pos = response_positions(t, sample)[0]
-        t["tokens"][pos] = (t["tokens"][pos] + 1) % 300
-    edit_step(edited, step, change)
+    bump_response_token(edited, step, sample, 0)
     report = check_run(edited)
     [f] = report.findings
     prompt = len(json.loads((edited / "rollouts" / "000001.json").read_text())["samples"][sample]["turns"][0]
