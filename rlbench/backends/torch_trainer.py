@@ -77,7 +77,7 @@ class TorchTrainer:
 
     def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Logits of the last `keep` positions of `ids` (None: all)."""
-        return model(input_ids=ids, logits_to_keep=keep or 0).logits
+        return model(input_ids=ids, logits_to_keep=keep or 0, use_cache=False).logits  # a cache nothing reads
 
     def _train_micro_batches(self, n: int):
         """The micro-batches of a minibatch of `n` samples that this trainer (rank) computes."""
@@ -126,8 +126,7 @@ class TorchTrainer:
                 total += part.detach().cpu()
             self._finalize_grads()
             for name, grad in self._named_grads():
-                digest.update(grads_hash, name, grad)
-                digest.update(per_param[name], name, grad)
+                digest.update(grads_hash, name, grad, per_param[name])
             grad_norms.append(self._clip_grads())
             self.optimizer.step()
             losses.append(total)

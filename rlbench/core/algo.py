@@ -66,7 +66,7 @@ def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: fl
     """Teacher-forced log-probs of one sequence at batch size 1, no cache, no padding: the single
     definition that the engine (true on-policy) and the trainer share, so both get the same bits."""
     ids = ids.to(device)[None]
-    return token_logprobs(model(input_ids=ids).logits, ids, temperature)[0].cpu()
+    return token_logprobs(model(input_ids=ids, use_cache=False).logits, ids, temperature)[0].cpu()
 
 
 def token_entropy(logits: torch.Tensor, temperature: float, length: int | None = None) -> torch.Tensor:

@@ -6,6 +6,7 @@ stages agree only when every value agrees to the bit and nothing was reshaped or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -13,11 +14,24 @@ from collections.abc import Iterable, Mapping
 import torch
 
 
-def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
-    tensor = tensor.detach().to("cpu").contiguous()
-    header = json.dumps([name, str(tensor.dtype), list(tensor.shape)], separators=(",", ":")).encode()
-    digest.update(len(header).to_bytes(4, "little") + header)
-    digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # hashed in place: no bytes copy
+@functools.lru_cache(maxsize=8192)
+def _header(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """The length-prefixed JSON header of a tensor: a step hashes the same few hundred names again
+    and again (every gradient of every minibatch), so each is built once."""
+    header = json.dumps([name, str(dtype), list(shape)], separators=(",", ":")).encode()
+    return len(header).to_bytes(4, "little") + header
+
+
+def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor, *more: "hashlib._Hash") -> None:
+    """Feed `name` and `tensor` to `digest` (and to each of `more`: one tensor, several running digests)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    tensor = tensor.contiguous()
+    header, data = _header(name, tensor.dtype, tuple(tensor.shape)), tensor.reshape(-1).view(torch.uint8).numpy()
+    for target in (digest, *more):
+        target.update(header)
+        target.update(data)  # hashed in place: no bytes copy
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -242,7 +242,7 @@ class _PositionLogits(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(table.clone())
 
-    def forward(self, input_ids, logits_to_keep: int = 0):
+    def forward(self, input_ids, logits_to_keep: int = 0, use_cache: bool | None = None):
         """As a transformers model: the logits of the last `logits_to_keep` positions (0: all)."""
         n, length = input_ids.shape
         return SimpleNamespace(logits=self.table[length - (logits_to_keep or length):length].expand(n, -1, -1))

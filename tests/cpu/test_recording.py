@@ -65,7 +65,10 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
     assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
     assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3,
                                              "tensors_sha256": tensors_digest(dict(sorted(expected.items())))}
-    assert js.read_text() == json.dumps(meta, indent=1) + "\n"  # the bytes as written: one-space indents
+    lines = js.read_text().splitlines()  # the bytes as written: one-space indents, one sample per line
+    assert lines[:3] == ["{", ' "schema": "rlbench.run/1",', ' "step": 3,'] and lines[-1] == "}"
+    assert lines[lines.index(' "samples": [') + 1:][:3] == [
+        '  {"response": "odd", "finish_reason": "stop"},', '  {"response": ""}', " ],"]
     (tmp_path / "again").mkdir()
     again = _write(tmp_path / "again", extra={"engine": "hf"})
     assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
