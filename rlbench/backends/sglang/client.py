@@ -23,6 +23,16 @@ from rlbench.errors import BadInput
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}  # what sglang-router itself retries
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (the router extra brings it): a step sends one request
+    per sample, so the loop's cost per request counts; uvloop's is lower than asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class Retryable(Exception):
     """This attempt failed, another (on another engine, or later) may not. `unreachable`: no
     connection at all (refused, or dropped before an answer), which is how a dead server looks."""
@@ -35,7 +45,7 @@ class Retryable(Exception):
 class Client:
     def __init__(self, max_inflight: int = 256, timeout_s: float = 600.0):
         self.max_inflight, self.timeout_s = max_inflight, timeout_s
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._session = None
         self._slots: asyncio.Semaphore | None = None
 
