@@ -7,6 +7,8 @@ request per sample, as a run sends them), alternating, `--repeats` times each af
 round. Both hold the same weights (pushed and verified by their checksums first). Prints the
 medians, tokens/s and the ratio, and checks that both paths returned the same token ids and
 log-probs, bit for bit. The issue's budget: the HTTP path costs at most 20% (ratio <= 1.20).
+Also timed, in the same rounds: as many GET /model_info to the worker at once as a step has
+requests, which is what the round trips alone cost (no router, no engine, no request body).
 
 Run:  python bench/rollout_http.py [--repeats 11] [--engines 1] [--max-new-tokens 4] [--prompts 4 --samples 16]
 """
@@ -49,11 +51,16 @@ def main() -> None:
             weight_check.check_engine(engine, weights, "bench")
         results = {name: engine.generate(requests) for name, engine in engines.items()}  # untimed round
         times = {name: [] for name in engines}
+        floor = []  # as many GET /model_info to one worker, at once: HTTP alone, no router, no engine
+        worker = remote.fleet.workers[0]
         for _ in range(args.repeats):
             for name, engine in engines.items():
                 start = time.perf_counter()
                 engine.generate(requests)
                 times[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            remote.client.run(_gets(remote.client, f"{worker}/model_info", len(requests)))
+            floor.append(time.perf_counter() - start)
     finally:
         remote.close()
     same = sum((a.output_ids, a.logprobs) == (b.output_ids, b.logprobs)
@@ -69,6 +76,15 @@ def main() -> None:
               f"[{', '.join(f'{t * 1e3:.1f}' for t in ts)}]")
     ratio = medians["http"] / medians["in-process"]
     print(f"  ratio http / in-process: x{ratio:.2f} ({(ratio - 1) * 100:+.0f}%; the issue's budget: +20%)")
+    print(f"  HTTP alone: {len(requests)} GET /model_info to the worker at once, median "
+          f"{statistics.median(floor) * 1e3:.2f} ms = x{statistics.median(floor) / medians['in-process']:.2f} of "
+          f"the in-process generation [{', '.join(f'{t * 1e3:.1f}' for t in floor)}]")
+
+
+async def _gets(client, url: str, count: int) -> None:
+    import asyncio
+
+    await asyncio.gather(*(client.ok("GET", url) for _ in range(count)))
 
 
 if __name__ == "__main__":
