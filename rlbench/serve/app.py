@@ -65,10 +65,18 @@ def build_app(state) -> FastAPI:
 
     for path in ("/health", "/health_generate"):
         app.get(path)(healthy)
+    # Every route is a coroutine: FastAPI runs a plain function in a thread pool, a thread hand-off per
+    # request (about half of a GET's 0.3 ms of CPU time here).
+    async def server_info() -> Response:
+        return _json_response(state.server_info())
+
+    async def model_info() -> Response:
+        return _json_response(state.model_info())
+
     for path in ("/server_info", "/get_server_info"):
-        app.get(path)(lambda: _json_response(state.server_info()))
+        app.get(path)(server_info)
     for path in ("/model_info", "/get_model_info"):
-        app.get(path)(lambda: _json_response(state.model_info()))
+        app.get(path)(model_info)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
