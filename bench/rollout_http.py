@@ -8,7 +8,9 @@ round. Both hold the same weights (pushed and verified by their checksums first)
 medians, tokens/s and the ratio, and checks that both paths returned the same token ids and
 log-probs, bit for bit. The issue's budget: the HTTP path costs at most 20% (ratio <= 1.20).
 Also timed, in the same rounds: as many GET /model_info to the worker at once as a step has
-requests, which is what the round trips alone cost (no router, no engine, no request body).
+requests, which is what the round trips alone cost (no router, no engine, no request body); and
+the CPU time each process (this client, the router, the workers) spends per HTTP request, read
+from /proc, which a busy machine does not distort the way it does wall times.
 
 Run:  python bench/rollout_http.py [--repeats 11] [--engines 1] [--max-new-tokens 4] [--prompts 4 --samples 16]
 """
@@ -16,6 +18,7 @@ Run:  python bench/rollout_http.py [--repeats 11] [--engines 1] [--max-new-token
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -53,11 +56,18 @@ def main() -> None:
         times = {name: [] for name in engines}
         floor = []  # as many GET /model_info to one worker, at once: HTTP alone, no router, no engine
         worker = remote.fleet.workers[0]
+        processes = {proc.name: proc.popen.pid for proc in remote.fleet.processes}
+        cpu = dict.fromkeys(["client", *processes], 0.0)  # CPU seconds spent during the HTTP rounds
         for _ in range(args.repeats):
             for name, engine in engines.items():
+                before = (time.process_time(), {p: _cpu_s(pid) for p, pid in processes.items()})
                 start = time.perf_counter()
                 engine.generate(requests)
                 times[name].append(time.perf_counter() - start)
+                if name == "http":
+                    cpu["client"] += time.process_time() - before[0]
+                    for p, pid in processes.items():
+                        cpu[p] += _cpu_s(pid) - before[1][p]
             start = time.perf_counter()
             remote.client.run(_gets(remote.client, f"{worker}/model_info", len(requests)))
             floor.append(time.perf_counter() - start)
@@ -76,9 +86,20 @@ def main() -> None:
               f"[{', '.join(f'{t * 1e3:.1f}' for t in ts)}]")
     ratio = medians["http"] / medians["in-process"]
     print(f"  ratio http / in-process: x{ratio:.2f} ({(ratio - 1) * 100:+.0f}%; the issue's budget: +20%)")
+    per_request = {name: seconds / (args.repeats * len(requests)) for name, seconds in cpu.items()}
+    print(f"  CPU time per HTTP request, by process: " + ", ".join(f"{name} {t * 1e6:.0f} us"
+                                                                   for name, t in per_request.items())
+          + f"; a step's {len(requests)} requests: {sum(per_request.values()) * len(requests) * 1e3:.1f} ms of CPU "
+          f"(the in-process generation: {medians['in-process'] * 1e3:.1f} ms wall on 1 thread)")
     print(f"  HTTP alone: {len(requests)} GET /model_info to the worker at once, median "
           f"{statistics.median(floor) * 1e3:.2f} ms = x{statistics.median(floor) / medians['in-process']:.2f} of "
           f"the in-process generation [{', '.join(f'{t * 1e3:.1f}' for t in floor)}]")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _gets(client, url: str, count: int) -> None:
