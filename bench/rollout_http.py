@@ -87,7 +87,7 @@ def main() -> None:
     ratio = medians["http"] / medians["in-process"]
     print(f"  ratio http / in-process: x{ratio:.2f} ({(ratio - 1) * 100:+.0f}%; the issue's budget: +20%)")
     per_request = {name: seconds / (args.repeats * len(requests)) for name, seconds in cpu.items()}
-    print(f"  CPU time per HTTP request, by process: " + ", ".join(f"{name} {t * 1e6:.0f} us"
+    print("  CPU time per HTTP request, by process: " + ", ".join(f"{name} {t * 1e6:.0f} us"
                                                                    for name, t in per_request.items())
           + f"; a step's {len(requests)} requests: {sum(per_request.values()) * len(requests) * 1e3:.1f} ms of CPU "
           f"(the in-process generation: {medians['in-process'] * 1e3:.1f} ms wall on 1 thread)")

@@ -262,7 +262,7 @@ def _check_installed(config: RunConfig) -> None:
         if not (rollout.sglang_router_url or rollout.external_engine_addrs):
             needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
                           "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
-                         else ("fastapi", "rollout.sglang_server", "pip install '.[serve]'"))
+                         else ("starlette", "rollout.sglang_server", "pip install '.[serve]'"))
     if config.placement.backend == "ray":
         needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
     for module, field, how in needs:

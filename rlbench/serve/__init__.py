@@ -3,6 +3,6 @@ rlbench's SGLang client (and anyone's) can talk to it as to an SGLang server. CP
 the SGLang workers; on a laptop it stands in for a GPU fleet.
 
     worker.py   one thread runs the engine; concurrent /generate calls are decoded as one batch
-    app.py      the FastAPI routes: /generate, /health*, /server_info, /model_info, weights, /flush_cache
+    app.py      the Starlette routes: /generate, /health*, /server_info, /model_info, weights, /flush_cache
     server.py   ServeConfig, the model and engine it loads, binding (127.0.0.1 by default) and uvicorn
 """
