@@ -135,10 +135,11 @@ class RankActors:
     rank r in bundle r of the placement group the caller, rank 0's actor, runs in. They reach its
     store at this node's IP, and each takes the one GPU Ray gives its actor (cuda:0 there)."""
 
-    def __init__(self):
+    @property
+    def host(self) -> str:
         import ray
 
-        self.host = ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address()
 
     def start(self, port: int, world: int, device: str) -> list[RankWorker]:
         import ray
