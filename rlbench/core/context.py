@@ -270,12 +270,13 @@ def _check_installed(config: RunConfig) -> None:
             raise BadInput(f"the {module} package is not installed here ({how})", field=field)
 
 
-def _local_trainer(config: RunConfig, model):
-    """The trainer in this process (the megatron trainer's other ranks are processes it starts)."""
+def _local_trainer(config: RunConfig, model, workers=None):
+    """The trainer in this process (the megatron trainer's other ranks are processes it starts, or
+    `workers`: launch.spawn says what they may be)."""
     if config.train.backend == "megatron":
         from rlbench.backends.megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer(model, config)  # checks its settings, starts its rank processes
+        return MegatronTrainer(model, config, workers)  # checks its settings, starts its other ranks
     from rlbench.backends.torch_trainer import TorchTrainer
 
     return TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)

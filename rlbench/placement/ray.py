@@ -1,10 +1,14 @@
-"""`--placement ray`: the trainer and the rollout engines as Ray actors in one placement group, in
-slime's shape (slime/ray/placement_group.py: one group, trainer bundles first, then a bundle per
-rollout engine; PACK strategy).
+"""`--placement ray`: the trainer's ranks and the rollout engines as Ray actors in one placement
+group, in slime's shape (slime/ray/placement_group.py: one group, trainer bundles first, one per
+rank, then a bundle per rollout engine; PACK strategy).
 
-- The trainer actor builds the run's trainer (torch, or megatron, whose other ranks it starts as
-  processes on its node: they are not actors of their own) from the run's config and the driver's
-  initial weights, so it starts from the very bytes the manifest hashed.
+- The trainer actor (bundle 0) builds the run's trainer from the run's config and the driver's
+  initial weights, so it starts from the very bytes the manifest hashed. It is rank 0: the torch
+  trainer's only rank, or the megatron trainer's first, which starts ranks 1..T*D-1 as actors of
+  their own (`RankActors`: rank r in bundle r), each running the same worker loop as a rank process
+  does (launch.work). They join the TCP store rank 0 opens on its node's IP. Rank 0 created them,
+  so Ray takes them down with it (an actor dies with its owner), and the group's removal takes down
+  what is left.
 - The rollout engine is an actor holding the embedded engine (`--rollout hf`), or, for `--rollout
   sglang` with servers rlbench starts, one actor per server: the actor starts the server on its
   node and stops it with itself; sglang-router runs next to the driver, in front of them.
@@ -13,10 +17,10 @@ rollout engine; PACK strategy).
   order, requests and results as JSON-able dicts, checkpoints as file bytes: what travels is data,
   never pickled objects of ours (Ray's own transport wraps them).
 
-Ray is started here (`ray.init(num_cpus=placement.num_cpus, include_dashboard=False)`) and shut
-down with the run, unless it is already initialised in this process or `placement.ray_address`
-names a cluster (`auto`, `HOST:6379`, `ray://HOST:10001`): then rlbench only connects, and leaves it
-running. rlbench must be installed on every node of such a cluster.
+Ray is started here (`ray.init(num_cpus=..., include_dashboard=False)`, `local_cpus` says how many)
+and shut down with the run, unless it is already initialised in this process or
+`placement.ray_address` names a cluster (`auto`, `HOST:6379`, `ray://HOST:10001`): then rlbench
+only connects, and leaves it running. rlbench must be installed on every node of such a cluster.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +76,8 @@ def _actor_device(device: str) -> str:
 
 
 class TrainerActor:
+    """Rank 0 of the trainer: the loop's Trainer calls, run here."""
+
     def __init__(self, config_json: str, weights: tuple[bytes, list[str]]):
         from rlbench.core.context import _local_trainer
         from rlbench.core.model import build_model, load_named_
@@ -81,7 +88,7 @@ class TrainerActor:
         configure_determinism(config.threads, config.device, config.deterministic)
         model = build_model(config.model.path, config.seed, config.model.dtype, config.device)
         load_named_(model, unpack(weights), source="the driver's initial weights")
-        self.trainer = _local_trainer(config, model)
+        self.trainer = _local_trainer(config, model, RankActors())
         self.checkpoints = tempfile.TemporaryDirectory(prefix="rlbench-ray-checkpoint-")
 
     def logprobs(self, tensors, reference: bool, per_sample: bool):
@@ -112,6 +119,67 @@ class TrainerActor:
 
     def close(self) -> None:
         self.trainer.close()
+
+
+class RankActor:
+    """A worker rank of the megatron trainer, in a bundle of its own."""
+
+    def work(self, host: str, port: int, rank: int, world: int, device: str) -> None:
+        from rlbench.backends.megatron import launch
+
+        launch.work(host, port, rank, world, device)
+
+
+class RankActors:
+    """Ranks 1.. as Ray actors (what launch.spawn starts; see launch.Processes for the other way):
+    rank r in bundle r of the placement group the caller, rank 0's actor, runs in. They reach its
+    store at this node's IP, and each takes the one GPU Ray gives its actor (cuda:0 there)."""
+
+    @property
+    def host(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def start(self, port: int, world: int, device: str) -> list[RankWorker]:
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        own = "cuda:0" if device.startswith("cuda") else device
+        group, workers = get_current_placement_group(), []
+        for rank in range(1, world):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
+            handle = ray.remote(RankActor).options(num_cpus=1, num_gpus=int(own.startswith("cuda")),
+                                                  scheduling_strategy=strategy).remote()
+            workers.append(RankWorker(handle, handle.work.remote(self.host, port, rank, world, own)))
+        return workers
+
+
+class RankWorker:
+    """A rank actor, handled as launch.py handles a rank process (poll, wait, kill). Its loop's end
+    is `wait`'s; the actor itself lives on until `kill` (then `poll` says so)."""
+
+    def __init__(self, handle, done):
+        self.handle, self.done, self.returncode = handle, done, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        import subprocess
+
+        import ray
+
+        if self.returncode is None and not ray.wait([self.done], timeout=timeout)[0]:
+            raise subprocess.TimeoutExpired("a megatron rank actor", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.handle)
+        self.returncode = -9
 
 
 class EngineActor:
@@ -254,7 +322,7 @@ class Placement:
     Each backend placed here releases it when the loop closes that backend; the last release
     removes the group and its actors."""
 
-    def __init__(self, config):
+    def __init__(self, config, bundles: int):
         import ray
 
         self.ray = ray
@@ -264,7 +332,7 @@ class Placement:
             if config.placement.ray_address:
                 ray.init(address=config.placement.ray_address, **options)
             else:
-                ray.init(num_cpus=config.placement.num_cpus, **options)
+                ray.init(num_cpus=local_cpus(config, bundles), **options)
                 self.started_ray = True
         self.actors: list = []
         self.group = None
@@ -311,9 +379,10 @@ class Placement:
 
 def place(config, model, start: int, init_checkpoint: Path | None):
     """(trainer, engine) of the run as Ray actors in one placement group; None where the mode has none."""
-    placement = Placement(config)
+    ranks, engines = _shape(config)
+    placement = Placement(config, ranks + engines)
     try:
-        trainer, engine = _place(placement, config, model, start, init_checkpoint)
+        trainer, engine = _place(placement, config, model, start, init_checkpoint, ranks, engines)
     except BaseException:
         placement.close()
         raise
@@ -321,31 +390,49 @@ def place(config, model, start: int, init_checkpoint: Path | None):
     return trainer, engine
 
 
-def _place(placement: Placement, config, model, start: int, init_checkpoint: Path | None):
-    from rlbench.core.model import named_weights
-
-    bundle = {"CPU": 1, **({"GPU": 1} if config.device.startswith("cuda") else {})}
+def _shape(config) -> tuple[int, int]:
+    """How many trainer ranks and rollout engines the run places, a bundle each."""
     rollout = config.rollout
-    trains = config.mode in ("full", "train-only")
-    engines = 0
+    ranks = engines = 0
+    if config.mode in ("full", "train-only"):
+        ranks = config.tp * config.dp if config.train.backend == "megatron" else 1
     if config.mode != "train-only":
         launched = rollout.backend == "sglang" and not (rollout.sglang_router_url or rollout.external_engine_addrs)
         engines = rollout.num_engines if launched else int(rollout.backend == "hf")
-    placement.make_group([bundle] * (int(trains) + engines))
+    return ranks, engines
+
+
+def local_cpus(config, bundles: int) -> int:
+    """The logical CPUs of the Ray instance rlbench starts. A bundle holds one (its piece runs
+    config.threads = 1 thread by default): as many as the machine has cores, or one per bundle
+    where the run has more (they share the cores, as rank processes do under in-process placement)."""
+    from rlbench.errors import BadInput
+
+    cpus = config.placement.num_cpus or max(os.cpu_count() or 1, bundles)
+    if cpus < bundles:
+        raise BadInput(f"expected at least {bundles} (a CPU for each trainer rank and each engine), got {cpus}",
+                       field="placement.num_cpus")
+    return cpus
+
+
+def _place(placement: Placement, config, model, start: int, init_checkpoint: Path | None, ranks: int, engines: int):
+    from rlbench.core.model import named_weights
+
+    bundle = {"CPU": 1, **({"GPU": 1} if config.device.startswith("cuda") else {})}
+    placement.make_group([bundle] * (ranks + engines))
     config_json, weights = json.dumps(config.to_dict()), pack(named_weights(model))
     trainer = engine = None
-    if trains:
+    if ranks:
         trainer = RayTrainer(placement.actor(TrainerActor, 0, bundle, config_json, weights), placement)
         if init_checkpoint is not None:
             trainer.load_checkpoint(init_checkpoint)
-    first = int(trains)
-    if config.mode != "train-only" and rollout.backend == "hf":
-        engine = RayEngine(placement.actor(EngineActor, first, bundle, config_json, weights, start), placement)
+    if config.mode != "train-only" and config.rollout.backend == "hf":
+        engine = RayEngine(placement.actor(EngineActor, ranks, bundle, config_json, weights, start), placement)
     elif config.mode != "train-only":
         from rlbench.backends.sglang.engine import open_engine
 
         def start_servers(fleet, client) -> None:
-            actors = [placement.actor(ServerActor, first + i, bundle) for i in range(engines)]
+            actors = [placement.actor(ServerActor, ranks + i, bundle) for i in range(engines)]
             fleet.workers = placement.ray.get([a.start.remote(config_json, i) for i, a in enumerate(actors)])
             fleet.stoppers.append(lambda: placement.ray.get([a.stop.remote() for a in actors]))
 

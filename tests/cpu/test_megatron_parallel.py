@@ -8,7 +8,6 @@ Each rank process imports torch, transformers and megatron-core, so these runs a
 
 from __future__ import annotations
 
-import fcntl
 import json
 import signal
 import time
@@ -16,59 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from rlbench.config import apply_overrides, load_config
-from rlbench.core.loop import run
 from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli
+from tests.cpu.megatron_reference import STEPS, TOML, reference_runs, run_process
 from tests.cpu.test_crash_resume import assert_same_run
 
 pytestmark = pytest.mark.slow  # rank processes each import torch, transformers and megatron-core
 
-# An entropy term of weight 1 keeps every minibatch's loss near -log(vocabulary) (about -5.7), far from 0,
-# and a dense reward (the response's length) gives the policy term a gradient at every step. A GRPO loss
-# alone is -mean(ratio x advantage) with advantages zero-mean per group: it nearly cancels, and a relative
-# tolerance on it measures rounding noise (a TP gap of 3e-7 on a loss of 0.09 is 3e-6 relative; a policy
-# term of 0.58 less 0.1 x entropy 5.7 cancels the same way).
-STEPS = 10
-TOML = f"""seed = 7
-steps = {STEPS}
-checkpoint_every = 2
-[data]
-prompts_per_step = 2
-[rollout]
-n_samples_per_prompt = 4
-[reward]
-custom_rm_path = "tests.cpu.plugins.rewards.response_length"
-[algo]
-entropy_coef = 1.0
-[train]
-backend = "megatron"
-minibatches = 2
-micro_batch_size = 3
-"""
-
-
-def _run(root: Path, name: str, *args: str):
-    # A process of its own: rank 0 holds a gloo group with its workers, and a failpoint may kill it.
-    return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args, process=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, worker_id):
-    """The TP=1 and TP=2 reference runs, made once per session, whichever xdist workers ask for them
-    (pytest-xdist's recipe: a lock file in the directory the workers share)."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base if worker_id == "master" else base.parent) / "megatron-parallel"
-    root.mkdir(exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / ".done").exists():
-            (root / "s.toml").write_text(TOML)
-            run(apply_overrides(load_config(root / "s.toml"), out=str(root / "tp1")))  # in-process: one rank
-            res = _run(root, "tp2", "--tp", "2")
-            assert res.returncode == 0, res.stderr
-            (root / ".done").touch()
-    return root
+    """The TP=1 and TP=2 reference runs, made once per session (megatron_reference.py)."""
+    return reference_runs(tmp_path_factory, worker_id)
 
 
 def _diff(a: Path, b: Path, *args: str) -> tuple[int, dict]:
@@ -91,7 +48,7 @@ def test_tp2_matches_tp1_within_rtol_1e6(runs):
 def test_unfinalised_qk_norm_grads_part_tp2_from_tp1(runs, tmp_path, monkeypatch):
     (tmp_path / "s.toml").write_text(TOML)
     monkeypatch.setenv("RLBENCH_MEGATRON_FAULT", "no-tp-grad-finalize")
-    res = _run(tmp_path, "unfinalised", "--tp", "2", "--steps", "1")
+    res = run_process(tmp_path, "unfinalised", "--tp", "2", "--steps", "1")
     assert res.returncode == 0, res.stderr
     code, doc = _diff(runs / "tp1", tmp_path / "unfinalised", "--rtol", "1e-6")
     assert code == 1
@@ -101,7 +58,7 @@ def test_unfinalised_qk_norm_grads_part_tp2_from_tp1(runs, tmp_path, monkeypatch
 
 def test_dp2_matches_tp1_within_rtol_1e6(runs, tmp_path):
     (tmp_path / "s.toml").write_text(TOML)
-    res = _run(tmp_path, "dp2", "--dp", "2", "--steps", "3")
+    res = run_process(tmp_path, "dp2", "--dp", "2", "--steps", "3")
     assert res.returncode == 0, res.stderr
     code, doc = _diff(runs / "tp1", tmp_path / "dp2", "--rtol", "1e-6", "--steps", "0:3")
     assert code == 0 and doc["steps_compared"] == [0, 1, 2], doc["first"]
@@ -131,7 +88,7 @@ def test_sigkilled_tp2_run_resumes_to_the_same_files(runs, tmp_path, monkeypatch
     # rank 0 dies right after step 8 is committed (checkpoint 8 holds the state after step 7)
     monkeypatch.setenv("RLBENCH_FAILPOINT", "metrics.appended@9")
     monkeypatch.setenv("RLBENCH_TEST_TAG", tag)  # the workers inherit it: found in /proc afterwards
-    res = _run(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
+    res = run_process(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
     monkeypatch.delenv("RLBENCH_FAILPOINT")
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     deadline = time.monotonic() + 30

@@ -1,6 +1,7 @@
 """The megatron trainer on CUDA in deterministic mode (slime's recipe): two runs with one seed
 write the same checksums and metrics, and the manifest records the settings. With two GPUs,
-TP=2 (NCCL) agrees with TP=1 within rtol 1e-6."""
+TP=2 (NCCL) agrees with TP=1 within rtol 1e-6. With three, `--placement ray` (two rank actors and
+the engine's actor, a GPU each) writes the in-process TP=2 run's checksums."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def test_tp2_on_two_gpus_matches_tp1(tmp_path):
     one, two = _run(tmp_path, "tp1"), _run(tmp_path, "tp2", "--tp", "2")
     res = run_cli("diff", str(one), str(two), "--rtol", "1e-6")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three GPUs (two trainer ranks, the engine)")
+def test_tp2_rank_actors_under_ray_placement_match_in_process_tp2(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    local, ray = _run(tmp_path, "local", "--tp", "2"), _run(tmp_path, "ray", "--tp", "2", "--placement", "ray")
+    assert (ray / "checksums.jsonl").read_bytes() == (local / "checksums.jsonl").read_bytes()
+    assert _metrics(ray) == _metrics(local)

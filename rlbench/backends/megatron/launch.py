@@ -1,18 +1,25 @@
-"""Rank processes of the megatron trainer: rlbench starts them; the user never writes a launcher.
+"""Worker ranks of the megatron trainer: rlbench starts them; the user never writes a launcher.
 
-`rlbench run --trainer megatron --tp T --dp D` runs T*D ranks. Rank 0 is the rlbench process
-itself (the loop, the engine, the run directory); ranks 1.. are worker processes started here
-(`python -m rlbench.backends.megatron.launch`), which only train. torch.distributed joins them
-(gloo on the CPU, NCCL on GPUs; rank r takes cuda:r), through a TCP store on 127.0.0.1 that
-rank 0 opens on a free port. The workers are started (`spawn`) when the trainer is made, so
-they import torch and megatron-core while rank 0 checks the settings, and join the process
-group (`join`) at the trainer's first call.
+`rlbench run --trainer megatron --tp T --dp D` runs T*D ranks. Rank 0 is the process holding the
+trainer (the rlbench process itself; under `--placement ray`, the trainer actor); ranks 1.. are
+workers, which only train. There is one worker main (`work`) and two ways to start it:
+
+- `Processes` (in-process placement): `python -m rlbench.backends.megatron.launch` per rank, on
+  this machine, joined through a TCP store on 127.0.0.1;
+- `rlbench.placement.ray.RankActors` (`--placement ray`): a Ray actor per rank, in the trainer's
+  placement group, joined through a store on the trainer actor's node IP.
+
+torch.distributed joins them (gloo on the CPU, NCCL on GPUs) through the TCP store rank 0 opens
+on a free port. The workers are started (`spawn`) when the trainer is made, so they import torch
+and megatron-core while rank 0 checks the settings, and join the process group (`join`) at the
+trainer's first call.
 
 Rank 0 drives: every trainer call is sent to all ranks as a command (a JSON header and tensors,
 broadcast over a gloo group: no pickle), and every rank then runs the same call, so the
 collectives inside Megatron line up. Only rank 0 records, exports and checkpoints. Workers
-die with rank 0: the broadcast they wait in fails when its socket closes, and on Linux the
-kernel kills them when their parent dies (PR_SET_PDEATHSIG), whatever killed it.
+die with rank 0: the broadcast they wait in fails when its socket closes, and, whatever killed
+rank 0, a worker process gets SIGKILL from the kernel when its parent dies (PR_SET_PDEATHSIG,
+Linux), a worker actor from Ray when the actor that created it dies (Ray's owner fate-sharing).
 """
 
 from __future__ import annotations
@@ -26,19 +33,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_PORT_ENV = "RLBENCH_MEGATRON_STORE_PORT"
+_STORE_ENV = "RLBENCH_MEGATRON_STORE"  # host:port of rank 0's TCP store
 
 
 @dataclass
 class Ranks:
-    """This process's place among the ranks: its rank, the world size, the command group, and
-    (rank 0 only) the worker processes."""
+    """This process's place among the ranks: its rank, the world size, its device, the command
+    group, and (rank 0 only) the workers."""
 
     rank: int
     world: int
-    device: str
+    device: str  # this rank's own: cuda:r where a rank sees every GPU, cuda:0 where it sees its own only
     channel: object = None  # the gloo group commands travel on
-    workers: list[subprocess.Popen] = field(default_factory=list)
+    workers: list = field(default_factory=list)  # handles as subprocess.Popen's: poll, wait(timeout), kill
 
     @property
     def is_main(self) -> bool:
@@ -50,9 +57,10 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def _init(rank: int, world: int, device: str, store) -> Ranks:
+    """Join the process group as `rank`, on `device` (this rank's own)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(rank_device(device, rank)))
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     channel = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return Ranks(rank, world, device, channel)
@@ -65,7 +73,7 @@ class Pending:
     world: int
     device: str
     store: object
-    workers: list[subprocess.Popen]
+    workers: list
 
 
 # Workers print to the process's standard error (descriptor 2), never to rank 0's standard output,
@@ -74,21 +82,31 @@ class Pending:
 _STDERR_FD = 2
 
 
-def spawn(world: int, device: str) -> Pending:
-    """Rank 0: open the store and start ranks 1..world-1, which join when `join` is called."""
+class Processes:
+    """Ranks 1.. as processes of this machine (in-process placement): the store on 127.0.0.1."""
+
+    host = "127.0.0.1"
+
+    def start(self, port: int, world: int, device: str) -> list[subprocess.Popen]:
+        env = {**os.environ, _STORE_ENV: f"{self.host}:{port}", "WORLD_SIZE": str(world),
+               "RLBENCH_MEGATRON_DEVICE": device, "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
+        return [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
+                                 env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=_STDERR_FD)
+                for rank in range(1, world)]
+
+
+def spawn(world: int, device: str, workers=None) -> Pending:
+    """Rank 0: open the store and start ranks 1..world-1 (`workers`: Processes, or anything with a
+    `host` they reach this one at and `start(port, world, device)`), which join when `join` is called."""
     if world == 1:
         return Pending(1, device, dist.HashStore(), [])
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    env = {**os.environ, _PORT_ENV: str(store.port), "WORLD_SIZE": str(world), "RLBENCH_MEGATRON_DEVICE": device,
-           "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
-    workers = [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
-                                env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=_STDERR_FD)
-               for rank in range(1, world)]
-    return Pending(world, device, store, workers)
+    workers = workers or Processes()
+    store = dist.TCPStore(workers.host, 0, world, is_master=True, wait_for_workers=False)
+    return Pending(world, device, store, workers.start(store.port, world, device))
 
 
-def kill(workers: list[subprocess.Popen]) -> None:
-    """Stop worker processes that were never joined or cannot be told to stop."""
+def kill(workers: list) -> None:
+    """Stop workers that were never joined or cannot be told to stop."""
     for proc in workers:
         if proc.poll() is None:
             proc.kill()
@@ -98,7 +116,7 @@ def kill(workers: list[subprocess.Popen]) -> None:
 def join(pending: Pending) -> Ranks:
     """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
     try:
-        ranks = _init(0, pending.world, pending.device, pending.store)
+        ranks = _init(0, pending.world, rank_device(pending.device, 0), pending.store)
     except BaseException:
         kill(pending.workers)
         raise
@@ -158,16 +176,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def main() -> None:
-    """A worker rank: join, then serve rank 0's commands until it says stop."""
-    _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ[_PORT_ENV]), world, is_master=False)
-    ranks = _init(rank, world, os.environ["RLBENCH_MEGATRON_DEVICE"], store)
+def work(host: str, port: int, rank: int, world: int, device: str) -> None:
+    """A worker rank, however it was started: join rank 0's store at host:port as `rank`, on
+    `device` (its own), then serve rank 0's commands until it says stop."""
+    store = dist.TCPStore(host, port, world, is_master=False)
+    ranks = _init(rank, world, device, store)
     from rlbench.backends.megatron.trainer import serve
 
     serve(ranks)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    """A worker rank as a process (`Processes`): its place from the environment rank 0 gave it."""
+    _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
+    host, port = os.environ[_STORE_ENV].rsplit(":", 1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    work(host, int(port), rank, world, rank_device(os.environ["RLBENCH_MEGATRON_DEVICE"], rank))
 
 
 if __name__ == "__main__":

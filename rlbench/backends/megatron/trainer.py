@@ -18,8 +18,8 @@ DistributedDataParallel, AdamW over the shard, and the torch trainer's own loss 
   (convert.py), gathered to rank 0, so diff, replay and the engine see one naming.
 
 `MegatronTrainer` is what the loop holds, on rank 0: it sends each call to every rank
-(launch.py) and runs it on its own shard. The worker processes start when it is made and join
-at its first call; `close()` stops them.
+(launch.py) and runs it on its own shard. The workers (processes, or Ray actors under
+`--placement ray`) start when it is made and join at its first call; `close()` stops them.
 
 Checkpoints: per TP rank `model-tpNN.safetensors` and `optimizer-tpNN.safetensors` (Megatron
 names, that rank's shard; data-parallel replicas are equal), `layout.json` (TP, DP, the model's
@@ -66,7 +66,7 @@ class RankTrainer(TorchTrainer):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        device = launch.rank_device(config.device, ranks.rank)
+        device = ranks.device
         mmodel.silence_runtime_warnings()
         if device == "cpu":
             from rlbench.backends.megatron import compat
@@ -259,7 +259,8 @@ class MegatronTrainer:
 
     is_main = True
 
-    def __init__(self, hf_model: torch.nn.Module, config: RunConfig):
+    def __init__(self, hf_model: torch.nn.Module, config: RunConfig, workers=None):
+        """`workers`: how ranks 1.. start (launch.spawn): processes of this machine unless given."""
         self.config = config
         self.hf_model = hf_model  # the initial weights: read when the ranks start
         hf_config = load_model_config(config.model.path)
@@ -267,7 +268,7 @@ class MegatronTrainer:
         # The workers start importing now, while this rank imports megatron-core to check the
         # settings; they join at the first call. Refused, or dropped unused (a run refused later
         # while it is built), the trainer takes them down.
-        self._pending = launch.spawn(config.tp * config.dp, config.device)
+        self._pending = launch.spawn(config.tp * config.dp, config.device, workers)
         weakref.finalize(self, launch.kill, self._pending.workers)
         try:
             _import_megatron()
