@@ -213,6 +213,9 @@ def test_a_fuzz_over_generate_bodies_gets_4xx_never_5xx(fleet):
         status, _ = client.run(client.call("GET", f"{url}/health_generate"))
         assert status == 200
         assert seen["2xx"] >= 10 and seen["4xx"] >= 10, seen  # both kinds of body were tried
+        # No such route, or not that method: JSON, as SGLang's (FastAPI) server answers.
+        assert client.run(client.call("GET", f"{url}/no_such_route")) == (404, {"detail": "Not Found"})
+        assert client.run(client.call("GET", f"{url}/generate")) == (405, {"detail": "Method Not Allowed"})
     finally:
         client.close()
 
