@@ -96,6 +96,11 @@ def main() -> None:
     parser.add_argument("--no-run", action="store_true", help="skip the whole-run timing")
     args = parser.parse_args()
     config = load_config(device=args.device, threads=args.threads)
+    from rlbench import numerics
+
+    mode = numerics.identity()
+    print(f"numerics {mode['mode']} (ATen {mode['aten_capability']}, MKL_CBWR {mode['mkl_cbwr']}), "
+          f"{args.threads} thread(s), {(mode['cpu'] or {}).get('model')}")
     for new in dict.fromkeys((config.rollout.max_new_tokens, 4)):
         generation(config.replace(rollout=replace(config.rollout, max_new_tokens=new)), args.repeats)
     step_stages(config, args.steps)

@@ -31,6 +31,10 @@ import tempfile
 from multiprocessing import Pool
 from pathlib import Path
 
+from rlbench import numerics
+
+numerics.pin()  # before any torch import, here and in the workers (torch reads the settings when it loads)
+
 REPO = Path(__file__).resolve().parents[1]
 ANSWER = re.compile(r"even|odd", re.IGNORECASE)  # what the parity verifier reads: the first match
 STEPS = (60, 80, 100)
@@ -120,8 +124,10 @@ def main() -> None:
     jobs = [(name, seed) for name in names for seed in seeds]
     with Pool(args.procs) as pool:
         results = pool.map(run_one, jobs, chunksize=1)
+    mode = numerics.identity()
     print(f"{len(names)} settings x {len(seeds)} seeds ({', '.join(map(str, seeds))}), {max(STEPS)} steps each, "
-          f"1 thread per run, {args.procs} at a time")
+          f"1 thread per run, {args.procs} at a time; numerics {mode['mode']} (ATen {mode['aten_capability']}, "
+          f"MKL_CBWR {mode['mkl_cbwr']})")
     print(f"{'setting':24s} " + " ".join(f"pass@{n:<4d}" for n in STEPS) + "  last-10 @100  seed 1234 @100  step")
     for name in names:
         runs = [r for r in results if r["name"] == name]

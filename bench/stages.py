@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import time
 
-import torch
+from rlbench import numerics
 
-from rlbench.core import loop
+numerics.pin()  # before torch loads, which reads the settings then (importing rlbench pins them too)
+
+import torch  # noqa: E402
+
+from rlbench.core import loop  # noqa: E402
 
 STAGES = (("data", loop.data), ("rollout", loop.rollout), ("reward", loop.reward), ("advantage", loop.advantage),
           ("logprob", loop.logprob), ("train", loop.train), ("sync", loop.sync), ("record", loop.record))
