@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rlbench.checks import tito_audit
-from rlbench.checks.tito_audit import SHAPES, audit
+from rlbench.checks.tito_audit import audit, conversation_shapes
 from tests.conftest import REPO, run_cli
 
 TOKENIZERS = REPO / "fixtures" / "tokenizers"
@@ -18,7 +18,7 @@ OWN_MODE = {"tito-reencode": "reencode", "tito-separator": "separator", "tito-re
 
 def test_clean_template_passes_every_shape():
     report = audit(TOKENIZERS / "tito-clean")
-    assert report.shapes == list(SHAPES) and report.findings == []
+    assert report.shapes == list(conversation_shapes()) and report.findings == []
 
 
 @pytest.mark.parametrize("name", sorted(OWN_MODE))
@@ -67,7 +67,7 @@ def test_a_template_that_raises_on_one_shape_is_that_shapes_finding():
     """tito-function reads tool_call.function (Llama 3.x style) and refuses parallel calls from inside the
     template: that shape is a 'template error' finding, every other shape is still audited and passes."""
     report = audit(TOKENIZERS / "tito-function")
-    assert report.shapes == list(SHAPES)
+    assert report.shapes == list(conversation_shapes())
     [f] = report.findings
     assert (f.shape, f.mode, f.strict) == ("consecutive-tool-results", "template", True)
     assert f.where == "template error: This model only supports single tool-calls at once!"
