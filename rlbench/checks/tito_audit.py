@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.checks.tito import MODES, Finding, _dropped, decode, divergence, encode, finding, render
+from rlbench.errors import BadInput
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "evaluates an arithmetic expression",
@@ -141,6 +142,8 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None) -> AuditRe
     from rlbench.core.model import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
+    if not tok.chat_template:
+        raise BadInput("the tokenizer has no chat template to audit", path=tokenizer_dir)
     known = conversation_shapes()
     names = shapes or list(known)
     report = AuditReport(str(tokenizer_dir), names)

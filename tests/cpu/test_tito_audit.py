@@ -265,3 +265,15 @@ def test_a_template_error_is_one_line_finding():
     assert f == Finding("s", "template", 0, True, -1, [], [], [], "", "", "TemplateError: cannot render this",
                         "template error: cannot render this")
     assert tito_audit._template_error("s", TemplateError("")).where == "template error: TemplateError"
+
+
+def test_a_tokenizer_without_a_chat_template_is_bad_input(tmp_path):
+    from rlbench.errors import BadInput
+
+    config = json.loads((TOKENIZERS / "tito-clean" / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
+    with pytest.raises(BadInput, match="no chat template to audit") as info:
+        audit(tmp_path)
+    assert info.value.path == str(tmp_path)
