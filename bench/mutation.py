@@ -81,7 +81,8 @@ def _workdir(module: str, fresh: bool, timeout_multiplier: float = 3.0) -> Path:
         "only_mutate": [module],
         "also_copy": [name for name in LINKED if name not in ("rlbench", "tests")],
         "pytest_add_cli_args_test_selection": selection,
-        "pytest_add_cli_args": ["-p", "no:xdist", "-p", "no:randomly", "--hypothesis-profile=mutation"],
+        # xdist loaded but with no workers (-n 0): the project's addopts name --dist, which -p no:xdist refuses
+        "pytest_add_cli_args": ["-n", "0", "-p", "no:randomly", "--hypothesis-profile=mutation"],
         # a worker's limits: (its tests' time + 5 s) x multiplier seconds of wall time, twice that of CPU time
         "timeout_multiplier": timeout_multiplier,
         "timeout_constant": 5.0,
@@ -213,7 +214,7 @@ def planted() -> int:
                 raise SystemExit(f"{path}: the text to plant the bug in is not there once: {original!r}")
             (copy / path).write_text(source.replace(original, mutated))
             try:
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--tb=line",
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--tb=line",
                                        "-p", "no:randomly", *tests], cwd=copy, text=True, capture_output=True,
                                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(copy)})
             finally:

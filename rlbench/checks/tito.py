@@ -112,7 +112,8 @@ def _byte_table(tok) -> dict[int, bytes] | None:
     if not hasattr(tok, "_rlbench_bytes"):
         tok._rlbench_bytes = None
         backend = getattr(tok, "backend_tokenizer", None)
-        if backend is not None and json.loads(backend.to_str()).get("decoder", {}).get("type") == "ByteLevel":
+        # "decoder" is null in a tokenizer that has none (a WordLevel one, say): no byte table then either
+        if backend is not None and (json.loads(backend.to_str()).get("decoder") or {}).get("type") == "ByteLevel":
             visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
             to_byte = {chr(b): b for b in visible}
             extra = 0

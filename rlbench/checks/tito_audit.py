@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.checks.tito import MODES, Finding, _dropped, decode, divergence, encode, finding, render
+from rlbench.errors import BadInput
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "evaluates an arithmetic expression",
@@ -37,24 +38,28 @@ def _call(expr):
     return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
 
 
-SHAPES: dict[str, tuple[list[dict], list | None]] = {
-    "single-turn": ([_user("Is 7 even or odd?"), _assistant("odd")], None),
-    "multi-turn": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")], None),
-    "tool-result": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
-                     {"role": "tool", "content": "7"}, _assistant("odd")], None),
-    "consecutive-tool-results": ([_user("Is 3 plus 4 even, and 6?"),
-                                  _assistant("", tool_calls=[_call("3+4"), _call("6")]),
-                                  {"role": "tool", "content": "7"}, {"role": "tool", "content": "6"},
-                                  _assistant("odd even")], None),
-    "reasoning": ([_user("Is 7 even or odd?"), _assistant("odd", reasoning_content="7 ends in 7"),
-                   _user("And 12?"), _assistant("even", reasoning_content="12 ends in 2")], None),
-    "truncated": ([_user("Is 7 even or odd?"), _assistant("The answer", truncated=True), _user("Go on."),
-                   _assistant("odd")], None),
-    "multi-turn-with-tools": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"),
-                               _assistant("even")], [CALCULATOR]),
-    "tool-result-with-tools": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
-                                {"role": "tool", "content": "7"}, _assistant("odd")], [CALCULATOR]),
-}
+def conversation_shapes() -> dict[str, tuple[list[dict], list | None]]:
+    """The conversation shapes the audit plays, by name: (messages, tools). Built when called, not when the
+    module is imported, so that a mutation tool that switches a change on at call time reaches the helpers
+    above (bench/mutation.py); a fresh dict each call, microseconds, that no caller can alter for another."""
+    return {
+        "single-turn": ([_user("Is 7 even or odd?"), _assistant("odd")], None),
+        "multi-turn": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")], None),
+        "tool-result": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
+                         {"role": "tool", "content": "7"}, _assistant("odd")], None),
+        "consecutive-tool-results": ([_user("Is 3 plus 4 even, and 6?"),
+                                      _assistant("", tool_calls=[_call("3+4"), _call("6")]),
+                                      {"role": "tool", "content": "7"}, {"role": "tool", "content": "6"},
+                                      _assistant("odd even")], None),
+        "reasoning": ([_user("Is 7 even or odd?"), _assistant("odd", reasoning_content="7 ends in 7"),
+                       _user("And 12?"), _assistant("even", reasoning_content="12 ends in 2")], None),
+        "truncated": ([_user("Is 7 even or odd?"), _assistant("The answer", truncated=True), _user("Go on."),
+                       _assistant("odd")], None),
+        "multi-turn-with-tools": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"),
+                                   _assistant("even")], [CALCULATOR]),
+        "tool-result-with-tools": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
+                                    {"role": "tool", "content": "7"}, _assistant("odd")], [CALCULATOR]),
+    }
 
 
 @dataclass
@@ -137,9 +142,12 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None) -> AuditRe
     from rlbench.core.model import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
-    names = shapes or list(SHAPES)
+    if not tok.chat_template:
+        raise BadInput("the tokenizer has no chat template to audit", path=tokenizer_dir)
+    known = conversation_shapes()
+    names = shapes or list(known)
     report = AuditReport(str(tokenizer_dir), names)
     for name in names:
-        messages, tools = SHAPES[name]
+        messages, tools = known[name]
         report.findings += audit_shape(tok, name, messages, tools)
     return report

@@ -89,10 +89,14 @@ def test_a_continued_truncated_turn_is_truncated(tok):
     n = len(enc(tok, "The answer"))
     assert classify(tok, got, expected, truncated_ends=[n]) == ("truncated", True)
     assert classify(tok, got, expected, truncated_ends=[n + 1]) != ("truncated", True)
+    # the rendering ends where the truncated turn does: nothing closes it there
+    assert classify(tok, got, enc(tok, "The answer"), truncated_ends=[n]) != ("truncated", True)
 
 
 def test_anything_else_is_position(tok):
     assert classify(tok, enc(tok, "odd even"), enc(tok, "even odd")) == ("position", True)
+    # ids that are not the canonical ones, but of another text, and no byte lost to U+FFFD
+    assert classify(tok, chars(tok, "odd even"), enc(tok, "even odd")) == ("position", True)
 
 
 def test_only_closing_whitespace_or_a_closing_end_of_turn_is_not_drift(tok):
@@ -106,6 +110,7 @@ def test_only_closing_whitespace_or_a_closing_end_of_turn_is_not_drift(tok):
     assert tito.only_closing(tok, cut, cut + [2], truncated_last=True)
     assert not tito.only_closing(tok, cut, cut + [2], truncated_last=False)
     assert not tito.only_closing(tok, cut, cut + enc(tok, "\n") + [2], truncated_last=True)
+    assert not tito.only_closing(tok, cut, cut + [2] + enc(tok, "x"), truncated_last=True)  # one end-of-turn only
 
 
 def test_divergence_is_none_only_for_equal_ids_or_closing_whitespace(tok):
@@ -130,6 +135,8 @@ def test_a_finding_shows_both_sides_from_the_index_and_the_ids_before_it(tok):
     near_start = tito.finding(tok, "s", "w", enc(tok, "ab"), enc(tok, "xb"), 0, [], [], mode=("special", False))
     assert (near_start.context, near_start.context_text, near_start.mode, near_start.number, near_start.strict) == (
         [], "", "special", 8, False)
+    early = tito.finding(tok, "s", "w", chars(tok, "abc"), chars(tok, "abx"), 2, [], [], mode=("special", False))
+    assert early.context == chars(tok, "ab")  # fewer than three ids before the index: all of them
 
 
 def test_modes_are_numbered_as_the_research_notes_number_them():
@@ -142,3 +149,159 @@ def test_whitespace_token_and_dropped_look_at_one_id_and_nothing_past_the_end(to
     ids = enc(tok, "a\n<tool_call>")
     assert [tito._whitespace_token(tok, ids, i) for i in range(4)] == [False, True, False, False]
     assert [tito._dropped(tok, ids, i) for i in range(4)] == [False, False, True, False]
+
+
+def test_a_lone_byte_counts_within_its_turn_and_from_three_ids_before_the_divergence(tok):
+    lone = enc(tok, "x") + [byte_id(tok, 0xE2)] + enc(tok, "y")
+    # at the very start of the sequences
+    assert classify(tok, lone[1:], enc(tok, "zzy")) == ("reencode", True)
+    # at a turn's end: the turn it starts counts, not the one before
+    turn = enc(tok, "odd") + [2]
+    assert classify(tok, turn + lone[1:], turn + enc(tok, "zzy"), turn_ends=[len(turn), len(turn) + 2]) == (
+        "reencode", True)
+    # in a later turn than the divergence: not what parted the sequences
+    first = enc(tok, "odd even") + [2]
+    assert classify(tok, first + lone, enc(tok, "even odd") + [2] + lone, turn_ends=[len(first)]) == ("position", True)
+    # a U+FFFD sampled as its own ids is text, not a lost byte; only three ids before the divergence are looked at,
+    # so the non-canonical pair "a" "n" counts at index 3 and not at index 4
+    got = chars(tok, "an") + enc(tok, "q") + enc(tok, "z") + enc(tok, "\ufffd") + enc(tok, "z")
+    assert [tito.classify(tok, got, got[:k] + enc(tok, "x"), k, [], []) for k in (3, 4)] == [
+        ("reencode", True), ("position", True)]
+
+
+def test_reasoning_is_a_think_block_within_eight_ids_of_the_divergence_on_one_side(tok):
+    def think_after(k):  # a think block k + 1 ids after the divergence, on one side
+        return classify(tok, enc(tok, "odd") + chars(tok, "a" * k) + enc(tok, "<think>x</think>"),
+                        enc(tok, "even") + chars(tok, "a" * k))
+
+    assert [think_after(k) for k in (6, 7)] == [("reasoning", True), ("position", True)]
+    # a think block both sides share before the divergence does not hide one that only one side has after it
+    kept = enc(tok, "<think>a</think>")
+    assert classify(tok, kept + enc(tok, "<think>b</think>odd"), kept + enc(tok, "odd")) == ("reasoning", True)
+
+
+def test_a_turn_boundary_needs_an_end_of_turn_before_the_index(tok):
+    assert classify(tok, [2] + enc(tok, "\nx"), [2] + enc(tok, "x")) == ("separator", True)
+    # at index 0 nothing comes before it (the last id of the sequence is no end-of-turn before it)
+    assert classify(tok, enc(tok, "\nodd") + [2], enc(tok, "odd") + [2]) == ("position", True)
+
+
+def test_whitespace_of_a_multi_byte_character_sampled_byte_by_byte_is_separator(tok):
+    """No single id of an ideographic space (U+3000) sampled as its three bytes is whitespace, its text is."""
+    turn = enc(tok, "odd") + [2]
+    ideographic = [byte_id(tok, b) for b in "\u3000".encode()]
+    em = [byte_id(tok, b) for b in "\u2003".encode()]
+    spaces = enc(tok, " ") * 2
+    # whitespace on both sides, other whitespace
+    assert classify(tok, turn + ideographic * 2 + spaces + enc(tok, "x"), turn + em * 2 + spaces + enc(tok, "x")) == (
+        "separator", True)
+    # on one side only, text on the other
+    assert classify(tok, turn + ideographic * 2 + spaces + enc(tok, "x"), turn + enc(tok, "x")) == ("position", True)
+    # one side ends at the boundary, the other goes on with whitespace only (more ids than are decoded to classify)
+    assert classify(tok, turn, turn + ideographic * 3) == ("separator", True)
+    assert classify(tok, turn + ideographic * 3, turn) == ("separator", True)
+    # or with text
+    assert classify(tok, turn, turn + enc(tok, "x")) == ("position", True)
+    assert classify(tok, turn + enc(tok, "x"), turn) == ("position", True)
+
+
+# ---------------------------------------------------------------- encode, decode and render on other tokenizers
+
+
+def _fresh(name="tito-special"):
+    return load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("transformers' Python wrapper was called")
+
+
+def test_the_fast_paths_skip_transformers_wrapper_and_are_built_once():
+    """render, encode and decode go to the compiled template and the Rust tokenizer, not through the tokenizer's
+    Python methods (their cost, bench/tito_throughput.py); the compiled template, byte table and special ids are
+    made once per tokenizer."""
+    from rlbench.checks.tito_audit import conversation_shapes
+
+    tok = _fresh()
+    messages, tools = conversation_shapes()["tool-result-with-tools"]
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    tok.apply_chat_template = tok.encode = tok.decode = _refuse
+    assert tito.render(tok, messages, tools, True) == text
+    assert tito.encode(tok, text) == ids and tito.decode(tok, ids) == text
+    assert tito._compiled(tok) is tito._compiled(tok) and tito._byte_table(tok) is tito._byte_table(tok)
+    assert tito._dropped(tok, [316], 0)
+    special = tok._rlbench_special
+    assert tito._dropped(tok, [316], 0) and tok._rlbench_special is special
+
+
+def test_encode_never_adds_special_tokens_and_a_tokenizer_without_a_rust_backend_works_too():
+    """A tokenizer that adds a BOS when asked (Llama's do): the sampled ids never have one. A "slow" tokenizer
+    (no backend_tokenizer) is encoded and decoded through its own methods, to the same ids and text."""
+    from tokenizers import processors
+
+    tok = _fresh()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    assert tok.encode("odd") == [1, *tok.encode("odd", add_special_tokens=False)]
+
+    class Slow:
+        eos_token_id = tok.eos_token_id
+
+        def encode(self, text, add_special_tokens=True):
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+        def decode(self, ids, skip_special_tokens=False):
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    text = "Is 7 odd?<tool_call>x</tool_call><|im_end|>\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    for t in (tok, Slow()):
+        assert tito.encode(t, text) == ids and tito.decode(t, ids) == text
+        assert tito.decode(t, ids, skip_special_tokens=True) == "Is 7 odd?x\n"
+        assert tito.decode(t, tuple(ids)) == text  # any sequence of ids
+    assert tito._byte_table(Slow()) is None
+
+
+def _word_level():
+    """A tokenizer with no decoder ("decoder": null: its ids are words joined by spaces) and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "odd": 1, "even": 2, "<eot>": 3}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
+
+
+def test_a_tokenizer_that_is_not_byte_level_decodes_through_its_own_decoder():
+    tok = _word_level()
+    assert tito._byte_table(tok) is None
+    assert tito.decode(tok, [1, 3, 2]) == tok.decode([1, 3, 2]) == "odd <eot> even"
+    assert tito.decode(tok, [1, 3, 2], skip_special_tokens=True) == "odd even"
+    with pytest.raises(ValueError, match="chat_template is not set"):  # transformers' own words
+        tito.render(tok, [{"role": "user", "content": "odd"}], None, True)
+
+
+def test_added_tokens_of_any_characters_decode_as_their_text():
+    """DeepSeek's added tokens are full-width characters, outside the byte-level alphabet."""
+    tok = _fresh()
+    tok.add_tokens(["<｜tool▁sep｜>"])
+    ids = enc(tok, "odd<｜tool▁sep｜>even")
+    assert tito.decode(tok, ids) == "odd<｜tool▁sep｜>even" == tok.decode(ids)
+
+
+def test_render_without_transformers_private_compiler_is_the_public_path(monkeypatch):
+    """A transformers that no longer has the private compiler: render falls back to apply_chat_template."""
+    import sys
+    import types
+
+    from rlbench.checks.tito_audit import conversation_shapes
+
+    # rlbench's import sees a module without it; transformers' own code keeps its module
+    monkeypatch.setitem(sys.modules, "transformers.utils.chat_template_utils", types.ModuleType("without"))
+    tok = _fresh("tito-clean")
+    messages, tools = conversation_shapes()["tool-result-with-tools"]
+    for generation in (False, True):
+        want = tok.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=generation, tokenize=False)
+        assert tito.render(tok, messages[:2], tools, generation) == want
+    assert tito._compiled(tok) is None

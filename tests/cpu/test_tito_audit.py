@@ -1,5 +1,6 @@
-"""`check tito --audit`: each fixture tokenizer flags its own drift mode and only that one; the
-clean one passes; every finding's index is where the ids really part."""
+"""`check tito --audit`: each fixture tokenizer flags its own drift mode and only that one, in the shapes and at
+the stage where it shows; the clean one passes; every finding's index is where the ids really part; the builder
+renders what a sampler would see and samples up to the first end-of-turn."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import pytest
 
 from rlbench.checks import tito_audit
-from rlbench.checks.tito_audit import SHAPES, audit
+from rlbench.checks.tito_audit import audit, audit_shape, conversation_shapes
+from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, run_cli
 
 TOKENIZERS = REPO / "fixtures" / "tokenizers"
@@ -18,7 +20,55 @@ OWN_MODE = {"tito-reencode": "reencode", "tito-separator": "separator", "tito-re
 
 def test_clean_template_passes_every_shape():
     report = audit(TOKENIZERS / "tito-clean")
-    assert report.shapes == list(SHAPES) and report.findings == []
+    assert report.shapes == list(conversation_shapes()) and report.findings == []
+
+
+def _all_but(*left_out):
+    return [s for s in conversation_shapes() if s not in left_out]
+
+
+# fixture: where its drift is found (the stage of the builder), and in which shapes
+FOUND = {"tito-reencode": ("final re-render", _all_but("reasoning")),
+         "tito-separator": ("final re-render", _all_but("single-turn", "truncated")),
+         "tito-reasoning": ("prefix after turn 1", ["reasoning"]),
+         "tito-position": ("prefix after turn 1", _all_but("single-turn")),
+         "tito-special": ("decode of turn 1", ["tool-result", "consecutive-tool-results", "tool-result-with-tools"]),
+         "tito-truncated": ("final re-render", ["truncated"])}
+
+
+def test_the_conversation_shapes_are_the_documented_ones():
+    """What the audit plays, message by message; tool calls in the shape Hugging Face documents (type "function",
+    the arguments a dict)."""
+
+    def line(message):
+        rest = dict(message)
+        text = f"{rest.pop('role')}: {rest.pop('content')}"
+        for call in rest.pop("tool_calls", []):
+            assert set(call) == {"type", "function"} and call["type"] == "function", call
+            assert set(call["function"]) == {"name", "arguments"} and isinstance(call["function"]["arguments"], dict)
+            text += f" -> {call['function']['name']}({json.dumps(call['function']['arguments'])})"
+        return text + "".join(f" [{key}: {value}]" for key, value in sorted(rest.items()))
+
+    parity, call = ["user: Is 7 even or odd?", "assistant: odd", "user: And 12?", "assistant: even"], \
+        ["user: Is 3 plus 4 even or odd?", 'assistant:  -> calculator({"expression": "3+4"})', "tool: 7",
+         "assistant: odd"]
+    tools = [tito_audit.CALCULATOR]
+    shapes = conversation_shapes()
+    assert {name: ([line(m) for m in messages], t) for name, (messages, t) in shapes.items()} == {
+        "single-turn": (parity[:2], None),
+        "multi-turn": (parity, None),
+        "tool-result": (call, None),
+        "consecutive-tool-results": (["user: Is 3 plus 4 even, and 6?", 'assistant:  -> calculator({"expression": '
+                                      '"3+4"}) -> calculator({"expression": "6"})', "tool: 7", "tool: 6",
+                                      "assistant: odd even"], None),
+        "reasoning": (["user: Is 7 even or odd?", "assistant: odd [reasoning_content: 7 ends in 7]", "user: And 12?",
+                       "assistant: even [reasoning_content: 12 ends in 2]"], None),
+        "truncated": (["user: Is 7 even or odd?", "assistant: The answer [truncated: True]", "user: Go on.",
+                       "assistant: odd"], None),
+        "multi-turn-with-tools": (parity, tools),
+        "tool-result-with-tools": (call, tools)}
+    assert list(shapes) == ["single-turn", "multi-turn", "tool-result", "consecutive-tool-results", "reasoning",
+                            "truncated", "multi-turn-with-tools", "tool-result-with-tools"]
 
 
 @pytest.mark.parametrize("name", sorted(OWN_MODE))
@@ -26,6 +76,9 @@ def test_each_fixture_flags_its_own_mode_only(name):
     report = audit(TOKENIZERS / name)
     assert set(report.modes) == {OWN_MODE[name]}, report.modes
     assert report.strict
+    where, shapes = FOUND[name]
+    assert [(f.shape, f.mode, f.where) for f in report.findings] == [(s, OWN_MODE[name], where) for s in shapes]
+    assert report.tokenizer == str(TOKENIZERS / name)
 
 
 @pytest.mark.parametrize("name", sorted(OWN_MODE))
@@ -67,7 +120,7 @@ def test_a_template_that_raises_on_one_shape_is_that_shapes_finding():
     """tito-function reads tool_call.function (Llama 3.x style) and refuses parallel calls from inside the
     template: that shape is a 'template error' finding, every other shape is still audited and passes."""
     report = audit(TOKENIZERS / "tito-function")
-    assert report.shapes == list(SHAPES)
+    assert report.shapes == list(conversation_shapes())
     [f] = report.findings
     assert (f.shape, f.mode, f.strict) == ("consecutive-tool-results", "template", True)
     assert f.where == "template error: This model only supports single tool-calls at once!"
@@ -111,3 +164,116 @@ def test_the_special_finding_points_at_the_dropped_special_token():
         assert (f.number, f.strict, f.expected[0]) == (8, True, 316), f
         assert f.expected_text.startswith("<tool_call>") and not f.got_text.startswith("<tool_call>")
         assert f.where.startswith("decode of turn ")
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
+
+
+def test_the_builder_renders_each_step_with_the_shapes_tools(monkeypatch):
+    """The generation prompt, then per turn: its prompt, the turn, the grown history; then the whole conversation.
+    Each rendering with the shape's tools, and a generation prompt only where a sampler would get one."""
+    calls, render = [], tito_audit.render
+
+    def spy(tok, messages, tools, generation):
+        calls.append((len(messages), tools, generation))
+        return render(tok, messages, tools, generation)
+
+    monkeypatch.setattr(tito_audit, "render", spy)
+    audit(TOKENIZERS / "tito-clean", ["tool-result-with-tools", "multi-turn"])
+    steps = [(1, True), (1, True), (2, False), (3, True), (3, True), (4, False), (4, False)]
+    tools = [tito_audit.CALCULATOR]
+    assert calls == [(n, tools, g) for n, g in steps] + [(n, None, g) for n, g in steps]
+
+
+def test_three_turns_each_grow_from_the_one_before():
+    messages = [_user("7?"), _assistant("odd"), _user("12?"), _assistant("even"), _user("9?"), _assistant("odd")]
+    assert audit_shape(load_tokenizer(TOKENIZERS / "tito-clean"), "three", messages, None) == []
+
+
+def test_a_truncated_last_turn_closed_by_the_rendering_is_no_finding():
+    """Nothing was trained after a truncated last turn: the end-of-turn the rendering closes it with is no drift."""
+    tok = load_tokenizer(TOKENIZERS / "tito-clean")
+    assert audit_shape(tok, "cut", [_user("7?"), _assistant("The answer", truncated=True)], None) == []
+
+
+def test_a_turn_is_sampled_up_to_its_first_end_of_turn():
+    """A sampler stops at the first end-of-turn: what a rendered turn has after it was never sampled."""
+    tok = load_tokenizer(TOKENIZERS / "tito-clean")
+    [f] = audit_shape(tok, "s", [_user("Is 7 odd?"), _assistant("odd<|im_end|>even")], None)
+    assert (f.where, f.expected_text, f.got_text, f.context_text) == ("final re-render", "even<|im_end|>", "",
+                                                                       "\nodd<|im_end|>")
+
+
+def test_a_generation_prompt_the_turn_does_not_start_with():
+    """Like Qwen3 without thinking: the generation prompt opens an empty think block that the rendered turn has
+    not. The builder stops at the first such turn, with the prompt's ids as got and the turn's as expected."""
+    tok = load_tokenizer(TOKENIZERS / "tito-clean")
+    end = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    assert tok.chat_template.count(end) == 1
+    tok.chat_template = tok.chat_template.replace(end, end.replace("\\n'", "\\n<think>\\n\\n</think>\\n\\n'"))
+    messages = [_user("Is 7 odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")]
+    [f] = audit_shape(tok, "no-think", messages, None)
+    assert (f.shape, f.where, f.mode) == ("no-think", "generation prompt vs turn 1", "reasoning")
+    assert (f.context_text, f.got_text, f.expected_text) == ("<|im_start|>assistant\n", "<think>\n\n</think>",
+                                                             "odd<|im_end|>")
+
+
+def test_where_divergence_finds_nothing_there_is_no_finding(monkeypatch):
+    """A tokenizer that normalises text can give two different texts ids that agree but for closing whitespace:
+    divergence() then finds nothing, and the builder must list nothing, at each of its three stages."""
+    no_think = load_tokenizer(TOKENIZERS / "tito-clean")
+    end = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    no_think.chat_template = no_think.chat_template.replace(end, end.replace("\\n'", "\\n\\n'"))
+    messages = conversation_shapes()["multi-turn"][0]
+    monkeypatch.setattr(tito_audit, "divergence", lambda *args, **kwargs: None)
+    assert audit_shape(no_think, "s", messages, None) == []  # generation prompt vs turn
+    assert audit_shape(load_tokenizer(TOKENIZERS / "tito-position"), "s", messages, None) == []  # prefix
+    assert audit_shape(load_tokenizer(TOKENIZERS / "tito-reencode"), "s", messages, None) == []  # final re-render
+
+
+def test_the_special_finding_is_special_even_where_classify_would_say_otherwise():
+    """A dropped special token is the decode's fault whatever it is: here <think>, marked special, which classify
+    alone would call reasoning (a think block on one side only)."""
+    from tokenizers import AddedToken
+
+    tok = load_tokenizer(TOKENIZERS / "tito-special")
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<think>", special=True)]})
+    [f] = audit_shape(tok, "s", [_user("Is 7 odd?"), _assistant("<think>7</think>odd")], None)
+    assert (f.mode, f.number, f.where, f.expected_text, f.got_text) == ("special", 8, "decode of turn 1",
+                                                                        "<think>7</think>odd", "7</think>odd")
+
+
+def test_the_special_finding_points_past_text_sampled_before_the_dropped_token():
+    tok = load_tokenizer(TOKENIZERS / "tito-special")
+    messages = [_user("Is 3 plus 4 odd?"), _assistant("Let me see.", tool_calls=[tito_audit._call("3+4")])]
+    [f] = audit_shape(tok, "s", messages, None)
+    assert f.where == "decode of turn 1" and f.expected[0] == 316 and f.context_text == "ee."
+    assert f.got_text.startswith("calc") and f.expected_text.startswith("<tool_call>cal")
+
+
+def test_a_template_error_is_one_line_finding():
+    from jinja2 import TemplateError
+
+    from rlbench.checks.tito import Finding
+
+    f = tito_audit._template_error("s", TemplateError("cannot\n   render  this"))
+    assert f == Finding("s", "template", 0, True, -1, [], [], [], "", "", "TemplateError: cannot render this",
+                        "template error: cannot render this")
+    assert tito_audit._template_error("s", TemplateError("")).where == "template error: TemplateError"
+
+
+def test_a_tokenizer_without_a_chat_template_is_bad_input(tmp_path):
+    from rlbench.errors import BadInput
+
+    config = json.loads((TOKENIZERS / "tito-clean" / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
+    with pytest.raises(BadInput, match="no chat template to audit") as info:
+        audit(tmp_path)
+    assert info.value.path == str(tmp_path)

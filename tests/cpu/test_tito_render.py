@@ -9,7 +9,7 @@ import pytest
 from jinja2 import TemplateError
 
 from rlbench.checks.tito import render
-from rlbench.checks.tito_audit import SHAPES
+from rlbench.checks.tito_audit import conversation_shapes
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO
 
@@ -19,7 +19,7 @@ NAMES = sorted(p.name for p in (REPO / "fixtures" / "tokenizers").iterdir())
 @pytest.mark.parametrize("name", NAMES)
 def test_render_equals_apply_chat_template(name):
     tok = load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
-    for messages, tools in SHAPES.values():
+    for messages, tools in conversation_shapes().values():
         for cut in range(1, len(messages) + 1):
             for generation in (False, True):
                 try:
