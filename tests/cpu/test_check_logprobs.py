@@ -85,22 +85,26 @@ def test_gates_through_the_cli(run_small, tmp_path):
 # ---------------------------------------------------------------- on a recording written by hand (no model)
 
 
-def _recorded(root, steps, old_logprobs=True):
+def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, **manifest):
     """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
-    3 prompt + 2 response tokens each: only the response tokens are trained (loss mask 1)."""
+    `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1)."""
     from rlbench.config import load_config
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
-    manifest = {"schema": SCHEMA, "config": load_config().to_dict(), "mode": "full", "stages": ["data"], "hashes": {}}
+    manifest = {"schema": SCHEMA, "config": config or load_config().to_dict(), "mode": "full", "stages": ["data"],
+                "hashes": {}, **manifest}
     writer = RunWriter(root, manifest, record=True)
+    samples = [[1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
+               for s, p in enumerate(prompts)]
     for step, (trainer, rollout) in enumerate(steps):
-        mask = torch.tensor([0, 0, 0, 1, 1] * 2, dtype=torch.uint8)
-        tensors = {"tokens": torch.tensor([1, 50, 51, 60, 61, 1, 52, 53, 62, 63]), "offsets": torch.tensor([0, 5, 10]),
-                   "prompt_lengths": torch.tensor([3, 3]), "prompt_index": torch.tensor([0, 0]),
+        mask = torch.tensor([0] * prompts[0] + [1, 1] + [0] * prompts[1] + [1, 1], dtype=torch.uint8)
+        tensors = {"tokens": torch.tensor(samples[0] + samples[1]),
+                   "offsets": torch.tensor([0, len(samples[0]), len(samples[0]) + len(samples[1])]),
+                   "prompt_lengths": torch.tensor(prompts), "prompt_index": torch.tensor([0, 0]),
                    "group_index": torch.tensor([0, 0]), "loss_mask": mask, "rewards": torch.tensor([1.0, 0.0]),
-                   "rollout_logprobs": torch.zeros(10).masked_scatter(mask.bool(), torch.tensor(rollout))}
+                   "rollout_logprobs": torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(rollout))}
         if old_logprobs:
-            tensors["old_logprobs"] = torch.zeros(10).masked_scatter(mask.bool(), torch.tensor(trainer))
+            tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
         writer.commit_step(step, tensors, [{}, {}], {"data": f"{step:064x}"}, {"train/loss": 0.0})
     writer.close()
     return root
@@ -110,7 +114,7 @@ def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]),
                                       ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0])])
     report = check_logprobs(run, top=2, thresholds={"max_abs": 0.4, "mean_abs": 1.0, "p99_abs": None})
-    assert (report.source, report.steps, report.tokens, report.notes) == ("recorded", [0, 1], 8, [])
+    assert (report.run, report.source, report.steps, report.tokens, report.notes) == (str(run), "recorded", [0, 1], 8, [])
     deltas = [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.125, 0.0]
     assert report.stats == statistics(torch.tensor(deltas, dtype=torch.float64))
     assert report.stats["max_abs"] == 0.5 and report.stats["mean_abs"] == pytest.approx(0.875 / 8)
@@ -135,6 +139,9 @@ def test_a_gate_passes_on_finite_numbers_only(tmp_path):
     note = "1 non-finite log-prob deltas; the first at step 0, sample 0, response token 1 (trainer nan, rollout -2.5)"
     assert report.notes == [note]
     assert report.failures == [f"mean_abs is nan ({note}): a gate passes only on finite numbers"]
+    later = _recorded(tmp_path / "later", [([-1.0] * 4, [-1.0] * 4), ([-1.0, -1.0, float("inf"), -1.0], [-1.0] * 4)])
+    assert check_logprobs(later).notes == ["1 non-finite log-prob deltas; the first at step 1, sample 1, response "
+                                           "token 0 (trainer inf, rollout -1.0)"]
     for bad in (float("nan"), -1.0, float("inf"), "1"):
         with pytest.raises(BadInput, match="expected a finite number >= 0") as info:
             check_logprobs(run, thresholds={"max_abs": bad})
@@ -143,11 +150,14 @@ def test_a_gate_passes_on_finite_numbers_only(tmp_path):
 
 def test_a_recording_without_trainer_logprobs_needs_recompute(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.0] * 4)], old_logprobs=False)
-    with pytest.raises(BadInput, match="holds no trainer log-probs .* use --recompute"):
+    with pytest.raises(BadInput) as info:
         check_logprobs(run)
+    assert str(info.value) == f"{run}: the recording holds no trainer log-probs (a rollout-only or imported run); " \
+                              "use --recompute"
     empty = _recorded(tmp_path / "e", [])
-    with pytest.raises(BadInput, match="no committed step to check"):
+    with pytest.raises(BadInput) as info:
         check_logprobs(empty)
+    assert str(info.value) == f"{empty / 'metrics.jsonl'}: no committed step to check"
 
 
 def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
@@ -173,8 +183,170 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
     assert (report.source, report.steps, report.tokens, report.notes) == ("recomputed", [0, 1], 8, [])
     assert report.stats["max_abs"] < 1e-5
     manifest_path.write_text(json.dumps({**manifest, "mode": "rollout-only", "hashes": {"initial_weights": "0" * 64}}))
-    with pytest.raises(BadInput, match="initial weights .* are not the ones the run recorded"):
+    with pytest.raises(BadInput) as info:
         check_logprobs(run, recompute=True)
+    here = weights_digest(named_weights(model))[:12]
+    assert str(info.value) == f"{config.model.path}: the model's initial weights ({here}) are not the ones the run " \
+                              "recorded (000000000000): another model or seed"
     manifest_path.write_text(json.dumps(manifest))  # a full run: weights change every step, and no checkpoint
-    with pytest.raises(BadInput, match="no step could be recomputed"):
+    with pytest.raises(BadInput) as info:
         check_logprobs(run, recompute=True)
+    assert str(info.value) == f"{run / 'checkpoints'}: no step could be recomputed (no checkpoint holds the weights " \
+                              "any step sampled with)"
+
+
+def test_p99_of_more_values_than_torch_quantile_takes():
+    """torch.quantile refuses more than 2**24 values: a few steps of a real run. 2% of them 1, the rest 0."""
+    delta = torch.zeros(2**24 + 1, dtype=torch.float64)
+    delta[: delta.numel() // 50] = -1.0
+    assert statistics(delta)["p99_abs"] == 1.0
+
+
+def test_worst_tokens_ten_by_default_ties_in_recording_order(tmp_path):
+    run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.5] * 4)] * 6)  # 24 tokens, each 0.5 apart
+    worst = check_logprobs(run).worst
+    assert [(w.step, w.sample, w.response_token) for w in worst] == [
+        (step, sample, token) for step in range(3) for sample in (0, 1) for token in (0, 1)][:10]
+
+
+def test_gates_at_zero_and_on_statistics_that_exist(tmp_path):
+    """A gate of 0 asks for no mismatch at all (true on-policy); a gate on a statistic there is not is bad input."""
+    same = _recorded(tmp_path / "same", [([-1.0] * 4, [-1.0] * 4)])
+    assert check_logprobs(same, thresholds={"max_abs": 0, "k3_kl": 0.0}).failures == []
+    apart = _recorded(tmp_path / "apart", [([-1.0] * 4, [-1.0, -1.5, -1.0, -1.0])])
+    assert check_logprobs(apart, thresholds={"max_abs": 0}).failures == ["max_abs 0.5 > 0"]
+    with pytest.raises(BadInput) as info:
+        check_logprobs(same, thresholds={"p50_abs": 1.0})
+    assert (info.value.field, str(info.value)) == (
+        "p50_abs", "p50_abs: no such statistic to gate on (one of mean_abs, p99_abs, max_abs, k3_kl, mean_exp_abs)")
+
+
+def _config(**model):
+    from rlbench.config import load_config
+
+    config = load_config().to_dict()
+    return {**config, "model": {**config["model"], **model}}
+
+
+def test_a_run_is_read_with_the_tokenizer_and_model_it_was_made_with(tmp_path):
+    """The manifest's hashes: the tokenizer's is checked always, the model config's when the log-probs are
+    recomputed with that model."""
+    steps = [([-1.0] * 4, [-1.0] * 4)]
+    other_tokenizer = _recorded(tmp_path / "t", steps, hashes={"tokenizer": "ab" * 32})
+    with pytest.raises(BadInput, match=r"was made with another tokenizer \(sha256 abababababab, this one is "):
+        check_logprobs(other_tokenizer)
+    other_model = _recorded(tmp_path / "m", steps, hashes={"model_config": "cd" * 32})
+    assert check_logprobs(other_model).steps == [0]  # the model is not used
+    with pytest.raises(BadInput, match=r"was made with another model config \(sha256 cdcdcdcdcdcd, this one is "):
+        check_logprobs(other_model, recompute=True)
+
+
+def _word_level_tokenizer(directory):
+    """A tokenizer of 4 ids, saved as a tokenizer directory."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "odd": 1, "even": 2, "<eot>": 3}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>").save_pretrained(directory)
+    return directory
+
+
+def test_token_ids_are_held_to_the_runs_tokenizer_which_shows_the_worst_tokens(tmp_path):
+    steps = [([-1.0, -2.0, -1.0, -1.0], [-1.0, -2.5, -1.0, -1.0])]
+    small = _recorded(tmp_path / "small", steps, config=_config(tokenizer=str(_word_level_tokenizer(tmp_path / "tok"))))
+    with pytest.raises(BadInput) as info:
+        check_logprobs(small)
+    assert str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: token id 63 is outside the run's " \
+                              "tokenizer (4 ids)"
+    # a run whose tokenizer is gone: the ids themselves are shown
+    gone = _recorded(tmp_path / "gone", steps, config=_config(tokenizer=str(tmp_path / "gone-tokenizer")))
+    [worst] = check_logprobs(gone, top=1).worst
+    assert (worst.token_id, worst.text, worst.context) == (61, "[61]", "[1, 50, 51, 60]")
+
+
+def test_worst_tokens_context_is_the_eight_ids_before_within_the_sample(tmp_path):
+    from rlbench.config import load_config
+    from rlbench.core.model import load_tokenizer
+
+    tok = load_tokenizer(load_config().model.tokenizer)
+    run = _recorded(tmp_path / "long", [([-1.0, -2.0, -1.0, -1.0], [-1.0, -2.5, -1.0, -1.0])], prompts=(10, 3))
+    [worst] = check_logprobs(run, top=1).worst
+    assert (worst.sample, worst.response_token, worst.context) == (0, 1, tok.decode([52, 53, 54, 55, 56, 57, 58, 60]))
+    # a sample with an empty prompt: its first token is its own, not the sample's before it
+    run = _recorded(tmp_path / "empty", [([-1.0, -1.0, float("nan"), -1.0], [-1.0, -1.0, -2.5, -1.0])], prompts=(3, 0))
+    report = check_logprobs(run, top=1)
+    assert report.notes == ["1 non-finite log-prob deltas; the first at step 0, sample 1, response token 0 "
+                            "(trainer nan, rollout -2.5)"]
+    assert (report.worst[0].sample, report.worst[0].response_token, report.worst[0].context) == (1, 0, "")
+
+
+# ---------------------------------------------------------------- recomputed with the checkpoints' weights
+
+
+def _weights(model, shift):
+    """The model's weights moved by `shift` times a seeded noise: another policy, as after some training."""
+    from rlbench.core.model import named_weights
+
+    g = torch.Generator().manual_seed(3)
+    return {name: w + shift * torch.randn(w.shape, generator=g) for name, w in named_weights(model).items()}
+
+
+def _checkpoint(run, step, weights):
+    from safetensors.torch import save_file
+
+    (run / "checkpoints" / f"{step:06d}").mkdir(parents=True)
+    save_file(weights, str(run / "checkpoints" / f"{step:06d}" / "model.safetensors"))
+
+
+def _sampled_with(model, weights, temperature):
+    """Each sample's response log-probs under `weights`, one sample at a time (as the engine computes them)."""
+    from rlbench.core.algo import sequence_logprobs
+    from rlbench.core.model import load_named_
+
+    load_named_(model, weights)
+    ids = torch.tensor([1, 50, 51, 60, 61, 1, 52, 53, 62, 63])
+    with torch.no_grad():
+        own = torch.cat([sequence_logprobs(model, ids[a:b], temperature, "cpu") for a, b in ((0, 5), (5, 10))])
+    return own[torch.tensor([0, 0, 0, 1, 1] * 2, dtype=torch.bool)].tolist()
+
+
+def test_recompute_on_a_full_run_loads_each_steps_checkpoint(tmp_path):
+    """Checkpoints 0 and 2 hold the weights steps 0 and 2 sampled with (other ones each): those steps are
+    recomputed with them, to float noise; step 1 has none and is left out, and said so."""
+    from rlbench.config import load_config
+    from rlbench.core.model import build_model
+
+    config = load_config()
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    first, third = _weights(model, 0.0), _weights(model, 0.05)
+    rollout = [_sampled_with(model, first, config.rollout.temperature), [-1.0] * 4,
+               _sampled_with(model, third, config.rollout.temperature)]
+    run = _recorded(tmp_path / "r", [(r, r) for r in rollout], old_logprobs=False)
+    _checkpoint(run, 0, first)
+    _checkpoint(run, 2, third)
+    report = check_logprobs(run, recompute=True)
+    assert (report.steps, report.notes) == ([0, 2], ["recomputed steps [0, 2]; no exact weights for steps [1]"])
+    assert [row["max_abs"] < 1e-5 for row in report.per_step] == [True, True]
+
+
+def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkeypatch, tmp_path):
+    """Its weights never change: checkpoint 0 holds them (here other weights than the seed's, as from an imported
+    checkpoint), loaded once, whatever other checkpoint is there. True on-policy: recomputed one sample at a time,
+    the engine's own forward, so the mismatch is exactly 0."""
+    from rlbench.config import load_config
+    from rlbench.core import model as model_module
+
+    config = load_config()
+    model = model_module.build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    sampled_with = _weights(model, 0.05)
+    rollout = _sampled_with(model, sampled_with, config.rollout.temperature)
+    run = _recorded(tmp_path / "r", [(rollout, rollout)] * 2, old_logprobs=False, mode="rollout-only",
+                    config={**load_config().to_dict(), "rollout": {**load_config().to_dict()["rollout"],
+                                                                   "true_on_policy": True}})
+    _checkpoint(run, 0, sampled_with)
+    _checkpoint(run, 1, _weights(model, 0.1))
+    loads, load = [], model_module.load_safetensors
+    monkeypatch.setattr(model_module, "load_safetensors", lambda path: loads.append(path) or load(path))
+    report = check_logprobs(run, recompute=True)
+    assert (report.steps, report.notes, report.stats["max_abs"]) == ([0, 1], [], 0.0)
+    assert loads == [run / "checkpoints" / "000000" / "model.safetensors"]
