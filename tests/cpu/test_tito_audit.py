@@ -196,8 +196,9 @@ def test_three_turns_each_grow_from_the_one_before():
 
 
 def test_a_truncated_last_turn_closed_by_the_rendering_is_no_finding():
-    """Nothing was trained after a truncated last turn: the end-of-turn the rendering closes it with is no drift."""
-    tok = load_tokenizer(TOKENIZERS / "tito-clean")
+    """Nothing was trained after a truncated last turn: the end-of-turn that tito-truncated's template (which
+    cannot mark a truncated turn) closes it with is no drift; continued, it is (test_each_fixture_...)."""
+    tok = load_tokenizer(TOKENIZERS / "tito-truncated")
     assert audit_shape(tok, "cut", [_user("7?"), _assistant("The answer", truncated=True)], None) == []
 
 
@@ -274,6 +275,6 @@ def test_a_tokenizer_without_a_chat_template_is_bad_input(tmp_path):
     config.pop("chat_template")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
-    with pytest.raises(BadInput, match="no chat template to audit") as info:
+    with pytest.raises(BadInput) as info:
         audit(tmp_path)
-    assert info.value.path == str(tmp_path)
+    assert str(info.value) == f"{tmp_path}: the tokenizer has no chat template to audit"
