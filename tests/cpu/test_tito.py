@@ -222,13 +222,28 @@ def test_the_fast_paths_skip_transformers_wrapper_and_are_built_once():
     made once per tokenizer."""
     from rlbench.checks.tito_audit import conversation_shapes
 
+    class Counting:  # the Rust tokenizer, its decode calls counted
+        def __init__(self, backend):
+            self.backend, self.decodes = backend, 0
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def decode(self, *args, **kwargs):
+            self.decodes += 1
+            return self.backend.decode(*args, **kwargs)
+
     tok = _fresh()
     messages, tools = conversation_shapes()["tool-result-with-tools"]
     text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     ids = tok.encode(text, add_special_tokens=False)
+    skipped = tok.decode(ids, skip_special_tokens=True)
     tok.apply_chat_template = tok.encode = tok.decode = _refuse
+    tok._tokenizer = backend = Counting(tok.backend_tokenizer)
     assert tito.render(tok, messages, tools, True) == text
     assert tito.encode(tok, text) == ids and tito.decode(tok, ids) == text
+    assert backend.decodes == 0  # a byte-level BPE's ids decode by its byte table
+    assert tito.decode(tok, ids, skip_special_tokens=True) == skipped and backend.decodes == 1  # that one cannot
     assert tito._compiled(tok) is tito._compiled(tok) and tito._byte_table(tok) is tito._byte_table(tok)
     assert tito._dropped(tok, [316], 0)
     special = tok._rlbench_special
