@@ -64,7 +64,7 @@ def statistics(delta: torch.Tensor) -> dict[str, float]:
         return {k: 0.0 for k in STATS}
     abs_delta = delta.abs()
     # numpy's quantile (linear, as torch's): torch.quantile refuses more than 2**24 values, a few steps of a run
-    with np.errstate(invalid="ignore"):  # a NaN delta makes p99 NaN, as the other statistics, without a warning
+    with np.errstate(invalid="ignore"):  # infinite deltas: inf - inf in the interpolation, p99 NaN without a warning
         p99 = float(np.quantile(abs_delta.numpy(), 0.99))
     return {
         "mean_abs": float(abs_delta.mean()),

@@ -350,3 +350,32 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
     report = check_logprobs(run, recompute=True)
     assert (report.steps, report.notes, report.stats["max_abs"]) == ([0, 1], [], 0.0)
     assert loads == [run / "checkpoints" / "000000" / "model.safetensors"]
+
+
+def test_a_checkpoint_that_is_not_the_runs_model_is_bad_input_naming_it(tmp_path):
+    """A checkpoint whose tensors do not fit the run's model (another model's, or cut short): one line naming
+    the checkpoint, not the model directory or a bare 'weights'."""
+    from rlbench.config import load_config
+    from rlbench.core.model import build_model
+
+    config = load_config()
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    weights = _weights(model, 0.0)
+    rollout = _sampled_with(model, weights, config.rollout.temperature)
+    run = _recorded(tmp_path / "r", [(rollout, rollout)], old_logprobs=False)
+    del weights["model.norm.weight"]
+    _checkpoint(run, 0, weights)
+    with pytest.raises(BadInput, match="weight names do not match the model") as info:
+        check_logprobs(run, recompute=True)
+    assert info.value.path == str(run / "checkpoints" / "000000")
+
+
+def test_an_infinite_delta_makes_p99_nan_without_a_warning():
+    """inf - inf inside numpy's interpolation is NaN: the statistics say so (as mean and max do for a NaN), and
+    numpy's 'invalid value' warning is not let out (under -W error it would be an internal error)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = statistics(torch.tensor([math.inf, 1.0, math.inf, -2.0], dtype=torch.float64))
+    assert math.isnan(stats["p99_abs"]) and stats["max_abs"] == math.inf
