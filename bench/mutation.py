@@ -198,8 +198,8 @@ PLANTED = [
      'return str(value(ast.parse(expression.strip(), mode="eval").body))',
      'return str(float(value(ast.parse(expression.strip(), mode="eval").body)))',
      ["tests/cpu/test_multiturn.py", "-k", "calculator"]),
-    ("`rlbench --help` no longer lists `run`", "rlbench/cli/runs.py", "@app.command()\ndef run(",
-     "@app.command(hidden=True)\ndef run(", ["tests/cpu/test_cli_surface.py"]),
+    ("`rlbench --help` no longer lists `run`", "rlbench/cli/runs.py", "@app.command(context_settings=",
+     "@app.command(hidden=True, context_settings=", ["tests/cpu/test_cli_surface.py"]),
 ]
 
 
