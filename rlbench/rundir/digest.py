@@ -24,10 +24,7 @@ def _header(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 
 def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor, *more: "hashlib._Hash") -> None:
     """Feed `name` and `tensor` to `digest` (and to each of `more`: one tensor, several running digests)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
-    tensor = tensor.contiguous()
+    tensor = tensor.detach().cpu().contiguous()  # each returns the tensor itself when it is already so
     header, data = _header(name, tensor.dtype, tuple(tensor.shape)), tensor.reshape(-1).view(torch.uint8).numpy()
     for target in (digest, *more):
         target.update(header)

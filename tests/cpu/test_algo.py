@@ -374,6 +374,22 @@ def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
     assert got[0] == 0 and bool((got[1:] < 0).all())
 
 
+def test_sequence_logprobs_runs_the_model_on_the_device_it_is_given():
+    """The ids go to `device` before the forward (a GPU engine's model is there). This machine has no second
+    device with data, so the meta device stands in: the forward sees meta ids, and the CPU copy of a result
+    that has no data is refused (with the ids left on the CPU, it would have run and returned)."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids, use_cache=None):
+            seen.append(input_ids.device)
+            return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 4, device=input_ids.device))
+
+    with pytest.raises(NotImplementedError, match="meta"):
+        sequence_logprobs(Model(), torch.tensor([1, 2, 3]), 1.0, "meta")
+    assert seen == [torch.device("meta")]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
 def test_token_entropy_matches_hand_computation(temperature):
     """Entropy of the distribution predicting each token; temperature 0 (greedy) leaves the logits unscaled."""

@@ -11,7 +11,7 @@ import torch
 
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
-from rlbench.rundir.digest import tensors_digest, weights_digest
+from rlbench.rundir.digest import tensor_digests, tensors_digest, update, weights_digest
 
 
 def _packed():
@@ -201,3 +201,39 @@ def test_tensors_digest_is_sha256_of_name_dtype_shape_and_bytes():
     assert weights_digest(dict(pair)) == weights_digest(dict(pair[::-1])) == tensors_digest(pair)
     assert tensors_digest({}) == hashlib.sha256().hexdigest()
     assert tensors_digest({"w": tensor.requires_grad_(False)}) != tensors_digest({"v": tensor})
+
+
+def test_tensor_digests_gives_each_tensor_its_own_digest_and_update_feeds_several():
+    """What an engine reports of its weights: one digest per name, each the digest of that tensor alone."""
+    a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)
+    assert tensor_digests({"a": a, "b": b}) == {"a": tensors_digest({"a": a}), "b": tensors_digest({"b": b})}
+    assert tensor_digests({"a": a})["a"] != tensor_digests({"a": a.clone().fill_(1)})["a"]
+    assert tensor_digests({}) == {}
+    one, two, three = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
+    update(one, "a", a.t(), two, three)  # a view, several running digests: each gets the same bytes
+    assert one.hexdigest() == two.hexdigest() == three.hexdigest() == tensors_digest({"a": a.t().contiguous()})
+
+
+def test_the_step_json_is_indented_with_one_sample_per_line_and_an_empty_list_as_brackets():
+    """The layout a reader of rollouts/*.json sees (json.dumps(indent=1) but for the samples, one per line)."""
+    _, js = recording.encode_step(3, {"rewards": torch.tensor([1.0])}, [{"response": "odd", "finish_reason": "stop"},
+                                                                         {"response": ""}], None)
+    digest = hashlib.sha256(b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
+    assert js.decode() == ('{\n "schema": "rlbench.run/1",\n "step": 3,\n "samples": [\n'
+                           '  {"response": "odd", "finish_reason": "stop"},\n  {"response": ""}\n ],\n'
+                           f' "samples_sha256": "{digest}"\n}}\n')
+    _, js = recording.encode_step(3, {"rewards": torch.zeros(0)}, [], None)
+    assert '\n "samples": [],\n' in js.decode() and json.loads(js)["samples"] == []
+
+
+def test_a_long_safetensors_error_is_cut_at_80_characters(tmp_path):
+    from safetensors.torch import load
+
+    st, _ = _write(tmp_path)
+    raw = b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": [1, 2, 3]}'  # a header that is JSON, not a safetensors one
+    st.write_bytes(raw)
+    with pytest.raises(Exception) as original:
+        load(raw)
+    assert len(str(original.value)) > 80
+    message = str(_refused(tmp_path, match="corrupt or truncated safetensors"))
+    assert message.endswith(f"(SafetensorError: {str(original.value)[:80]})")
