@@ -46,7 +46,7 @@ def functional(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
     rows, length = ids.shape
     freqs = torch.arange(length)[None].expand(rows, length)[..., None].float() * model.model.rotary_emb.inv_freq
     emb = torch.cat((freqs, freqs), -1)
-    cos, sin = (emb.cos() * 1.0)[:, None], (emb.sin() * 1.0)[:, None]
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # transformers scales both by 1.0 here: exact, left out
     h = F.embedding(ids, p["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         w = {k.removeprefix(f"model.layers.{i}."): v for k, v in p.items() if k.startswith(f"model.layers.{i}.")}
@@ -75,8 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_model(MODEL, 1234)
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, min(vocab, model.get_input_embeddings().weight.shape[0]), (args.rows, args.length),
+    ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (args.rows, args.length),
                         generator=torch.Generator().manual_seed(0))
 
     def library():

@@ -26,6 +26,16 @@ settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase
 REPO = Path(__file__).resolve().parents[1]
 
 
+
+def word_level_tokenizer():
+    """A 4-id tokenizer with no decoder ("decoder": null: its ids are words joined by spaces) and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "odd": 1, "even": 2, "<eot>": 3}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
+
 def small_toml(steps: int) -> str:
     """The TOML of `small_config`, for tests that go through the CLI."""
     return (f"steps = {steps}\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"

@@ -11,7 +11,7 @@ import torch
 
 from rlbench.checks.logprobs import check_logprobs, statistics
 from rlbench.errors import BadInput
-from tests.conftest import run_cli
+from tests.conftest import run_cli, word_level_tokenizer
 
 
 def test_statistics_by_hand():
@@ -85,17 +85,21 @@ def test_gates_through_the_cli(run_small, tmp_path):
 # ---------------------------------------------------------------- on a recording written by hand (no model)
 
 
+def _samples(prompts=(3, 3)):
+    """Two samples' token ids: `prompts[s]` prompt ids (1, then 50...) and 2 response ids (60 + 2s, 61 + 2s)."""
+    return [[1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
+            for s, p in enumerate(prompts)]
+
+
 def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, **manifest):
     """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
     `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1)."""
-    from rlbench.config import load_config
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
-    manifest = {"schema": SCHEMA, "config": config or load_config().to_dict(), "mode": "full", "stages": ["data"],
+    manifest = {"schema": SCHEMA, "config": config or _config(), "mode": "full", "stages": ["data"],
                 "hashes": {}, **manifest}
     writer = RunWriter(root, manifest, record=True)
-    samples = [[1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
-               for s, p in enumerate(prompts)]
+    samples = _samples(prompts)
     for step, (trainer, rollout) in enumerate(steps):
         mask = torch.tensor([0] * prompts[0] + [1, 1] + [0] * prompts[1] + [1, 1], dtype=torch.uint8)
         tensors = {"tokens": torch.tensor(samples[0] + samples[1]),
@@ -221,11 +225,12 @@ def test_gates_at_zero_and_on_statistics_that_exist(tmp_path):
         "p50_abs", "p50_abs: no such statistic to gate on (one of mean_abs, p99_abs, max_abs, k3_kl, mean_exp_abs)")
 
 
-def _config(**model):
+def _config(**sections):
+    """The default config as a dict, with some settings of some sections changed: _config(model={...})."""
     from rlbench.config import load_config
 
     config = load_config().to_dict()
-    return {**config, "model": {**config["model"], **model}}
+    return {**config, **{name: {**config[name], **values} for name, values in sections.items()}}
 
 
 def test_a_run_is_read_with_the_tokenizer_and_model_it_was_made_with(tmp_path):
@@ -241,25 +246,16 @@ def test_a_run_is_read_with_the_tokenizer_and_model_it_was_made_with(tmp_path):
         check_logprobs(other_model, recompute=True)
 
 
-def _word_level_tokenizer(directory):
-    """A tokenizer of 4 ids, saved as a tokenizer directory."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "odd": 1, "even": 2, "<eot>": 3}, unk_token="[UNK]"))
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>").save_pretrained(directory)
-    return directory
-
-
 def test_token_ids_are_held_to_the_runs_tokenizer_which_shows_the_worst_tokens(tmp_path):
     steps = [([-1.0, -2.0, -1.0, -1.0], [-1.0, -2.5, -1.0, -1.0])]
-    small = _recorded(tmp_path / "small", steps, config=_config(tokenizer=str(_word_level_tokenizer(tmp_path / "tok"))))
+    word_level_tokenizer().save_pretrained(tmp_path / "tok")
+    small = _recorded(tmp_path / "small", steps, config=_config(model={"tokenizer": str(tmp_path / "tok")}))
     with pytest.raises(BadInput) as info:
         check_logprobs(small)
     assert str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: token id 63 is outside the run's " \
                               "tokenizer (4 ids)"
     # a run whose tokenizer is gone: the ids themselves are shown
-    gone = _recorded(tmp_path / "gone", steps, config=_config(tokenizer=str(tmp_path / "gone-tokenizer")))
+    gone = _recorded(tmp_path / "gone", steps, config=_config(model={"tokenizer": str(tmp_path / "gone-tokenizer")}))
     [worst] = check_logprobs(gone, top=1).worst
     assert (worst.token_id, worst.text, worst.context) == (61, "[61]", "[1, 50, 51, 60]")
 
@@ -304,10 +300,9 @@ def _sampled_with(model, weights, temperature):
     from rlbench.core.model import load_named_
 
     load_named_(model, weights)
-    ids = torch.tensor([1, 50, 51, 60, 61, 1, 52, 53, 62, 63])
-    with torch.no_grad():
-        own = torch.cat([sequence_logprobs(model, ids[a:b], temperature, "cpu") for a, b in ((0, 5), (5, 10))])
-    return own[torch.tensor([0, 0, 0, 1, 1] * 2, dtype=torch.bool)].tolist()
+    with torch.no_grad():  # each sample's last two ids are its response
+        rows = [sequence_logprobs(model, torch.tensor(ids), temperature, "cpu") for ids in _samples()]
+    return [x for row in rows for x in row[-2:].tolist()]
 
 
 def test_recompute_on_a_full_run_loads_each_steps_checkpoint(tmp_path):
@@ -341,8 +336,7 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
     sampled_with = _weights(model, 0.05)
     rollout = _sampled_with(model, sampled_with, config.rollout.temperature)
     run = _recorded(tmp_path / "r", [(rollout, rollout)] * 2, old_logprobs=False, mode="rollout-only",
-                    config={**load_config().to_dict(), "rollout": {**load_config().to_dict()["rollout"],
-                                                                   "true_on_policy": True}})
+                    config=_config(rollout={"true_on_policy": True}))
     _checkpoint(run, 0, sampled_with)
     _checkpoint(run, 1, _weights(model, 0.1))
     loads, load = [], model_module.load_safetensors
@@ -361,8 +355,7 @@ def test_a_checkpoint_that_is_not_the_runs_model_is_bad_input_naming_it(tmp_path
     config = load_config()
     model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
     weights = _weights(model, 0.0)
-    rollout = _sampled_with(model, weights, config.rollout.temperature)
-    run = _recorded(tmp_path / "r", [(rollout, rollout)], old_logprobs=False)
+    run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.0] * 4)], old_logprobs=False)
     del weights["model.norm.weight"]
     _checkpoint(run, 0, weights)
     with pytest.raises(BadInput, match="weight names do not match the model") as info:

@@ -227,12 +227,13 @@ def test_the_step_json_is_indented_with_one_sample_per_line_and_an_empty_list_as
 
 
 def test_a_long_safetensors_error_is_cut_at_80_characters(tmp_path):
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     st, _ = _write(tmp_path)
     raw = b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": [1, 2, 3]}'  # a header that is JSON, not a safetensors one
     st.write_bytes(raw)
-    with pytest.raises(Exception) as original:
+    with pytest.raises(SafetensorError) as original:
         load(raw)
     assert len(str(original.value)) > 80
     message = str(_refused(tmp_path, match="corrupt or truncated safetensors"))

@@ -7,7 +7,7 @@ import pytest
 
 from rlbench.checks import tito
 from rlbench.core.model import load_tokenizer
-from tests.conftest import REPO
+from tests.conftest import REPO, word_level_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -278,18 +278,8 @@ def test_encode_never_adds_special_tokens_and_a_tokenizer_without_a_rust_backend
     assert tito._byte_table(Slow()) is None
 
 
-def _word_level():
-    """A tokenizer with no decoder ("decoder": null: its ids are words joined by spaces) and no chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "odd": 1, "even": 2, "<eot>": 3}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
-
-
 def test_a_tokenizer_that_is_not_byte_level_decodes_through_its_own_decoder():
-    tok = _word_level()
+    tok = word_level_tokenizer()
     assert tito._byte_table(tok) is None
     assert tito.decode(tok, [1, 3, 2]) == tok.decode([1, 3, 2]) == "odd <eot> even"
     assert tito.decode(tok, [1, 3, 2], skip_special_tokens=True) == "odd even"

@@ -166,12 +166,15 @@ def test_the_special_finding_points_at_the_dropped_special_token():
         assert f.where.startswith("decode of turn ")
 
 
-def _user(text):
-    return {"role": "user", "content": text}
+_user, _assistant = tito_audit._user, tito_audit._assistant
 
 
-def _assistant(text, **extra):
-    return {"role": "assistant", "content": text, **extra}
+def _generation_prompt_followed_by(tok, text):
+    """tito-clean's template with `text` (template-escaped) after its generation prompt's opening line."""
+    end = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    assert tok.chat_template.count(end) == 1
+    tok.chat_template = tok.chat_template.replace(end, end.replace("\\n'", "\\n" + text + "'"))
+    return tok
 
 
 def test_the_builder_renders_each_step_with_the_shapes_tools(monkeypatch):
@@ -213,10 +216,7 @@ def test_a_turn_is_sampled_up_to_its_first_end_of_turn():
 def test_a_generation_prompt_the_turn_does_not_start_with():
     """Like Qwen3 without thinking: the generation prompt opens an empty think block that the rendered turn has
     not. The builder stops at the first such turn, with the prompt's ids as got and the turn's as expected."""
-    tok = load_tokenizer(TOKENIZERS / "tito-clean")
-    end = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    assert tok.chat_template.count(end) == 1
-    tok.chat_template = tok.chat_template.replace(end, end.replace("\\n'", "\\n<think>\\n\\n</think>\\n\\n'"))
+    tok = _generation_prompt_followed_by(load_tokenizer(TOKENIZERS / "tito-clean"), "<think>\\n\\n</think>\\n\\n")
     messages = [_user("Is 7 odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")]
     [f] = audit_shape(tok, "no-think", messages, None)
     assert (f.shape, f.where, f.mode) == ("no-think", "generation prompt vs turn 1", "reasoning")
@@ -227,9 +227,7 @@ def test_a_generation_prompt_the_turn_does_not_start_with():
 def test_where_divergence_finds_nothing_there_is_no_finding(monkeypatch):
     """A tokenizer that normalises text can give two different texts ids that agree but for closing whitespace:
     divergence() then finds nothing, and the builder must list nothing, at each of its three stages."""
-    no_think = load_tokenizer(TOKENIZERS / "tito-clean")
-    end = "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    no_think.chat_template = no_think.chat_template.replace(end, end.replace("\\n'", "\\n\\n'"))
+    no_think = _generation_prompt_followed_by(load_tokenizer(TOKENIZERS / "tito-clean"), "\\n")
     messages = conversation_shapes()["multi-turn"][0]
     monkeypatch.setattr(tito_audit, "divergence", lambda *args, **kwargs: None)
     assert audit_shape(no_think, "s", messages, None) == []  # generation prompt vs turn
