@@ -92,7 +92,7 @@ def probe() -> dict:
     # The fixture model, forward and backward.
     from rlbench.core.model import build_model
 
-    model = build_model(REPO / "fixtures/models/tiny-qwen3", 1234)
+    model = build_model(REPO / "rlbench/fixtures/models/tiny-qwen3", 1234, init="random")
     ids = torch.arange(240).reshape(8, 30) % 314
     logits = model(input_ids=ids).logits
     put("model forward", logits)

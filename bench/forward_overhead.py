@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from rlbench.core.model import build_model  # noqa: E402
 
-MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3"
+MODEL = Path(__file__).resolve().parents[1] / "rlbench" / "fixtures" / "models" / "tiny-qwen3"
 
 
 def functional(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = build_model(MODEL, 1234)
+    model = build_model(MODEL, 1234, init="random")
     ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (args.rows, args.length),
                         generator=torch.Generator().manual_seed(0))
 

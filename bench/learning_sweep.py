@@ -10,7 +10,7 @@ run directory to a temporary directory, and is reduced to per-step reward, answe
 time. Prints, per setting: how many seeds pass at 60, 80 and 100 steps, the mean last-10 reward at
 100, and the median step time (comparable between settings of one sweep, on one machine).
 
-    python bench/learning_sweep.py                       # the README's table (8 seeds each)
+    python bench/learning_sweep.py                       # docs/benchmarks.md's table (8 seeds each)
     python bench/learning_sweep.py --procs 16 --seeds 1234,1,2,3
     python bench/learning_sweep.py --only base,lr2e-3    # some settings
 
@@ -64,7 +64,7 @@ SETTINGS: dict[str, dict] = {
 
 
 def _model_dir(changes: dict, root: Path) -> str:
-    source = REPO / "fixtures" / "models" / "tiny-qwen3"
+    source = REPO / "rlbench" / "fixtures" / "models" / "tiny-qwen3"
     target = root / "model"
     shutil.copytree(source, target)
     config = json.loads((source / "config.json").read_text())

@@ -22,7 +22,7 @@ module gets a work directory under .mutation/ (git-ignored): links to the reposi
 fixtures, and a pyproject.toml that adds a [tool.mutmut] table for that module and its tests. Nothing in the
 repository is changed. Mutation runs are too slow for CI (.ci/run does not run them).
 
-    python bench/mutation.py                      # every module, from scratch (the README's figures)
+    python bench/mutation.py                      # every module, from scratch (the figures of docs/benchmarks.md)
     python bench/mutation.py rlbench/core/algo.py # some modules
     python bench/mutation.py --planted            # the 9 bugs of issue 14, each planted: the test that fails
 
@@ -64,7 +64,7 @@ MODULES = {
     "rlbench/checks/logprobs.py": ["tests/cpu/test_check_logprobs.py", "-k", "not (reported_as_measured or "
                                    "is_exactly_zero or on_a_rollout_only_run or on_a_full_run_uses or through_the_cli)"],
 }
-LINKED = ("rlbench", "tests", "fixtures", "golden", "configs", "examples")
+LINKED = ("rlbench", "tests", "golden", "configs", "examples")
 KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too
 
 

@@ -1,1 +1,1 @@
-"""Files the README's "Using it" commands name; tests/cpu/test_readme_examples.py runs every one."""
+"""Files the commands of docs/usage.md name; tests/cpu/test_readme_examples.py runs every one."""

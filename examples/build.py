@@ -1,11 +1,11 @@
-"""Build the example files the README's commands name, offline: python examples/build.py [--golden]
+"""Build the example files the commands of docs/usage.md name, offline: python examples/build.py [--golden]
 
 - slime-dumps/rollout_{0,1}.pt: two rollout ids in slime's --save-debug-rollout-data format (a
   torch.save of {"rollout_id", "samples": [Sample.to_dict(), ...]}), tokenised with the fixture
   tokenizer; `rlbench import slime` reads them with torch.load(weights_only=True).
 - golden_values_dev_cpu.json (--golden): a Megatron-LM golden values file ("lm loss" per iteration,
   iteration k = rlbench step k-1) made from `rlbench run --steps 10`, the default run, so the
-  README's `check golden ... --rename "lm loss=train/loss"` compares a real series. Remade, like
+  docs/golden.md's `check golden ... --rename "lm loss=train/loss"` compares a real series. Remade, like
   golden/, only when the default run's numbers move on purpose.
 """
 
@@ -40,7 +40,7 @@ def build_dumps(out: Path) -> list[Path]:
 
     from rlbench.core.model import load_tokenizer
 
-    tok = load_tokenizer(REPO / "fixtures" / "tokenizers" / "qwen-tiny")
+    tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny")
     paths = []
     for rollout_id in (0, 1):
         samples = [_sample(tok, g, g * 4 + j, 10 * rollout_id + g + 2, ("even", "odd")[(j + g) % 2])

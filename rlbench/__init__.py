@@ -1,4 +1,25 @@
-"""rlbench: a reproducibility and debugging workbench for the LLM RL post-training loop."""
+"""rlbench: a reproducibility and debugging workbench for the LLM RL post-training loop.
+
+Importing it pins the portable CPU numerics before anything imports torch (numerics.py).
+
+    config.py     the run configuration: one frozen dataclass per component, TOML loading, validation
+    validate.py   the value checks every config shares: a failing value is BadInput naming its key
+    errors.py     BadInput and the other typed errors, each with its exit code
+    numerics.py   portable CPU numerics: pinned before torch initialises, read back for the manifest
+    __main__.py   `python -m rlbench`: the same as the `rlbench` console script
+    cli/          the `rlbench` command line: the only package that prints; errors -> exit codes
+    core/         the loop (one function per stage, and its driver), the backend protocols, seeding,
+                  data, rewards, the RL algorithm
+    backends/     the rollout engines and trainers behind core/protocols.py, imported only when chosen
+    placement/    where a run's pieces run: in-process, or as Ray actors (`--placement ray`)
+    rundir/       the run directory's storage: atomic writes, the step commit, recordings, digests, the lock
+    replay/       replay, resume, diff and the slime import, built on core/ and rundir/
+    checks/       check tito / logprobs / golden, and the golden files
+    tasks/        tasks beyond the default one: the multi-turn calculator
+    serve/        `rlbench serve`: the embedded engine behind SGLang's native HTTP API
+    fixtures/     the tiny model's config, the tokenizers and the datasets a plain install runs with;
+                  build.py makes them offline
+"""
 
 from rlbench import numerics as _numerics
 

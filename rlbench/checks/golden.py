@@ -82,7 +82,7 @@ class Series:
 
     def to_json(self) -> dict:
         return {"start_step": self.start_step, "end_step": self.end_step, "step_interval": self.step_interval,
-                "values": {str(s): _num_out(v) for s, v in sorted(self.values.items())},
+                "values": {str(s): num_out(v) for s, v in sorted(self.values.items())},
                 "tolerance": self.tolerance.to_json()}
 
 
@@ -94,7 +94,9 @@ class Golden:
     metrics: dict[str, Series]
 
 
-def _num_out(v: float):
+def num_out(v: float):
+    """A value as a golden file (and check golden's JSON report) writes it: a finite number as it is,
+    NaN and the infinities as the strings "nan", "inf" and "-inf", which JSON has no numbers for."""
     if math.isfinite(v):
         return v
     return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
@@ -232,6 +234,7 @@ def config_identity(manifest: dict) -> dict:
             table = table.get(parent, {})
         if table.get(key, neutral) == neutral:
             table.pop(key, None)
+    config.get("model", {}).pop("init", None)  # which weights: the initial weights' sha256 below says it exactly
     hashes = manifest.get("hashes", {})
     for (section, key), hash_name in PATH_KEYS.items():
         if key in config.get(section, {}):
@@ -309,7 +312,7 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
     changes = {
         "added": sorted(set(metrics) - set(old)),
         "removed": sorted(set(old) - set(metrics)),
-        "changed": sorted(n for n in metrics if n in old and not _same_series(old[n].values, metrics[n].values)),
+        "changed": sorted(n for n in metrics if n in old and not same_series(old[n].values, metrics[n].values)),
         "tolerance_changed": sorted(n for n in metrics if n in old
                                     and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()),
         "config_changed": previous is not None and previous.header.get("config_hash") != config_hash(identity),
@@ -362,7 +365,9 @@ def write_golden(path: str | Path, doc: dict) -> None:
     atomic_write(path, (json.dumps(doc, indent=1) + "\n").encode())
 
 
-def _same_series(a: dict[int, float], b: dict[int, float]) -> bool:
+def same_series(a: dict[int, float], b: dict[int, float]) -> bool:
+    """The same steps with the same values bit for bit (same_bits): `golden update` lists a metric whose
+    series is not so as changed, and `check golden` notes when every compared series is so."""
     return a.keys() == b.keys() and all(same_bits(a[s], b[s]) for s in a)
 
 

@@ -12,8 +12,8 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from rlbench.checks.golden import (TIERS, Golden, Tolerance, _num_out, _same_series, apply_override, config_identity,
-                                   exact_versions, numerics_of, platform_of, run_series, same_bits)
+from rlbench.checks.golden import (TIERS, Golden, Tolerance, apply_override, config_identity, exact_versions, num_out,
+                                   numerics_of, platform_of, run_series, same_bits, same_series)
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 
@@ -71,8 +71,8 @@ class GoldenReport:
         def metric(m: MetricResult) -> dict:
             doc = asdict(m)
             for key in ("expected", "got"):
-                doc[key] = {str(s): _num_out(v) for s, v in doc[key].items()}
-            doc["failures"] = [{k: _num_out(v) if isinstance(v, float) else v for k, v in f.items()}
+                doc[key] = {str(s): num_out(v) for s, v in doc[key].items()}
+            doc["failures"] = [{k: num_out(v) if isinstance(v, float) else v for k, v in f.items()}
                                for f in doc["failures"]]
             return doc
 
@@ -162,7 +162,7 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
         kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
         results.append(_compare_series(name, series.values, got[name], tol, kind))
     exact_able = [m for m in results if m.kind != "median" and m.status != "missing"]
-    if tier == "approx" and exact_able and all(m.got.keys() == m.expected.keys() and _same_series(m.expected, m.got)
+    if tier == "approx" and exact_able and all(m.got.keys() == m.expected.keys() and same_series(m.expected, m.got)
                                                for m in exact_able):
         notes.append("every compared value is equal bit for bit (the exact tier's preconditions are not met, "
                      "but the bits agree)")

@@ -84,7 +84,7 @@ class _Recomputer:
 
         self.run = run
         self.rollout_only = run.manifest.get("mode") == "rollout-only"
-        model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+        model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
         recorded = (run.manifest.get("hashes") or {}).get("initial_weights")
         if recorded is not None:
             from rlbench.core.model import named_weights

@@ -178,7 +178,7 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
             (index >= len(got) and not rest_exp.strip()) or (index >= len(expected) and not rest_got.strip())
         if whitespace or _whitespace_token(tok, got, index) or _whitespace_token(tok, expected, index):
             return "separator", True
-    if _dropped(tok, got, index) != _dropped(tok, expected, index):
+    if decode_drops(tok, got, index) != decode_drops(tok, expected, index):
         return "special", True
     # Byte tokens that are no valid UTF-8 on their own decode to U+FFFD, and that re-encodes to other
     # bytes: re-encoding drift with the text itself lost (a random policy samples such bytes often).
@@ -189,7 +189,7 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
     return "position", True
 
 
-def _dropped(tok, ids: list[int], index: int) -> bool:
+def decode_drops(tok, ids: list[int], index: int) -> bool:
     """Whether decode(skip_special_tokens=True) drops the token at `index`: any token marked special
     (not only the named ones that `all_special_ids` lists)."""
     if not hasattr(tok, "_rlbench_special"):

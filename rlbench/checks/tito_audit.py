@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlbench.checks.tito import MODES, Finding, _dropped, decode, divergence, encode, finding, render
+from rlbench.checks.tito import MODES, Finding, decode, decode_drops, divergence, encode, finding, render
 from rlbench.errors import BadInput
 
 CALCULATOR = {"type": "function", "function": {
@@ -117,7 +117,7 @@ def _audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
         # What a naive builder does with the sampled ids: decode them to text (special tokens skipped)
         # and encode that again.
         if decode(tok, sampled, skip_special_tokens=True) != decode(tok, sampled):
-            dropped = next(i for i in range(len(sampled)) if _dropped(tok, sampled, i))
+            dropped = next(i for i in range(len(sampled)) if decode_drops(tok, sampled, i))
             naive = encode(tok, decode(tok, sampled, skip_special_tokens=True))
             found = finding(tok, shape, f"decode of turn {j}", buffer + naive, buffer + sampled, len(buffer) + dropped,
                             [], [], mode=("special", True))

@@ -96,12 +96,14 @@ def _non_canonical(tok, turns: list[dict]) -> tuple[int, list[int], list[int]] |
 class _Evidence:
     """The engine's log-prob against the trainer's at a position, with the weights given."""
 
-    def __init__(self, model_dir: str | Path | None, seed: int, temperature: float):
+    def __init__(self, model_dir: str | Path | None, seed: int, temperature: float, init: str | None):
         self.model, self.temperature = None, temperature
         if model_dir is not None:
-            from rlbench.core.model import build_model
+            from rlbench.core.model import build_model, weight_files
 
-            self.model = build_model(model_dir, seed).eval().requires_grad_(False)
+            if init is None:  # a recording from before model.init (or an import without it): what the run did
+                init = "checkpoint" if weight_files(model_dir) else "random"
+            self.model = build_model(model_dir, seed, init=init).eval().requires_grad_(False)
 
     def delta(self, ids: list[int], position: int, engine: float) -> float:
         import torch
@@ -149,7 +151,8 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
                 turns = [{"prompt_ids": ids[:prompt], "output_ids": ids[prompt:]}]
                 if evidence is None:
                     evidence = _Evidence(model_dir, int(config.get("seed", 0)),
-                                         float((config.get("rollout") or {}).get("temperature", 1.0)))
+                                         float((config.get("rollout") or {}).get("temperature", 1.0)),
+                                         (config.get("model") or {}).get("init"))
                 _judge(tok, report, evidence, step, i, ids, prompt, tensors["rollout_logprobs"][offsets[i]:])
             else:
                 report.compared += 1

@@ -3,44 +3,24 @@ and renders its result (a rich table, or one JSON document with `--json`). Only 
 prints. Exit codes: 0 done / the check holds, 1 a check found a difference, 2 bad input, 3 an internal
 error, 130 Ctrl-C.
 
-    __init__.py   the app, the consoles and options every command shares, main() (errors -> exit codes)
+    __init__.py   main(): the one error boundary (errors -> exit codes)
+    app.py        the typer app, the consoles and the options every command shares, --version
+    options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff, import slime
     checks.py     check logprobs / tito / golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
+    __main__.py   `python -m rlbench.cli`: the same as the `rlbench` console script
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from rlbench.cli.app import INTERRUPTED, app, stderr, stdout  # noqa: F401 - the app and its consoles, re-exported
 from rlbench.errors import RlbenchError
-
-app = typer.Typer(
-    name="rlbench",
-    help="Reproduce and debug LLM RL post-training runs: run, replay, diff, check.",
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
-)
-stderr = Console(stderr=True)
-# Options every command has. `--debug` is read by main() from argv; commands declare it for --help.
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON document.")]
-Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-stdout = Console()
-INTERRUPTED = "rlbench: interrupted; committed steps are kept (rlbench run --resume RUN continues a run)"
-
-
-@app.callback(invoke_without_command=True)
-def _group(ctx: typer.Context) -> None:
-    """Reproduce and debug LLM RL post-training runs: run, replay, diff, check."""
-    if ctx.invoked_subcommand is None:  # bare `rlbench`: the help, and success
-        stdout.print(ctx.get_help(), markup=False, highlight=False)
-        raise typer.Exit(0)
 
 
 def _polish(command) -> None:

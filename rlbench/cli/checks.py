@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from rlbench.cli import AsJson, Debug, app, stderr, stdout
+from rlbench.cli.app import AsJson, Debug, app, stderr, stdout
 from rlbench.errors import BadInput
 
 

@@ -14,7 +14,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from rlbench.cli import AsJson, Debug, app, stderr, stdout
+from rlbench.cli.app import AsJson, Debug, app, stderr, stdout
+from rlbench.cli.options import config_option, option_fields, overrides
 from rlbench.config import RunConfig
 from rlbench.errors import BadInput
 
@@ -67,9 +68,22 @@ def _summary(result, history: list[dict] | None = None) -> dict:
         "reward_first10": statistics.fmean(rewards[:k]) if rewards else None,
         "reward_last10": statistics.fmean(rewards[-k:]) if rewards else None,
         "final_loss": last.get("train/loss"),
+        "weights": _weights_line(result.manifest.get("weights")),
         "wall_time": result.wall_time,  # this invocation's
         "final_metrics": last,
     }
+
+
+def _weights_line(weights: dict | None) -> str:
+    """Where the run's initial weights came from, in one line."""
+    if not isinstance(weights, dict):
+        return "not recorded (a run from before rlbench recorded it)"
+    if weights.get("init") == "random":
+        return f"random weights, seed {weights.get('seed')}"
+    files = weights.get("files") or {}
+    digest = next(iter(files.values()), "")
+    what = "checkpoint" if weights.get("init") == "checkpoint" else "the recording's checkpoint"
+    return f"{what} {weights.get('path')} ({len(files)} file{'s' * (len(files) != 1)}, first sha256 {digest[:12]})"
 
 
 def _render_summary(summary: dict) -> None:
@@ -77,7 +91,7 @@ def _render_summary(summary: dict) -> None:
     table.add_column(style="bold")
     table.add_column()
     rows = [("run directory", summary["out"] or "(not written)"), ("mode", summary["mode"]),
-            ("seed", str(summary["seed"])), ("steps", str(summary["steps"])),
+            ("seed", str(summary["seed"])), ("initial weights", summary["weights"]), ("steps", str(summary["steps"])),
             ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
             ("reward, last 10 steps", f"{summary['reward_last10']:.3f}")]
     if summary["final_loss"] is not None:
@@ -92,85 +106,49 @@ def _render_summary(summary: dict) -> None:
 def run(
     ctx: typer.Context,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config.py); CLI options override it.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help=f"Master seed; every random draw is derived from it. \\[default: {_DEFAULT.seed}]", min=0)] = None,
-    steps: Annotated[Optional[int], typer.Option(help=f"Number of steps (rollout ids). \\[default: {_DEFAULT.steps}]", min=1)] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run directory to create; must be new or empty. \\[default: runs/run-<time>]")] = None,
-    mode: Annotated[Optional[Mode], typer.Option(help=f"full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on --rollouts, start no engine. \\[default: {_DEFAULT.mode}]")] = None,
-    rollouts: Annotated[Optional[Path], typer.Option(help="train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings come along).")] = None,
+    seed: Annotated[Optional[int], config_option("seed", min=0)] = None,
+    steps: Annotated[Optional[int], config_option("steps", min=1)] = None,
+    out: Annotated[Optional[Path], config_option("out", default_text="runs/run-<time>")] = None,
+    mode: Annotated[Optional[Mode], config_option("mode")] = None,
+    rollouts: Annotated[Optional[Path], config_option("rollouts")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
-    rollout_backend: Annotated[Optional[RolloutBackend], typer.Option("--rollout-backend", "--rollout", help=f"Rollout engine. hf: embedded transformers, in-process. sglang: SGLang servers over their native HTTP API, through sglang-router (pip install '.\\[router]'). \\[default: {_DEFAULT.rollout.backend}]")] = None,
-    external_engine_addrs: Annotated[Optional[str], typer.Option("--rollout-external-engine-addrs", help="sglang: servers rlbench does not own, host:port[,host:port...]; rlbench starts sglang-router in front of them.")] = None,
-    sglang_router_url: Annotated[Optional[str], typer.Option("--sglang-router-url", help="sglang: an sglang-router someone else runs (its servers: GET /workers); rlbench starts nothing.")] = None,
-    num_engines: Annotated[Optional[int], typer.Option("--rollout-num-engines", help=f"sglang: how many servers rlbench starts (and stops), behind a router it starts. \\[default: {_DEFAULT.rollout.num_engines}]", min=1)] = None,
-    sglang_server: Annotated[Optional[SGLangServer], typer.Option("--sglang-server", help=f"sglang: what rlbench starts. sglang: python -m sglang.launch_server (every other --sglang-KEY VALUE is passed to it as --KEY VALUE). rlbench: rlbench serve, the embedded engine behind the same API. \\[default: {_DEFAULT.rollout.sglang_server}]")] = None,
-    placement: Annotated[Optional[Placement], typer.Option("--placement", help=f"local: this process (and the processes it starts). ray: the trainer and the rollout engines as Ray actors in one placement group (pip install '.\\[ray]'). \\[default: {_DEFAULT.placement.backend}]")] = None,
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="ray: an existing Ray cluster (auto, HOST:6379 or ray://HOST:10001). \\[default: start a local Ray instance]")] = None,
-    trainer_backend: Annotated[Optional[TrainerBackend], typer.Option("--trainer-backend", "--trainer", help=f"Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip install '.\\[megatron]'); \\[train.megatron] in --config passes through to its TransformerConfig. \\[default: {_DEFAULT.train.backend}]")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", help=f"megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs). \\[default: {_DEFAULT.tp}]", min=1)] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", help=f"megatron: data-parallel ranks. \\[default: {_DEFAULT.dp}]", min=1)] = None,
-    deterministic: Annotated[bool, typer.Option("--deterministic", help="On a GPU: slime's reproducibility recipe (deterministic algorithms, cuBLAS workspace, NCCL Ring, Megatron deterministic mode), recorded in the manifest. The CPU is always deterministic.")] = False,
-    custom_rm_path: Annotated[Optional[str], typer.Option(help=f"Reward function by dotted path, package.module.function: fn(sample) -> float. \\[default: the built-in {_DEFAULT.reward.verifier!r} verifier]")] = None,
-    device: Annotated[Optional[str], typer.Option(help=f"cpu or cuda[:N]. \\[default: {_DEFAULT.device}]")] = None,
-    threads: Annotated[Optional[int], typer.Option(help=f"torch CPU threads, fixed and recorded (results depend on it). \\[default: {_DEFAULT.threads}]", min=1)] = None,
-    no_record: Annotated[bool, typer.Option("--no-record", help="Do not write rollouts/ (metrics, checksums and checkpoints still are).")] = False,
+    rollout_backend: Annotated[Optional[RolloutBackend], config_option("rollout.backend", "--rollout-backend", "--rollout")] = None,
+    external_engine_addrs: Annotated[Optional[str], config_option("rollout.external_engine_addrs", "--rollout-external-engine-addrs")] = None,
+    sglang_router_url: Annotated[Optional[str], config_option("rollout.sglang_router_url", "--sglang-router-url")] = None,
+    num_engines: Annotated[Optional[int], config_option("rollout.num_engines", "--rollout-num-engines", min=1)] = None,
+    sglang_server: Annotated[Optional[SGLangServer], config_option("rollout.sglang_server", "--sglang-server")] = None,
+    placement: Annotated[Optional[Placement], config_option("placement.backend", "--placement")] = None,
+    ray_address: Annotated[Optional[str], config_option("placement.ray_address", "--ray-address")] = None,
+    trainer_backend: Annotated[Optional[TrainerBackend], config_option("train.backend", "--trainer-backend", "--trainer")] = None,
+    tp: Annotated[Optional[int], config_option("tp", "--tp", min=1)] = None,
+    dp: Annotated[Optional[int], config_option("dp", "--dp", min=1)] = None,
+    deterministic: Annotated[bool, config_option("deterministic", "--deterministic", flag_value=True)] = False,
+    custom_rm_path: Annotated[Optional[str], config_option("reward.custom_rm_path", default_text=f"the built-in {_DEFAULT.reward.verifier!r} verifier")] = None,
+    device: Annotated[Optional[str], config_option("device")] = None,
+    threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
+    no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
     debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
 
-    With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
+    With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU, from random weights) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
     """
-    from rlbench.config import load_config
-
     sglang_args = _sglang_args(ctx.args)
+    given = overrides(run, ctx.params)
     if resume is not None:
-        given = [name for name, value in (("--config", config), ("--seed", seed), ("--steps", steps), ("--out", out),
-                                          ("--mode", mode), ("--rollouts", rollouts), ("--device", device),
-                                          ("--threads", threads), ("--custom-rm-path", custom_rm_path),
-                                          ("--trainer", trainer_backend), ("--tp", tp), ("--dp", dp),
-                                          ("--deterministic", deterministic or None),
-                                          ("--rollout", rollout_backend),
-                                          ("--rollout-external-engine-addrs", external_engine_addrs),
-                                          ("--sglang-router-url", sglang_router_url),
-                                          ("--rollout-num-engines", num_engines), ("--sglang-server", sglang_server),
-                                          ("--placement", placement), ("--ray-address", ray_address),
-                                          ("--sglang-*", sglang_args or None))
-                 if value is not None]
-        if given:
-            raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(given)}",
+        names = {option.path: option.label(name) for name, option in RUN_FIELDS.items()}
+        refused = (["--config"] if config is not None else []) + [names[key.replace("__", ".")] for key in given] + (
+            ["--sglang-*"] if sglang_args else [])
+        if refused:
+            raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(refused)}",
                            field="--resume")
         _resume(resume, as_json)
         return
     if (mode == Mode.train_only) != (rollouts is not None):
         raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
                        field="--rollouts")
-    cfg = load_config(config, seed=seed, steps=steps, mode=mode.value if mode else None,
-                      device=device, threads=threads, out=str(out) if out else None, tp=tp, dp=dp,
-                      deterministic=deterministic or None,
-                      rollouts=str(rollouts) if rollouts else None,
-                      record=False if no_record else None,
-                      rollout__backend=rollout_backend.value if rollout_backend else None,
-                      rollout__external_engine_addrs=tuple(a.strip() for a in external_engine_addrs.split(",") if
-                                                           a.strip()) if external_engine_addrs is not None else None,
-                      rollout__sglang_router_url=sglang_router_url, rollout__num_engines=num_engines,
-                      rollout__sglang_server=sglang_server.value if sglang_server else None,
-                      placement__backend=placement.value if placement else None, placement__ray_address=ray_address,
-                      train__backend=trainer_backend.value if trainer_backend else None,
-                      reward__custom_rm_path=custom_rm_path)
-    if sglang_args:
-        from rlbench.config import apply_overrides
-
-        cfg = apply_overrides(cfg, rollout__sglang={**cfg.rollout.sglang, **sglang_args})
-    if rollouts is not None:
-        from rlbench.replay.replay import recorded_overrides, train_only_config
-
-        given = cfg
-        cfg = train_only_config(cfg, rollouts, steps)
-        notes = [f"train-only: {note}" for note in recorded_overrides(given, cfg)]
-    else:
-        notes = []
-    if cfg.out is None:
-        cfg = cfg.replace(out=_default_out())
+    cfg, notes = _run_config(config, given, sglang_args, rollouts, steps)
     from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
     command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
@@ -182,6 +160,30 @@ def run(
     for note in notes:  # after the run: bad input stays one line
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     _render_summary(_summary(result))
+
+
+RUN_FIELDS = option_fields(run)  # the options of `rlbench run` that set a config field, by parameter name
+
+
+def _run_config(config: Path | None, given: dict, sglang_args: dict, rollouts: Path | None,
+                steps: int | None) -> tuple[RunConfig, list[str]]:
+    """The run's config: defaults, the TOML file, the options given, `--sglang-*` passed through; a
+    train-only run takes the recording's settings (with notes saying which)."""
+    from rlbench.config import apply_overrides, load_config
+
+    cfg = load_config(config, **given)
+    if sglang_args:
+        cfg = apply_overrides(cfg, rollout__sglang={**cfg.rollout.sglang, **sglang_args})
+    notes = []
+    if rollouts is not None:
+        from rlbench.replay.replay import recorded_overrides, train_only_config
+
+        asked = cfg
+        cfg = train_only_config(cfg, rollouts, steps)
+        notes = [f"train-only: {note}" for note in recorded_overrides(asked, cfg)]
+    if cfg.out is None:
+        cfg = cfg.replace(out=_default_out())
+    return cfg, notes
 
 
 def _sglang_args(args: list[str]) -> dict:
@@ -392,10 +394,13 @@ def import_slime(
     Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order.
     """
     from rlbench.config import ModelConfig
+    from rlbench.core.model import weight_files
     from rlbench.replay.slime import import_slime as run_import
 
     defaults = ModelConfig()
-    summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path),
+    # The model the dumps were sampled with: its checkpoint where it has one (recorded as model.init).
+    init = "checkpoint" if model is not None and weight_files(model) else "random"
+    summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path), init=init,
                                                  tokenizer=str(tokenizer or defaults.tokenizer)), reward_key,
                          model_given=model is not None)
     if as_json:

@@ -6,34 +6,44 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import typer
-
-from rlbench.cli import Debug, app, stdout
-from rlbench.serve.server import LISTENING, ServeConfig
+from rlbench.cli.app import Debug, app, stdout
+from rlbench.cli.options import config_option, overrides
+from rlbench.backends.sglang.wire import LISTENING
+from rlbench.serve.server import ServeConfig
 
 _DEFAULT = ServeConfig()
 
 
-class Decode(str, Enum):
-    batched = "batched"
-    per_sample = "per-sample"
+def _choices(name: str, values) -> type[Enum]:
+    return Enum(name, {value: value for value in values}, type=str)
+
+
+LoadFormat = _choices("LoadFormat", ("auto", "dummy"))
+DType = _choices("DType", ("float32", "bfloat16"))
+Decode = _choices("Decode", ("batched", "per-sample"))
+LogLevel = _choices("LogLevel", ("critical", "error", "warning", "info", "debug", "trace"))
+
+
+def _option(path: str, *names: str, **kwargs):
+    return config_option(path, *names, root=ServeConfig, **kwargs)
 
 
 @app.command()
 def serve(
-    model_path: Annotated[Optional[Path], typer.Option(help="Model directory: config.json and, optionally, model.safetensors (else seeded weights, --random-seed). \\[default: the fixture model]")] = None,
-    tokenizer_path: Annotated[Optional[Path], typer.Option(help="Tokenizer directory. \\[default: the fixture tokenizer]")] = None,
-    host: Annotated[str, typer.Option(help="Address to bind. The API has no authentication: 0.0.0.0 serves every machine that can reach this one.")] = _DEFAULT.host,
-    port: Annotated[int, typer.Option(help="Port to bind; 0 takes a free one (the first line printed says which).", min=0, max=65535)] = _DEFAULT.port,
-    random_seed: Annotated[int, typer.Option(help="Seed of the initial weights when the model directory has none (the run's --seed gives the same weights).", min=0)] = _DEFAULT.random_seed,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = _DEFAULT.dtype,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = _DEFAULT.device,
-    threads: Annotated[int, typer.Option(help="torch CPU threads (a request's bits depend on it: keep the run's).", min=1)] = _DEFAULT.threads,
-    decode: Annotated[Decode, typer.Option(help="The engine's decode path (rollout.decode): keep the run's to get its bits.")] = Decode(_DEFAULT.decode),
-    decode_batch_size: Annotated[int, typer.Option(help="Rows of every batched decode forward (rollout.decode_batch_size): keep the run's.", min=1)] = _DEFAULT.decode_batch_size,
-    batch_wait_ms: Annotated[float, typer.Option(help="While requests keep arriving this close together, gather them into one engine batch.", min=0)] = _DEFAULT.batch_wait_ms,
-    weight_version: Annotated[str, typer.Option(help="The weight version reported until the first update.")] = _DEFAULT.weight_version,
-    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = _DEFAULT.log_level,
+    model_path: Annotated[Optional[Path], _option("model_path", default_text="the fixture model")] = None,
+    load_format: Annotated[Optional[LoadFormat], _option("load_format", default_text="auto with --model-path, dummy for the fixture")] = None,
+    tokenizer_path: Annotated[Optional[Path], _option("tokenizer_path", default_text="the fixture tokenizer")] = None,
+    host: Annotated[Optional[str], _option("host")] = None,
+    port: Annotated[Optional[int], _option("port", min=0, max=65535)] = None,
+    random_seed: Annotated[Optional[int], _option("random_seed", min=0)] = None,
+    dtype: Annotated[Optional[DType], _option("dtype")] = None,
+    device: Annotated[Optional[str], _option("device")] = None,
+    threads: Annotated[Optional[int], _option("threads", min=1)] = None,
+    decode: Annotated[Optional[Decode], _option("decode")] = None,
+    decode_batch_size: Annotated[Optional[int], _option("decode_batch_size", min=1)] = None,
+    batch_wait_ms: Annotated[Optional[float], _option("batch_wait_ms", min=0)] = None,
+    weight_version: Annotated[Optional[str], _option("weight_version")] = None,
+    log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     debug: Debug = False,
 ) -> None:
     """Serve the embedded engine behind SGLang's native HTTP API: /generate, /health, /health_generate, /server_info, /model_info, /update_weights_from_disk, /flush_cache, /weights_checker, /get_weights_by_name.
@@ -42,11 +52,11 @@ def serve(
     """
     from rlbench.serve.server import serve as run_server
 
-    config = ServeConfig(model_path=str(model_path or _DEFAULT.model_path),
-                         tokenizer_path=str(tokenizer_path or _DEFAULT.tokenizer_path), host=host, port=port,
-                         random_seed=random_seed, dtype=dtype, device=device, threads=threads, decode=decode.value,
-                         decode_batch_size=decode_batch_size, batch_wait_ms=batch_wait_ms,
-                         weight_version=weight_version, log_level=log_level)
+    given = overrides(serve, {name: value for name, value in locals().items() if name != "debug"})
+    if "load_format" not in given and "model_path" in given:
+        given["load_format"] = "auto"  # a model directory given means its weights; random weights only when asked
+    config = ServeConfig(**given)
+    host = config.host
 
     def announce(url: str) -> None:
         scope = "this machine only" if host in ("127.0.0.1", "localhost", "::1") else "every address of this machine"

@@ -1,9 +1,12 @@
 """Loading the tokenizer and building the policy model, offline, with seeded initial weights.
 
-A model directory holds a transformers `config.json` and, optionally, `model.safetensors`.
-Without weights, every parameter is drawn from its own seed, `derive_seed(master, "init", name)`:
-transformers' `_init_weights` draws from the global RNG in module order, so its result would
-change with the module order and with whatever ran before; ours depends on the name alone.
+A model directory holds a transformers `config.json` and its weights as transformers saves them
+(`model.safetensors`, or shards named by `model.safetensors.index.json`); pickled weights
+(`pytorch_model.bin`) are refused. Whether a run starts from those weights or from random ones is
+the config's `model.init`, never a guess from the directory. With random weights, every parameter
+is drawn from its own seed, `derive_seed(master, "init", name)`: transformers' `_init_weights`
+draws from the global RNG in module order, so its result would change with the module order and
+with whatever ran before; ours depends on the name alone.
 """
 
 from __future__ import annotations
@@ -68,21 +71,117 @@ def init_weights_(model: torch.nn.Module, master_seed: int, std: float) -> None:
                 param.copy_(values * std)
 
 
-def build_model(path: str | Path, master_seed: int, dtype: str = "float32", device: str = "cpu"):
-    """The policy: a transformers causal LM from `path`, with its weights file or seeded weights."""
-    from safetensors.torch import load_file
+INITS = ("checkpoint", "random")
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Weight files rlbench does not read: pickles (torch.load runs code from the file) and other frameworks'.
+_UNREAD = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "tf_model.h5", "flax_model.msgpack")
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files a model directory's weights are in, as transformers picks them: the
+    single `model.safetensors` if there is one, else the shards its index names (each checked to
+    exist); [] when it has neither. A directory with only pickled weights is bad input."""
+    path = Path(path)
+    if (path / SINGLE).is_file():
+        return [path / SINGLE]
+    if (path / INDEX).is_file():
+        return [path / name for name in sorted(set(_index(path / INDEX).values()))]
+    unread = [name for name in _UNREAD if (path / name).is_file()]
+    if unread or any(path.glob("pytorch_model-*.bin")):
+        raise BadInput(f"holds {(unread or ['pytorch_model-*.bin'])[0]}, a pickle or another framework's weights, and "
+                       "no model.safetensors: rlbench loads no pickle; save the model as safetensors first "
+                       "(transformers' save_pretrained writes them)", path=path)
+    return []
+
+
+def _index(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index: its weight_map (tensor name -> shard file), each shard present."""
+    try:
+        table = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadInput(f"cannot read the index ({exc.__class__.__name__})", path=index) from None
+    weight_map = table.get("weight_map") if isinstance(table, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise BadInput("expected a non-empty object of tensor name -> shard file", path=index, field="weight_map")
+    for name in sorted(set(weight_map.values())):
+        shard = index.parent / name
+        if Path(name).name != name or not shard.is_file():
+            raise BadInput(f"shard {name!r} named by the index is missing", path=index, field="weight_map")
+    return weight_map
+
+
+def initial_weights(path: str | Path, init: str, seed: int) -> dict:
+    """Which weights a model built by `build_model(path, seed, init=init)` starts from, for the
+    manifest and the summary: the checkpoint's files with their sha256, or the random seed. Holds
+    `init` to what the directory has: a checkpoint needs weights, random weights need a directory
+    without any (nothing in it is ignored unsaid)."""
+    files = weight_files(path)
+    if init == "checkpoint":
+        if not files:
+            raise BadInput(f"no weights here (neither {SINGLE} nor {INDEX}); model.init = \"random\" starts from "
+                           "random weights", path=path)
+        return {"init": "checkpoint", "path": str(Path(path)),
+                "files": {f.name: file_digest(f) for f in files}}
+    if init == "random":
+        if files:
+            raise BadInput(f"model.init is random, but the directory holds weights ({files[0].name}); "
+                           "model.init = \"checkpoint\" loads them", path=path)
+        return {"init": "random", "seed": seed}
+    raise BadInput(f"expected one of {', '.join(INITS)}, got {init!r}", field="model.init")
+
+
+def build_model(path: str | Path, master_seed: int, dtype: str = "float32", device: str = "cpu", *,
+                init: str):
+    """The policy: a transformers causal LM from `path`'s config.json, with the checkpoint's weights
+    (`init="checkpoint"`: the single file or every shard of the index; bf16/fp16 weights are cast
+    to `dtype`) or seeded random weights (`init="random"`, a directory without weights)."""
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path)
+    files = weight_files(path)
+    initial_weights(path, init, master_seed)  # init agrees with what the directory holds
     # Construction runs transformers' own init on the global RNG; fork it so nothing leaks out.
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    weights = Path(path) / "model.safetensors"
-    if weights.is_file():
-        load_named_(model, load_safetensors(weights), source=weights)
+    if init == "checkpoint":
+        load_checkpoint_(model, files)
     else:
         init_weights_(model, master_seed, getattr(config, "initializer_range", 0.02))
     return model.to(device=device, dtype=_DTYPES[dtype])
+
+
+def load_checkpoint_(model: torch.nn.Module, files: list[Path]) -> None:
+    """Copy a checkpoint's files into `model`: every parameter from exactly one file, each shard
+    holding exactly the names its index gives it; a tied alias (lm_head.weight of a model that ties
+    it to the embeddings) is accepted only equal to the tensor it is tied to."""
+    index = _index(files[0].parent / INDEX) if files[0].name != SINGLE else None
+    params = dict(model.named_parameters())
+    aliases = {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
+    merged: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for file in files:
+        tensors = load_safetensors(file)
+        if index is not None:
+            listed = {name for name, shard in index.items() if shard == file.name}
+            if set(tensors) != listed:
+                extra, absent = sorted(set(tensors) - listed), sorted(listed - set(tensors))
+                raise BadInput(f"the shard does not hold what the index says (not listed: {extra[:3]}, "
+                               f"missing: {absent[:3]})", path=file)
+        for name, tensor in tensors.items():
+            if name in params and (tuple(tensor.shape) != tuple(params[name].shape) or not tensor.is_floating_point()):
+                raise BadInput(f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
+                               f"tensor of shape {tuple(params[name].shape)}", path=file)
+            origin[name] = file
+            merged[name] = tensor
+    tied = {name: merged.pop(name) for name in list(merged) if name in aliases}  # checked once loaded
+    load_named_(model, merged, source=files[0].parent)
+    for name, tensor in tied.items():
+        here = aliases[name].detach()
+        if tuple(tensor.shape) != tuple(here.shape) or not torch.equal(tensor.to(here.dtype), here):
+            raise BadInput(f"'{name}' is tied to another weight in this model's config but differs from it "
+                           "in the checkpoint", path=origin[name])
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,1 +1,5 @@
-"""Where a run's pieces run: in-process by default; `ray.py` for `--placement ray` (imported only then)."""
+"""Where a run's pieces run: in-process by default, or as Ray actors.
+
+    ray.py   `--placement ray`: the trainer's ranks and the rollout engines as Ray actors in one
+             placement group (imported only then)
+"""

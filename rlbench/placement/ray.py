@@ -6,12 +6,14 @@ rank, then a bundle per rollout engine; PACK strategy).
   initial weights, so it starts from the very bytes the manifest hashed. It is rank 0: the torch
   trainer's only rank, or the megatron trainer's first, which starts ranks 1..T*D-1 as actors of
   their own (`RankActors`: rank r in bundle r), each running the same worker loop as a rank process
-  does (launch.work). They join the TCP store rank 0 opens on its node's IP. Rank 0 created them,
-  so Ray takes them down with it (an actor dies with its owner), and the group's removal takes down
-  what is left.
+  does (megatron/worker.py's `work`). They join the TCP store rank 0 opens on its node's IP. Rank 0
+  created them, so Ray takes them down with it (an actor dies with its owner), and the group's
+  removal takes down what is left.
 - The rollout engine is an actor holding the embedded engine (`--rollout hf`), or, for `--rollout
   sglang` with servers rlbench starts, one actor per server: the actor starts the server on its
   node and stops it with itself; sglang-router runs next to the driver, in front of them.
+- What each piece is and how it is made (which trainer, which engine, how many bundles) is
+  backends/registry.py's to say, as it is for a run in one process; this module only places them.
 - The driver keeps the loop, the run directory and the checks; the proxies below are the
   Trainer and RolloutEngine the loop calls. Tensors cross as safetensors bytes with their names in
   order, requests and results as JSON-able dicts, checkpoints as file bytes: what travels is data,
@@ -33,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlbench.backends import registry
 from rlbench.core.types import GenerateRequest, GenerateResult
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: a server actor never needs it
@@ -79,16 +82,16 @@ class TrainerActor:
     """Rank 0 of the trainer: the loop's Trainer calls, run here."""
 
     def __init__(self, config_json: str, weights: tuple[bytes, list[str]]):
-        from rlbench.core.context import _local_trainer
         from rlbench.core.model import build_model, load_named_
         from rlbench.core.seeding import configure_determinism
 
         config = _config(config_json)
         config = config.replace(device=_actor_device(config.device))
         configure_determinism(config.threads, config.device, config.deterministic)
-        model = build_model(config.model.path, config.seed, config.model.dtype, config.device)
+        model = build_model(config.model.path, config.seed, config.model.dtype, config.device,
+                            init=config.model.init)
         load_named_(model, unpack(weights), source="the driver's initial weights")
-        self.trainer = _local_trainer(config, model, RankActors())
+        self.trainer = registry.make_trainer(config, model, RankActors())
         self.checkpoints = tempfile.TemporaryDirectory(prefix="rlbench-ray-checkpoint-")
 
     def logprobs(self, tensors, reference: bool, per_sample: bool):
@@ -125,9 +128,9 @@ class RankActor:
     """A worker rank of the megatron trainer, in a bundle of its own."""
 
     def work(self, host: str, port: int, rank: int, world: int, device: str) -> None:
-        from rlbench.backends.megatron import launch
+        from rlbench.backends.megatron import worker
 
-        launch.work(host, port, rank, world, device)
+        worker.work(host, port, rank, world, device)
 
 
 class RankActors:
@@ -186,19 +189,15 @@ class EngineActor:
     """The embedded engine, in an actor of its own."""
 
     def __init__(self, config_json: str, weights: tuple[bytes, list[str]], start: int):
-        from rlbench.backends.hf_engine import HFEngine
         from rlbench.core.model import build_model, load_named_
         from rlbench.core.seeding import configure_determinism
 
         config = _config(config_json)
         device = _actor_device(config.device)
         configure_determinism(config.threads, device, config.deterministic)
-        model = build_model(config.model.path, config.seed, config.model.dtype, device)
+        model = build_model(config.model.path, config.seed, config.model.dtype, device, init=config.model.init)
         load_named_(model, unpack(weights), source="the driver's initial weights")
-        rollout = config.rollout
-        self.engine = HFEngine(model, device=device, engine_id="hf:ray", true_on_policy=rollout.true_on_policy,
-                               decode=rollout.decode, batch_size=rollout.decode_batch_size)
-        self.engine.weight_version = start
+        self.engine = registry.make_hf_engine(config, model, start, device, engine_id="hf:ray")
 
     def generate(self, requests: list[dict]) -> list[dict]:
         reqs = [GenerateRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}) for r in requests]
@@ -379,7 +378,7 @@ class Placement:
 
 def place(config, model, start: int, init_checkpoint: Path | None):
     """(trainer, engine) of the run as Ray actors in one placement group; None where the mode has none."""
-    ranks, engines = _shape(config)
+    ranks, engines = registry.bundles(config)
     placement = Placement(config, ranks + engines)
     try:
         trainer, engine = _place(placement, config, model, start, init_checkpoint, ranks, engines)
@@ -388,18 +387,6 @@ def place(config, model, start: int, init_checkpoint: Path | None):
         raise
     placement.users = int(trainer is not None) + int(engine is not None)
     return trainer, engine
-
-
-def _shape(config) -> tuple[int, int]:
-    """How many trainer ranks and rollout engines the run places, a bundle each."""
-    rollout = config.rollout
-    ranks = engines = 0
-    if config.mode in ("full", "train-only"):
-        ranks = config.tp * config.dp if config.train.backend == "megatron" else 1
-    if config.mode != "train-only":
-        launched = rollout.backend == "sglang" and not (rollout.sglang_router_url or rollout.external_engine_addrs)
-        engines = rollout.num_engines if launched else int(rollout.backend == "hf")
-    return ranks, engines
 
 
 def local_cpus(config, bundles: int) -> int:
@@ -426,16 +413,14 @@ def _place(placement: Placement, config, model, start: int, init_checkpoint: Pat
         trainer = RayTrainer(placement.actor(TrainerActor, 0, bundle, config_json, weights), placement)
         if init_checkpoint is not None:
             trainer.load_checkpoint(init_checkpoint)
-    if config.mode != "train-only" and config.rollout.backend == "hf":
+    if registry.rolls_out(config) and config.rollout.backend == "hf":
         engine = RayEngine(placement.actor(EngineActor, ranks, bundle, config_json, weights, start), placement)
-    elif config.mode != "train-only":
-        from rlbench.backends.sglang.engine import open_engine
-
+    elif registry.rolls_out(config):
         def start_servers(fleet, client) -> None:
             actors = [placement.actor(ServerActor, ranks + i, bundle) for i in range(engines)]
             fleet.workers = placement.ray.get([a.start.remote(config_json, i) for i, a in enumerate(actors)])
             fleet.stoppers.append(lambda: placement.ray.get([a.stop.remote() for a in actors]))
 
-        engine = open_engine(config, start_servers if engines else None)
+        engine = registry.open_sglang_engine(config, start_servers if engines else None)
         engine.fleet.stoppers.append(placement.release)
     return trainer, engine

@@ -13,47 +13,60 @@ import re
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
-from rlbench.config import FIXTURES
+from rlbench.config import FIXTURES, setting
 from rlbench.errors import BadInput
+from rlbench.validate import check, number, text
 
-LISTENING = "rlbench serve: listening on "
+# SGLang's --load-format names for the two ways rlbench starts a model (ModelConfig.init).
+LOAD_FORMATS = {"auto": "checkpoint", "dummy": "random"}
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     """SGLang's server argument names where SGLang has one (--model-path, --random-seed, ...)."""
 
-    model_path: str = str(FIXTURES / "models" / "tiny-qwen3")
-    tokenizer_path: str = str(FIXTURES / "tokenizers" / "qwen-tiny")
-    host: str = "127.0.0.1"
-    port: int = 30000
-    random_seed: int = 1234  # the seed of the initial weights of a model directory without weights (core/model.py)
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 1
-    decode: str = "batched"
-    decode_batch_size: int = 64
-    batch_wait_ms: float = 2.0
-    weight_version: str = "default"
+    model_path: str = setting(str(FIXTURES / "models" / "tiny-qwen3"),
+        "Model directory: config.json and its weights (model.safetensors, or the shards of "
+        "model.safetensors.index.json).")
+    tokenizer_path: str = setting(str(FIXTURES / "tokenizers" / "qwen-tiny"), "Tokenizer directory.")
+    load_format: Literal["auto", "dummy"] = setting("dummy",
+        "SGLang's --load-format: auto loads the model directory's safetensors; dummy starts from seeded random "
+        "weights (--random-seed), for a directory without weights.")
+    host: str = setting("127.0.0.1",
+        "Address to bind. The API has no authentication: 0.0.0.0 serves every machine that can reach this one.")
+    port: int = setting(30000, "Port to bind; 0 takes a free one (the first line printed says which).")
+    random_seed: int = setting(1234,
+        "Seed of the initial weights with --load-format dummy (the run's --seed gives the same weights).")
+    dtype: Literal["float32", "bfloat16"] = setting("float32", "Parameter dtype.")
+    device: str = setting("cpu", "cpu or cuda[:N].")
+    threads: int = setting(1, "torch CPU threads (a request's bits depend on it: keep the run's).")
+    decode: Literal["batched", "per-sample"] = setting("batched",
+        "The engine's decode path (rollout.decode): keep the run's to get its bits.")
+    decode_batch_size: int = setting(64,
+        "Rows of every batched decode forward (rollout.decode_batch_size): keep the run's.")
+    batch_wait_ms: float = setting(2.0,
+        "While requests keep arriving this close together, gather them into one engine batch.")
+    weight_version: str = setting("default", "The weight version reported until the first update.")
     served_model_name: str | None = None
-    log_level: str = "warning"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting("warning",
+        "uvicorn's log level.")
 
     def __post_init__(self) -> None:
-        from rlbench.config import _check, _number, _text
-
         for key in ("model_path", "tokenizer_path", "host", "weight_version"):
-            _text(getattr(self, key), f"--{key.replace('_', '-')}")
-        _number(self.port, "--port", 0, 65535, integer=True)
-        _number(self.random_seed, "--random-seed", 0, 2**63 - 1, integer=True)
-        _check(self.dtype in ("float32", "bfloat16"), "--dtype", "float32 or bfloat16", self.dtype)
-        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "--device", "cpu, cuda or cuda:N",
+            text(getattr(self, key), f"--{key.replace('_', '-')}")
+        number(self.port, "--port", 0, 65535, integer=True)
+        number(self.random_seed, "--random-seed", 0, 2**63 - 1, integer=True)
+        check(self.dtype in ("float32", "bfloat16"), "--dtype", "float32 or bfloat16", self.dtype)
+        check(self.load_format in LOAD_FORMATS, "--load-format", "auto or dummy", self.load_format)
+        check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "--device", "cpu, cuda or cuda:N",
                self.device)
-        _number(self.threads, "--threads", 1, 1024, integer=True)
-        _check(self.decode in ("batched", "per-sample"), "--decode", "batched or per-sample", self.decode)
-        _number(self.decode_batch_size, "--decode-batch-size", 1, 100_000, integer=True)
-        _number(self.batch_wait_ms, "--batch-wait-ms", 0, 10_000)
-        _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"), "--log-level",
+        number(self.threads, "--threads", 1, 1024, integer=True)
+        check(self.decode in ("batched", "per-sample"), "--decode", "batched or per-sample", self.decode)
+        number(self.decode_batch_size, "--decode-batch-size", 1, 100_000, integer=True)
+        number(self.batch_wait_ms, "--batch-wait-ms", 0, 10_000)
+        check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"), "--log-level",
                "one of critical, error, warning, info, debug, trace", self.log_level)
 
 
@@ -72,7 +85,8 @@ class ServerState:
         self.version = __version__
         self.determinism = configure_determinism(config.threads, config.device)
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        model = build_model(config.model_path, config.random_seed, config.dtype, config.device)
+        model = build_model(config.model_path, config.random_seed, config.dtype, config.device,
+                            init=LOAD_FORMATS[config.load_format])
         self.engine = HFEngine(model, device=config.device, engine_id="serve", decode=config.decode,
                                batch_size=config.decode_batch_size)
         del model

@@ -42,7 +42,7 @@ def setup():
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])  # a prompt longer than one bucket's width (32)
-    model = build_model(config.model.path, master_seed=5)
+    model = build_model(config.model.path, master_seed=5, init="random")
     engines = {"batched": HFEngine(model, batch_size=ROWS), "per-sample": HFEngine(model, decode="per-sample")}
     return engines, prompts, tokenizer.eos_token_id, model
 

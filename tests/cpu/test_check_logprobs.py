@@ -173,7 +173,7 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
     from rlbench.rundir.digest import weights_digest
 
     config = load_config()
-    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     ids = torch.tensor([1, 50, 51, 60, 61, 1, 52, 53, 62, 63])
     with torch.no_grad():
         own = torch.cat([sequence_logprobs(model, ids[a:b], config.rollout.temperature, "cpu") for a, b in ((0, 5), (5, 10))])
@@ -312,7 +312,7 @@ def test_recompute_on_a_full_run_loads_each_steps_checkpoint(tmp_path):
     from rlbench.core.model import build_model
 
     config = load_config()
-    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     first, third = _weights(model, 0.0), _weights(model, 0.05)
     rollout = [_sampled_with(model, first, config.rollout.temperature), [-1.0] * 4,
                _sampled_with(model, third, config.rollout.temperature)]
@@ -332,7 +332,7 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
     from rlbench.core import model as model_module
 
     config = load_config()
-    model = model_module.build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    model = model_module.build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     sampled_with = _weights(model, 0.05)
     rollout = _sampled_with(model, sampled_with, config.rollout.temperature)
     run = _recorded(tmp_path / "r", [(rollout, rollout)] * 2, old_logprobs=False, mode="rollout-only",
@@ -353,7 +353,7 @@ def test_a_checkpoint_that_is_not_the_runs_model_is_bad_input_naming_it(tmp_path
     from rlbench.core.model import build_model
 
     config = load_config()
-    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu")
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     weights = _weights(model, 0.0)
     run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.0] * 4)], old_logprobs=False)
     del weights["model.norm.weight"]

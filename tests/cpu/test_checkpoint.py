@@ -16,7 +16,7 @@ from rlbench.rundir.digest import weights_digest
 
 def _trainer(seed: int) -> TorchTrainer:
     config = load_config()
-    return TorchTrainer(build_model(config.model.path, master_seed=seed), config.train, config.algo, 1.0, seed=0)
+    return TorchTrainer(build_model(config.model.path, master_seed=seed, init="random"), config.train, config.algo, 1.0, seed=0)
 
 
 def _batch(step: int) -> algo.TrainBatch:

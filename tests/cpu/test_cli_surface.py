@@ -43,7 +43,7 @@ EXPECTED_RUN_OPTIONS = {
     "--debug",
 }
 
-EXPECTED_SERVE_OPTIONS = {"--model-path", "--tokenizer-path", "--host", "--port", "--random-seed", "--dtype", "--device",
+EXPECTED_SERVE_OPTIONS = {"--model-path", "--load-format", "--tokenizer-path", "--host", "--port", "--random-seed", "--dtype", "--device",
                           "--threads", "--decode", "--decode-batch-size", "--batch-wait-ms", "--weight-version",
                           "--log-level", "--debug"}
 

@@ -59,7 +59,7 @@ def _schema(run):
 
 def _other_tokenizer(run):
     tok = run.parent / f"{run.name}-tok"
-    shutil.copytree(REPO / "fixtures" / "tokenizers" / "qwen-tiny", tok)
+    shutil.copytree(REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny", tok)
     config = json.loads((tok / "tokenizer_config.json").read_text())
     config["chat_template"] = config["chat_template"].replace("\\n", " ")
     (tok / "tokenizer_config.json").write_text(json.dumps(config))

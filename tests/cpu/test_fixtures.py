@@ -6,7 +6,7 @@ import importlib.util
 
 from tests.conftest import REPO
 
-FIXTURES = REPO / "fixtures"
+FIXTURES = REPO / "rlbench" / "fixtures"
 BUILT_FILES = {"tokenizers/qwen-tiny/tokenizer.json", "tokenizers/qwen-tiny/tokenizer_config.json",
                *(f"tokenizers/tito-{n}/{f}" for n in ("clean", "reencode", "separator", "reasoning", "position",
                                                         "special", "truncated", "function")
@@ -34,7 +34,7 @@ def test_fixtures_load_and_agree():
     from rlbench.core.model import build_model, load_tokenizer
 
     tokenizer = load_tokenizer(FIXTURES / "tokenizers" / "qwen-tiny")
-    model = build_model(FIXTURES / "models" / "tiny-qwen3", master_seed=0)
+    model = build_model(FIXTURES / "models" / "tiny-qwen3", master_seed=0, init="random")
     assert model.config.model_type == "qwen3"
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     assert len(tokenizer) == model.config.vocab_size

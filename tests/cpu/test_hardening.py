@@ -307,7 +307,7 @@ def test_a_broken_tokenizer_or_weights_file_is_bad_input(tmp_path):
 
     from rlbench.core.model import build_model, named_weights
 
-    save_file({k: v.contiguous() for k, v in named_weights(build_model(model, 0)).items()},
+    save_file({k: v.contiguous() for k, v in named_weights(build_model(model, 0, init="random")).items()},
               str(model / "model.safetensors"))
     raw = (model / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(raw[: len(raw) // 2])

@@ -15,7 +15,7 @@ from rlbench.rundir.recording import read_step
 from rlbench.replay.replay import replay
 from tests.conftest import REPO, run_cli
 
-TOKENIZER = REPO / "fixtures" / "tokenizers" / "qwen-tiny"
+TOKENIZER = REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
 
 
 def slime_sample(tok, group: int, index: int, number: int, answer: str, reward: float, status="completed") -> dict:

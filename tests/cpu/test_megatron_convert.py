@@ -18,7 +18,7 @@ MODEL = FIXTURES / "models" / "tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def hf():
-    return build_model(MODEL, master_seed=7)
+    return build_model(MODEL, master_seed=7, init="random")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from rlbench.rundir.recording import read_step
 from rlbench.tasks.calculator import calculator
 from tests.conftest import REPO, run_cli
 
-TOK = load_tokenizer(REPO / "fixtures" / "tokenizers" / "tito-clean")
+TOK = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_jsonl_of_trajectories(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"messages": messages, "token_ids": list(ids)}) + "\n" +
                     json.dumps({"messages": messages, "token_ids": broken}) + "\n")
-    report = check_run(path, REPO / "fixtures" / "tokenizers" / "tito-clean")
+    report = check_run(path, REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean")
     assert report.samples == 2 and [f.sample for f in report.findings] == [2]
     assert report.findings[0].finding.index == 12
 

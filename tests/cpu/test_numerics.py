@@ -1,6 +1,6 @@
 """Portable CPU numerics (rlbench/numerics.py): pinned before torch initialises, read back from torch
 and MKL into the manifest, and kept off the one MKL path that differs across CPU vendors (VML sqrt).
-Cross-vendor agreement itself is measured with bench/cpu_numerics.py on two CPUs (README)."""
+Cross-vendor agreement itself is measured with bench/cpu_numerics.py on two CPUs (docs/rundir-determinism.md)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_the_torch_trainers_adamw_is_fused(small_config):
     from rlbench.backends.torch_trainer import TorchTrainer
     from rlbench.core.model import build_model
 
-    model = build_model(small_config.model.path, 0)
+    model = build_model(small_config.model.path, 0, init="random")
     trainer = TorchTrainer(model, small_config.train, small_config.algo, 1.0, 0)
     assert isinstance(trainer.optimizer, torch.optim.AdamW) and trainer.optimizer.defaults["fused"] is True
 

@@ -91,7 +91,8 @@ def test_trainer_and_engine_actor_classes_give_the_in_process_run(small_config, 
 
 def test_bundles_one_per_trainer_rank_then_one_per_engine_and_cpus_enough_for_them(small_config):
     from rlbench.errors import BadInput
-    from rlbench.placement.ray import _shape, local_cpus
+    from rlbench.backends.registry import bundles as _shape
+    from rlbench.placement.ray import local_cpus
 
     ray = {"placement__backend": "ray"}
     assert _shape(apply_overrides(small_config, **ray)) == (1, 1)

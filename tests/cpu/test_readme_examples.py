@@ -1,5 +1,5 @@
-"""The README as tested documentation: every command of its "Using it" block, run as written from a
-copy of the repository's layout, in order, each with the exit code the README gives it.
+"""docs/usage.md as tested documentation: every command of its examples block, run as written from a
+copy of the repository's layout, in order, each with the exit code docs/usage.md gives it.
 
 Commands run in-process through the CLI's own entry point (`rlbench.cli.main`), not as subprocesses:
 the same parsing, error mapping and exit codes, without paying the interpreter's start-up each time.
@@ -15,11 +15,12 @@ import pytest
 
 from tests.conftest import REPO, cli
 
+USAGE = REPO / "docs" / "usage.md"
 BLOCK = re.compile(r"<!-- readme:examples -->\n```bash\n(.*?)```\n<!-- /readme:examples -->", re.S)
 
 
 def commands() -> list[tuple[str, int]]:
-    text = BLOCK.search((REPO / "README.md").read_text()).group(1)
+    text = BLOCK.search(USAGE.read_text()).group(1)
     out = []
     for line in text.splitlines():
         command, _, comment = line.partition("  #")
@@ -47,14 +48,14 @@ def test_the_block_names_every_command():
     assert len(commands()) >= 20
 
 
-def test_every_readme_example_runs_with_its_exit_code(tmp_path, monkeypatch):
-    for name in ("examples", "configs", "golden", "fixtures"):
+def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch):
+    for name in ("examples", "configs", "golden", "rlbench"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "200")
     for command, expected in commands():
         code, output = _run(command)
-        assert code == expected, f"`{command}` exited {code}, the README says {expected}:\n{output[-3000:]}"
+        assert code == expected, f"`{command}` exited {code}, docs/usage.md says {expected}:\n{output[-3000:]}"
         assert "Traceback" not in output, f"`{command}`:\n{output[-3000:]}"
     assert (tmp_path / "runs" / "mine.json").is_file() and (tmp_path / "runs" / "d.png").is_file()
 

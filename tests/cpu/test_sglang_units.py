@@ -108,8 +108,12 @@ def test_bad_config_values(tmp_path):
 
 def test_serve_refuses_bad_options_in_one_line():
     res = cli("serve", "--dtype", "float16", "--port", "0")
+    assert res.returncode == 2 and res.stderr.strip() == (  # a choice of the option: typer's own words
+        "rlbench: error: Invalid value for '--dtype': Value error, 'float16' is not one of 'float32', 'bfloat16'."), \
+        res.stderr
+    res = cli("serve", "--device", "tpu", "--port", "0")  # checked by ServeConfig
     assert res.returncode == 2 and res.stderr.strip() == (
-        "rlbench: error: --dtype: expected float32 or bfloat16, got 'float16'"), res.stderr
+        "rlbench: error: --device: expected cpu, cuda or cuda:N, got 'tpu'"), res.stderr
 
 
 def test_the_server_command_lines():

@@ -13,7 +13,7 @@ from tests.conftest import REPO, word_level_tokenizer
 @pytest.fixture(scope="module")
 def tok():
     """<|im_end|> (2) ends a turn; <tool_call> (316) is a special token, <think> (314) is not."""
-    return load_tokenizer(REPO / "fixtures" / "tokenizers" / "tito-special")
+    return load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-special")
 
 
 def enc(tok, text):
@@ -148,7 +148,7 @@ def test_modes_are_numbered_as_the_research_notes_number_them():
 def test_whitespace_token_and_dropped_look_at_one_id_and_nothing_past_the_end(tok):
     ids = enc(tok, "a\n<tool_call>")
     assert [tito._whitespace_token(tok, ids, i) for i in range(4)] == [False, True, False, False]
-    assert [tito._dropped(tok, ids, i) for i in range(4)] == [False, False, True, False]
+    assert [tito.decode_drops(tok, ids, i) for i in range(4)] == [False, False, True, False]
 
 
 def test_a_lone_byte_counts_within_its_turn_and_from_three_ids_before_the_divergence(tok):
@@ -209,7 +209,7 @@ def test_whitespace_of_a_multi_byte_character_sampled_byte_by_byte_is_separator(
 
 
 def _fresh(name="tito-special"):
-    return load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
+    return load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / name)
 
 
 def _refuse(*args, **kwargs):
@@ -245,9 +245,9 @@ def test_the_fast_paths_skip_transformers_wrapper_and_are_built_once():
     assert backend.decodes == 0  # a byte-level BPE's ids decode by its byte table
     assert tito.decode(tok, ids, skip_special_tokens=True) == skipped and backend.decodes == 1  # that one cannot
     assert tito._compiled(tok) is tito._compiled(tok) and tito._byte_table(tok) is tito._byte_table(tok)
-    assert tito._dropped(tok, [316], 0)
+    assert tito.decode_drops(tok, [316], 0)
     special = tok._rlbench_special
-    assert tito._dropped(tok, [316], 0) and tok._rlbench_special is special
+    assert tito.decode_drops(tok, [316], 0) and tok._rlbench_special is special
 
 
 def test_encode_never_adds_special_tokens_and_a_tokenizer_without_a_rust_backend_works_too():

@@ -13,7 +13,7 @@ from rlbench.checks.tito_audit import audit, audit_shape, conversation_shapes
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, run_cli
 
-TOKENIZERS = REPO / "fixtures" / "tokenizers"
+TOKENIZERS = REPO / "rlbench" / "fixtures" / "tokenizers"
 OWN_MODE = {"tito-reencode": "reencode", "tito-separator": "separator", "tito-reasoning": "reasoning",
             "tito-position": "position", "tito-special": "special", "tito-truncated": "truncated"}
 

@@ -13,12 +13,12 @@ from rlbench.checks.tito_audit import conversation_shapes
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO
 
-NAMES = sorted(p.name for p in (REPO / "fixtures" / "tokenizers").iterdir())
+NAMES = sorted(p.name for p in (REPO / "rlbench" / "fixtures" / "tokenizers").iterdir())
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_render_equals_apply_chat_template(name):
-    tok = load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
+    tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / name)
     for messages, tools in conversation_shapes().values():
         for cut in range(1, len(messages) + 1):
             for generation in (False, True):
@@ -40,7 +40,7 @@ def test_byte_table_decode_equals_the_tokenizers(name):
 
     from rlbench.checks.tito import _byte_table, decode
 
-    tok = load_tokenizer(REPO / "fixtures" / "tokenizers" / name)
+    tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / name)
     assert _byte_table(tok) is not None
     rng = random.Random(0)
     for _ in range(20_000):

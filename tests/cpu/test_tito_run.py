@@ -19,7 +19,7 @@ from tests.conftest import REPO, run_cli
 from tests.cpu.recordings import bump_response_token, copy_run
 from tests.cpu.test_import_slime import slime_sample
 
-QWEN = REPO / "fixtures" / "tokenizers" / "qwen-tiny"
+QWEN = REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
 TOK = load_tokenizer(QWEN)
 
 
@@ -89,7 +89,7 @@ def peaky_model(tmp_path_factory):
 
     from rlbench.core.model import build_model, named_weights
 
-    model = build_model(ModelConfig().path, 7)
+    model = build_model(ModelConfig().path, 7, init="random")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -175,7 +175,7 @@ def test_import_without_a_model_holds_ids_to_the_tokenizers_vocabulary(tmp_path)
     """A bigger tokenizer than the fixture model's vocabulary: its ids are fine without --model."""
     from tests.cpu.test_import_slime import write_dumps
 
-    big = REPO / "fixtures" / "tokenizers" / "tito-clean"  # the fixture vocabulary plus 4 added tokens
+    big = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean"  # the fixture vocabulary plus 4 added tokens
     dumps = write_dumps(tmp_path)
     data = torch.load(dumps[0], weights_only=True)
     extra = len(TOK)  # the first id past qwen-tiny's vocabulary: <think> in tito-clean

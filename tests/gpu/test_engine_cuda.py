@@ -20,7 +20,7 @@ def _setup():
     configure_determinism(config.threads, config.device)
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
-    model = build_model(config.model.path, master_seed=5, device="cuda")
+    model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
     eos = tokenizer.eos_token_id
     requests = [GenerateRequest(prompts[i % 12], 100 + i, 4, [1.0, 0.7, 0.0][i % 3], (eos,), [-1, 5][i % 2],
                                 [1.0, 0.9][i % 2]) for i in range(40)]

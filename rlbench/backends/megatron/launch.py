@@ -2,12 +2,15 @@
 
 `rlbench run --trainer megatron --tp T --dp D` runs T*D ranks. Rank 0 is the process holding the
 trainer (the rlbench process itself; under `--placement ray`, the trainer actor); ranks 1.. are
-workers, which only train. There is one worker main (`work`) and two ways to start it:
+workers, which only train. There is one worker main (worker.py's `work`) and two ways to start it:
 
-- `Processes` (in-process placement): `python -m rlbench.backends.megatron.launch` per rank, on
+- `Processes` (in-process placement): `python -m rlbench.backends.megatron.worker` per rank, on
   this machine, joined through a TCP store on 127.0.0.1;
 - `rlbench.placement.ray.RankActors` (`--placement ray`): a Ray actor per rank, in the trainer's
   placement group, joined through a store on the trainer actor's node IP.
+
+This module names worker.py only by its module path on that command line, and imports neither it
+nor trainer.py: they import this one.
 
 torch.distributed joins them (gloo on the CPU, NCCL on GPUs) through the TCP store rank 0 opens
 on a free port. The workers are started (`spawn`) when the trainer is made, so they import torch
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_STORE_ENV = "RLBENCH_MEGATRON_STORE"  # host:port of rank 0's TCP store
+STORE_ENV = "RLBENCH_MEGATRON_STORE"  # host:port of rank 0's TCP store (worker.py reads it)
 
 
 @dataclass
@@ -56,7 +59,7 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def _init(rank: int, world: int, device: str, store) -> Ranks:
+def init_rank(rank: int, world: int, device: str, store) -> Ranks:
     """Join the process group as `rank`, on `device` (this rank's own)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
@@ -88,9 +91,9 @@ class Processes:
     host = "127.0.0.1"
 
     def start(self, port: int, world: int, device: str) -> list[subprocess.Popen]:
-        env = {**os.environ, _STORE_ENV: f"{self.host}:{port}", "WORLD_SIZE": str(world),
+        env = {**os.environ, STORE_ENV: f"{self.host}:{port}", "WORLD_SIZE": str(world),
                "RLBENCH_MEGATRON_DEVICE": device, "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
-        return [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.launch"],
+        return [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.worker"],
                                  env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=_STDERR_FD)
                 for rank in range(1, world)]
 
@@ -116,7 +119,7 @@ def kill(workers: list) -> None:
 def join(pending: Pending) -> Ranks:
     """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
     try:
-        ranks = _init(0, pending.world, rank_device(pending.device, 0), pending.store)
+        ranks = init_rank(0, pending.world, rank_device(pending.device, 0), pending.store)
     except BaseException:
         kill(pending.workers)
         raise
@@ -162,38 +165,3 @@ def receive(ranks: Ranks) -> tuple[str, dict, dict[str, torch.Tensor]]:
         tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype))
         dist.broadcast(tensors[name], src=0, group=ranks.channel)
     return header["op"], header["meta"], tensors
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this worker when rank 0 dies, even by SIGKILL (no cleanup runs there)."""
-    import signal
-
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(1)
-
-
-def work(host: str, port: int, rank: int, world: int, device: str) -> None:
-    """A worker rank, however it was started: join rank 0's store at host:port as `rank`, on
-    `device` (its own), then serve rank 0's commands until it says stop."""
-    store = dist.TCPStore(host, port, world, is_master=False)
-    ranks = _init(rank, world, device, store)
-    from rlbench.backends.megatron.trainer import serve
-
-    serve(ranks)
-    dist.destroy_process_group()
-
-
-def main() -> None:
-    """A worker rank as a process (`Processes`): its place from the environment rank 0 gave it."""
-    _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
-    host, port = os.environ[_STORE_ENV].rsplit(":", 1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    work(host, int(port), rank, world, rank_device(os.environ["RLBENCH_MEGATRON_DEVICE"], rank))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,7 +18,7 @@ DistributedDataParallel, AdamW over the shard, and the torch trainer's own loss 
   (convert.py), gathered to rank 0, so diff, replay and the engine see one naming.
 
 `MegatronTrainer` is what the loop holds, on rank 0: it sends each call to every rank
-(launch.py) and runs it on its own shard. The workers (processes, or Ray actors under
+(launch.py) and runs it on its own shard. The workers (worker.py: processes, or Ray actors under
 `--placement ray`) start when it is made and join at its first call; `close()` stops them.
 
 Checkpoints: per TP rank `model-tpNN.safetensors` and `optimizer-tpNN.safetensors` (Megatron
@@ -40,10 +40,9 @@ from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
 from rlbench.backends.torch_trainer import TorchTrainer, load_optimizer_state, optimizer_state
-from rlbench.config import RunConfig, config_from_dict
+from rlbench.config import RunConfig
 from rlbench.core import algo
 from rlbench.core.model import load_model_config, load_named_, named_weights
-from rlbench.core.seeding import configure_determinism
 from rlbench.errors import BadInput
 
 LAYOUT = "rlbench.megatron-checkpoint/1"
@@ -222,7 +221,8 @@ def check_layout(directory: Path, tp: int, dims: Dims) -> None:
 
 # -- commands: the same call on every rank --
 
-def _dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torch.Tensor]):
+def dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torch.Tensor]):
+    """Run one command of rank 0's on this rank's shard: rank 0 here, and every worker (worker.py)."""
     if op == "logprobs":
         return trainer.logprobs(tensors["tokens"], reference=meta["reference"])
     if op == "train_step":
@@ -235,23 +235,6 @@ def _dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torc
     if op == "load":
         return trainer.load_checkpoint(Path(meta["directory"]))
     raise AssertionError(f"unknown command {op!r}")
-
-
-def serve(ranks: launch.Ranks) -> None:
-    """A worker rank's life: the init command (config and initial weights), then commands until stop."""
-    op, meta, tensors = launch.receive(ranks)
-    assert op == "init", op
-    config = config_from_dict(meta["config"], "the init command")
-    configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
-    trainer = RankTrainer(ranks, config, tensors)
-    try:
-        while True:
-            op, meta, tensors = launch.receive(ranks)
-            if op == "stop":
-                return
-            _dispatch(trainer, op, meta, tensors)
-    finally:
-        trainer.close()
 
 
 class MegatronTrainer:
@@ -287,7 +270,7 @@ class MegatronTrainer:
             self._start()
         launch.send(self._ranks, op, meta or {}, tensors or {})
         try:
-            return _dispatch(self._local, op, meta or {}, tensors or {})
+            return dispatch(self._local, op, meta or {}, tensors or {})
         except BaseException:  # the others may be inside a collective this rank left: no more commands
             self._broken = True
             raise

@@ -33,8 +33,8 @@ import torch
 
 from rlbench.backends.sglang import wire
 from rlbench.backends.sglang.client import Client, Retryable
-from rlbench.backends.sglang.fleet import (Fleet, answers, launch_server, make_logs, normalize_url, registered,
-                                           start_router, wait_server)
+from rlbench.backends.sglang.fleet import (Fleet, answers, launch_server, make_logs, registered, start_router,
+                                           wait_server)
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
 
@@ -212,14 +212,14 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
     engine = SGLangEngine(config, fleet, client)
     try:
         if rollout.sglang_router_url:
-            router = normalize_url(rollout.sglang_router_url, "rollout.sglang_router_url")
+            router = wire.normalize_url(rollout.sglang_router_url, "rollout.sglang_router_url")
             fleet.router, fleet.route = router, [router]
             fleet.workers = sorted(client.run(registered(client, router)))
             if not fleet.workers:
                 raise EngineUnavailable(f"sglang-router {router} lists no healthy server (GET /workers)")
         else:
             if rollout.external_engine_addrs:
-                fleet.workers = [normalize_url(a) for a in rollout.external_engine_addrs]
+                fleet.workers = [wire.normalize_url(a) for a in rollout.external_engine_addrs]
             elif start_servers is not None:
                 start_servers(fleet, client)
             else:

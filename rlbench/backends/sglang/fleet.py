@@ -32,32 +32,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-from rlbench.errors import BadInput, EngineUnavailable
+from rlbench.backends.sglang.wire import LISTENING
+from rlbench.errors import EngineUnavailable
 
 STARTUP_TIMEOUT_S = 600.0  # a server loading a large model takes minutes
 ROUTER_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
-# The server arguments rlbench sets itself, per server kind; a --sglang-* argument may not name them.
-OWNED = {"sglang": ("model-path", "tokenizer-path", "host", "port", "random-seed", "enable-deterministic-inference"),
-         "rlbench": ("model-path", "tokenizer-path", "host", "port", "random-seed", "dtype", "device", "threads",
-                     "decode", "decode-batch-size")}
-
-
-def normalize_url(addr: str, field: str = "rollout.external_engine_addrs") -> str:
-    """`host:port` or `http://host:port` as a base URL (slime's normalize_external_engine_addr)."""
-    url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
-    try:
-        parsed = urlparse(url)
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme != "http" or not parsed.hostname or port is None:
-        raise BadInput(f"expected host:port or http://host:port (IPv6 in brackets), got {addr!r}", field=field)
-    return url
-
-
 @dataclass
 class Process:
     """A process rlbench started: a process group of its own, its output in `log`."""
@@ -140,7 +121,7 @@ def server_command(config, host: str, port: int) -> list[str]:
     if rollout.sglang_server == "rlbench":
         return [sys.executable, "-m", "rlbench.cli", "serve", "--host", host, "--port", str(port),
                 "--model-path", model.path, "--tokenizer-path", model.tokenizer, "--random-seed", str(config.seed),
-                "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
+                "--load-format", "auto" if model.init == "checkpoint" else "dummy", "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
                 "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
                 *passthrough(rollout.sglang)]
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model.path, "--tokenizer-path",
@@ -161,8 +142,6 @@ def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1") -> Pr
 def wait_server(proc: Process, probe: Callable[[str], bool], timeout_s: float = STARTUP_TIMEOUT_S) -> str:
     """The server's URL once `probe(url)` holds (its /health_generate answers 200)."""
     import select
-
-    from rlbench.serve.server import LISTENING
 
     deadline = time.monotonic() + timeout_s
     url = proc.url

@@ -26,7 +26,10 @@ from typing import Any
 
 from rlbench.core.types import GenerateRequest
 from rlbench.errors import BadInput
+from rlbench.validate import normalize_url  # noqa: F401 - the client's and the fleet's, as the server's
 
+# The first line `rlbench serve` prints once it is ready; a launcher reads the URL after it.
+LISTENING = "rlbench serve: listening on "
 SAMPLING_EPS = 1e-6  # SGLang: a temperature below this is greedy
 DEFAULT_SEED = 42  # SGLang's sampling_seed when a request gives none (deterministic inference)
 MAX_BATCH = 4096  # items of one batched /generate; more is refused, not queued

@@ -1,0 +1,125 @@
+"""Which trainer and which rollout engine a run needs, and how to make them: the one place that says so.
+
+For a `RunConfig`: whether the run trains (modes full and train-only) and rolls out (full and
+rollout-only); the packages its backends need installed and record in the manifest; how many Ray
+bundles it places (a trainer rank each, then an engine each); and how to make the trainer (torch,
+or megatron's rank 0) and the engines (the embedded `hf` one, or SGLang's over HTTP).
+
+core/context.py makes the run's backends in this process with it; placement/ray.py makes them in
+Ray actors with it. It imports neither: the backends it makes are imported when chosen, so a run
+never imports megatron-core, SGLang or Ray unless its config names them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rlbench.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlbench.backends.hf_engine import HFEngine
+    from rlbench.backends.sglang.engine import SGLangEngine
+    from rlbench.config import RunConfig
+    from rlbench.core.protocols import Trainer
+
+# The packages a backend adds to the versions a run records, by (config section, backend).
+BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router"),
+                    ("placement", "ray"): ("ray",)}
+
+
+def trains(config: RunConfig) -> bool:
+    """Whether the run has a trainer: modes full and train-only."""
+    return config.mode in ("full", "train-only")
+
+
+def rolls_out(config: RunConfig) -> bool:
+    """Whether the run has a rollout engine: modes full and rollout-only (train-only reads a recording)."""
+    return config.mode != "train-only"
+
+
+def starts_servers(config: RunConfig) -> bool:
+    """Whether rlbench starts the SGLang servers itself: `--rollout sglang` with neither a router nor
+    servers of the user's named."""
+    rollout = config.rollout
+    return rollout.backend == "sglang" and not (rollout.sglang_router_url or rollout.external_engine_addrs)
+
+
+def packages(config) -> list[str]:
+    """The packages, beyond the ones every run uses, whose versions a run with `config` records: its
+    backends'. The trainer's count unless the run is rollout-only; the engine's and Ray's always.
+    `config` may be any object with a run config's sections (a missing one names no backend)."""
+    found = []
+    for (section, backend), extra in BACKEND_PACKAGES.items():
+        used = section != "train" or getattr(config, "mode", "full") != "rollout-only"
+        if used and getattr(getattr(config, section, None), "backend", None) == backend:
+            found += extra
+    return found
+
+
+def check_installed(config: RunConfig) -> None:
+    """What `config` needs is installed here: say so (BadInput naming the setting and how to install
+    it) before anything is loaded or started."""
+    rollout = config.rollout
+    needs = []
+    if rollout.backend == "sglang" and rolls_out(config):
+        needs.append(("aiohttp", "rollout.backend", "pip install '.[router]'"))
+        if rollout.use_router and not rollout.sglang_router_url:
+            needs.append(("sglang_router", "rollout.use_router", "pip install '.[router]'"))
+        if not (rollout.sglang_router_url or rollout.external_engine_addrs):
+            needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
+                          "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
+                         else ("starlette", "rollout.sglang_server", "pip install '.[serve]'"))
+    if config.placement.backend == "ray":
+        needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
+    for module, field, how in needs:
+        if importlib.util.find_spec(module) is None:
+            raise BadInput(f"the {module} package is not installed here ({how})", field=field)
+
+
+def bundles(config: RunConfig) -> tuple[int, int]:
+    """How many trainer ranks and rollout engines the run places under `--placement ray`, a bundle each:
+    TP*DP ranks for the megatron trainer, one for the torch trainer; an engine per server rlbench
+    starts, one for the embedded engine, none for servers it only connects to."""
+    ranks = engines = 0
+    if trains(config):
+        ranks = config.tp * config.dp if config.train.backend == "megatron" else 1
+    if rolls_out(config):
+        engines = config.rollout.num_engines if starts_servers(config) else int(config.rollout.backend == "hf")
+    return ranks, engines
+
+
+def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Trainer:
+    """The trainer, in this process, over `model` (the megatron trainer's other ranks are processes it
+    starts, or `workers`: launch.spawn says what they may be)."""
+    if config.train.backend == "megatron":
+        from rlbench.backends.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(model, config, workers)  # checks its settings, starts its other ranks
+    from rlbench.backends.torch_trainer import TorchTrainer
+
+    return TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
+
+
+def make_hf_engine(config: RunConfig, model: torch.nn.Module, start: int, device: str,
+                   engine_id: str = "hf:0") -> HFEngine:
+    """The embedded engine (`--rollout hf`), in this process, over `model` on `device`, holding weight
+    version `start`."""
+    from rlbench.backends.hf_engine import HFEngine
+
+    rollout = config.rollout
+    engine = HFEngine(model, device=device, engine_id=engine_id, true_on_policy=rollout.true_on_policy,
+                      decode=rollout.decode, batch_size=rollout.decode_batch_size)
+    engine.weight_version = start
+    return engine
+
+
+def open_sglang_engine(config: RunConfig, start_servers: Callable | None = None) -> SGLangEngine:
+    """The SGLang engine (`--rollout sglang`) over the servers `config.rollout` names, started by rlbench
+    where it owns them (`start_servers(fleet, client)`: some other way, as sglang/engine.open_engine says)."""
+    from rlbench.backends.sglang.engine import open_engine
+
+    return open_engine(config, start_servers)

@@ -1,0 +1,50 @@
+"""Validation of settings, shared by every config (the run's, `rlbench serve`'s): a value that fails
+raises `BadInput` naming its key, what was expected and what came. The lowest layer after errors.py:
+it imports nothing else of rlbench."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from urllib.parse import urlparse
+
+from rlbench.errors import BadInput
+
+
+def check(ok: bool, key: str, expected: str, got: Any) -> None:
+    """`ok`, or BadInput: "KEY: expected EXPECTED, got GOT"."""
+    if not ok:
+        raise BadInput(f"expected {expected}, got {got!r}", field=key)
+
+
+def number(value: Any, key: str, low: float, high: float, *, integer: bool = False, open_low: bool = False) -> None:
+    """A finite number (an integer where `integer`) in [low, high] ((low, high] with `open_low`): every
+    number a run is configured with is held to a sane range before anything runs on it."""
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if open_low else value >= low) and value <= high
+    what = "an integer" if integer else "a finite number"
+    check(ok, key, f"{what} in {'(' if open_low else '['}{_bound(low)}, {_bound(high)}]", value)
+
+
+def _bound(x: float) -> str:
+    return "2**63 - 1" if x == 2**63 - 1 else f"{x:,}" if float(x).is_integer() else f"{x:g}"
+
+
+def text(value: Any, key: str, optional: bool = False) -> None:
+    """A string without NUL (or None where `optional`)."""
+    check((isinstance(value, str) and "\x00" not in value) or (optional and value is None), key,
+          "a string (without NUL)", value)
+
+
+def normalize_url(addr: str, field: str = "rollout.external_engine_addrs") -> str:
+    """`host:port` or `http://host:port` as a base URL (slime's normalize_external_engine_addr)."""
+    url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
+    try:
+        parsed = urlparse(url)
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None:
+        raise BadInput(f"expected host:port or http://host:port (IPv6 in brackets), got {addr!r}", field=field)
+    return url

@@ -1,0 +1,92 @@
+"""The house: imports go one way. No cycle among rlbench's modules (a function-level import
+counts: it is a cycle the moment it runs), and no private name imported from another module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "rlbench"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module imported, name imported from it or "") for each rlbench import anywhere in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, "") for alias in node.names if alias.name in modules]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    out.append((f"{base}.{alias.name}", ""))
+                elif base in modules:
+                    out.append((base, alias.name))
+    return out
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v] - {v}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_rlbench_modules():
+    modules = _modules()
+    edges = {name: {target for target, _ in _imports(name, path, modules)} for name, path in modules.items()}
+    assert _cycles(edges) == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = _modules()
+    private = [f"{name} imports {target}.{what}" for name, path in modules.items()
+               for target, what in _imports(name, path, modules) if what.startswith("_") and what != "__version__"]
+    assert private == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"c"}}) == []
