@@ -9,6 +9,7 @@ error, 130 Ctrl-C.
     runs.py       run, replay, diff, import slime
     checks.py     check logprobs / tito / golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
+    report.py     report: one HTML page of a run, or of where two runs part
     __main__.py   `python -m rlbench.cli`: the same as the `rlbench` console script
 """
 
@@ -93,3 +94,4 @@ def _fail(message: str, code: int = 2, kind: str = "error") -> None:
 from rlbench.cli import runs  # noqa: E402,F401
 from rlbench.cli import checks  # noqa: E402,F401
 from rlbench.cli import serve  # noqa: E402,F401
+from rlbench.cli import report  # noqa: E402,F401

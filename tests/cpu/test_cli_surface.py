@@ -14,7 +14,7 @@ import typer
 import rlbench.cli
 from tests.conftest import cli
 
-EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve"}
+EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve", "report"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config", "-c",
@@ -39,6 +39,7 @@ EXPECTED_RUN_OPTIONS = {
     "--device",
     "--threads",
     "--no-record",
+    "--print-config",
     "--json",
     "--debug",
 }

@@ -1,0 +1,250 @@
+"""slime's own command-line arguments for the loop rlbench owns: a slime command line pasted after
+`rlbench run` runs the same configuration.
+
+Each argument of slime (THUDM/slime slime/utils/arguments.py, and Megatron-LM's that slime resets,
+at commit 624b824a) that rlbench models is mapped onto the config field(s) that hold it, with
+slime's conversion; an argument rlbench computes one way only is accepted at that value alone
+(`--optimizer adam`); every other one is refused by name, never ignored (`--sglang-*` passes through
+to the servers, as in slime). When any slime argument is given, the settings slime defines start from
+slime's defaults, not rlbench's (input key "input", no chat template, one sample per prompt, lr 1e-6,
+KL type k1, ...): `SLIME_DEFAULTS`. `rlbench run --print-config` shows what a command line resolves to.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlbench.errors import BadInput
+
+
+@dataclass(frozen=True)
+class SlimeArg:
+    """One slime argument: how its value is read (`kind`), the config fields it sets, and what it means."""
+
+    kind: str  # "int", "float", "str", "flag", "ints", "json"
+    fields: tuple[str, ...]  # config fields it sets (dotted); () for the ones `resolve` computes
+    help: str
+
+
+def _arg(kind: str, *fields: str, help: str = "") -> SlimeArg:
+    return SlimeArg(kind, fields, help)
+
+
+ARGS: dict[str, SlimeArg] = {
+    "--hf-checkpoint": _arg("str", "model.path", "model.tokenizer",
+                            help="the Hugging Face model directory: its weights and its tokenizer"),
+    "--prompt-data": _arg("str", "data.path"),
+    "--input-key": _arg("str", "data.prompt_key"),
+    "--label-key": _arg("str", "data.label_key"),
+    "--apply-chat-template": _arg("flag", "data.apply_chat_template"),
+    "--apply-chat-template-kwargs": _arg("json", "data.chat_template_kwargs"),
+    "--rollout-shuffle": _arg("flag", "data.shuffle"),
+    "--rollout-batch-size": _arg("int", "data.prompts_per_step"),
+    "--n-samples-per-prompt": _arg("int", "rollout.n_samples_per_prompt"),
+    "--global-batch-size": _arg("int", help="samples per optimizer step: train.minibatches = "
+                                            "rollout_batch_size * n_samples_per_prompt / global_batch_size"),
+    "--num-steps-per-rollout": _arg("int", "train.minibatches"),
+    "--num-rollout": _arg("int", "steps"),
+    "--rollout-max-response-len": _arg("int", "rollout.max_new_tokens"),
+    "--rollout-temperature": _arg("float", "rollout.temperature"),
+    "--rollout-top-p": _arg("float", "rollout.top_p"),
+    "--rollout-top-k": _arg("int", "rollout.top_k"),
+    "--rollout-seed": _arg("int", "rollout.sampling_seed"),
+    "--rollout-stop-token-ids": _arg("ints", "rollout.stop_token_ids"),
+    "--seed": _arg("int", "seed"),
+    "--lr": _arg("float", "train.lr"),
+    "--weight-decay": _arg("float", "train.weight_decay"),
+    "--adam-beta1": _arg("float", help="train.betas[0]"),
+    "--adam-beta2": _arg("float", help="train.betas[1]"),
+    "--adam-eps": _arg("float", "train.adam_eps"),
+    "--clip-grad": _arg("float", "train.grad_clip"),
+    "--micro-batch-size": _arg("int", "train.micro_batch_size"),
+    "--tensor-model-parallel-size": _arg("int", "tp"),
+    "--save": _arg("str", "out", help="the run directory (its checkpoints/ hold the checkpoints)"),
+    "--save-interval": _arg("int", "checkpoint_every"),
+    "--advantage-estimator": _arg("str", "algo.advantage"),
+    "--use-kl-loss": _arg("flag", help="with --kl-loss-coef: algo.kl_coef"),
+    "--kl-loss-coef": _arg("float", help="algo.kl_coef, under --use-kl-loss"),
+    "--kl-loss-type": _arg("str", "algo.kl_type"),
+    "--kl-coef": _arg("float", "algo.reward_kl_coef"),
+    "--eps-clip": _arg("float", "algo.eps_clip"),
+    "--eps-clip-high": _arg("float", "algo.eps_clip_high"),
+    "--eps-clip-c": _arg("float", "algo.eps_clip_c"),
+    "--entropy-coef": _arg("float", "algo.entropy_coef"),
+    "--normalize-advantages": _arg("flag", "algo.normalize_advantages"),
+    "--disable-grpo-std-normalization": _arg("flag", "algo.normalize_std"),
+    "--calculate-per-token-loss": _arg("flag", "algo.per_token_loss"),
+    "--use-tis": _arg("flag", "algo.use_tis"),
+    "--tis-clip": _arg("float", "algo.tis_clip"),
+    "--tis-clip-low": _arg("float", "algo.tis_clip_low"),
+    "--rm-type": _arg("str", "reward.verifier", help="one of rlbench's built-in verifiers"),
+    "--custom-rm-path": _arg("str", "reward.custom_rm_path",
+                             help="rlbench's contract: fn(sample: RewardInput) -> float, not slime's async "
+                                  "(args, sample)"),
+    "--custom-generate-function-path": _arg("str", "rollout.custom_generate_function_path",
+                                            help="rlbench's contract (rlbench/core/generate.py), not slime's"),
+}
+
+# Accepted at the one value rlbench computes; any other value is refused.
+ONLY = {"--optimizer": "adam", "--lr-decay-style": "constant", "--loss-type": "policy_loss", "--lr-warmup-iters": "0"}
+
+# What slime runs with when an argument is absent (slime/utils/arguments.py; Megatron-LM's optimizer defaults).
+SLIME_DEFAULTS: dict[str, Any] = {
+    "seed": 1234, "data.prompt_key": "input", "data.label_key": None, "data.apply_chat_template": False,
+    "data.chat_template_kwargs": {}, "data.shuffle": False, "rollout.n_samples_per_prompt": 1,
+    "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": -1, "rollout.sampling_seed": 42,
+    "rollout.stop_token_ids": (), "train.lr": 1e-6, "train.weight_decay": 0.01, "train.betas": (0.9, 0.999),
+    "train.adam_eps": 1e-8, "train.grad_clip": 1.0, "train.micro_batch_size": 1, "algo.advantage": "grpo",
+    "algo.normalize_std": True, "algo.eps_clip": 0.2, "algo.kl_coef": 0.0, "algo.kl_type": "k1",
+    "algo.entropy_coef": 0.0,
+}
+
+# Without a value in slime, these have no default rlbench could stand in for: the command line must give them.
+REQUIRED = ("--rollout-batch-size", "--rollout-max-response-len")
+
+
+def is_slime(arg: str) -> bool:
+    """An argument of slime's that this module reads (mapped, or accepted at one value)."""
+    return arg.split("=", 1)[0] in ARGS or arg.split("=", 1)[0] in ONLY
+
+
+def parse(args: list[str]) -> dict[str, Any]:
+    """slime's arguments from the command line's extra arguments, each read as slime's argparse reads it
+    (flags take no value; --rollout-stop-token-ids takes one or more). Unknown arguments are refused."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        name, eq, inline = args[i].partition("=")
+        spec = ARGS.get(name)
+        if spec is None and name not in ONLY:
+            raise BadInput(_refusal(name), field="rlbench run")
+        if name in out:
+            raise BadInput(f"{name} is given twice", field="rlbench run")
+        if spec is not None and spec.kind == "flag":
+            if eq:
+                raise BadInput(f"{name} is a flag: it takes no value", field="rlbench run")
+            out[name], i = True, i + 1
+            continue
+        values = [inline] if eq else []
+        i += 1
+        while not eq and i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+            if spec is None or spec.kind != "ints":
+                break
+        if not values:
+            raise BadInput(f"{name} needs a value", field="rlbench run")
+        out[name] = _value(name, spec, values)
+    return out
+
+
+def _value(name: str, spec: SlimeArg | None, values: list[str]) -> Any:
+    if spec is None:  # accepted at one value only
+        if values != [ONLY[name]]:
+            raise BadInput(f"{name} {' '.join(values)}: rlbench computes {name} {ONLY[name]} only", field=name)
+        return values[0]
+    convert: Callable[[str], Any] = {"int": int, "float": float, "str": str, "ints": int, "json": json.loads}[spec.kind]
+    try:
+        parsed = [convert(v) for v in values]
+    except (ValueError, json.JSONDecodeError):
+        raise BadInput(f"expected {_EXPECTED[spec.kind]}, got {' '.join(values)!r}", field=name) from None
+    if spec.kind == "json" and not isinstance(parsed[0], dict):
+        raise BadInput(f"expected a JSON object, got {values[0]!r}", field=name)
+    return tuple(parsed) if spec.kind == "ints" else parsed[0]
+
+
+_EXPECTED = {"int": "an integer", "ints": "integers", "float": "a number", "json": "a JSON object", "str": "a value"}
+
+
+def _refusal(name: str) -> str:
+    if not name.startswith("--"):
+        return f"unexpected argument {name!r}"
+    return (f"no such option: {name} (neither rlbench's nor a slime argument rlbench models; slime's data, rollout, "
+            "batch, algorithm and optimizer arguments are read, --sglang-* passes through to the servers; "
+            "see `rlbench run --help` and docs/usage.md)")
+
+
+def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, dict[str, Any]]]]:
+    """(the config fields the given slime arguments and slime's defaults set, as dotted path -> value;
+    each given argument with its value and the fields it set), with slime's own rules: eps_clip_high
+    defaults to eps_clip; one sample per prompt turns GRPO's std normalisation off; the global batch
+    size follows from --num-steps-per-rollout or gives the optimizer steps per rollout; the KL loss
+    coefficient counts only under --use-kl-loss."""
+    missing = [name for name in REQUIRED if name not in given]
+    if missing:
+        raise BadInput(f"a slime command line needs {', '.join(missing)} (slime has no default rlbench could use)",
+                       field="rlbench run")
+    if "--num-rollout" not in given:
+        raise BadInput("a slime command line needs --num-rollout: the number of rollout steps (rlbench does not "
+                       "read --num-epoch)", field="rlbench run")
+    fields = dict(SLIME_DEFAULTS)
+    explained: list[tuple[str, Any, dict[str, Any]]] = []
+    for name, value in given.items():
+        spec = ARGS.get(name)
+        sets = {}
+        if spec is not None and spec.fields:
+            sets = {path: value for path in spec.fields}
+        if name == "--hf-checkpoint":
+            sets["model.init"] = "checkpoint"
+        if name == "--disable-grpo-std-normalization":
+            sets = {"algo.normalize_std": False}
+        if name == "--tensor-model-parallel-size":
+            sets["train.backend"] = "megatron" if value > 1 else fields.get("train.backend", "torch")
+        fields.update(sets)
+        explained.append((name, value, sets))
+    _derived(given, fields, explained)
+    return fields, explained
+
+
+def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> None:
+    """The fields slime computes from several arguments at once."""
+    betas = (given.get("--adam-beta1", 0.9), given.get("--adam-beta2", 0.999))
+    fields["train.betas"] = betas
+    fields["algo.eps_clip_high"] = given.get("--eps-clip-high", fields["algo.eps_clip"])
+    fields["algo.kl_coef"] = given.get("--kl-loss-coef", 0.0) if given.get("--use-kl-loss") else 0.0
+    samples = given["--rollout-batch-size"] * fields["rollout.n_samples_per_prompt"]
+    steps, batch = given.get("--num-steps-per-rollout"), given.get("--global-batch-size")
+    if steps is not None:
+        if batch is not None and batch != samples // steps:
+            raise BadInput(f"--global-batch-size {batch} is not rollout_batch_size * n_samples_per_prompt "
+                           f"// num_steps_per_rollout = {samples // steps} (slime asserts the same)",
+                           field="--global-batch-size")
+        fields["train.minibatches"] = steps
+    elif batch is not None:
+        if batch <= 0 or samples % batch:
+            raise BadInput(f"--global-batch-size {batch} does not divide the step's {samples} samples "
+                           "(rollout_batch_size * n_samples_per_prompt)", field="--global-batch-size")
+        fields["train.minibatches"] = samples // batch
+    else:
+        raise BadInput("a slime command line needs --global-batch-size or --num-steps-per-rollout",
+                       field="rlbench run")
+    _slime_rules(given, fields)
+    if fields["rollout.n_samples_per_prompt"] == 1:
+        fields["algo.normalize_std"] = False  # slime: one sample per prompt turns std normalisation off
+    for name, value, sets in explained:
+        if name in ("--adam-beta1", "--adam-beta2"):
+            sets["train.betas"] = betas
+        elif name in ("--use-kl-loss", "--kl-loss-coef"):
+            sets["algo.kl_coef"] = fields["algo.kl_coef"]
+        elif name in ("--global-batch-size", "--num-steps-per-rollout"):
+            sets["train.minibatches"] = fields["train.minibatches"]
+        elif name == "--eps-clip":
+            sets["algo.eps_clip_high"] = fields["algo.eps_clip_high"]
+
+
+def _slime_rules(given: dict[str, Any], fields: dict[str, Any]) -> None:
+    """What slime_validate_args refuses, refused here in the same cases (slime/utils/arguments.py)."""
+    if fields["rollout.temperature"] <= 0:
+        raise BadInput("slime requires --rollout-temperature > 0 (0 would be greedy decoding)",
+                       field="--rollout-temperature")
+    if given.get("--kl-coef", 0.0) != 0 and given.get("--kl-loss-coef", 0.0) != 0:
+        raise BadInput("only one of --kl-coef and --kl-loss-coef can be set (slime asserts the same)",
+                       field="--kl-coef")
+    if fields["algo.advantage"] in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and \
+            not given.get("--normalize-advantages"):
+        raise BadInput(f"--advantage-estimator {fields['algo.advantage']} needs --normalize-advantages "
+                       "(slime asserts the same)", field="--advantage-estimator")
+    if "--save-interval" in given and "--save" not in given:
+        raise BadInput("--save-interval needs --save (slime asserts the same)", field="--save-interval")

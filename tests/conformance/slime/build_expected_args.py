@@ -1,0 +1,128 @@
+"""Build expected_args.json: what slime itself resolves a command line's arguments to, for the
+settings `rlbench run` reads from a slime command line (rlbench/cli/slime_args.py).
+
+    python tests/conformance/slime/build_expected_args.py --slime /tmp/slime
+
+`--slime` is a checkout of THUDM/slime (`git archive` of its repository); the commit is recorded in
+the output. slime's own parser (get_slime_extra_args_provider) parses each case and slime's own
+slime_validate_args derives the rest (eps_clip_high, global_batch_size, grpo_std_normalization).
+Modules slime imports but these two functions do not use (sglang, httpx, wandb: not installable
+here) are stubbed; Megatron-LM's optimizer arguments, which slime leaves to Megatron-LM's parser,
+are added with Megatron-LM's defaults (megatron/training/arguments.py, NVIDIA/Megatron-LM commit
+307dcf37: --weight-decay 0.01, --adam-beta1 0.9, --adam-beta2 0.999, --adam-eps 1e-08, --optimizer
+adam, --lr-decay-style linear, --tensor-model-parallel-size 1). Settings slime leaves unset stay None.
+Run once; the JSON is committed and the tests read only it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "expected_args.json"
+
+BASE = ["--rollout-batch-size", "4", "--rollout-max-response-len", "4", "--num-rollout", "3",
+        "--prompt-data", "data.jsonl"]
+CASES = {
+    "defaults": BASE + ["--global-batch-size", "4"],
+    "quick_start_grpo": ["--prompt-data", "data.jsonl", "--input-key", "prompt", "--label-key", "label",
+                         "--apply-chat-template", "--rollout-shuffle", "--num-rollout", "3",
+                         "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "1",
+                         "--global-batch-size", "32", "--rollout-max-response-len", "4", "--rollout-temperature",
+                         "1", "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+                         "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+                         "--eps-clip-high", "0.28", "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style",
+                         "constant", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98"],
+    "reward_kl": BASE + ["--global-batch-size", "4", "--kl-coef", "0.01"],
+    "kl_coef_without_use_kl_loss": BASE + ["--global-batch-size", "4", "--kl-loss-coef", "0.5"],
+    "steps_per_rollout": BASE + ["--n-samples-per-prompt", "6", "--num-steps-per-rollout", "3"],
+    "sampling": BASE + ["--global-batch-size", "2", "--rollout-temperature", "0.7", "--rollout-top-p", "0.9",
+                        "--rollout-top-k", "20", "--rollout-seed", "7", "--rollout-stop-token-ids", "5", "9",
+                        "--seed", "11"],
+    "algorithm": BASE + ["--n-samples-per-prompt", "2", "--global-batch-size", "8", "--advantage-estimator",
+                         "reinforce_plus_plus_baseline", "--eps-clip", "0.3", "--eps-clip-c", "3.0",
+                         "--normalize-advantages", "--disable-grpo-std-normalization",
+                         "--calculate-per-token-loss", "--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5",
+                         "--use-kl-loss", "--kl-loss-coef", "0.02", "--kl-loss-type", "k2",
+                         "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--micro-batch-size", "2",
+                         "--clip-grad", "0.5", "--lr", "3e-4", "--adam-eps", "1e-6"],
+}
+KEYS = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "apply_chat_template",
+        "apply_chat_template_kwargs", "rollout_shuffle", "rollout_batch_size", "n_samples_per_prompt",
+        "global_batch_size", "num_steps_per_rollout", "num_rollout", "rollout_max_response_len",
+        "rollout_temperature", "rollout_top_p", "rollout_top_k", "rollout_seed", "rollout_stop_token_ids", "seed",
+        "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "micro_batch_size",
+        "advantage_estimator", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "kl_coef", "eps_clip",
+        "eps_clip_high", "eps_clip_c", "entropy_coef", "normalize_advantages", "grpo_std_normalization",
+        "calculate_per_token_loss", "use_tis", "tis_clip", "tis_clip_low")
+MEGATRON = {"--weight-decay": (float, 0.01), "--adam-beta1": (float, 0.9), "--adam-beta2": (float, 0.999),
+            "--adam-eps": (float, 1e-08), "--optimizer": (str, "adam"), "--lr-decay-style": (str, "linear"),
+            "--tensor-model-parallel-size": (int, 1)}
+
+
+class _Stub(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+def _import_arguments(slime: Path):
+    """slime.utils.arguments, with the modules it imports but cannot get here stubbed."""
+    sys.path.insert(0, str(slime))
+    for _ in range(50):
+        try:
+            return importlib.import_module("slime.utils.arguments")
+        except ModuleNotFoundError as exc:
+            parts = exc.name.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                sys.modules.setdefault(name, _Stub(name))
+                sys.modules[name].__path__ = []
+            for name in [n for n in sys.modules if n.startswith("slime")]:
+                del sys.modules[name]
+    raise RuntimeError("could not import slime.utils.arguments")
+
+
+class _Megatron(argparse.Namespace):
+    """Megatron-LM's attributes slime_validate_args reads and these cases do not set: None."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def resolve(arguments, argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    for name, (kind, default) in MEGATRON.items():
+        parser.add_argument(name, type=kind, default=default)
+    arguments.get_slime_extra_args_provider()(parser)
+    args = _Megatron(**vars(parser.parse_args(argv)))
+    args.ref_load = tempfile.gettempdir()  # slime checks that a KL run's reference checkpoint exists
+    arguments.slime_validate_args(args)
+    return {key: getattr(args, key) for key in KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
+    parser.add_argument("--commit", help="its commit (default: read from a git repository at --slime)")
+    given = parser.parse_args()
+    commit = given.commit or subprocess.run(["git", "-C", str(given.slime), "rev-parse", "HEAD"],
+                                            capture_output=True, text=True).stdout.strip()
+    arguments = _import_arguments(given.slime)
+    cases = {name: {"argv": argv, "slime": resolve(arguments, argv)} for name, argv in CASES.items()}
+    OUT.write_text(json.dumps({"slime_commit": commit, "megatron_defaults": {k: v[1] for k, v in MEGATRON.items()},
+                               "cases": cases}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {OUT} ({len(cases)} cases, slime {commit[:12]})")
+
+
+if __name__ == "__main__":
+    main()
