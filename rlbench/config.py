@@ -75,15 +75,26 @@ class DataConfig:
 
     path: str = str(FIXTURES / "data" / "parity.jsonl")
     prompt_key: str = "prompt"
-    label_key: str = "label"
+    label_key: str | None = "label"  # none: rows without labels (slime's --label-key unset; a custom reward)
     shuffle: bool = True
     prompts_per_step: int = 4  # slime: rollout_batch_size (4 x 16: docs/design.md, "Why the default run learns")
+    # true: each prompt through the tokenizer's chat template, with a generation prompt (a string is one user
+    # message); false: a string prompt tokenised as it is, no special tokens added (slime without
+    # --apply-chat-template, whose default that is)
+    apply_chat_template: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)  # slime's --apply-chat-template-kwargs
 
     def __post_init__(self) -> None:
-        for key in ("path", "prompt_key", "label_key"):
+        for key in ("path", "prompt_key"):
             text(getattr(self, key), f"data.{key}")
+        text(self.label_key, "data.label_key", optional=True)
         check(isinstance(self.shuffle, bool), "data.shuffle", "true or false", self.shuffle)
         number(self.prompts_per_step, "data.prompts_per_step", 1, 100_000, integer=True)
+        check(isinstance(self.apply_chat_template, bool), "data.apply_chat_template", "true or false",
+              self.apply_chat_template)
+        kwargs = self.chat_template_kwargs
+        check(isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs), "data.chat_template_kwargs",
+              "a table of keyword arguments for the chat template", kwargs)
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = -1  # SGLang's sampling_params.top_k: -1 (or 0) = every token
     top_p: float = 1.0  # SGLang's sampling_params.top_p: 1.0 = every token
+    stop_token_ids: tuple[int, ...] = ()  # stops besides the tokenizer's eos (slime --rollout-stop-token-ids)
     # The embedded engine's decode: "batched" (fixed-shape buckets) or "per-sample" (the reference,
     # one request at a time); both are batch-invariant (rlbench/backends/hf_engine.py).
     decode: Literal["batched", "per-sample"] = "batched"
@@ -140,6 +152,9 @@ class RolloutConfig:
         check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1, "rollout.top_k",
                "-1, 0 (both off) or a count >= 1", self.top_k)
         number(self.top_p, "rollout.top_p", 0, 1, open_low=True)  # 1 = off
+        check(isinstance(self.stop_token_ids, tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in self.stop_token_ids),
+            "rollout.stop_token_ids", "a list of token ids", self.stop_token_ids)
         check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
         number(self.decode_batch_size, "rollout.decode_batch_size", 1, 100_000, integer=True)
         self._check_sglang()
@@ -225,24 +240,69 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """GRPO advantages, PPO-clip policy loss, optional KL to the initial (reference) policy, entropy."""
+    """The estimator, the policy loss and its options, with slime's arithmetic (rlbench/core/algo.py);
+    each field names the slime argument it is. Held to slime in tests/conformance/slime/."""
 
-    advantage: Literal["grpo"] = "grpo"
-    normalize_std: bool = True
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.2
-    kl_coef: float = 0.0
-    kl_type: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = 0.0
+    advantage: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = setting(
+        "grpo", "Advantage estimator (slime --advantage-estimator). grpo: group-normalised rewards, PPO-clip loss. "
+        "gspo: the same advantages, the sequence's mean log-ratio as every token's ratio. cispo: the same "
+        "advantages, loss -sg(clip(ratio)) * A * logp. reinforce_plus_plus: the reward; "
+        "reinforce_plus_plus_baseline: the reward minus its group's mean (both need normalize_advantages, as in "
+        "slime). PPO with a critic is not offered.")
+    normalize_std: bool = setting(True,
+        "grpo, gspo, cispo: divide each group's centred rewards by the group's standard deviation (unbiased) + 1e-6 "
+        "(slime: on unless --disable-grpo-std-normalization; the reinforce_plus_plus estimators ignore it, as in "
+        "slime). Groups by each sample's group (slime's group_index), of any size; slime's default groups by position. "
+        "In float64: a group of equal rewards gets exactly 0 where slime's float32 can push it (0.06 for three "
+        "rewards of 0.9); a group of one sample gets 0 (slime: NaN).")
+    eps_clip: float = setting(0.2, "PPO clip: the ratio's lower bound is 1 - eps_clip (slime --eps-clip).")
+    eps_clip_high: float = setting(0.2,
+        "PPO clip: the ratio's upper bound is 1 + eps_clip_high (slime --eps-clip-high, whose default is --eps-clip).")
+    eps_clip_c: float | None = setting(None,
+        "Dual-clip PPO (slime --eps-clip-c): where the advantage A < 0 a token's loss is at most -eps_clip_c * A; "
+        "above 1. none: off. Refused with cispo, whose loss has no dual clip (slime ignores it there).")
+    kl_coef: float = setting(0.0,
+        "Weight of the KL-to-reference term in the loss (slime --kl-loss-coef with --use-kl-loss; not slime's "
+        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric.")
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = setting("k3",
+        "KL estimator of the loss term (slime --kl-loss-type): k1 logp - ref; k2 (logp - ref)^2 / 2; k3 "
+        "exp(ref - logp) - (ref - logp) - 1; low_var_kl k3 clamped to [-10, 10]. rlbench's default is k3; slime's "
+        "is k1.")
+    entropy_coef: float = setting(0.0, "Weight of the entropy bonus: loss = pg_loss - entropy_coef * entropy "
+                                       "(slime --entropy-coef).")
+    normalize_advantages: bool = setting(False,
+        "Whiten the step's advantages over its trained tokens: mean 0, unbiased variance 1, eps 1e-8 (slime "
+        "--normalize-advantages; required with the reinforce_plus_plus estimators). Computed in float64.")
+    per_token_loss: bool = setting(False,
+        "Average the loss and the train/* metrics over a minibatch's trained tokens (slime "
+        "--calculate-per-token-loss); false: over each sample's trained tokens, then over samples. A sample with "
+        "no trained token counts in either denominator: as one token, or as one sample.")
+    use_tis: bool = setting(False,
+        "Truncated importance sampling (slime --use-tis): each token's policy loss times clamp(exp(old log-prob - "
+        "rollout log-prob), tis_clip_low, tis_clip); adds the metrics ois, tis, tis_clipfrac, tis_abs.")
+    tis_clip: float = setting(2.0, "TIS: the weight's upper bound (slime --tis-clip).")
+    tis_clip_low: float = setting(0.0, "TIS: the weight's lower bound (slime --tis-clip-low).")
 
     def __post_init__(self) -> None:
-        check(self.advantage == "grpo", "algo.advantage", "grpo", self.advantage)
-        check(isinstance(self.normalize_std, bool), "algo.normalize_std", "true or false", self.normalize_std)
+        estimators = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        check(self.advantage in estimators, "algo.advantage", f"one of: {', '.join(estimators)}", self.advantage)
+        for key in ("normalize_std", "normalize_advantages", "per_token_loss", "use_tis"):
+            check(isinstance(getattr(self, key), bool), f"algo.{key}", "true or false", getattr(self, key))
         number(self.eps_clip, "algo.eps_clip", 0, 10, open_low=True)
         number(self.eps_clip_high, "algo.eps_clip_high", 0, 10, open_low=True)
+        if self.eps_clip_c is not None:
+            number(self.eps_clip_c, "algo.eps_clip_c", 1, 1e6, open_low=True)
+            check(self.advantage != "cispo", "algo.eps_clip_c",
+                  "unset with advantage cispo (its loss has no dual clip)", self.eps_clip_c)
         number(self.kl_coef, "algo.kl_coef", 0, 1000)
-        check(self.kl_type in ("k1", "k3"), "algo.kl_type", "k1 or k3", self.kl_type)
+        check(self.kl_type in ("k1", "k2", "k3", "low_var_kl"), "algo.kl_type", "one of: k1, k2, k3, low_var_kl",
+              self.kl_type)
         number(self.entropy_coef, "algo.entropy_coef", 0, 1000)
+        check(self.normalize_advantages or not self.advantage.startswith("reinforce_plus_plus"),
+              "algo.normalize_advantages", f"true with advantage {self.advantage} (slime requires "
+              "--normalize-advantages with it)", self.normalize_advantages)
+        number(self.tis_clip, "algo.tis_clip", 0, 1e6, open_low=True)
+        number(self.tis_clip_low, "algo.tis_clip_low", 0, self.tis_clip)
 
 
 @dataclass(frozen=True)
@@ -352,6 +412,7 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
+_NULLABLE = ("data.label_key",)  # string fields that may be unset (a manifest's null; TOML cannot say it)
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
                     "reward": RewardConfig, "algo": AlgoConfig, "train": TrainConfig, "placement": PlacementConfig}
 
@@ -366,6 +427,10 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     elif isinstance(default, float):
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
+    elif default == () and key.endswith("_ids"):  # a list of any length: token ids
+        check(isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+              key, "a list of integers", value)
+        value = tuple(value)
     elif default == ():  # a list of any length: strings (addresses)
         check(isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), key, "a list of strings",
                value)
@@ -374,11 +439,14 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         check(isinstance(value, (list, tuple)) and len(value) == len(default), key, f"a list of {len(default)}", value)
         value = tuple(_coerce(v, d, key) for v, d in zip(value, default))
     elif isinstance(default, str):
-        text(value, key)
+        text(value, key, optional=key in _NULLABLE)
     elif isinstance(default, dict):
         check(isinstance(value, dict), key, "a table", value)
     elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
         pass
+    elif default is None and key == "algo.eps_clip_c":  # a number or unset
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
+        value = float(value)
     elif default is None and (key.endswith("seed") or key.endswith("num_cpus")):
         check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
@@ -407,6 +475,17 @@ def _build(cls: type, table: dict, prefix: str, base_dir: Path) -> Any:
     return cls(**kwargs)
 
 
+def file_keys(path: str | Path) -> set[str]:
+    """The dotted keys a TOML config file sets (`rollout.temperature`); empty for a file that does not
+    parse (load_config says why)."""
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return set()
+    return {f"{section}.{key}" if isinstance(value, dict) else section
+            for section, value in table.items() for key in (value if isinstance(value, dict) else [None])}
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     """Defaults, then the TOML file at `path` (relative paths in it are relative to the file), then
     `overrides` (top-level fields, or `section__field` for a component's field)."""
@@ -430,13 +509,25 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     return apply_overrides(config, **overrides)
 
 
+class _Null:
+    """An override that sets a field to None (an override of None means "not given")."""
+
+    def __repr__(self) -> str:
+        return "NULL"
+
+
+NULL = _Null()
+
+
 def apply_overrides(config: RunConfig, **overrides: Any) -> RunConfig:
-    """Set top-level fields (`seed=1`) or component fields (`rollout__temperature=0.0`); None means unset."""
+    """Set top-level fields (`seed=1`) or component fields (`rollout__temperature=0.0`); None means not
+    given, `NULL` sets a field to None."""
     top: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
         if value is None:
             continue
+        value = None if value is NULL else value
         if "__" in key:
             section, name = key.split("__", 1)
             nested.setdefault(section, {})[name] = value

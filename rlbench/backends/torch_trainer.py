@@ -109,19 +109,28 @@ class TorchTrainer:
     def train_step(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
         cfg, acfg = self.train_config, self.algo_config
         n = batch.tokens.shape[0]
+        if n % cfg.minibatches:  # never drop the samples that do not fit
+            raise BadInput(f"step {step} has {n} samples, which do not split into {cfg.minibatches} equal minibatches",
+                           field="train.minibatches")
+        if acfg.use_tis and batch.rollout_logprobs is None:
+            raise BadInput(f"step {step}: TIS needs the rollout log-probs, and the batch has none",
+                           field="algo.use_tis")
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
         grads_hash = hashlib.sha256()
         per_param = {name: hashlib.sha256() for name in self._param_names()}
-        sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0}
+        sums = dict.fromkeys(algo.loss_metric_names(acfg), 0.0)
         losses, grad_norms = [], []
         self.model.train()
         for update in range(cfg.minibatches):
             index = order[update * per_update: (update + 1) * per_update]
+            # per-token loss: each micro-batch's masked sum over the whole minibatch's token count
+            tokens = algo.token_denominator(batch.loss_mask[index]) if acfg.per_token_loss else None
             self._zero_grads()
             total = torch.zeros((), dtype=torch.float32)
             for mb in self._train_micro_batches(per_update):
-                part = self._loss(batch, index[mb.start: mb.stop], weight=(mb.stop - mb.start) / per_update, sums=sums)
+                weight = 1.0 if tokens is not None else (mb.stop - mb.start) / per_update
+                part = self._loss(batch, index[mb.start: mb.stop], weight=weight, sums=sums, tokens=tokens)
                 part.backward()
                 total += part.detach().cpu()
             self._finalize_grads()
@@ -132,15 +141,15 @@ class TorchTrainer:
             losses.append(total)
         losses, sums = self._reduce_stats(torch.stack(losses), sums)
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
-        if acfg.kl_coef == 0:
-            del metrics["train/kl_loss"]
         metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         return algo.TrainStats(metrics=metrics, losses=losses, grads_digest=grads_hash.hexdigest(),
                                param_grads={name: h.hexdigest() for name, h in per_param.items()})
 
-    def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict) -> torch.Tensor:
-        """One micro-batch's share of the minibatch loss; adds its share of each metric to `sums`."""
+    def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict,
+              tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One micro-batch's share of the minibatch loss (times `weight`); adds its share of each metric
+        to `sums`. `tokens`: the minibatch's token count, for the per-token loss (None: per-sample)."""
         acfg = self.algo_config
         mask = batch.loss_mask[index]
         columns = mask.any(dim=0).nonzero()[:, 0]
@@ -151,23 +160,17 @@ class TorchTrainer:
         # log-softmax and entropy then run on the response span, not on every prompt position.
         logits = self._logits(self.model, ids, keep=width - first + 1)
         logp = algo.token_logprobs(logits, ids, self.temperature)
-        old = batch.old_logprobs[index, :width].to(self.device)
-        pg_loss, clipfrac, ppo_kl = algo.ppo_clip_loss(logp, old, batch.advantages[index].to(self.device), mask,
-                                                       acfg.eps_clip, acfg.eps_clip_high)
         if acfg.entropy_coef > 0:
-            entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
-            loss = pg_loss - acfg.entropy_coef * entropy
+            entropy = algo.token_entropy(logits, self.temperature, width)
         else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
             with torch.no_grad():
-                entropy = algo.sample_mean(algo.token_entropy(logits, self.temperature, width), mask)
-            loss = pg_loss
-        kl = torch.zeros(())
-        if batch.ref_logprobs is not None:
-            kl = algo.sample_mean(algo.kl_penalty(logp, batch.ref_logprobs[index, :width].to(self.device),
-                                                  acfg.kl_type), mask)
-            loss = loss + acfg.kl_coef * kl
-        for key, value in (("pg_loss", pg_loss), ("pg_clipfrac", clipfrac), ("ppo_kl", ppo_kl),
-                           ("entropy_loss", entropy), ("kl_loss", kl)):
+                entropy = algo.token_entropy(logits, self.temperature, width)
+        given = {name: getattr(batch, name)[index, :width].to(self.device) if getattr(batch, name) is not None
+                 else None for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs")}
+        loss, terms = algo.policy_loss(logp, given["old_logprobs"], batch.advantages[index].to(self.device), mask,
+                                       entropy, acfg, algo.reducer(mask, tokens), given["ref_logprobs"],
+                                       given["rollout_logprobs"])
+        for key, value in terms.items():
             sums[key] += float(value.detach()) * weight
         return loss * weight
 

@@ -28,8 +28,13 @@ the same run on a GPU compares. Settings added later (tp, dp, [train.megatron], 
 count only when set, so older files keep their identity.
 
 Megatron-LM golden values files (`{"lm loss": {"start_step": 1, ...}}`, no header) are read as
-golden input too: approx tier only, metric names mapped with `rename`, and Megatron's iteration
-k compared with rlbench's step k - 1 (Megatron counts iterations from 1, rlbench steps from 0).
+golden input too, as Megatron-LM's functional tests write them (NVIDIA/Megatron-LM,
+tests/functional_tests/python_test_utils/common.py `read_tb_logs_as_list`): values keyed by iteration
+as strings, on the grid {start_step} + every multiple of step_interval up to end_step, start_step and
+end_step the first and last steps held, "nan" at a step its logs had no value for (not compared, and
+said so). Approx tier only, with Megatron-LM's own tolerances for its metrics (golden_tolerance.py),
+names mapped with `rename`, and Megatron's iteration k (its k-th optimizer step, counted from 1)
+compared with rlbench's step k - 1 (its k-th step, counted from 0).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rlbench.checks.golden_tolerance import (  # noqa: F401 - re-exported: golden files hold tolerances
-    Tolerance, apply_override, default_tolerance, family_of, parse_override, read_tolerance)
+    Tolerance, apply_override, default_tolerance, family_of, megatron_tolerance, parse_override, read_tolerance)
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir, atomic_write
 from rlbench.rundir.jsonio import read_json
@@ -64,9 +69,16 @@ TRANSPORT_KEYS = ("sglang_router_url", "external_engine_addrs", "num_engines", "
                   "max_inflight", "request_timeout", "request_attempts", "verify_engine_weights", "weights_dir")
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.
-LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}, ("rollout", "sglang"): {}}
+LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}, ("rollout", "sglang"): {},
+              # slime's options (issue 21), each at the value that computes what rlbench computed before it
+              ("algo", "eps_clip_c"): None, ("algo", "normalize_advantages"): False,
+              ("algo", "per_token_loss"): False, ("algo", "use_tis"): False, ("algo", "tis_clip"): 2.0,
+              ("algo", "tis_clip_low"): 0.0, ("data", "apply_chat_template"): True,
+              ("data", "chat_template_kwargs"): {}, ("rollout", "stop_token_ids"): []}
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 TIERS = ("exact", "approx")
+MEGATRON_NOTE = ("Megatron-LM iteration k (its k-th optimizer step, counted from 1) is compared with rlbench step "
+                 "k - 1 (its k-th step, counted from 0)")
 
 
 # --------------------------------------------------------------------------- golden files
@@ -79,6 +91,7 @@ class Series:
     step_interval: int
     values: dict[int, float]
     tolerance: Tolerance
+    absent: list[int] = field(default_factory=list)  # steps a Megatron-LM file marks "nan": no value, not compared
 
     def to_json(self) -> dict:
         return {"start_step": self.start_step, "end_step": self.end_step, "step_interval": self.step_interval,
@@ -92,6 +105,8 @@ class Golden:
     format: str  # "rlbench" or "megatron"
     header: dict
     metrics: dict[str, Series]
+    notes: list[str] = field(default_factory=list)  # what reading the file decided, said in the report
+    step_offset: int = 0  # the file's own step number is the run's step + step_offset (1 for Megatron-LM)
 
 
 def num_out(v: float):
@@ -104,43 +119,66 @@ def num_out(v: float):
 
 def _num_in(v, path: Path, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+        raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {_short(v)}", path=path, field=where)
     if isinstance(v, str):
         if v.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
-            raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {v!r}", path=path, field=where)
+            raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {_short(v)}", path=path,
+                           field=where)
         return float(v)
-    return float(v)
+    return _float(v, path, where)
+
+
+def _float(v: int | float, path: Path, where: str) -> float:
+    try:
+        return float(v)
+    except OverflowError:
+        raise BadInput(f"{_short(v)} is beyond a float's range", path=path, field=where) from None
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _int_in(doc: dict, key: str, path: Path, where: str, minimum: int) -> int:
     v = doc.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise BadInput(f"expected an integer >= {minimum}, got {v!r}", path=path, field=f"{where}.{key}")
+        raise BadInput(f"expected an integer >= {minimum}, got {_short(v)}", path=path, field=f"{where}.{key}")
     return v
 
 
-def _series_in(doc, path: Path, where: str, offset: int) -> tuple[int, int, int, dict[int, float]]:
-    """Megatron-LM's series shape, values a {step: value} object or a list over the grid."""
+def _shape_in(doc, path: Path, where: str, first: int) -> tuple[int, int, int]:
+    """A series' start_step, end_step and step_interval, checked."""
     if not isinstance(doc, dict):
         raise BadInput(f"expected an object with start_step, end_step, step_interval, values, got "
                        f"{type(doc).__name__}", path=path, field=where)
-    start = _int_in(doc, "start_step", path, where, 0)
+    start = _int_in(doc, "start_step", path, where, first)
     end = _int_in(doc, "end_step", path, where, start)
-    interval = _int_in(doc, "step_interval", path, where, 1)
+    return start, end, _int_in(doc, "step_interval", path, where, 1)
+
+
+def _step_in(key: str, path: Path, where: str) -> int:
+    if not re.fullmatch(r"0|[1-9][0-9]{0,30}", key):
+        raise BadInput(f"step {_short(key)} is not an integer step", path=path, field=f"{where}.values")
+    return int(key)
+
+
+def _series_in(doc, path: Path, where: str) -> tuple[int, int, int, dict[int, float]]:
+    """rlbench's series: values a {step: value} object or a list over the grid start_step, start_step +
+    step_interval, ... up to end_step."""
+    start, end, interval = _shape_in(doc, path, where, 0)
     raw = doc.get("values")
     grid = range(start, end + 1, interval)
     if isinstance(raw, list):
-        if len(raw) != len(grid):
-            raise BadInput(f"{len(raw)} values for the {len(grid)} steps {start}..{end} every {interval}",
+        size = (end - start) // interval + 1  # len(grid) overflows past sys.maxsize
+        if len(raw) != size:
+            raise BadInput(f"{len(raw)} values for the {size} steps {start}..{end} every {interval}",
                            path=path, field=f"{where}.values")
         items = list(zip(grid, raw))
     elif isinstance(raw, dict):
         items = []
         for key, v in raw.items():
-            try:
-                step = int(key)
-            except ValueError:
-                raise BadInput(f"step {key!r} is not an integer", path=path, field=f"{where}.values") from None
+            step = _step_in(key, path, where)
             if step not in grid:
                 raise BadInput(f"step {step} is off the series' grid {start}..{end} every {interval}",
                                path=path, field=f"{where}.values")
@@ -150,8 +188,49 @@ def _series_in(doc, path: Path, where: str, offset: int) -> tuple[int, int, int,
                        path=path, field=f"{where}.values")
     if not items:
         raise BadInput("no values", path=path, field=f"{where}.values")
-    values = {step + offset: _num_in(v, path, f"{where}.values.{step}") for step, v in items}
-    return start + offset, end + offset, interval, values
+    values = {step: _num_in(v, path, f"{where}.values.{step}") for step, v in items}
+    return start, end, interval, values
+
+
+def _megatron_series(doc, path: Path, where: str) -> tuple[int, int, int, dict[int, float], list[int]]:
+    """A series as Megatron-LM writes it (common.py `read_tb_logs_as_list`, `GoldenValueMetric`): iterations
+    from 1, values an object keyed by iteration, each step either start_step or a multiple of step_interval up
+    to end_step, start_step and end_step the first and last steps held, a number or "nan" (no value in its
+    logs) at each. Returns (start, end, interval, {step: value}, [steps marked "nan"]), in Megatron's numbers."""
+    start, end, interval = _shape_in(doc, path, where, 1)
+    raw = doc.get("values")
+    if not isinstance(raw, dict) or not raw:
+        got = "a list (an older layout that does not say each value's step)" if isinstance(raw, list) else \
+            "an empty object" if raw == {} else type(raw).__name__
+        raise BadInput(f"expected an object of step: value, as Megatron-LM writes it, got {got}", path=path,
+                       field=f"{where}.values")
+    values, absent = {}, []
+    for key, v in raw.items():
+        step = _step_in(key, path, where)
+        if not (step == start or (start < step <= end and step % interval == 0)):
+            raise BadInput(f"step {step} is off the series' grid: {start}, then every multiple of {interval} "
+                           f"up to {end}", path=path, field=f"{where}.values")
+        value = _megatron_value(v, path, f"{where}.values.{key}")
+        if value is None:
+            absent.append(step)
+        else:
+            values[step] = value
+    steps = sorted([*values, *absent])
+    if (steps[0], steps[-1]) != (start, end):
+        raise BadInput(f"start_step {_short(start)} and end_step {_short(end)} are not the first and last steps the "
+                       f"values hold ({steps[0]} and {steps[-1]}), as Megatron-LM writes them", path=path, field=where)
+    return start, end, interval, values, sorted(absent)
+
+
+def _megatron_value(v, path: Path, where: str) -> float | None:
+    """A finite number, or None for "nan": Megatron-LM writes its values with json.dumps(allow_nan=False), and
+    the string "nan" where its logs lack a step."""
+    if isinstance(v, str) and v.strip().lower() == "nan":
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(_float(v, path, where)):
+        raise BadInput(f"expected a finite number or \"nan\" (Megatron-LM's mark of a step without a value), got "
+                       f"{_short(v)}", path=path, field=where)
+    return float(v)
 
 
 def is_megatron(doc) -> bool:
@@ -174,19 +253,7 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
         raise BadInput(f"{', '.join(map(repr, unknown))} matches no metric of {path} ({', '.join(names)})",
                        field="--rename")
     if is_megatron(doc):
-        metrics = {}
-        for name, series in doc.items():
-            start, end, interval, values = _series_in(series, path, name, offset=-1)
-            target = rename.get(name, name)
-            steps = sorted(values)
-            metrics[target] = Series(start, end, interval, values,
-                                     default_tolerance(target, steps, [values[s] for s in steps]))
-        platform = re.fullmatch(r"golden_values_(.+?)_(.+)\.json", path.name)
-        header = {"platform": f"megatron:{platform.group(2)}" if platform else "megatron:unknown",
-                  "versions": {}, "config": None, "config_hash": None, "command": None,
-                  "reason": "Megatron-LM golden values file", "history": [],
-                  "note": "Megatron-LM iteration k is compared with rlbench step k - 1"}
-        return Golden(path, "megatron", header, metrics)
+        return _load_megatron(doc, path, rename)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         got = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise BadInput(f"expected {SCHEMA!r} (or a Megatron-LM golden values file), got {got!r}", path=path,
@@ -205,12 +272,51 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
         raise BadInput("expected a non-empty object of metric: series", path=path, field="metrics")
     metrics = {}
     for name, series in raw_metrics.items():
-        start, end, interval, values = _series_in(series, path, f"metrics.{name}", offset=0)
+        start, end, interval, values = _series_in(series, path, f"metrics.{name}")
         steps = sorted(values)
         tol = read_tolerance(name, series.get("tolerance"), steps, [values[s] for s in steps], path,
                             f"metrics.{name}.tolerance")
         metrics[rename.get(name, name)] = Series(start, end, interval, values, tol)
     return Golden(path, "rlbench", header, metrics)
+
+
+def _load_megatron(doc: dict, path: Path, rename: dict[str, str]) -> Golden:
+    """A Megatron-LM golden values file, its steps renumbered to the run's (iteration k is step k - 1), each
+    metric with Megatron-LM's own tolerance (rlbench's family default, said so, for a metric it has none for)."""
+    metrics, notes, source = {}, [], {}
+    for name, raw in doc.items():
+        start, end, interval, values, absent = _megatron_series(raw, path, name)
+        target = rename.get(name, name)
+        if target in metrics:
+            raise BadInput(f"{source[target]!r} and {name!r} would both be compared as {target!r}", field="--rename")
+        source[target] = name
+        steps = sorted(values)
+        tol = megatron_tolerance(name, steps, len(values) + len(absent))
+        if tol is None and not steps:
+            tol = Tolerance(family=family_of(target)[0])  # nothing to compare: check golden says so, by name
+        elif tol is None:
+            tol = default_tolerance(target, [s - 1 for s in steps], [values[s] for s in steps])
+            notes.append(f"{name}: Megatron-LM's comparison has no tolerance for it; rlbench's default for "
+                         f"{tol.family} applies")
+        elif tol.window is not None:
+            tol = replace(tol, window=(tol.window[0] - 1, tol.window[1] - 1))
+        if absent:
+            notes.append(f"{target}: the file holds \"nan\" (no value in Megatron-LM's logs) at {len(absent)} of its "
+                         f"{len(absent) + len(values)} steps, {_listed(absent)}: not compared")
+        metrics[target] = Series(start - 1, end - 1, interval, {s - 1: v for s, v in values.items()}, tol,
+                                 [s - 1 for s in absent])
+    platform = re.fullmatch(r"golden_values_(.+?)_(.+)\.json", path.name)
+    header = {"platform": f"megatron:{platform.group(2)}" if platform else "megatron:unknown",
+              "versions": {}, "config": None, "config_hash": None, "command": None,
+              "reason": "Megatron-LM golden values file", "history": [], "note": MEGATRON_NOTE}
+    return Golden(path, "megatron", header, metrics, notes, step_offset=1)
+
+
+def _listed(steps: list[int]) -> str:
+    """Megatron iterations, as a reader wants them: all of a few, else the first and last."""
+    if len(steps) <= 6:
+        return f"iteration{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    return f"iterations {steps[0]}, {steps[1]}, ... {steps[-1]}"
 
 
 def platform_of(manifest: dict) -> str:
@@ -231,8 +337,8 @@ def config_identity(manifest: dict) -> dict:
         *parents, key = path
         table = config
         for parent in parents:
-            table = table.get(parent, {})
-        if table.get(key, neutral) == neutral:
+            table = table.get(parent) if isinstance(table, dict) else None
+        if isinstance(table, dict) and table.get(key, neutral) == neutral:  # not a table: named as a difference
             table.pop(key, None)
     config.get("model", {}).pop("init", None)  # which weights: the initial weights' sha256 below says it exactly
     hashes = manifest.get("hashes", {})

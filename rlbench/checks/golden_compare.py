@@ -2,7 +2,9 @@
 
 Tiers: `exact` compares every value bit for bit and is refused when the platform, GPU model,
 versions or determinism settings differ; `approx` compares each metric by its tolerance. `perf/*`
-compares window medians in both. Another configuration is refused in both tiers.
+compares window medians in both. Another configuration is refused in both tiers. A Megatron-LM golden
+values file is compared in the approx tier only, at its steps with a value (its "nan" steps are named,
+not compared), its iteration k against the run's step k - 1.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class MetricResult:
     steps: list[int]
     failures: list[StepFailure] = field(default_factory=list)
     allowed_failing: int = 0
+    compared: int = 0  # how many steps' values were compared (a median: the steps of its window)
     max_abs: float | None = None
     mean_residual: float | None = None
     mean_bound: float | None = None
@@ -58,6 +61,12 @@ class GoldenReport:
     metrics: list[MetricResult]
     ignored: list[str]
     not_in_golden: list[str]
+    golden_step_offset: int = 0  # the golden file's own number for the run's step s is s + golden_step_offset
+
+    @property
+    def compared(self) -> int:
+        """How many (metric, step) values were compared."""
+        return sum(m.compared for m in self.metrics)
 
     @property
     def failed(self) -> list[MetricResult]:
@@ -79,7 +88,8 @@ class GoldenReport:
         return {"ok": self.ok, "tier": self.tier, "run": self.run, "golden": self.golden,
                 "golden_format": self.golden_format, "platform": self.platform, "notes": self.notes,
                 "failed": [m.name for m in self.failed], "ignored": self.ignored,
-                "not_in_golden": self.not_in_golden, "metrics": [metric(m) for m in self.metrics]}
+                "not_in_golden": self.not_in_golden, "compared": self.compared,
+                "golden_step_offset": self.golden_step_offset, "metrics": [metric(m) for m in self.metrics]}
 
 
 def _differences(golden: Golden, manifest: dict) -> list[str]:
@@ -126,6 +136,7 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
     notes = [f"{run.root}: {n}" for n in run.notes]
     if golden.format == "megatron":
         notes.append(golden.header["note"])
+    notes += golden.notes
     identity = config_identity(manifest)
     if golden.header.get("config") is not None and golden.header["config"] != identity:
         diffs = _dict_diff(golden.header["config"], identity)
@@ -148,16 +159,21 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
             continue
         tol = series.tolerance
         steps = sorted(series.values)
+        if not steps:
+            raise BadInput(f"the golden's {name} holds no value at any step (\"nan\" at each): nothing to compare; "
+                           f"leave it out with --ignore", path=golden.path)
         for glob, override in overrides:
             if fnmatch.fnmatchcase(name, glob):
                 tol = apply_override(tol, override, name, steps, "--tolerance")
         missing_steps = [s for s in steps if s not in committed]
         if missing_steps:
             raise BadInput(f"the run's committed steps are {_span(run.steps)}; the golden's {name} needs "
-                           f"{_span(steps)}: run it further (or --resume it) first", path=run.root)
+                           f"{_span(steps)}{_own_numbers(golden, steps)}: run it further (or --resume it) first",
+                           path=run.root)
         if name not in got:
+            hint = ("; --rename it to a metric the run logs, or --ignore it" if golden.format == "megatron" else "")
             results.append(MetricResult(name, tol.kind, "missing", tol.to_json(), steps, band=tol.to_json(),
-                                        message="not logged by the run", expected=dict(series.values)))
+                                        message=f"not logged by the run{hint}", expected=dict(series.values)))
             continue
         kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
         results.append(_compare_series(name, series.values, got[name], tol, kind))
@@ -173,11 +189,18 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
             raise BadInput(f"{glob!r} matches no metric of the golden file", field="--tolerance")
     platform = {"run": platform_of(manifest), "golden": golden.header.get("platform")}
     return GoldenReport(str(run.root), str(golden.path), golden.format, tier, platform, notes, results, ignored,
-                        not_in_golden)
+                        not_in_golden, golden.step_offset)
 
 
 def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if steps else "none"
+
+
+def _own_numbers(golden: Golden, steps: list[int]) -> str:
+    """The steps as a Megatron-LM file numbers them, where it numbers them otherwise."""
+    if golden.format != "megatron":
+        return ""
+    return f" (Megatron-LM iterations {_span([s + golden.step_offset for s in steps])})"
 
 
 def _compare_series(name: str, expected: dict[int, float], got: dict[int, float], tol: Tolerance,
@@ -196,12 +219,15 @@ def _compare_series(name: str, expected: dict[int, float], got: dict[int, float]
             return result
         exp_med = statistics.median(expected[s] for s in window)
         got_med = statistics.median(got[s] for s in window)
-        result.median_expected, result.median_got = exp_med, got_med
+        result.median_expected, result.median_got, result.compared = exp_med, got_med, len(window)
         limit = tol.max_ratio * exp_med
-        if not got_med <= limit:  # also fails on NaN
+        low = tol.min_ratio * exp_med if tol.min_ratio is not None else -math.inf
+        if not low <= got_med <= limit:  # also fails on NaN
             result.status = "fail"
             ratio = got_med / exp_med if exp_med else math.inf
-            result.message = f"median {got_med:.4g} is x{ratio:.2f} the golden's {exp_med:.4g} (at most x{tol.max_ratio:g})"
+            bounds = f"at most x{tol.max_ratio:g}" if tol.min_ratio is None else \
+                f"x{tol.min_ratio:g} to x{tol.max_ratio:g}"
+            result.message = f"median {got_med:.4g} is x{ratio:.2f} the golden's {exp_med:.4g} ({bounds})"
         return result
     deltas, inside = [], []
     for s in steps:
@@ -220,6 +246,7 @@ def _compare_series(name: str, expected: dict[int, float], got: dict[int, float]
         else:
             result.failures.append(StepFailure(s, e, g, delta, allowed))
     result.max_abs = max(deltas) if deltas else None
+    result.compared = len(steps)
     if kind == "exact":
         if result.failures:
             result.status = "fail"

@@ -1,5 +1,6 @@
 """Golden-file tolerances: the per-metric families (exact, approx, median for perf/*), their defaults from a
-run's own values, and `--tolerance` overrides. Read and written by golden.py; applied by golden_compare.py."""
+run's own values, Megatron-LM's own tolerances for its golden values files, and `--tolerance` overrides. Read and
+written by golden.py; applied by golden_compare.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Tolerance:
     failing_steps: int = 0
     mean_residual: float | None = None
     max_ratio: float | None = None
+    min_ratio: float | None = None  # median: a lower bound too (Megatron-LM's iteration-time is two-sided)
     window: tuple[int, int] | None = None
     family: str = "other"
     override: dict = field(default_factory=dict)
@@ -31,6 +33,8 @@ class Tolerance:
     def to_json(self) -> dict:
         keys = {"exact": (), "approx": ("rtol", "atol", "failing_steps", "mean_residual"),
                 "median": ("max_ratio", "window")}[self.kind]
+        if self.kind == "median" and self.min_ratio is not None:
+            keys = ("max_ratio", "min_ratio", "window")
         doc = {"kind": self.kind, **{k: getattr(self, k) for k in keys}, "family": self.family}
         if doc.get("window") is not None:
             doc["window"] = list(doc["window"])
@@ -52,7 +56,17 @@ FAMILIES: tuple[tuple[str, tuple[str, ...], dict], ...] = (
     ("other", ("*",), {"rtol": 0.05, "atol": 1e-6}),
 )
 _OVERRIDE_KEYS = {"kind": str, "rtol": float, "atol": float, "failing_steps": int, "mean_residual": float,
-                  "max_ratio": float, "window": "range"}
+                  "max_ratio": float, "min_ratio": float, "window": "range"}
+
+# Megatron-LM's approximate comparison, per metric of its golden values files: NVIDIA/Megatron-LM at
+# d98e8a64ddf34856e74b24714e3bedb2f5a39553, tests/functional_tests/python_test_utils/
+# test_pretraining_regular_pipeline.py `CHECK_THRESHOLDS` (each an `ApproximateTest(atol=0, rtol=...)`), applied by
+# common.py `pipeline`: np.isclose(actual, golden, rtol, atol=0) per step, at most min(max(N // 100, 1), 50) of the
+# N steps outside (none when N is 1), no mean-residual test. iteration-time is compared once, on the medians over
+# a steady window (`_megatron_window`); memory per step, like the losses.
+MEGATRON_RTOL = {"lm loss": 0.05, "mtp_1 loss": 0.05, "mtp_2 loss": 0.05, "total loss": 0.05, "num-zeros": 0.20,
+                 "mem-allocated-bytes": 0.05, "mem-max-allocated-bytes": 0.05, "generated_tokens": 0.05,
+                 "logprobs": 0.05, "iteration-time": 0.05}
 
 
 def family_of(name: str) -> tuple[str, dict]:
@@ -81,6 +95,31 @@ def default_tolerance(name: str, steps: list[int], values: list[float]) -> Toler
                      mean_residual=_round_sig(fraction * statistics.fmean(allowed)), family=family)
 
 
+def megatron_tolerance(name: str, steps: list[int], count: int) -> Tolerance | None:
+    """Megatron-LM's tolerance for its metric `name` (None: its comparison has none). `steps`: the Megatron
+    iterations the file holds a value at; `count`: how many steps the file lists, its "nan" ones included
+    (Megatron's N: a "nan" step passes there when the run has no value either)."""
+    rtol = MEGATRON_RTOL.get(name)
+    if rtol is None:
+        return None
+    family = f"Megatron-LM {name}"
+    if name == "iteration-time":
+        # np.isclose(median_run, median_golden, rtol) for a positive golden median: within x(1 -+ rtol) of it
+        return Tolerance(kind="median", max_ratio=1 + rtol, min_ratio=1 - rtol, window=_megatron_window(steps),
+                         family=family)
+    # Megatron's allowance, but never every compared step: a "nan" step would pass there, it is not compared here
+    failing = min(min(max(count // 100, 1), 50) if count > 1 else 0, max(len(steps) - 1, 0))
+    return Tolerance(kind="approx", rtol=rtol, atol=0.0, failing_steps=failing, mean_residual=None, family=family)
+
+
+def _megatron_window(steps: list[int]) -> tuple[int, int]:
+    """Megatron-LM's steady window for iteration-time (common.py `pipeline`): iterations 5..20 when the last
+    one with a value is at most 25, else 30..45; without a value inside, the first 4 at or after its start."""
+    lo, hi = (5, 20) if steps and steps[-1] <= 25 else (30, 45)
+    inside = [s for s in steps if lo <= s <= hi] or [s for s in steps if s >= lo][:4]
+    return (inside[0], inside[-1]) if inside else (lo, hi)
+
+
 def _perf_window(steps: list[int]) -> tuple[int, int]:
     skip = max(1, len(steps) // 10) if len(steps) > 2 else 0
     return steps[skip], steps[-1]
@@ -92,7 +131,7 @@ def _round_sig(x: float, digits: int = 3) -> float:
 
 def parse_override(spec: str) -> tuple[str, dict]:
     """'METRIC-GLOB:key=value,key=value' (keys: kind, rtol, atol, failing_steps, mean_residual,
-    max_ratio, window=A:B) -> (glob, {key: value})."""
+    max_ratio, min_ratio, window=A:B) -> (glob, {key: value})."""
     where = "--tolerance"
     glob, _, body = spec.partition(":")  # metric names have no ':'; a window value (A:B) may
     if not glob or not body:
@@ -147,7 +186,7 @@ def apply_override(tol: Tolerance, override: dict, name: str, steps: list[int], 
         base = replace(base, max_ratio=2.0, window=_perf_window(steps))
     fields = {k: v for k, v in override.items() if k != "kind"}
     allowed = {"exact": set(), "approx": {"rtol", "atol", "failing_steps", "mean_residual"},
-               "median": {"max_ratio", "window"}}[kind]
+               "median": {"max_ratio", "min_ratio", "window"}}[kind]
     wrong = sorted(set(fields) - allowed)
     if wrong:
         raise BadInput(f"{name}: {', '.join(wrong)} does not apply to a {kind} tolerance", field=where)

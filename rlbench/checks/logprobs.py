@@ -5,17 +5,27 @@ is what the engine reported when it sampled and logp_trainer is the trainer's lo
 same token before the update: read from the recording (`old_logprobs`), or recomputed here with
 the weights the engine sampled with. Those weights are known exactly for a rollout-only run
 (they never change) and for a step that has a checkpoint (checkpoint s holds the weights before
-step s); other steps are not recomputed, and the report says which were.
+step s); other steps are not recomputed, and the report says which were. A sample with a recorded
+top-p nucleus (imported from slime) is recomputed renormalised over it, as slime's engine reported
+and slime's trainer computes it: softmax over the nucleus and the sampled id, all else masked.
 
-Statistics over all tokens (research.md, section 3): mean, p99 and max |delta|; K3 KL
-E[exp(r) - r - 1] with r = delta; mean exp(|delta|) (NeMo-RL calls > 1.05 unhealthy); and the
-k worst tokens with their step, sample, position and the text around them. Thresholds make it
-a gate.
+Not judged, and counted in the report: samples slime removed (`remove_sample`; not trained) and
+samples whose engine reported no log-probs (the recording holds 0.0 there, never a log-prob).
+
+Statistics (research.md, section 3): `train_rollout_logprob_abs_diff`, slime's metric of that name,
+a per-sample mean (each sample's mean |delta| over its judged tokens, then the mean over samples:
+slime's `sum_of_sample_mean` divided by the batch's sample count; slime counts a sample without
+trained tokens as 0 there, here it is left out); `token_mean_abs`, the mean over all judged tokens
+(what slime's metric is under --calculate-per-token-loss; the two part on samples of unequal
+lengths); p99 and max |delta|; K3 KL E[exp(r) - r - 1] with r = delta; mean
+exp(|delta|) (NeMo-RL calls > 1.05 unhealthy); and the k worst tokens with their step, sample,
+position and the text around them. Thresholds make it a gate.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +36,9 @@ from rlbench.errors import BadInput
 from rlbench.rundir import recording
 from rlbench.rundir.directory import read_run, step_name
 
-STATS = ("mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
-GATE_OPTIONS = {"mean_abs": "--max-mean", "p99_abs": "--max-p99", "max_abs": "--max-abs", "k3_kl": "--max-k3",
-                "mean_exp_abs": "--max-exp"}
+STATS = ("train_rollout_logprob_abs_diff", "token_mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
+GATE_OPTIONS = {"train_rollout_logprob_abs_diff": "--max-mean", "token_mean_abs": "--max-token-mean",
+                "p99_abs": "--max-p99", "max_abs": "--max-abs", "k3_kl": "--max-k3", "mean_exp_abs": "--max-exp"}
 
 
 @dataclass
@@ -56,23 +66,69 @@ class LogprobReport:
     thresholds: dict[str, float]
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    samples: int = 0  # samples judged (with at least one judged token)
+    removed: int = 0  # samples slime removed (remove_sample): not trained, not judged
+    without_logprobs: int = 0  # samples whose engine reported no log-probs: not judged
+    top_p: int = 0  # samples recomputed over their recorded top-p nucleus
 
 
-def statistics(delta: torch.Tensor) -> dict[str, float]:
+def statistics(delta: torch.Tensor, counts: list[int] | None = None) -> dict[str, float]:
+    """The statistics of `delta`, the judged tokens of samples holding `counts` of them each, in order
+    (None: one sample). A sample with no judged token is left out of the per-sample mean."""
     delta = delta.double()
     if delta.numel() == 0:
         return {k: 0.0 for k in STATS}
     abs_delta = delta.abs()
+    parts = abs_delta.split([c for c in (counts if counts is not None else [delta.numel()]) if c])
     # numpy's quantile (linear, as torch's): torch.quantile refuses more than 2**24 values, a few steps of a run
     with np.errstate(invalid="ignore"):  # infinite deltas: inf - inf in the interpolation, p99 NaN without a warning
         p99 = float(np.quantile(abs_delta.numpy(), 0.99))
     return {
-        "mean_abs": float(abs_delta.mean()),
+        "train_rollout_logprob_abs_diff": float(torch.stack([part.mean() for part in parts]).mean()),
+        "token_mean_abs": float(abs_delta.mean()),
         "p99_abs": p99,
         "max_abs": float(abs_delta.max()),
         "k3_kl": float((torch.exp(delta) - delta - 1).mean()),
         "mean_exp_abs": float(torch.exp(abs_delta).mean()),
     }
+
+
+def nucleus_logprobs(logits: torch.Tensor, targets: torch.Tensor, nuclei: Sequence[Sequence[int]],
+                     temperature: float) -> torch.Tensor:
+    """log p(target) renormalised over each row's recorded top-p nucleus and the target itself, all
+    other ids masked out after the temperature: slime's trainer under --rollout-top-p < 1
+    (`_build_topp_keep_mask`), which is how its engine reported them. Rows of `logits` [R, V] predict
+    `targets` [R]; an empty nucleus (a tool token's) keeps the target alone, log-prob 0."""
+    scaled = logits.float()
+    if temperature > 0:
+        scaled = scaled / temperature
+    keep = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+    for row, ids in enumerate(nuclei):
+        keep[row, torch.as_tensor(list(ids), dtype=torch.long)] = True
+    keep[torch.arange(len(targets)), targets] = True
+    logp = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def sample_nuclei(tensors: dict[str, torch.Tensor], start: int, end: int) -> list[list[int]]:
+    """The recorded nucleus of each token in tokens[start:end] (flat positions)."""
+    ids, offsets = tensors["top_p_ids"], tensors["top_p_offsets"].tolist()
+    return [ids[offsets[j]: offsets[j + 1]].tolist() for j in range(start, end)]
+
+
+def sequence_nucleus_logprobs(model, ids: torch.Tensor, prompt: int, nuclei: list[list[int]],
+                              temperature: float) -> torch.Tensor:
+    """The response log-probs of one sequence (ids[prompt:]) at batch size 1, each renormalised over
+    its nucleus; a first token with no prefix to predict it gets 0, as `token_logprobs` gives it."""
+    first = max(prompt, 1)
+    out = torch.zeros(len(ids) - prompt, dtype=torch.float32)
+    if first >= len(ids):
+        return out
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+    out[first - prompt:] = nucleus_logprobs(logits[first - 1: len(ids) - 1], ids[first:], nuclei[first - prompt:],
+                                            temperature).cpu()
+    return out
 
 
 class _Recomputer:
@@ -95,10 +151,11 @@ class _Recomputer:
                 raise BadInput(f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
                                f"({recorded[:12]}): another model or seed", path=config.model.path)
         self.trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed)
+        self.temperature = config.rollout.temperature
         self.true_on_policy = config.rollout.true_on_policy
         self.loaded = None
 
-    def logprobs(self, step: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def logprobs(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict]) -> torch.Tensor | None:
         from rlbench.core.samples import train_batch
 
         ckpt = self.run.root / "checkpoints" / step_name(0 if self.rollout_only else step)
@@ -112,7 +169,44 @@ class _Recomputer:
             self.loaded = ckpt
         batch = train_batch({**tensors, "advantages": torch.zeros(tensors["rewards"].shape)})
         rows = self.trainer.logprobs(batch.tokens, per_sample=self.true_on_policy)
-        return recording.unpad(rows, tensors["offsets"])
+        flat = recording.unpad(rows, tensors["offsets"])
+        offsets, prompts = tensors["offsets"].tolist(), tensors["prompt_lengths"].tolist()
+        for i, sample in enumerate(samples):
+            if sample.get("top_p"):
+                a, b = offsets[i], offsets[i + 1]
+                nuclei = sample_nuclei(tensors, a + prompts[i], b)
+                flat[a + prompts[i]: b] = sequence_nucleus_logprobs(self.trainer.model, tensors["tokens"][a:b],
+                                                                    prompts[i], nuclei, self.temperature)
+        return flat
+
+
+def judged_samples(samples: list[dict]) -> tuple[list[bool], int, int]:
+    """Which samples a check judges, and how many it leaves out as removed (slime's remove_sample) and as
+    without engine log-probs (has_rollout_logprobs false): the recording's 0.0 there is no log-prob."""
+    removed = [bool(s.get("remove_sample")) for s in samples]
+    without = [s.get("has_rollout_logprobs") is False for s in samples]
+    return ([not r and not w for r, w in zip(removed, without)], sum(removed),
+            sum(w and not r for r, w in zip(removed, without)))
+
+
+def _gates(stats: dict[str, float], thresholds: dict[str, float], nonfinite: str) -> list[str]:
+    failures = []
+    for name, limit in thresholds.items():
+        if not math.isfinite(stats[name]):  # a gate passes on finite numbers only
+            failures.append(f"{name} is {stats[name]} ({nonfinite}): a gate passes only on finite numbers")
+        elif stats[name] > limit:
+            failures.append(f"{name} {stats[name]:.3g} > {limit:g}")
+    return failures
+
+
+def _check_thresholds(thresholds: dict[str, float | None] | None) -> dict[str, float]:
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
+    for name, limit in thresholds.items():
+        if name not in GATE_OPTIONS:
+            raise BadInput(f"no such statistic to gate on (one of {', '.join(STATS)})", field=name)
+        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit >= 0):
+            raise BadInput(f"expected a finite number >= 0, got {limit!r}", field=GATE_OPTIONS[name])
+    return thresholds
 
 
 def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, float] | None = None,
@@ -121,12 +215,7 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
     from rlbench.core.model import load_tokenizer
     from rlbench.replay.replay import source_config
 
-    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
-    for name, limit in thresholds.items():
-        if name not in GATE_OPTIONS:
-            raise BadInput(f"no such statistic to gate on (one of {', '.join(STATS)})", field=name)
-        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit >= 0):
-            raise BadInput(f"expected a finite number >= 0, got {limit!r}", field=GATE_OPTIONS[name])
+    thresholds = _check_thresholds(thresholds)
     run = read_run(run_dir)
     if not run.steps:
         raise BadInput("no committed step to check", path=run.root / "metrics.jsonl")
@@ -137,14 +226,15 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         tokenizer = load_tokenizer(config.model.tokenizer)
     except BadInput:
         tokenizer = None
-    deltas, places, per_step, skipped = [], [], [], []
+    deltas, counts, places, per_step, skipped = [], [], [], [], []
+    left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
     for step in run.steps:
-        tensors, _ = recording.read_step(run.root, step)
+        tensors, meta = recording.read_step(run.root, step)
         if tokenizer is not None:
             recording.check_ids(tensors, len(tokenizer), run.root / "rollouts" / f"{step_name(step)}.safetensors",
                                 "the run's tokenizer")
         if recomputer is not None:
-            trainer = recomputer.logprobs(step, tensors)
+            trainer = recomputer.logprobs(step, tensors, meta["samples"])
         else:
             trainer = tensors.get("old_logprobs")
             if trainer is None:
@@ -153,30 +243,48 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         if trainer is None:
             skipped.append(step)
             continue
-        mask = tensors["loss_mask"].bool()
+        judged, removed, without = judged_samples(meta["samples"])
+        left_out["removed"] += removed
+        left_out["without_logprobs"] += without
+        left_out["top_p"] += sum(bool(s.get("top_p")) for s in meta["samples"]) if recomputer is not None else 0
+        lengths = tensors["offsets"][1:] - tensors["offsets"][:-1]
+        mask = tensors["loss_mask"].bool() & torch.tensor(judged, dtype=torch.bool).repeat_interleave(lengths)
         delta = (trainer - tensors["rollout_logprobs"]).double()[mask]
-        index = mask.nonzero().squeeze(-1)
+        step_counts = [int(m.sum()) for m in mask.split(lengths.tolist())]
         deltas.append(delta)
-        places.append((step, tensors, index, trainer))
-        per_step.append({"step": step, "tokens": int(delta.numel()), **statistics(delta)})
+        counts.append(step_counts)
+        places.append((step, tensors, mask.nonzero().squeeze(-1), trainer))
+        per_step.append({"step": step, "tokens": int(delta.numel()), "samples": sum(c > 0 for c in step_counts),
+                         **statistics(delta, step_counts)})
     if not deltas:
         raise BadInput("no step could be recomputed (no checkpoint holds the weights any step sampled with)",
                        path=run.root / "checkpoints")
     everything = torch.cat(deltas)
-    stats = statistics(everything)
+    if not everything.numel():
+        raise BadInput(f"undetermined: no trained token with engine log-probs to judge ({left_out['removed']} samples "
+                       f"removed, {left_out['without_logprobs']} without engine log-probs)", path=run.root)
+    all_counts = [c for step_counts in counts for c in step_counts]
+    stats = statistics(everything, all_counts)
     worst = _worst(places, deltas, top, tokenizer)
     nonfinite = _nonfinite(places, deltas)
-    failures = []
-    for name, limit in thresholds.items():
-        if not math.isfinite(stats[name]):  # a gate passes on finite numbers only
-            failures.append(f"{name} is {stats[name]} ({nonfinite}): a gate passes only on finite numbers")
-        elif stats[name] > limit:
-            failures.append(f"{name} {stats[name]:.3g} > {limit:g}")
     notes = [f"recomputed steps {[p[0] for p in places]}; no exact weights for steps {skipped}"] if skipped else []
+    notes += _left_out_notes(left_out)
     if nonfinite:
         notes.append(nonfinite)
     return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [p[0] for p in places],
-                         int(everything.numel()), stats, per_step, worst, thresholds, failures, notes)
+                         int(everything.numel()), stats, per_step, worst, thresholds,
+                         _gates(stats, thresholds, nonfinite), notes, sum(c > 0 for c in all_counts), **left_out)
+
+
+def _left_out_notes(left_out: dict[str, int]) -> list[str]:
+    notes = []
+    if left_out["removed"]:
+        notes.append(f"{left_out['removed']} samples removed by slime (remove_sample): not trained, not judged")
+    if left_out["without_logprobs"]:
+        notes.append(f"{left_out['without_logprobs']} samples without engine log-probs: not judged")
+    if left_out["top_p"]:
+        notes.append(f"{left_out['top_p']} samples recomputed over their recorded top-p nucleus")
+    return notes
 
 
 def _nonfinite(places, deltas) -> str:

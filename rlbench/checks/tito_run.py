@@ -9,12 +9,17 @@
   the time, and training on them is right; a pipeline that decoded and re-tokenised them would
   train on other ids (mode 1). The number says how exposed a run would be to such a pipeline.
 - Evidence (a recording without engine ids: imported dumps): the importer already holds each sample
-  to slime's invariant, response length = number of engine log-probs = loss-mask length. Where a
-  sample's ids are not canonical, either the engine sampled them (fine) or a pipeline built them
-  piecewise (drift). With `--model`, the engine's log-prob at the first non-canonical id is held to
-  the trainer's for that id: the same (within EVIDENCE_NATS) means sampled, far apart means the
-  engine scored another id there, so the trained ids were not the sampled ones (mode 1). Without a
-  model such a sample is undetermined, and the report says so instead of claiming no drift.
+  to slime's invariant, response length = number of engine log-probs = loss-mask length. The lens
+  applies to what the engine sampled: each run of loss-mask-1 tokens of the response is one sampled
+  output; spans of loss mask 0 (tool observations, which slime writes with log-prob 0.0) are not
+  judged. Where a sampled span's ids are not canonical, either the engine sampled them (fine) or a
+  pipeline built them piecewise (drift). With `--model`, the engine's log-prob at the first
+  non-canonical id is held to the trainer's for that id (renormalised over the recorded top-p
+  nucleus where there is one, as the engine reported it): the same (within EVIDENCE_NATS) means
+  sampled, far apart means the engine scored another id there, so the trained ids were not the
+  sampled ones (mode 1). Without a model, or for a sample whose engine reported no log-probs, such a
+  sample is undetermined, and the report says so instead of claiming no drift.
+- Samples slime removed (`remove_sample`: not trained) are not judged, and counted.
 - Re-render (a JSONL of {messages, token_ids}): the ids against the chat template's rendering of
   the messages, which is what a re-tokenising pipeline would train on.
 """
@@ -51,8 +56,10 @@ class RunReport:
     compared: int = 0  # samples whose trained ids were held to the engine's, turn by turn
     non_canonical: int = 0  # samples with sampled ids that are not the canonical encoding of their text
     example: dict | None = None  # one such sample: where, the ids, the canonical ids, the text
-    evidence: dict[str, int] = field(default_factory=dict)  # evidence lens: sampled / retokenised / undetermined
+    # evidence lens: sampled / retokenised / undetermined (no model) / no_logprobs (undetermined: none recorded)
+    evidence: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    removed: int = 0  # samples slime removed (remove_sample): not trained, not judged
 
     @property
     def rates(self) -> dict[str, float]:
@@ -105,14 +112,34 @@ class _Evidence:
                 init = "checkpoint" if weight_files(model_dir) else "random"
             self.model = build_model(model_dir, seed, init=init).eval().requires_grad_(False)
 
-    def delta(self, ids: list[int], position: int, engine: float) -> float:
+    def delta(self, ids: list[int], position: int, engine: float, nucleus: list[int] | None = None) -> float:
+        """|trainer - engine| log-prob of ids[position]; over `nucleus` (and the id) where one was recorded."""
         import torch
 
+        from rlbench.checks.logprobs import sequence_nucleus_logprobs
         from rlbench.core.algo import sequence_logprobs
 
+        if nucleus is not None:
+            trainer = sequence_nucleus_logprobs(self.model, torch.tensor(ids[: position + 1]), position, [nucleus],
+                                                self.temperature)[0]
+            return abs(float(trainer) - engine)
         with torch.no_grad():
             trainer = sequence_logprobs(self.model, torch.tensor(ids), self.temperature, "cpu")
         return abs(float(trainer[position]) - engine)
+
+
+def sampled_spans(ids: list[int], prompt: int, mask: list[int]) -> list[dict]:
+    """The engine's outputs of a sample recorded without engine ids: each run of loss-mask-1 tokens
+    of the response, as a turn (the ids before it, its ids)."""
+    turns, start = [], None
+    for j in range(prompt, len(ids) + 1):
+        inside = j < len(ids) and mask[j] == 1
+        if inside and start is None:
+            start = j
+        elif not inside and start is not None:
+            turns.append({"prompt_ids": ids[:start], "output_ids": ids[start:j]})
+            start = None
+    return turns
 
 
 def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_dir: str | Path | None = None
@@ -140,20 +167,24 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
         tensors, meta = recording.read_step(run.root, step)
         recording.check_ids(tensors, len(tok), run.root / "rollouts" / f"{step:06d}.safetensors", "the tokenizer")
         offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
+        mask = tensors["loss_mask"].tolist()
         for i, sample in enumerate(meta["samples"]):
+            if sample.get("remove_sample"):
+                report.removed += 1
+                continue
             report.samples += 1
             ids = tokens[offsets[i]: offsets[i + 1]]
             label = f"step {step} sample {i}"
             turns = sample.get("turns")
             if not turns:  # no engine ids recorded: judge by the evidence the recording has
                 report.lens = "evidence"
-                prompt = int(tensors["prompt_lengths"][i])
-                turns = [{"prompt_ids": ids[:prompt], "output_ids": ids[prompt:]}]
+                turns = sampled_spans(ids, int(tensors["prompt_lengths"][i]), mask[offsets[i]: offsets[i + 1]])
                 if evidence is None:
                     evidence = _Evidence(model_dir, int(config.get("seed", 0)),
                                          float((config.get("rollout") or {}).get("temperature", 1.0)),
                                          (config.get("model") or {}).get("init"))
-                _judge(tok, report, evidence, step, i, ids, prompt, tensors["rollout_logprobs"][offsets[i]:])
+                engine = _EngineSide(tensors, offsets[i], sample)
+                _judge(tok, report, evidence, step, i, ids, int(tensors["prompt_lengths"][i]), turns, engine)
             else:
                 report.compared += 1
                 found = _check_turns(tok, turns, ids, label)
@@ -169,31 +200,63 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
     if report.lens == "evidence" and report.compared:
         report.notes.append(f"{report.compared} samples held engine ids and were compared exactly; the others "
                             "were judged by evidence")
+    if report.removed:
+        report.notes.append(f"{report.removed} samples removed by slime (remove_sample): not trained, not judged")
+    if report.evidence.get("no_logprobs"):
+        report.notes.append(f"{report.evidence['no_logprobs']} non-canonical samples without engine log-probs: "
+                            "undetermined (no log-prob to hold to the trainer's)")
     return report
 
 
+@dataclass
+class _EngineSide:
+    """What the engine recorded of one sample: its log-probs (when it reported any) and its top-p nucleus."""
+
+    tensors: dict
+    start: int  # the sample's first flat position
+    sample: dict
+
+    def logprob(self, position: int) -> float | None:
+        if self.sample.get("has_rollout_logprobs") is False:
+            return None
+        return float(self.tensors["rollout_logprobs"][self.start + position])
+
+    def nucleus(self, position: int) -> list[int] | None:
+        if not self.sample.get("top_p"):
+            return None
+        from rlbench.checks.logprobs import sample_nuclei
+
+        return sample_nuclei(self.tensors, self.start + position, self.start + position + 1)[0]
+
+
 def _judge(tok, report: RunReport, evidence: _Evidence, step: int, i: int, ids: list[int], prompt: int,
-           engine_logprobs) -> None:
-    """The evidence lens for one sample without engine ids."""
-    response = ids[prompt:]
-    again = canonical(tok, response)
-    p = first_divergence(response, again)
-    if p is None or p >= len(response):
+           turns: list[dict], engine_side: _EngineSide) -> None:
+    """The evidence lens for one sample without engine ids: its first sampled span that is not the
+    canonical encoding of its text, held to the engine's log-prob there."""
+    for turn in turns:
+        output = list(turn["output_ids"])
+        again = canonical(tok, output)
+        p = first_divergence(output, again)
+        if p is not None and p < len(output):
+            start = len(turn["prompt_ids"])
+            break
+    else:
         return
     counts = report.evidence
-    if evidence.model is None:
-        counts["undetermined"] = counts.get("undetermined", 0) + 1
+    engine = engine_side.logprob(start + p)
+    if evidence.model is None or engine is None:
+        key = "undetermined" if evidence.model is None else "no_logprobs"
+        counts[key] = counts.get(key, 0) + 1
         return
-    engine = float(engine_logprobs[prompt + p])
-    delta = evidence.delta(ids, prompt + p, engine)
+    delta = evidence.delta(ids, start + p, engine, engine_side.nucleus(start + p))
     if delta <= EVIDENCE_NATS:
         counts["sampled"] = counts.get("sampled", 0) + 1
         return
     counts["retokenised"] = counts.get("retokenised", 0) + 1
-    found = finding(tok, f"step {step} sample {i}", "response vs its canonical encoding", ids, ids[:prompt] + again,
-                    prompt + p, [], [], mode=("reencode", True))
-    found.where = (f"response token {p}: the engine's log-prob {engine:.4g} is not the trainer's for this id "
-                   f"(|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here")
+    found = finding(tok, f"step {step} sample {i}", "response vs its canonical encoding", ids, ids[:start] + again,
+                    start + p, [], [], mode=("reencode", True))
+    found.where = (f"response token {start + p - prompt}: the engine's log-prob {engine:.4g} is not the trainer's for "
+                   f"this id (|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here")
     report.findings.append(SampleFinding(step, i, found.where, found))
 
 

@@ -27,7 +27,8 @@ def check_logprobs(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
     recompute: Annotated[bool, typer.Option("--recompute", help="Recompute trainer log-probs with the exact weights each step sampled with (rollout-only runs; steps with a checkpoint) instead of reading the recorded ones.")] = False,
     top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
-    max_mean: Annotated[Optional[float], typer.Option(help="Gate: mean |delta| at most this (slime's train_rollout_logprob_abs_diff; its CI uses 0.1).")] = None,
+    max_mean: Annotated[Optional[float], typer.Option(help="Gate: train_rollout_logprob_abs_diff at most this: slime's metric, the per-sample mean |delta| (each sample's mean over its tokens, then over samples; its CI uses 0.1).")] = None,
+    max_token_mean: Annotated[Optional[float], typer.Option(help="Gate: token_mean_abs at most this: the mean |delta| over all tokens (longer samples weigh more).")] = None,
     max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
     max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
     max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
@@ -35,20 +36,21 @@ def check_logprobs(
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Report the train-inference log-prob mismatch: per-token |trainer - rollout| (mean, p99, max), K3 KL, mean exp(|delta|), and the worst tokens with context. Exit 1 when a gate is exceeded."""
+    """Report the train-inference log-prob mismatch: |trainer - rollout| as slime's per-sample mean (train_rollout_logprob_abs_diff) and as a token mean, p99 and max, K3 KL, mean exp(|delta|), and the worst tokens with context. Samples slime removed and samples without engine log-probs are not judged, and counted. Exit 1 when a gate is exceeded."""
     from dataclasses import asdict
 
     from rlbench.checks.logprobs import check_logprobs as run_check
 
-    report = run_check(run_dir, top, {"mean_abs": max_mean, "p99_abs": max_p99, "max_abs": max_abs,
-                                      "k3_kl": max_k3, "mean_exp_abs": max_exp}, recompute)
+    report = run_check(run_dir, top, {"train_rollout_logprob_abs_diff": max_mean, "token_mean_abs": max_token_mean,
+                                      "p99_abs": max_p99, "max_abs": max_abs, "k3_kl": max_k3,
+                                      "mean_exp_abs": max_exp}, recompute)
     if as_json:
         stdout.print_json(json.dumps(asdict(report)))
     else:
         for note in report.notes:
             stderr.print(f"note: {note}", markup=False, highlight=False)
-        table = Table(title=f"log-prob mismatch, {report.tokens} tokens over {len(report.steps)} steps "
-                            f"({report.source} trainer log-probs)")
+        table = Table(title=f"log-prob mismatch, {report.tokens} tokens of {report.samples} samples over "
+                            f"{len(report.steps)} steps ({report.source} trainer log-probs)")
         table.add_column("statistic")
         table.add_column("value", justify="right")
         table.add_column("gate", justify="right")
@@ -119,11 +121,13 @@ def _tito_headline(report) -> str:
     if report.lens == "sampled":
         return (f"{report.source}: no drift: the trained ids of all {report.samples} samples are the ids the engine "
                 "sampled (every turn compared)")
-    undetermined = report.evidence.get("undetermined", 0)
-    if undetermined:
-        return (f"{report.source}: the recording holds no engine ids; {undetermined} of {report.samples} samples are "
-                "not the canonical encoding of their text and cannot be told sampled from re-tokenised without "
-                "--model (the others are consistent with sampling)")
+    no_model, no_logprobs = report.evidence.get("undetermined", 0), report.evidence.get("no_logprobs", 0)
+    if no_model or no_logprobs:
+        why = [f"{no_model} without --model"] * bool(no_model) + \
+            [f"{no_logprobs} without engine log-probs"] * bool(no_logprobs)
+        return (f"{report.source}: the recording holds no engine ids; {no_model + no_logprobs} of {report.samples} "
+                "samples are not the canonical encoding of their text and cannot be told sampled from re-tokenised ("
+                f"{', '.join(why)}; the others are consistent with sampling)")
     return (f"{report.source}: no drift found by evidence over {report.samples} samples (the recording holds no engine "
             f"ids): {report.evidence.get('sampled', 0)} non-canonical samples were sampled so (log-probs agree)")
 
@@ -163,13 +167,13 @@ class Tier(str, Enum):
     approx = "approx"
 
 
-Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance", help="Per-metric tolerance override, METRIC-GLOB:key=value[,key=value]; keys kind (exact|approx|median), rtol, atol, failing_steps, mean_residual, max_ratio, window=A:B. Repeatable.")]
+Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance", help="Per-metric tolerance override, METRIC-GLOB:key=value[,key=value]; keys kind (exact|approx|median), rtol, atol, failing_steps, mean_residual, max_ratio, min_ratio, window=A:B. Repeatable.")]
 
 
 @check_app.command("golden")
 def check_golden(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) or a Megatron-LM golden values file.")],
+    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) or a Megatron-LM golden values file (approx tier, its own tolerances; its iteration k is the run's step k - 1).")],
     tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or versions). approx: each metric within its tolerance.")] = Tier.exact,
     ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Leave out metrics matching this glob (e.g. 'perf/*'). Repeatable.")] = None,
     tolerance: Tolerances = None,
@@ -181,6 +185,8 @@ def check_golden(
     """Compare a run's metrics with a golden log. Exit 0: within the golden; exit 1: a regression (the failing metrics and steps are listed: expected, got, tolerance); exit 2: bad input, or a comparison that means nothing (another configuration; in the exact tier another platform, versions or determinism settings), with the reason.
 
     perf/* metrics compare window medians, never exactly: the run's median may be at most max_ratio times the golden's.
+
+    A Megatron-LM golden values file (tests/functional_tests/test_cases/.../golden_values_*.json) compares in the approx tier with Megatron-LM's own tolerances (lm loss and memory rtol 0.05, num-zeros rtol 0.2, iteration-time the median of a steady window within 5%), at the steps it holds a value for: its iteration k against the run's step k - 1.
     """
     from rlbench.checks import golden as g
     from rlbench.checks.golden_compare import compare
@@ -222,12 +228,16 @@ def _render_golden(report, plot: Path | None) -> None:
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     steps = sorted({s for m in report.metrics for s in m.steps})
     span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+    offset = report.golden_step_offset
+    if steps and offset:
+        span += f", the golden's {steps[0] + offset}..{steps[-1] + offset}"
+    compared = f"{report.compared} values compared, {span}"
     if report.ok:
-        stdout.print(f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics over {span} of "
+        stdout.print(f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics ({compared}) of "
                      f"{report.run} match {report.golden}", markup=False, highlight=False, soft_wrap=True)
     else:
         summary = Table(title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
-                              f"metrics regressed ({span})")
+                              f"metrics regressed ({compared})")
         for col in ("metric", "compared as", "what failed"):
             summary.add_column(col, overflow="fold")
         for m in report.failed:
@@ -236,10 +246,12 @@ def _render_golden(report, plot: Path | None) -> None:
         rows = [(m, f) for m in report.failed for f in m.failures]
         if rows:
             table = Table(title="failing steps")
-            for col in ("metric", "step", "expected", "got", "got - expected", "tolerance"):
+            step = "step (golden's)" if offset else "step"
+            for col in ("metric", step, "expected", "got", "got - expected", "tolerance"):
                 table.add_column(col, justify="left" if col == "metric" else "right", overflow="fold")
             for m, f in rows[:40]:
-                table.add_row(m.name, str(f.step), _fmt(f.expected), _fmt(f.got), f"{f.delta:+.3g}",
+                table.add_row(m.name, f"{f.step} ({f.step + offset})" if offset else str(f.step), _fmt(f.expected),
+                              _fmt(f.got), f"{f.delta:+.3g}",
                               "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
             stdout.print(table)
             if len(rows) > 40:

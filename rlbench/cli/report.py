@@ -15,8 +15,8 @@ from rlbench.errors import BadInput
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN", help="The run directory to show.")],
-    run_b: Annotated[Optional[Path], typer.Argument(metavar="[RUN_B]", help="A second run: where the two part, overlaid curves.")] = None,
+    run_dir: Annotated[Path, typer.Argument(help="The run directory to show.")],
+    run_b: Annotated[Optional[Path], typer.Argument(help="A second run: where the two part, overlaid curves.")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write; must not exist yet.")] = Path("report.html"),
     golden: Annotated[Optional[Path], typer.Option("--golden", help="A golden file (rlbench's or Megatron-LM's): its values and band on the curves, failing steps marked.")] = None,
     rename: Annotated[Optional[list[str]], typer.Option("--rename", help="With --golden: GOLDEN_NAME=RUN_NAME, as for check golden.")] = None,

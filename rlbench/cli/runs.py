@@ -127,19 +127,22 @@ def run(
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
+    print_config: Annotated[bool, typer.Option("--print-config", help="Print the configuration the command line resolves to (each slime argument with the rlbench settings it sets) and exit without running.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
     debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
 
     With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU, from random weights) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
+
+    slime's own arguments are read too (--hf-checkpoint, --prompt-data, --input-key, --label-key, --apply-chat-template, --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, --num-rollout, --rollout-max-response-len, the algorithm and optimizer flags, ...; docs/usage.md lists them): with any of them, slime's defaults apply to the settings slime defines. An argument rlbench does not model is refused by name; --sglang-* passes through to the servers.
     """
-    sglang_args = _sglang_args(ctx.args)
+    sglang_args, slime_given = _extra_args(ctx.args)
     given = overrides(run, ctx.params)
     if resume is not None:
         names = {option.path: option.label(name) for name, option in RUN_FIELDS.items()}
         refused = (["--config"] if config is not None else []) + [names[key.replace("__", ".")] for key in given] + (
-            ["--sglang-*"] if sglang_args else [])
+            ["--sglang-*"] if sglang_args else []) + list(slime_given)
         if refused:
             raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(refused)}",
                            field="--resume")
@@ -148,7 +151,13 @@ def run(
     if (mode == Mode.train_only) != (rollouts is not None):
         raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
                        field="--rollouts")
+    slime_fields: list = []
+    if slime_given:
+        given, slime_fields = _with_slime(config, given, slime_given)
     cfg, notes = _run_config(config, given, sglang_args, rollouts, steps)
+    if print_config:
+        _print_config(cfg, slime_fields, as_json)
+        return
     from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
     command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
@@ -186,21 +195,60 @@ def _run_config(config: Path | None, given: dict, sglang_args: dict, rollouts: P
     return cfg, notes
 
 
-def _sglang_args(args: list[str]) -> dict:
-    """`--sglang-KEY VALUE` (or a bare `--sglang-KEY` flag) from the arguments typer did not know;
-    anything else there is an unknown option, as typer would have said."""
-    out, i = {}, 0
+def _extra_args(args: list[str]) -> tuple[dict, dict]:
+    """The arguments typer did not know: `--sglang-KEY VALUE` (or a bare `--sglang-KEY` flag), passed
+    through to the servers, and slime's own arguments (rlbench/cli/slime_args.py); anything else is
+    refused by name."""
+    sglang, rest, i = {}, [], 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--sglang-") or len(arg) == len("--sglang-"):
-            raise BadInput(f"no such option: {arg}" if arg.startswith("-") else f"unexpected argument {arg!r}",
-                           field="rlbench run")
-        key, _, value = arg[len("--sglang-"):].partition("=")
-        if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value, i = args[i + 1], i + 1
-        out[key] = value or True
+        if arg.startswith("--sglang-") and len(arg) > len("--sglang-"):
+            key, _, value = arg[len("--sglang-"):].partition("=")
+            if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            sglang[key] = value or True
+        else:
+            rest.append(arg)
         i += 1
-    return out
+    from rlbench.cli import slime_args
+
+    return sglang, slime_args.parse(rest)
+
+
+def _with_slime(config: Path | None, given: dict, slime_given: dict) -> tuple[dict, list]:
+    """The run's overrides with slime's arguments (and slime's defaults, where neither the config file nor
+    an option says otherwise) merged in; an rlbench option and a slime argument that set one field are
+    refused together."""
+    from rlbench.cli import slime_args
+    from rlbench.config import NULL, file_keys
+
+    fields, explained = slime_args.resolve(slime_given)
+    named = {path: name for name, _, sets in explained for path in sets}
+    clash = sorted(named[path] for path in named if path.replace(".", "__") in given)
+    if clash:
+        raise BadInput(f"{clash[0]} and an rlbench option set the same setting: give one of them",
+                       field="rlbench run")
+    in_file = file_keys(config) if config is not None else set()
+    merged = {path.replace(".", "__"): NULL if value is None else value for path, value in fields.items()
+              if path in named or path not in in_file}
+    return {**merged, **given}, explained
+
+
+def _print_config(cfg: RunConfig, slime_fields: list, as_json: bool) -> None:
+    """The resolved configuration, and what each slime argument set in it."""
+    slime = [{"argument": name, "value": value, "sets": sets} for name, value, sets in slime_fields]
+    if as_json:
+        stdout.print_json(json.dumps({"config": cfg.to_dict(), "slime": slime}, default=list))
+        return
+    if slime:
+        table = Table(title="slime arguments", show_header=True)
+        for column in ("argument", "value", "rlbench setting"):
+            table.add_column(column)
+        for row in slime:
+            table.add_row(row["argument"], str(row["value"]),
+                          ", ".join(f"{path} = {value!r}" for path, value in row["sets"].items()) or "-")
+        stdout.print(table)
+    stdout.print_json(json.dumps(cfg.to_dict(), default=list))
 
 
 @contextmanager
@@ -391,7 +439,7 @@ def import_slime(
 ) -> None:
     """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
 
-    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order.
+    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order. Every field of slime's Sample is used, kept in the samples' metadata, or refused by name: samples slime removed (remove_sample) stay in their groups, untrained and unjudged; samples without engine log-probs are not judged by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; groups may differ in size; multimodal samples and evaluation dumps (eval_<id>) are refused.
     """
     from rlbench.config import ModelConfig
     from rlbench.core.model import weight_files
@@ -406,5 +454,19 @@ def import_slime(
     if as_json:
         stdout.print_json(json.dumps(summary))
     else:
-        stdout.print(f"imported {summary['steps']} rollout ids ({summary['samples_per_step']} samples each, groups of "
-                     f"{summary['group_size']}) into {summary['out']}", markup=False, highlight=False)
+        _render_import(summary)
+
+
+def _render_import(summary: dict) -> None:
+    sizes = sorted({s for step in summary["group_sizes"] for s in step})
+    groups = f"groups of {sizes[0]}" if len(sizes) == 1 else f"groups of {sizes[0]} to {sizes[-1]} samples"
+    stdout.print(f"imported {summary['steps']} rollout ids ({summary['samples']} samples, {groups}) into "
+                 f"{summary['out']}", markup=False, highlight=False, soft_wrap=True)
+    lines = {"removed": "removed by slime (remove_sample): kept in their groups, not trained, not judged",
+             "without_logprobs": "without engine log-probs: the log-prob checks do not judge them",
+             "top_p": "with a recorded top-p nucleus"}
+    for key, text in lines.items():
+        if summary[key]:
+            stdout.print(f"{summary[key]} samples {text}", markup=False, highlight=False, soft_wrap=True)
+    for note in summary["notes"]:
+        stdout.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -68,7 +68,7 @@ ARGS: dict[str, SlimeArg] = {
     "--use-kl-loss": _arg("flag", help="with --kl-loss-coef: algo.kl_coef"),
     "--kl-loss-coef": _arg("float", help="algo.kl_coef, under --use-kl-loss"),
     "--kl-loss-type": _arg("str", "algo.kl_type"),
-    "--kl-coef": _arg("float", "algo.reward_kl_coef"),
+    "--kl-coef": _arg("float", help="slime's KL reward shaping: 0 only (rlbench does not model it)"),
     "--eps-clip": _arg("float", "algo.eps_clip"),
     "--eps-clip-high": _arg("float", "algo.eps_clip_high"),
     "--eps-clip-c": _arg("float", "algo.eps_clip_c"),
@@ -241,6 +241,10 @@ def _slime_rules(given: dict[str, Any], fields: dict[str, Any]) -> None:
                        field="--rollout-temperature")
     if given.get("--kl-coef", 0.0) != 0 and given.get("--kl-loss-coef", 0.0) != 0:
         raise BadInput("only one of --kl-coef and --kl-loss-coef can be set (slime asserts the same)",
+                       field="--kl-coef")
+    if given.get("--kl-coef", 0.0) != 0:  # after slime's own refusal, as slime checks it first
+        raise BadInput(f"--kl-coef {given['--kl-coef']:g}: slime's KL reward shaping (a per-token KL to the reference "
+                       "folded into REINFORCE++ returns) is not modelled by rlbench; only 0 is accepted",
                        field="--kl-coef")
     if fields["algo.advantage"] in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and \
             not given.get("--normalize-advantages"):

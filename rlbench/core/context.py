@@ -111,7 +111,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     cursor = None if source is not None else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step,
                                                            config.data.shuffle)
     trainer, engine, made, writer = _start(config, model, start, init_checkpoint, trainer, engine, made, resume)
-    stop_token_ids = (tokenizer.eos_token_id,)
+    stop_token_ids = _stop_token_ids(config, tokenizer)
     generate_env = None if generate_fn is None else _generate_env(config, engine, tokenizer, stop_token_ids)
     return Context(config=config, tokenizer=tokenizer, dataset=dataset, cursor=cursor, prompt_ids=prompt_ids,
                    stop_token_ids=stop_token_ids, engine=engine, trainer=trainer, reward_name=reward_name,
@@ -159,6 +159,10 @@ def _dataset_and_reward(config: RunConfig, source: RunDir | None) -> tuple[list[
     are the recording's."""
     if source is not None:
         return [], "recorded", None
+    if config.data.label_key is None and config.reward.custom_rm_path is None:
+        raise BadInput(f"the built-in {config.reward.verifier!r} verifier scores a response against its row's label: "
+                       "name the label's key (--label-key) or give a reward function (--custom-rm-path)",
+                       field="data.label_key")
     dataset = load_dataset(config.data.path, config.data.prompt_key, config.data.label_key)
     reward_name, reward_fn = load_reward_fn(config.reward.verifier, config.reward.custom_rm_path)
     return dataset, reward_name, reward_fn
@@ -234,7 +238,9 @@ def _prompt_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase, dataset: 
                 model: PreTrainedModel) -> dict[int, tuple[int, ...]]:
     """Each prompt's ids, each leaving room in the model's positions for max_new_tokens of response."""
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    return _encode_prompts(tokenizer, dataset, positions - config.rollout.max_new_tokens, config.data.path)
+    data = config.data
+    return _encode_prompts(tokenizer, dataset, positions - config.rollout.max_new_tokens, data.path,
+                           data.chat_template_kwargs if data.apply_chat_template else None)
 
 
 def _start(config: RunConfig, model: PreTrainedModel, start: int, init_checkpoint: Path | None,
@@ -284,13 +290,32 @@ def _device_name(device: str) -> str | None:
     return torch.cuda.get_device_name(torch.device(device))
 
 
-def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30,
-                    source: str = "") -> dict[int, tuple[int, ...]]:
-    """Each prompt rendered by the chat template and tokenised once, up front; one that leaves no room
-    for the response in the model's context (`limit` tokens) is bad input."""
+def _stop_token_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokenizer's eos, then the configured extra stops (each inside the vocabulary)."""
+    extra = config.rollout.stop_token_ids
+    outside = [t for t in extra if t >= len(tokenizer)]
+    if outside:
+        raise BadInput(f"token id {outside[0]} is outside the tokenizer's vocabulary ({len(tokenizer)})",
+                       field="rollout.stop_token_ids")
+    return tuple(dict.fromkeys((tokenizer.eos_token_id, *extra)))
+
+
+def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, source: str = "",
+                    template_kwargs: dict | None = None) -> dict[int, tuple[int, ...]]:
+    """Each prompt tokenised once, up front: rendered by the chat template with a generation prompt
+    (and `template_kwargs`), or, with `template_kwargs` None (no chat template), a string prompt's text
+    as it is, without special tokens, as slime tokenises it. One that leaves no room for the response
+    in the model's context (`limit` tokens) is bad input."""
     encoded = {}
     for prompt in dataset:
-        ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
+        if template_kwargs is None:
+            if len(prompt.messages) != 1 or prompt.messages[0].get("role") != "user":
+                raise BadInput(f"prompt {prompt.index} is a list of messages: without the chat template "
+                               "(data.apply_chat_template false) a prompt is a string", path=source)
+            ids = tokenizer(prompt.messages[0]["content"], add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
+                                                **template_kwargs)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         if len(ids) > limit:
             raise BadInput(f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "

@@ -34,8 +34,9 @@ def _messages(value: object, path: Path, lineno: int, key: str) -> tuple[dict, .
                    f"got {type(value).__name__}", path=path)
 
 
-def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[Prompt]:
-    """Read and validate every line; the first bad one raises BadInput with its line number."""
+def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str | None = "label") -> list[Prompt]:
+    """Read and validate every line; the first bad one raises BadInput with its line number. Without a
+    `label_key` the rows carry no label (a custom reward function scores them)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -65,8 +66,8 @@ def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str = 
             raise BadInput(f"line {lineno}: expected a JSON object, got {type(row).__name__}", path=path)
         if prompt_key not in row:
             raise BadInput(f"line {lineno}: field '{prompt_key}' missing", path=path)
-        label = row.get(label_key)
-        if not isinstance(label, str):
+        label = row.get(label_key) if label_key is not None else None
+        if label_key is not None and not isinstance(label, str):
             raise BadInput(f"line {lineno}: field '{label_key}': expected a string, got "
                            f"{'nothing' if label is None else type(label).__name__}", path=path)
         meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}

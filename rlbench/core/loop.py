@@ -170,10 +170,30 @@ def _checksum_rewards(state: StepState) -> None:
 
 
 def advantage(ctx: Context, state: StepState) -> None:
-    state.tensors["advantages"] = algo.grpo_advantages(state.tensors["rewards"], ctx.group_size,
-                                                       ctx.config.algo.normalize_std)
+    state.tensors["advantages"] = algo.advantages(state.tensors["rewards"], groups(ctx, state),
+                                                  samples.token_counts(state.tensors), ctx.config.algo)
     _finite(state, "advantage", "advantages", state.tensors["advantages"])
     state.checksums["advantages"] = _digest(state.tensors, "advantages")
+
+
+def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
+    """The step's groups: each sample's "group" from its recorded metadata where every sample has one
+    (a slime import, slime's group_index: groups of any size), else consecutive groups of
+    n_samples_per_prompt (a live run's, and a recording without them)."""
+    given = ["group" in m for m in state.sample_meta]
+    source = f"the recording of step {state.step}"
+    if any(given):
+        ids = [m.get("group") for m in state.sample_meta]
+        if not all(given) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in ids):
+            first = next(i for i, g in enumerate(ids) if not isinstance(g, int) or isinstance(g, bool) or g < 0)
+            raise BadInput(f"{source}: sample {first}'s group is {ids[first]!r}; expected an integer >= 0 on every "
+                           "sample (or on none)", field="samples.group")
+        return torch.tensor(ids, dtype=torch.long)
+    n = len(state.tensors["rewards"])
+    if n % ctx.group_size:
+        raise BadInput(f"{source}: {n} samples do not make groups of n_samples_per_prompt = {ctx.group_size}, and "
+                       "its samples name no group", field="samples.group")
+    return ctx.group_size
 
 
 def logprob(ctx: Context, state: StepState) -> None:
@@ -186,8 +206,19 @@ def logprob(ctx: Context, state: StepState) -> None:
     if ctx.config.algo.kl_coef > 0:
         state.batch.ref_logprobs = ctx.trainer.logprobs(state.batch.tokens, reference=True) * state.batch.loss_mask
         state.tensors["ref_logprobs"] = recording.unpad(state.batch.ref_logprobs, state.tensors["offsets"])
+    known = torch.tensor([m.get("has_rollout_logprobs", True) is not False for m in state.sample_meta])
+    if ctx.config.algo.use_tis:
+        if not bool(known.all()):
+            raise BadInput(f"step {state.step}: sample {int((~known).nonzero()[0])} has no rollout log-probs, which "
+                           "TIS weighs by", field="algo.use_tis")
+        state.batch.rollout_logprobs = samples.padded_rollout_logprobs(state.tensors) * state.batch.loss_mask
     state.checksums["old_logprobs"] = _digest(state.tensors, "old_logprobs")
-    state.metrics["train/train_rollout_logprob_abs_diff"] = metrics.logprob_abs_diff(state.tensors)
+    if bool(known.any()):  # none: the metrics are left out (as slime, without rollout log-probs), never 0
+        per_token = ctx.config.algo.per_token_loss
+        state.metrics["train/train_rollout_logprob_abs_diff"] = metrics.logprob_abs_diff(state.tensors, per_token,
+                                                                                         known)
+        state.metrics["train/rollout_logprob_abs_diff_token_mean"] = metrics.logprob_abs_diff_token_mean(
+            state.tensors, known)
 
 
 def train(ctx: Context, state: StepState) -> None:

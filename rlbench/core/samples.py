@@ -60,6 +60,19 @@ def from_trajectory(traj, name: str, prompt: Prompt, group: int, index: int, req
                   extra={"conversation": traj.messages, "turns": traj.turns})
 
 
+def token_counts(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sample's number of trained (loss-mask 1) tokens, from a step's flat tensors."""
+    offsets = tensors["offsets"]
+    sample = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets[1:] - offsets[:-1])
+    return torch.zeros(len(offsets) - 1, dtype=torch.long).index_add(0, sample, tensors["loss_mask"].long())
+
+
+def padded_rollout_logprobs(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The engine's log-probs in the trainer's right-padded layout (as `train_batch`'s tokens)."""
+    offsets = tensors["offsets"]
+    return recording.padded(tensors["rollout_logprobs"], offsets, int((offsets[1:] - offsets[:-1]).max()))
+
+
 def train_batch(tensors: dict[str, torch.Tensor]) -> algo.TrainBatch:
     """The trainer's right-padded view of a step's flat recording tensors."""
     offsets = tensors["offsets"]

@@ -19,7 +19,7 @@ class Prompt:
 
     index: int
     messages: tuple[dict, ...]
-    label: str
+    label: str | None  # None: the dataset has no labels (data.label_key unset)
     metadata: dict = field(default_factory=dict)
 
 

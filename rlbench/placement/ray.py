@@ -104,7 +104,7 @@ class TrainerActor:
         given = unpack(tensors)
         stats = self.trainer.train_step(TrainBatch(given["tokens"], given["loss_mask"], given["advantages"],
                                                    given["old_logprobs"], given.get("ref_logprobs"),
-                                                   given.get("lengths")), step)
+                                                   given.get("lengths"), given.get("rollout_logprobs")), step)
         return stats.metrics, pack({"losses": stats.losses}), stats.grads_digest, stats.param_grads
 
     def export_hf_weights(self):

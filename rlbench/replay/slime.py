@@ -1,18 +1,32 @@
 """`rlbench import slime`: slime's debug rollout dumps as an rlbench recording.
 
-slime's `--save-debug-rollout-data` writes, per rollout id, `torch.save({"rollout_id": i,
-"samples": [Sample.to_dict(), ...]})` (slime/utils/types.py: `to_dict` keeps plain types, the
-status as its string value). Each file is loaded with `torch.load(weights_only=True)`, which
-unpickles only plain containers, numbers, strings and tensors; a file that needs anything more
-is refused, never unpickled. Rollout ids become steps 0..N-1 in id order; samples are grouped
-by `group_index` (groups must be equal-sized, as GRPO needs). The recording holds the
-data, rollout and reward stages, with their checksums; `replay` and `run --mode train-only`
-train on it given a model (`--model`) and tokenizer (`--tokenizer`).
+slime's `--save-debug-rollout-data` writes, per rollout id, `torch.save({"rollout_id": i, "samples":
+[Sample.to_dict(), ...]})` (slime/observability/rollout_data_utils.py; `to_dict` keeps the dataclass's
+fields and any attribute set on the sample, the status as its string value). Evaluation rollouts go
+to the same path template with the id `eval_<i>`: such a file is recognised by that name and refused,
+its samples are not training data. Each file is loaded with `torch.load(weights_only=True)`, which
+unpickles only plain containers, numbers, strings and tensors; a file that needs anything more is
+refused, never unpickled. Rollout ids become steps 0..N-1 in id order.
+
+Every field of slime's Sample (slime/utils/types.py) is used, kept or refused (FIELDS):
+- used: ids, spans, reward and status. `remove_sample`: the loss mask is all 0, as slime's
+  `_convert_samples_to_train_data` makes it; the sample stays in its group (its reward counts in the
+  group's statistics) and the checks do not judge it. `rollout_log_probs` None: the recording's
+  tensor holds 0.0 there (it needs some value) and the sample's metadata says
+  `has_rollout_logprobs: false`, which every reader honours. The top-p nucleus
+  (`rollout_top_p_token_ids` / `_offsets`): the recording's `top_p_ids` / `top_p_offsets` and the
+  sample's `top_p: true`, for `check logprobs --recompute` (log-probs renormalised over it, as slime's
+  engine reported them). `group_index`: each sample's `group`, groups of any size, as slime allows.
+- kept: every other field, and any field slime's Sample does not declare, in the sample's metadata
+  under "slime", as JSON (tensors as lists; integer dict keys as their decimal strings, JSON's rule).
+  The ones that change what slime trains and rlbench's replay does not model are named in the summary.
+- refused, one line naming the field: multimodal inputs (rlbench's models are text only).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -22,6 +36,18 @@ from rlbench.errors import BadInput
 
 STATUS_TO_FINISH = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "abort",
                     "pending": "abort"}
+USED = ("group_index", "index", "prompt", "tokens", "response", "response_length", "label", "reward", "loss_mask",
+        "rollout_log_probs", "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "remove_sample", "status")
+KEPT = ("rollout_id", "weight_versions", "apply_chat_template_kwargs", "rollout_routed_experts", "teacher_log_probs",
+        "metadata", "generate_function_path", "custom_rm_path", "train_metadata", "session_id", "non_generation_time",
+        "spec_info", "prefix_cache_info")
+REFUSED = ("multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id")
+FIELDS = {**{f: "used" for f in USED}, **{f: "kept" for f in KEPT}, **{f: "refused" for f in REFUSED}}
+# Kept, but slime trains with them where rlbench's replay does not: named in the summary when set.
+NOT_TRAINED = {"teacher_log_probs": "on-policy distillation (--use-opd) is not modelled",
+               "train_metadata": "per-sample training metadata (custom losses) is not modelled",
+               "rollout_routed_experts": "routing replay (--use-rollout-routing-replay) is not modelled"}
+MEDIA_PARTS = ("image", "image_url", "video", "video_url", "audio", "input_audio")
 
 
 def load_dump(path: Path) -> dict:
@@ -41,7 +67,16 @@ def load_dump(path: Path) -> dict:
     if not isinstance(dump, dict) or not isinstance(dump.get("rollout_id"), int) or \
             not isinstance(dump.get("samples"), list):
         raise BadInput("expected {'rollout_id': int, 'samples': [Sample.to_dict(), ...]}", path=path)
+    if is_eval_dump(path, dump["rollout_id"]):
+        raise BadInput(f"an evaluation dump (slime writes eval_{dump['rollout_id']} in the --save-debug-rollout-data "
+                       "template for its eval rollouts): not training data; import the training dumps only",
+                       path=path)
     return dump
+
+
+def is_eval_dump(path: Path, rollout_id: int) -> bool:
+    """Whether the path is slime's template with `eval_<rollout_id>` where the id goes."""
+    return re.search(rf"(?<![A-Za-z0-9])eval_{rollout_id}(?![0-9])", str(path)) is not None
 
 
 def _ints(value, path: Path, where: str, high: int | None = None) -> list[int]:
@@ -65,13 +100,82 @@ def _floats(value, path: Path, where: str) -> list[float]:
     return [float(v) for v in value]
 
 
-def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
-    where = f"samples[{i}]"
-    if not isinstance(raw, dict):
-        raise BadInput(f"{where}: expected a dict (Sample.to_dict())", path=path)
+def _plain(value, path: Path, where: str):
+    """`value` as JSON keeps it: tensors as lists, tuples as lists, integer dict keys as decimal strings."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, path, f"{where}[{k}]") for k, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = next((k for k in value if not isinstance(k, (str, int)) or isinstance(k, bool)), None)
+        if bad is not None:
+            raise BadInput(f"{where}: a key {bad!r} that JSON cannot keep (string and integer keys only)", path=path)
+        return {str(k): _plain(v, path, f"{where}.{k}") for k, v in value.items()}
+    raise BadInput(f"{where}: holds a {type(value).__name__}, which the recording's JSON cannot keep", path=path)
+
+
+def _messages(prompt, path: Path, where: str) -> list[dict]:
+    """slime's prompt: a string (one user message) or chat messages, whose content may be null (an
+    assistant turn of tool calls) or a list of content parts; a media part is a multimodal sample."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list):
+        raise BadInput(f"{where}: expected a string or a list of chat messages", path=path)
+    for k, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadInput(f"{where}[{k}]: expected a message with a string 'role'", path=path)
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if not isinstance(kind, str):
+                    raise BadInput(f"{where}[{k}].content: expected content parts {{type, ...}}", path=path)
+                if kind in MEDIA_PARTS:
+                    raise BadInput(f"{where}[{k}].content: a '{kind}' part: multimodal samples are not supported "
+                                   "(rlbench's models are text only)", path=path)
+        elif content is not None and not isinstance(content, str):
+            raise BadInput(f"{where}[{k}].content: expected a string, null or a list of content parts", path=path)
+    return _plain(prompt, path, where)
+
+
+def _nucleus(raw: dict, path: Path, where: str, n: int) -> tuple[list[int], list[int]] | None:
+    """The recorded top-p nucleus, (ids, offsets): response token r kept ids[offsets[r]:offsets[r + 1]]."""
+    ids, offsets = raw.get("rollout_top_p_token_ids"), raw.get("rollout_top_p_token_offsets")
+    if ids is None and offsets is None:
+        return None
+    if ids is None or offsets is None:
+        missing = "rollout_top_p_token_ids" if ids is None else "rollout_top_p_token_offsets"
+        raise BadInput(f"{where}.{missing}: None, while its pair is set (slime records both or neither)", path=path)
+    ids = _ints(ids, path, f"{where}.rollout_top_p_token_ids")
+    offsets = _ints(offsets, path, f"{where}.rollout_top_p_token_offsets")
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids) or \
+            any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise BadInput(f"{where}.rollout_top_p_token_offsets: expected response_length + 1 = {n + 1} non-decreasing "
+                       f"offsets from 0 to {len(ids)} (the number of nucleus ids), got {len(offsets)} from "
+                       f"{offsets[:1]} to {offsets[-1:]}", path=path)
+    return ids, offsets
+
+
+def _reward(raw: dict, path: Path, where: str, reward_key: str | None) -> float:
+    reward = raw.get("reward")
+    if isinstance(reward, dict):
+        if reward_key is None or reward_key not in reward:
+            raise BadInput(f"{where}.reward is a dict ({', '.join(map(str, reward))}); name one with --reward-key",
+                           path=path)
+        reward = reward[reward_key]
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise BadInput(f"{where}.reward: expected a finite number, got {reward!r}", path=path)
+    return float(reward)
+
+
+def _spans(raw: dict, path: Path, where: str) -> tuple[list[int], int, list[int], list[float] | None]:
+    """(tokens, response length, loss mask, engine log-probs or None), held to slime's invariant:
+    response length = loss-mask length = number of engine log-probs."""
     tokens = _ints(raw.get("tokens"), path, f"{where}.tokens")
     n = raw.get("response_length")
-    if not isinstance(n, int) or not 0 <= n <= len(tokens):
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(tokens):
         raise BadInput(f"{where}.response_length: expected an integer in [0, {len(tokens)}], got {n!r}", path=path)
     mask = [1] * n if raw.get("loss_mask") is None else _ints(raw["loss_mask"], path, f"{where}.loss_mask", high=1)
     logprobs = _floats(raw.get("rollout_log_probs"), path, f"{where}.rollout_log_probs") \
@@ -82,63 +186,142 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
                     "not the ones it sampled (re-tokenised after generation? token-in-token-out drift, mode 1)"
                     if name == "rollout_log_probs" else "")
             raise BadInput(f"{where}.{name}: {len(values)} values, response_length is {n}{hint}", path=path)
-    reward = raw.get("reward")
-    if isinstance(reward, dict):
-        if reward_key is None or reward_key not in reward:
-            raise BadInput(f"{where}.reward is a dict ({', '.join(map(str, reward))}); name one with --reward-key",
-                           path=path)
-        reward = reward[reward_key]
-    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-        raise BadInput(f"{where}.reward: expected a finite number, got {reward!r}", path=path)
-    group = raw.get("group_index")
-    if not isinstance(group, int):
+    return tokens, n, mask, logprobs
+
+
+def _kept(raw: dict, path: Path, where: str) -> dict:
+    """Every field that is not used, as JSON, under its own name (a dict reward too, whole)."""
+    kept = {k: _plain(v, path, f"{where}.{k}") for k, v in raw.items() if FIELDS.get(k) not in ("used", "refused")}
+    if isinstance(raw.get("reward"), dict):
+        kept["reward"] = _plain(raw["reward"], path, f"{where}.reward")
+    return kept
+
+
+def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
+    where = f"samples[{i}]"
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where}: expected a dict (Sample.to_dict())", path=path)
+    for name in REFUSED:
+        if raw.get(name) is not None:
+            raise BadInput(f"{where}.{name}: set, and multimodal samples are not supported (rlbench's models are "
+                           "text only)", path=path)
+    tokens, n, mask, logprobs = _spans(raw, path, where)
+    nucleus = _nucleus(raw, path, where, n)
+    reward = _reward(raw, path, where, reward_key)
+    group, index = raw.get("group_index"), raw.get("index")
+    if not isinstance(group, int) or isinstance(group, bool):
         raise BadInput(f"{where}.group_index: expected an integer, got {group!r}", path=path)
-    index = raw.get("index", i)
+    if index is None:
+        index = i
     if not isinstance(index, int) or isinstance(index, bool):
         raise BadInput(f"{where}.index: expected an integer, got {index!r}", path=path)
     status = raw.get("status", "completed")
-    if not isinstance(status, str):
-        raise BadInput(f"{where}.status: expected a string, got {status!r}", path=path)
-    prompt = raw.get("prompt", "")
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in messages):
-        raise BadInput(f"{where}.prompt: expected a string or a list of {{role, content}} messages", path=path)
-    for key in ("label", "response"):
-        if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise BadInput(f"{where}.{key}: expected a string, got {type(raw[key]).__name__}", path=path)
+    if status not in STATUS_TO_FINISH:
+        raise BadInput(f"{where}.status: expected one of slime's statuses ({', '.join(STATUS_TO_FINISH)}), got "
+                       f"{status!r}", path=path)
+    removed = raw.get("remove_sample", False)
+    if not isinstance(removed, bool):
+        raise BadInput(f"{where}.remove_sample: expected true or false, got {removed!r}", path=path)
+    if removed:
+        mask = [0] * n  # slime trains nothing of a removed sample
+    messages = _messages(raw.get("prompt", ""), path, f"{where}.prompt")
+    if raw.get("response") is not None and not isinstance(raw["response"], str):
+        raise BadInput(f"{where}.response: expected a string, got {type(raw['response']).__name__}", path=path)
     versions = raw.get("weight_versions") or []
     if not isinstance(versions, list):
         raise BadInput(f"{where}.weight_versions: expected a list, got {type(versions).__name__}", path=path)
     return {"tokens": tokens, "prompt_length": len(tokens) - n, "loss_mask": mask, "logprobs": logprobs,
-            "reward": float(reward), "group_index": group, "index": index,
-            "meta": {"index": index, "group_index": group, "prompt_index": group,
-                     "messages": messages, "label": raw.get("label"), "response": raw.get("response", ""),
-                     "response_length": n, "finish_reason": STATUS_TO_FINISH.get(status, "abort"),
-                     "status": status, "seed": None, "engine_id": "slime",
-                     "weight_version": str(versions[-1]) if versions else None, "reward": float(reward)}}
+            "nucleus": nucleus, "reward": reward, "group_index": group, "index": index,
+            "meta": {"index": index, "group_index": group, "prompt_index": group, "group": group,
+                     "messages": messages, "label": _plain(raw.get("label"), path, f"{where}.label"),
+                     "response": raw.get("response") or "", "response_length": n,
+                     "finish_reason": STATUS_TO_FINISH[status], "status": status, "seed": None, "engine_id": "slime",
+                     "weight_version": str(versions[-1]) if versions else None, "reward": reward,
+                     "remove_sample": removed, "has_rollout_logprobs": logprobs is not None,
+                     "top_p": nucleus is not None, "slime": _kept(raw, path, where)}}
+
+
+def _nucleus_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """`top_p_ids` and the token-aligned `top_p_offsets` (rlbench/rundir/recording.py): empty spans on
+    prompt tokens and on samples without a nucleus."""
+    ids, offsets = [], [0]
+    for r in rows:
+        offsets += [offsets[-1]] * r["prompt_length"]
+        if r["nucleus"] is None:
+            offsets += [offsets[-1]] * len(r["loss_mask"])
+            continue
+        kept, spans = r["nucleus"]
+        base = offsets[-1]
+        ids += kept
+        offsets += [base + o for o in spans[1:]]
+    return {"top_p_ids": torch.tensor(ids, dtype=torch.long), "top_p_offsets": torch.tensor(offsets, dtype=torch.long)}
 
 
 def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
     from rlbench.rundir.recording import pack
 
     tensors = pack([r["tokens"][: r["prompt_length"]] for r in rows], [r["tokens"][r["prompt_length"]:] for r in rows],
-                   [r["loss_mask"] for r in rows], [r["logprobs"] or [0.0] * len(r["loss_mask"]) for r in rows],
+                   [r["loss_mask"] for r in rows],
+                   [r["logprobs"] if r["logprobs"] is not None else [0.0] * len(r["loss_mask"]) for r in rows],
                    [r["group_index"] for r in rows], [r["group_index"] for r in rows])
     tensors["rewards"] = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
+    if any(r["nucleus"] is not None for r in rows):
+        tensors.update(_nucleus_tensors(rows))
     return tensors
+
+
+def _read_step(dump: dict, path: Path, reward_key: str | None, vocab: int, vocabulary: str) -> list[dict]:
+    """One dump's samples, ordered by (group, index), their ids held to the vocabulary."""
+    rows = sorted((_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
+                  key=lambda r: (r["group_index"], r["index"]))
+    if not rows:
+        raise BadInput("no samples", path=path, field="samples")
+    too_big = max(max([*r["tokens"], *(r["nucleus"] or ([], []))[0]], default=0) for r in rows)
+    if too_big >= vocab:
+        raise BadInput(f"token id {too_big} is outside {vocabulary}, {vocab} ids: another tokenizer?", path=path)
+    return rows
+
+
+def _group_sizes(rows: list[dict]) -> list[int]:
+    sizes: dict[int, int] = {}
+    for r in rows:
+        sizes[r["group_index"]] = sizes.get(r["group_index"], 0) + 1
+    return list(sizes.values())
+
+
+def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
+    """Counts of what the summary names, and its notes: kept fields slime trains with that replay
+    does not use, fields slime's Sample does not declare, compact rollouts."""
+    rows = [r for _, _, step_rows in steps for r in step_rows]
+    counts = {"removed": sum(r["meta"]["remove_sample"] for r in rows),
+              "without_logprobs": sum(not r["meta"]["has_rollout_logprobs"] for r in rows),
+              "top_p": sum(r["meta"]["top_p"] for r in rows)}
+    notes = []
+    for name, why in NOT_TRAINED.items():
+        n = sum(r["meta"]["slime"].get(name) is not None for r in rows)
+        if n:
+            notes.append(f"{name} kept in {n} samples' metadata, not used by replay: {why}")
+    if counts["top_p"]:
+        notes.append(f"top-p nucleus of {counts['top_p']} samples kept: check logprobs --recompute renormalises over "
+                     "it; replay trains on full-vocabulary log-probs (slime renormalises there too)")
+    unknown = sorted({k for r in rows for k in r["meta"]["slime"] if k not in FIELDS and k != "reward"})
+    if unknown:
+        notes.append(f"fields slime's Sample does not declare, kept in the samples' metadata: {', '.join(unknown)}")
+    for rollout_id, _, step_rows in steps:
+        ids = [r["meta"]["slime"].get("rollout_id") for r in step_rows]
+        shared = sum(1 for x in ids if x is not None and ids.count(x) > 1)
+        if shared:
+            notes.append(f"rollout id {rollout_id}: {shared} samples share a Sample.rollout_id with siblings (a "
+                         "compact rollout): slime averages their loss over the rollout's tokens together, replay per "
+                         "sample")
+    return counts, notes
 
 
 def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None,
                  model_given: bool = True) -> dict:
     """Write the dumps as a recording at `out`; return a summary. Token ids are held to the model's
     vocabulary when a model was given (`model_given`), else to the tokenizer's."""
-    import json
-
-    from rlbench.core.context import versions
-    from rlbench.core.loop import StepState, checksum_inputs
-    from rlbench.core.model import file_digest, load_model_config, load_tokenizer
-    from rlbench.rundir.directory import SCHEMA, RunWriter
+    from rlbench.core.model import load_model_config, load_tokenizer
 
     if not dumps:
         raise BadInput("no dump files given", field="DUMP")
@@ -151,32 +334,37 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
         vocab, vocabulary = load_model_config(model.path).vocab_size, f"the model's vocabulary ({model.path})"
     else:
         vocab, vocabulary = len(tokenizer), f"the tokenizer's vocabulary ({model.tokenizer})"
-    steps, group_size, groups = [], None, None
-    for dump, path in loaded:
-        rows = sorted((_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
-                      key=lambda r: (r["group_index"], r["index"]))
-        if not rows:
-            raise BadInput("no samples", path=path, field="samples")
-        too_big = max(max(r["tokens"], default=0) for r in rows)
-        if too_big >= vocab:
-            raise BadInput(f"token id {too_big} is outside {vocabulary}, {vocab} ids: another tokenizer?", path=path)
-        sizes = {}
-        for r in rows:
-            sizes[r["group_index"]] = sizes.get(r["group_index"], 0) + 1
-        if len(set(sizes.values())) != 1 or (group_size is not None and
-                                             (set(sizes.values()) != {group_size} or len(sizes) != groups)):
-            raise BadInput(f"groups must have one size across all dumps (GRPO), got sizes {sorted(set(sizes.values()))}",
-                           path=path, field="group_index")
-        group_size, groups = next(iter(sizes.values())), len(sizes)
-        steps.append((dump["rollout_id"], path, rows))
+    steps = [(dump["rollout_id"], path, _read_step(dump, path, reward_key, vocab, vocabulary)) for dump, path in loaded]
+    counts, notes = _notes(steps)
+    sizes = [_group_sizes(rows) for _, _, rows in steps]
+    _write(steps, sizes, out, model, dumps)
+    flat = sorted({s for step_sizes in sizes for s in step_sizes})
+    return {"out": str(out), "steps": len(steps), "rollout_ids": [rid for rid, _, _ in steps],
+            "samples": sum(len(rows) for _, _, rows in steps), "samples_per_step": [len(rows) for _, _, rows in steps],
+            "group_size": flat[0] if len(flat) == 1 else None, "group_sizes": sizes, **counts, "notes": notes}
+
+
+def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], out: Path, model: ModelConfig,
+           dumps: list[Path]) -> None:
+    """The recording: a rollout-only manifest and one committed step per dump. The dumps do not say
+    slime's batch settings: prompts per step and samples per prompt are the largest of the dumps'
+    (groups may differ in size), and one optimizer step per rollout id (train.minibatches 1)."""
+    import json
+
+    from rlbench.core.context import versions
+    from rlbench.core.loop import StepState, checksum_inputs
+    from rlbench.core.model import file_digest
+    from rlbench.rundir.directory import SCHEMA, RunWriter
+
     config = RunConfig(steps=len(steps), mode="rollout-only", out=str(out), model=model)
-    config = config.replace(data=config.data.__class__(path=str(dumps[0]), prompts_per_step=groups),
-                            rollout=config.rollout.__class__(n_samples_per_prompt=group_size))
+    config = config.replace(data=config.data.__class__(path=str(dumps[0]), prompts_per_step=max(map(len, sizes))),
+                            rollout=config.rollout.__class__(n_samples_per_prompt=max(map(max, sizes))),
+                            train=config.train.__class__(minibatches=1))
     manifest = json.loads(json.dumps({
         "schema": SCHEMA, "config": config.to_dict(), "seed": config.seed, "mode": "rollout-only",
         "stages": ["data", "rollout", "reward"], "reward_fn": "imported", "versions": versions(),
         "device": "cpu", "imported": {"from": "slime", "files": [str(p) for _, p, _ in steps],
-                                      "rollout_ids": [rid for rid, _, _ in steps]},
+                                      "rollout_ids": [rid for rid, _, _ in steps], "group_sizes": sizes},
         "hashes": {"model_config": file_digest(Path(model.path) / "config.json"),
                    "tokenizer": file_digest(Path(model.tokenizer)), "initial_weights": None, "dataset": None}}))
     writer = RunWriter(out, manifest)
@@ -189,5 +377,3 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
             writer.commit_step(step, state.tensors, state.sample_meta, state.checksums, state.metrics)
     finally:
         writer.close()
-    return {"out": str(out), "steps": len(steps), "rollout_ids": [rid for rid, _, _ in steps],
-            "samples_per_step": groups * group_size, "group_size": group_size}

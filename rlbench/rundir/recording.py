@@ -13,6 +13,16 @@ Layout, all token-aligned arrays indexed by `offsets` (sample i is tokens[offset
     old_logprobs      float32[T]    the trainer's log-probs before the update (full mode)
     ref_logprobs      float32[T]    the reference policy's (when KL is on)
     losses            float32[m]    each optimizer step's loss (full mode)
+    top_p_ids         int64  [K]    a top-p nucleus the engine sampled from (imported from slime), with
+    top_p_offsets     int64  [T+1]  token j's nucleus top_p_ids[top_p_offsets[j]:top_p_offsets[j+1]]; the
+                                    samples whose JSON says "top_p": true have one on every response token
+
+Per-sample JSON keys every reader honours where present (an import from slime writes them):
+    remove_sample         true: slime removed it; its loss mask is all 0 and no check judges it
+    has_rollout_logprobs  false: the engine reported no log-probs; `rollout_logprobs` holds 0.0 there,
+                          which no check reads as a log-prob
+    top_p                 true: the sample's nucleus is in top_p_ids / top_p_offsets
+    group                 the sample's group (slime's group_index); groups may differ in size
 
 Both files verify themselves: the safetensors metadata holds the digest of its tensors and the
 JSON the digest of its samples, so a truncated file or a flipped byte is caught as corruption
@@ -151,7 +161,8 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
 DTYPES = {"tokens": torch.int64, "offsets": torch.int64, "prompt_lengths": torch.int64, "prompt_index": torch.int64,
           "group_index": torch.int64, "loss_mask": torch.uint8, "rollout_logprobs": torch.float32,
           "rewards": torch.float32, "advantages": torch.float32, "old_logprobs": torch.float32,
-          "ref_logprobs": torch.float32, "losses": torch.float32}
+          "ref_logprobs": torch.float32, "losses": torch.float32, "top_p_ids": torch.int64,
+          "top_p_offsets": torch.int64}
 
 
 def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
@@ -181,10 +192,27 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
     lengths = offsets[1:] - offsets[:-1]
     if bool(((t["prompt_lengths"] < 0) | (t["prompt_lengths"] > lengths)).any()):
         raise BadInput("tensor 'prompt_lengths' does not fit the samples' lengths", path=path)
+    _check_nucleus(t, total, path)
+
+
+def _check_nucleus(t: dict[str, torch.Tensor], total: int, path: Path) -> None:
+    """top_p_ids and top_p_offsets: both or neither, ids >= 0, one monotone span per token."""
+    if ("top_p_ids" in t) != ("top_p_offsets" in t):
+        raise BadInput("tensors 'top_p_ids' and 'top_p_offsets' come together; one is missing", path=path)
+    if "top_p_ids" not in t:
+        return
+    ids, offsets = t["top_p_ids"], t["top_p_offsets"]
+    if ids.numel() and int(ids.min()) < 0:
+        raise BadInput(f"tensor 'top_p_ids' holds {int(ids.min())}; ids are >= 0", path=path)
+    if offsets.numel() != total + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or \
+            bool((offsets[1:] < offsets[:-1]).any()):
+        raise BadInput(f"tensor 'top_p_offsets' is not a monotone split of 'top_p_ids' with one span per token "
+                       f"({total} tokens)", path=path)
 
 
 def check_ids(tensors: dict[str, torch.Tensor], vocab: int, path: Path, what: str) -> None:
     """Every token id inside a vocabulary of `vocab` ids (`what` names it), else BadInput naming the file."""
-    tokens = tensors["tokens"]
-    if tokens.numel() and int(tokens.max()) >= vocab:
-        raise BadInput(f"token id {int(tokens.max())} is outside {what} ({vocab} ids)", path=path)
+    for key in ("tokens", "top_p_ids"):
+        ids = tensors.get(key)
+        if ids is not None and ids.numel() and int(ids.max()) >= vocab:
+            raise BadInput(f"token id {int(ids.max())} is outside {what} ({vocab} ids)", path=path)

@@ -1,5 +1,7 @@
-"""The RL maths in rlbench/core/algo.py: GRPO advantages, PPO-clip loss, KL estimators,
-sample-mean aggregation and token log-probs, checked against their definitions."""
+"""The RL maths in rlbench/core/algo.py: GRPO advantages (by group size and by group id), whitening,
+PPO-clip, dual-clip, GSPO and CISPO losses, TIS, KL estimators, sample-mean and per-token aggregation
+and token log-probs, checked against their definitions; the algorithm's settings (AlgoConfig), the
+loop's groups and the logprob metrics. slime's own values: tests/conformance/slime/test_algo.py."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlbench.config import AlgoConfig, RunConfig, config_from_dict, load_config
+from rlbench.core import algo, loop, metrics
 from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
                                 token_entropy, token_logprobs)
+from rlbench.errors import BadInput
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -400,3 +405,283 @@ def test_token_entropy_matches_hand_computation(temperature):
     assert got.shape == (1, 3) and got[0, 0] == 0
     assert got[0, 1].item() == pytest.approx(math.log(2))
     assert got[0, 2].item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-5)
+
+
+# ---------------------------------------------------------------- groups by id, of any size
+
+
+@st.composite
+def unequal_groups(draw):
+    sizes = draw(st.lists(st.integers(1, 6), min_size=1, max_size=5))
+    ids = [g for g, size in enumerate(sizes) for _ in range(size)]
+    order = draw(st.permutations(range(len(ids))))
+    rewards = draw(st.lists(dyadic_reward, min_size=len(ids), max_size=len(ids)))
+    return torch.tensor(rewards, dtype=torch.float32), torch.tensor([ids[i] for i in order])
+
+
+@PROPERTY
+@given(unequal_groups(), st.booleans())
+def test_groups_by_id_are_each_normalised_on_their_own(case, normalize_std):
+    """Each group, wherever its samples sit, gets what it would get alone (consecutive, by size)."""
+    rewards, ids = case
+    adv = grpo_advantages(rewards, ids, normalize_std)
+    for group in ids.unique():
+        members = ids == group
+        alone = grpo_advantages(rewards[members], int(members.sum()), normalize_std)
+        torch.testing.assert_close(adv[members], alone, atol=1e-6, rtol=0)
+
+
+@PROPERTY
+@given(grouped_rewards(), st.booleans())
+def test_consecutive_ids_equal_the_group_size(case, normalize_std):
+    rewards, group_size = case
+    ids = torch.arange(len(rewards)) // group_size
+    torch.testing.assert_close(grpo_advantages(rewards, ids, normalize_std),
+                               grpo_advantages(rewards, group_size, normalize_std), atol=1e-6, rtol=0)
+
+
+def test_a_group_of_one_gets_zero_and_a_constant_group_exactly_zero():
+    adv = grpo_advantages(torch.tensor([1.0, 0.9, 0.9, 0.9, 0.0, 1.0]), torch.tensor([0, 1, 1, 1, 2, 2]))
+    assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert adv[4:].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-5)
+
+
+def _config(**changes) -> AlgoConfig:
+    return AlgoConfig(**changes)
+
+
+def test_normalised_rewards_per_estimator():
+    rewards, ids = torch.tensor([1.0, 0.0, 0.5, 0.25]), torch.tensor([0, 0, 1, 1])
+    centred = [0.5, -0.5, 0.125, -0.125]
+    assert algo.normalised_rewards(rewards, ids, _config(normalize_std=False)).tolist() == centred
+    for estimator in ("grpo", "gspo", "cispo"):  # the std applies to these three
+        got = algo.normalised_rewards(rewards, ids, _config(advantage=estimator))
+        assert got.tolist() == pytest.approx([c / (math.sqrt(2 * c * c) + 1e-6) for c in centred], rel=1e-6)
+    baseline = _config(advantage="reinforce_plus_plus_baseline", normalize_advantages=True)
+    assert algo.normalised_rewards(rewards, ids, baseline).tolist() == centred  # centred only, std or not
+    plain = _config(advantage="reinforce_plus_plus", normalize_advantages=True)
+    assert algo.normalised_rewards(rewards, ids, plain).tolist() == rewards.tolist()
+
+
+# ---------------------------------------------------------------- whitening over trained tokens
+
+
+def test_whiten_weighs_each_sample_by_its_trained_tokens():
+    values, counts = torch.tensor([1.0, 3.0, 100.0]), torch.tensor([3, 1, 0])  # the third trains on nothing
+    tokens = torch.tensor([1.0, 1.0, 1.0, 3.0])
+    expected = (values - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)  # unbiased, over the 4 tokens
+    torch.testing.assert_close(algo.whiten(values, counts), expected)
+    got = algo.advantages(values, torch.tensor([0, 1, 2]), counts, _config(advantage="reinforce_plus_plus",
+                                                                           normalize_advantages=True))
+    torch.testing.assert_close(got, expected)
+    one = algo.whiten(torch.tensor([2.0, 5.0]), torch.tensor([1, 0]))  # one token: no Bessel correction, variance 0
+    assert one.tolist() == pytest.approx([0.0, 3 / math.sqrt(1e-8)])
+
+
+def test_whiten_refuses_a_step_with_no_trained_token():
+    with pytest.raises(BadInput, match="algo.normalize_advantages: no trained token"):
+        algo.whiten(torch.tensor([1.0, 2.0]), torch.tensor([0, 0]))
+
+
+# ---------------------------------------------------------------- the loss options
+
+
+def test_k2_and_low_var_kl_match_definitions():
+    logp, ref = torch.tensor([-1.0, -2.0, -1.0]), torch.tensor([-1.5, -0.5, 4.0])
+    assert kl_penalty(logp, ref, "k2").tolist() == pytest.approx([0.125, 1.125, 12.5])
+    k3 = kl_penalty(logp, ref, "k3")
+    assert k3[2].item() == pytest.approx(math.exp(5) - 6)  # about 142
+    assert kl_penalty(logp, ref, "low_var_kl").tolist() == pytest.approx([k3[0].item(), k3[1].item(), 10.0])
+
+
+def test_dual_clip_bounds_a_negative_advantage():
+    """A < 0 and ratio 3: PPO-clip's loss is -A * 3; dual clip at 2 makes it -A * 2 (no gradient); A > 0 is
+    untouched."""
+    old = torch.zeros(2, 2)
+    logp = torch.full((2, 2), math.log(3.0)).requires_grad_(True)
+    adv, mask = torch.tensor([-1.0, 1.0]), torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    plain, _, _, _ = algo.policy_terms(logp, old, adv, mask, "grpo", 0.2, 0.2)
+    dual, _, _, _ = algo.policy_terms(logp, old, adv, mask, "grpo", 0.2, 0.2, eps_c=2.0)
+    assert plain[:, 1].tolist() == pytest.approx([3.0, -1.2])
+    assert dual[:, 1].tolist() == pytest.approx([2.0, -1.2])
+    (dual * mask).sum().backward()
+    assert logp.grad[0, 1].item() == 0.0
+
+
+def test_gspo_uses_the_samples_mean_ratio_on_every_token():
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[0.0, 0.1, 0.3, 9.0]])  # the last token is masked: not in the mean
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    loss, clipped, ppo_kl, ratio = algo.policy_terms(logp, old, torch.tensor([1.0]), mask, "gspo", 0.2, 0.28)
+    assert ratio[0].tolist() == pytest.approx([math.exp(0.2)] * 4)
+    assert ppo_kl[0].tolist() == pytest.approx([-0.2] * 4) and clipped.sum() == 0
+    assert loss[0, 1].item() == pytest.approx(-math.exp(0.2))
+
+
+def test_cispo_clips_the_weight_and_keeps_the_gradient():
+    """CISPO: -sg(clip(r)) * A * logp; a clipped token still has the gradient -clip(r) * A (PPO's would be 0)."""
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[0.0, math.log(1.5)]]).requires_grad_(True)
+    mask = torch.tensor([[0.0, 1.0]])
+    loss, clipped, _, _ = algo.policy_terms(logp, old, torch.tensor([2.0]), mask, "cispo", 0.2, 0.28)
+    assert loss[0, 1].item() == pytest.approx(-1.28 * 2.0 * math.log(1.5))
+    assert clipped[0, 1].item() == 1.0
+    (loss * mask).sum().backward()
+    assert logp.grad[0, 1].item() == pytest.approx(-1.28 * 2.0)
+
+
+def test_tis_weights_and_metrics():
+    old, rollout = torch.tensor([0.0, 0.0, 0.0]), torch.log(torch.tensor([0.25, 1.0, 2.0]))  # ratios 4, 1, 0.5
+    weight, terms = algo.tis_terms(old, rollout, 0.6, 2.0)
+    assert weight.tolist() == pytest.approx([2.0, 1.0, 0.6])
+    assert terms["tis"].tolist() == pytest.approx([4.0, 1.0, 0.5])
+    assert terms["tis_clipfrac"].tolist() == [1.0, 0.0, 1.0]
+    assert terms["tis_abs"].tolist() == pytest.approx([3.0, 0.0, 0.5])
+
+
+def test_per_token_reducer_counts_a_removed_sample_as_one_token():
+    values = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0], [7.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    tokens = algo.token_denominator(mask)
+    assert tokens.item() == 5  # 3 + 1 (removed: clamp to 1) + 1
+    assert algo.reducer(mask, tokens)(values).item() == pytest.approx((1 + 2 + 3 + 7) / 5)
+    assert algo.reducer(mask)(values).item() == pytest.approx((2 + 0 + 7) / 3)  # per sample: removed counts as 0
+
+
+def test_policy_loss_metric_names_follow_the_options():
+    assert algo.loss_metric_names(_config()) == ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
+    assert algo.loss_metric_names(_config(kl_coef=0.1, use_tis=True))[4:] == ("kl_loss", "ois", "tis",
+                                                                             "tis_clipfrac", "tis_abs")
+
+
+# ---------------------------------------------------------------- AlgoConfig
+
+
+@pytest.mark.parametrize("key, value", [
+    ("advantage", "ppo"), ("normalize_std", 1), ("eps_clip", 0), ("eps_clip_high", -0.1), ("eps_clip_c", 1.0),
+    ("eps_clip_c", "3"), ("kl_coef", -1), ("kl_type", "k4"), ("entropy_coef", math.inf),
+    ("normalize_advantages", "yes"), ("per_token_loss", None), ("use_tis", 0), ("tis_clip", 0), ("tis_clip_low", -1),
+])
+def test_algo_config_refuses_by_name(key, value):
+    with pytest.raises(BadInput, match=f"algo.{key}: expected"):
+        AlgoConfig(**{key: value})
+
+
+@pytest.mark.parametrize("changes, key, fix", [
+    ({"advantage": "cispo", "eps_clip_c": 3.0}, "eps_clip_c", None),
+    ({"advantage": "reinforce_plus_plus"}, "normalize_advantages", True),
+    ({"advantage": "reinforce_plus_plus_baseline"}, "normalize_advantages", True),
+    ({"tis_clip": 1.5, "tis_clip_low": 1.6}, "tis_clip_low", 1.5),
+])
+def test_algo_config_refuses_what_slime_refuses_or_ignores(changes, key, fix):
+    with pytest.raises(BadInput, match=f"algo.{key}: expected"):
+        AlgoConfig(**changes)
+    AlgoConfig(**{**changes, key: fix})  # the same with that one setting changed is taken
+
+
+def test_algo_config_from_toml_and_from_an_older_manifest(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[algo]\nadvantage = "gspo"\neps_clip_c = 3\nkl_type = "low_var_kl"\nper_token_loss = true\n')
+    algo_config = load_config(path).algo
+    assert (algo_config.advantage, algo_config.eps_clip_c, algo_config.kl_type, algo_config.per_token_loss) == \
+        ("gspo", 3.0, "low_var_kl", True)
+    path.write_text('[algo]\neps_clip_c = "high"\n')
+    with pytest.raises(BadInput, match="algo.eps_clip_c: expected a number"):
+        load_config(path)
+    table = RunConfig().to_dict()
+    table["algo"] = {k: table["algo"][k] for k in ("advantage", "normalize_std", "eps_clip", "eps_clip_high",
+                                                    "kl_coef", "kl_type", "entropy_coef")}  # before issue 21
+    assert config_from_dict(table, "manifest.json").algo == AlgoConfig()
+    assert config_from_dict(RunConfig(algo=algo_config).to_dict(), "manifest.json").algo == algo_config
+
+
+# ---------------------------------------------------------------- the loop's groups and the logprob metrics
+
+
+def _state(meta: list[dict], n: int):
+    state = loop.StepState(3)
+    state.sample_meta, state.tensors["rewards"] = meta, torch.zeros(n)
+    return state
+
+
+def test_groups_from_recorded_sample_metadata():
+    ctx = SimpleNamespace(group_size=4)
+    assert loop.groups(ctx, _state([{}] * 8, 8)) == 4  # a live run or a recording without "group"
+    assert loop.groups(ctx, _state([{"group": g} for g in (7, 7, 9, 9, 9)], 5)).tolist() == [7, 7, 9, 9, 9]
+    with pytest.raises(BadInput, match="samples.group: the recording of step 3: 5 samples do not make groups"):
+        loop.groups(ctx, _state([{}] * 5, 5))
+    with pytest.raises(BadInput, match="sample 1's group is None; expected an integer >= 0 on every sample"):
+        loop.groups(ctx, _state([{"group": 0}, {}], 2))
+    with pytest.raises(BadInput, match="sample 0's group is True"):
+        loop.groups(ctx, _state([{"group": True}], 1))
+
+
+def _flat(lengths, masks, diffs):
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    mask = torch.tensor([m for row in masks for m in row], dtype=torch.uint8)
+    old = torch.tensor([d for row in diffs for d in row], dtype=torch.float32)
+    return {"offsets": offsets, "loss_mask": mask, "old_logprobs": old, "rollout_logprobs": torch.zeros_like(old)}
+
+
+def test_logprob_abs_diff_is_slimes_per_sample_mean_not_the_token_mean():
+    """One short sample with a large difference, one long with a small one, one removed: the per-sample mean
+    (slime's train/train_rollout_logprob_abs_diff) weighs the samples, the token mean the tokens."""
+    tensors = _flat([2, 5, 2], [[0, 1], [0, 1, 1, 1, 1], [0, 0]], [[0, 0.8], [0, 0.1, -0.1, 0.1, 0.1], [0, 0.5]])
+    assert metrics.logprob_abs_diff(tensors) == pytest.approx((0.8 + 0.1 + 0) / 3)
+    assert metrics.logprob_abs_diff(tensors, per_token=True) == pytest.approx((0.8 + 0.4) / (1 + 4 + 1))
+    assert metrics.logprob_abs_diff_token_mean(tensors) == pytest.approx((0.8 + 0.4) / 5)
+    # a sample whose engine reported no log-probs (0.0 in the tensor) is left out, not read as a log-prob
+    known = torch.tensor([True, False, True])
+    assert metrics.logprob_abs_diff(tensors, known=known) == pytest.approx((0.8 + 0) / 2)
+    assert metrics.logprob_abs_diff(tensors, per_token=True, known=known) == pytest.approx(0.8 / 2)
+    assert metrics.logprob_abs_diff_token_mean(tensors, known) == pytest.approx(0.8)
+
+
+# ---------------------------------------------------------------- the trainer's refusals
+
+
+def _trainer(**algo_changes):
+    from rlbench.backends.torch_trainer import TorchTrainer
+    from rlbench.config import TrainConfig
+
+    table = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    return TorchTrainer(_PositionLogits(table), TrainConfig(minibatches=2, micro_batch_size=2),
+                        AlgoConfig(**algo_changes), 1.0, seed=0)
+
+
+def test_trainer_refuses_samples_that_do_not_split_into_minibatches_and_tis_without_rollout_logprobs():
+    from rlbench.core.algo import TrainBatch
+
+    def batch(n):
+        return TrainBatch(torch.zeros(n, 4, dtype=torch.long), torch.ones(n, 4), torch.zeros(n), torch.zeros(n, 4),
+                          None)
+
+    with pytest.raises(BadInput, match="train.minibatches: step 0 has 3 samples, which do not split into 2"):
+        _trainer().train_step(batch(3), 0)
+    with pytest.raises(BadInput, match="algo.use_tis: step 0: TIS needs the rollout log-probs"):
+        _trainer(use_tis=True).train_step(batch(4), 0)
+
+
+def _logprob_stage(meta: list[dict], **algo_changes):
+    tensors = _flat([2, 3], [[0, 1], [0, 1, 1]], [[0, 0.5], [0, 0.25, 0.25]])
+    tensors["tokens"], tensors["advantages"] = torch.tensor([1, 2, 1, 3, 4]), torch.zeros(2)
+    tensors["rollout_logprobs"] = -tensors.pop("old_logprobs")  # the trainer's below are 0: |delta| as above
+    state = _state(meta, 2)
+    state.tensors.update(tensors)
+    ctx = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(true_on_policy=False),
+                                                 algo=AlgoConfig(**algo_changes)),
+                          trainer=SimpleNamespace(logprobs=lambda tokens, **kwargs: torch.zeros(tokens.shape)))
+    loop.logprob(ctx, state)
+    return state
+
+
+def test_logprob_stage_leaves_out_samples_without_rollout_logprobs_and_tis_refuses_them():
+    state = _logprob_stage([{}, {}])
+    assert state.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx((0.5 + 0.25) / 2)
+    assert state.metrics["train/rollout_logprob_abs_diff_token_mean"] == pytest.approx(1.0 / 3)
+    state = _logprob_stage([{}, {"has_rollout_logprobs": False}])
+    assert state.metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(0.5)
+    assert "train/train_rollout_logprob_abs_diff" not in _logprob_stage([{"has_rollout_logprobs": False}] * 2).metrics
+    assert _logprob_stage([{}, {}], use_tis=True).batch.rollout_logprobs is not None
+    with pytest.raises(BadInput, match="algo.use_tis: step 3: sample 1 has no rollout log-probs"):
+        _logprob_stage([{}, {"has_rollout_logprobs": False}], use_tis=True)

@@ -17,7 +17,7 @@ from tests.conftest import run_cli, word_level_tokenizer
 def test_statistics_by_hand():
     delta = torch.tensor([0.1, -0.2, 0.0, 0.4], dtype=torch.float64)
     stats = statistics(delta)
-    assert stats["mean_abs"] == pytest.approx(0.175)
+    assert stats["token_mean_abs"] == stats["train_rollout_logprob_abs_diff"] == pytest.approx(0.175)  # one sample
     assert stats["max_abs"] == pytest.approx(0.4)
     assert stats["k3_kl"] == pytest.approx(sum(math.exp(r) - r - 1 for r in [0.1, -0.2, 0.0, 0.4]) / 4)
     assert stats["mean_exp_abs"] == pytest.approx(sum(math.exp(abs(r)) for r in [0.1, -0.2, 0.0, 0.4]) / 4)
@@ -27,9 +27,20 @@ def test_statistics_by_hand():
     # 0, 1, ..., 100 in some order, signs mixed: p99 is 99, mean 50, max 100
     spread = torch.tensor([(-1) ** k * float((37 * k) % 101) for k in range(101)], dtype=torch.float64)
     stats = statistics(spread)
-    assert (stats["p99_abs"], stats["mean_abs"], stats["max_abs"]) == (pytest.approx(99.0), pytest.approx(50.0), 100.0)
-    assert statistics(torch.zeros(0)) == {"mean_abs": 0.0, "p99_abs": 0.0, "max_abs": 0.0, "k3_kl": 0.0,
-                                          "mean_exp_abs": 0.0}
+    assert (stats["p99_abs"], stats["token_mean_abs"], stats["max_abs"]) == (pytest.approx(99.0), pytest.approx(50.0),
+                                                                             100.0)
+    assert statistics(torch.zeros(0)) == {"train_rollout_logprob_abs_diff": 0.0, "token_mean_abs": 0.0, "p99_abs": 0.0,
+                                          "max_abs": 0.0, "k3_kl": 0.0, "mean_exp_abs": 0.0}
+
+
+def test_slimes_per_sample_mean_and_the_token_mean_part_on_unequal_lengths():
+    """slime's train_rollout_logprob_abs_diff: each sample's mean |delta|, then the mean over samples; the
+    token mean weighs the long sample more. A sample with no judged token is left out of the per-sample mean."""
+    delta = torch.tensor([0.1, -0.2, 0.0, 0.4], dtype=torch.float64)  # sample 0: 0.1; sample 1: -0.2, 0.0, 0.4
+    stats = statistics(delta, [1, 0, 3])
+    assert stats["train_rollout_logprob_abs_diff"] == pytest.approx((0.1 + 0.6 / 3) / 2)  # 0.15
+    assert stats["token_mean_abs"] == pytest.approx(0.175)
+    assert statistics(delta, [4]) == statistics(delta)
 
 
 def test_default_mismatch_is_reported_as_measured(run_small, tmp_path):
@@ -37,9 +48,12 @@ def test_default_mismatch_is_reported_as_measured(run_small, tmp_path):
     report = check_logprobs(tmp_path / "a", top=5)
     assert report.source == "recorded" and report.steps == [0, 1, 2]
     # Not zero (decode with a KV cache vs a padded batched forward round differently), and small.
-    assert 0 < report.stats["mean_abs"] < 1e-5 and report.stats["max_abs"] < 1e-4
+    assert 0 < report.stats["train_rollout_logprob_abs_diff"] < 1e-5 and report.stats["max_abs"] < 1e-4
+    assert report.samples == 3 * 8 and report.removed == report.without_logprobs == 0
     for row, metrics in zip(report.per_step, result.history):
-        assert row["mean_abs"] == pytest.approx(metrics["train/train_rollout_logprob_abs_diff"], rel=1e-5)
+        # the run's metric under slime's name is one of the two means (slime's, once the loop computes it so)
+        assert metrics["train/train_rollout_logprob_abs_diff"] in (
+            pytest.approx(row["train_rollout_logprob_abs_diff"], rel=1e-5), pytest.approx(row["token_mean_abs"], rel=1e-5))
     worst = report.worst[0]
     assert abs(worst.delta) == pytest.approx(report.stats["max_abs"])
     assert worst.response_token >= 0 and worst.context
@@ -49,7 +63,8 @@ def test_true_on_policy_is_exactly_zero(run_small, tmp_path):
     result = run_small("t", steps=3, rollout__true_on_policy=True)
     assert all(h["train/train_rollout_logprob_abs_diff"] == 0.0 for h in result.history)
     report = check_logprobs(tmp_path / "t")
-    assert report.stats["mean_abs"] == 0.0 and report.stats["max_abs"] == 0.0 and report.stats["k3_kl"] == 0.0
+    assert report.stats["train_rollout_logprob_abs_diff"] == 0.0 and report.stats["max_abs"] == 0.0
+    assert report.stats["token_mean_abs"] == 0.0 and report.stats["k3_kl"] == 0.0
 
 
 def test_recompute_on_a_rollout_only_run(run_small, tmp_path):
@@ -69,7 +84,7 @@ def test_recompute_on_a_full_run_uses_exact_checkpoints(run_small, tmp_path):
     assert report.steps == [0, 2] and "no exact weights for steps [1]" in report.notes[0]
     recorded = {row["step"]: row for row in check_logprobs(tmp_path / "a").per_step}
     for row in report.per_step:  # recomputed with the same forward: the recorded numbers again
-        assert row["mean_abs"] == recorded[row["step"]]["mean_abs"]
+        assert row["train_rollout_logprob_abs_diff"] == recorded[row["step"]]["train_rollout_logprob_abs_diff"]
 
 
 def test_gates_through_the_cli(run_small, tmp_path):
@@ -91,9 +106,10 @@ def _samples(prompts=(3, 3)):
             for s, p in enumerate(prompts)]
 
 
-def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, **manifest):
+def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=({}, {}), **manifest):
     """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
-    `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1)."""
+    `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1).
+    `meta`: the two samples' JSON."""
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
     manifest = {"schema": SCHEMA, "config": config or _config(), "mode": "full", "stages": ["data"],
@@ -109,7 +125,7 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, **man
                    "rollout_logprobs": torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(rollout))}
         if old_logprobs:
             tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
-        writer.commit_step(step, tensors, [{}, {}], {"data": f"{step:064x}"}, {"train/loss": 0.0})
+        writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": f"{step:064x}"}, {"train/loss": 0.0})
     writer.close()
     return root
 
@@ -117,13 +133,14 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, **man
 def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]),
                                       ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0])])
-    report = check_logprobs(run, top=2, thresholds={"max_abs": 0.4, "mean_abs": 1.0, "p99_abs": None})
+    report = check_logprobs(run, top=2, thresholds={"max_abs": 0.4, "token_mean_abs": 1.0, "p99_abs": None})
     assert (report.run, report.source, report.steps, report.tokens, report.notes) == (str(run), "recorded", [0, 1], 8, [])
     deltas = [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.125, 0.0]
-    assert report.stats == statistics(torch.tensor(deltas, dtype=torch.float64))
-    assert report.stats["max_abs"] == 0.5 and report.stats["mean_abs"] == pytest.approx(0.875 / 8)
-    assert [(r["step"], r["tokens"], r["max_abs"]) for r in report.per_step] == [(0, 4, 0.5), (1, 4, 0.125)]
-    assert report.thresholds == {"max_abs": 0.4, "mean_abs": 1.0}  # a gate of None is no gate
+    assert report.stats == statistics(torch.tensor(deltas, dtype=torch.float64), [2, 2, 2, 2])
+    assert report.stats["max_abs"] == 0.5 and report.stats["token_mean_abs"] == pytest.approx(0.875 / 8)
+    assert [(r["step"], r["tokens"], r["samples"], r["max_abs"]) for r in report.per_step] == [(0, 4, 2, 0.5),
+                                                                                              (1, 4, 2, 0.125)]
+    assert report.thresholds == {"max_abs": 0.4, "token_mean_abs": 1.0}  # a gate of None is no gate
     assert report.failures == ["max_abs 0.5 > 0.4"]
     first, second = report.worst
     assert (first.step, first.sample, first.response_token, first.token_id) == (0, 0, 1, 61)
@@ -139,10 +156,10 @@ def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
 
 def test_a_gate_passes_on_finite_numbers_only(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0, float("nan"), -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5])])
-    report = check_logprobs(run, thresholds={"mean_abs": 10.0})
+    report = check_logprobs(run, thresholds={"train_rollout_logprob_abs_diff": 10.0})
     note = "1 non-finite log-prob deltas; the first at step 0, sample 0, response token 1 (trainer nan, rollout -2.5)"
     assert report.notes == [note]
-    assert report.failures == [f"mean_abs is nan ({note}): a gate passes only on finite numbers"]
+    assert report.failures == [f"train_rollout_logprob_abs_diff is nan ({note}): a gate passes only on finite numbers"]
     later = _recorded(tmp_path / "later", [([-1.0] * 4, [-1.0] * 4), ([-1.0, -1.0, float("inf"), -1.0], [-1.0] * 4)])
     assert check_logprobs(later).notes == ["1 non-finite log-prob deltas; the first at step 1, sample 1, response "
                                            "token 0 (trainer inf, rollout -1.0)"]
@@ -222,7 +239,8 @@ def test_gates_at_zero_and_on_statistics_that_exist(tmp_path):
     with pytest.raises(BadInput) as info:
         check_logprobs(same, thresholds={"p50_abs": 1.0})
     assert (info.value.field, str(info.value)) == (
-        "p50_abs", "p50_abs: no such statistic to gate on (one of mean_abs, p99_abs, max_abs, k3_kl, mean_exp_abs)")
+        "p50_abs", "p50_abs: no such statistic to gate on (one of train_rollout_logprob_abs_diff, token_mean_abs, "
+                   "p99_abs, max_abs, k3_kl, mean_exp_abs)")
 
 
 def _config(**sections):
@@ -372,3 +390,51 @@ def test_an_infinite_delta_makes_p99_nan_without_a_warning():
         warnings.simplefilter("error")
         stats = statistics(torch.tensor([math.inf, 1.0, math.inf, -2.0], dtype=torch.float64))
     assert math.isnan(stats["p99_abs"]) and stats["max_abs"] == math.inf
+
+
+# ---------------------------------------------------------------- what an import from slime marks per sample
+
+
+def test_removed_samples_and_samples_without_engine_logprobs_are_not_judged_but_counted(tmp_path):
+    """Sample 1's deltas are large; marked removed (slime's remove_sample) or without engine log-probs (the
+    recording's 0.0 is no log-prob), it is left out, and the report counts and names it. Unmarked, it is judged."""
+    steps = [([-1.0, -1.0, -1.0, -1.0], [-1.0, -1.25, -3.0, -3.0])]
+    judged = check_logprobs(_recorded(tmp_path / "all", steps))
+    assert (judged.samples, judged.tokens, judged.stats["max_abs"]) == (2, 4, 2.0)
+    for flag, count, note in (({"remove_sample": True}, "removed", "1 samples removed by slime (remove_sample): "
+                                                                   "not trained, not judged"),
+                              ({"has_rollout_logprobs": False}, "without_logprobs",
+                               "1 samples without engine log-probs: not judged")):
+        report = check_logprobs(_recorded(tmp_path / count, steps, meta=({"has_rollout_logprobs": True}, flag)),
+                                thresholds={"max_abs": 0.5})
+        assert (report.samples, report.tokens, getattr(report, count), report.notes) == (1, 2, 1, [note])
+        assert report.stats["max_abs"] == 0.25 and report.failures == []
+    nothing = _recorded(tmp_path / "none", steps, meta=({"has_rollout_logprobs": False}, {"remove_sample": True}))
+    with pytest.raises(BadInput) as info:
+        check_logprobs(nothing, thresholds={"max_abs": 0.5})
+    assert str(info.value) == f"{nothing}: undetermined: no trained token with engine log-probs to judge (1 samples " \
+                              "removed, 1 without engine log-probs)"
+    res = run_cli("check", "logprobs", str(tmp_path / "removed"), "--max-mean", "0.2")  # sample 0 alone: 0.125
+    assert res.returncode == 0 and "1 samples removed by slime" in res.stderr and "of 1 samples" in res.stdout
+    res = run_cli("check", "logprobs", str(tmp_path / "all"), "--max-mean", "0.2", "--json")  # (0.125 + 2) / 2
+    assert res.returncode == 1 and json.loads(res.stdout)["failures"] == ["train_rollout_logprob_abs_diff 1.06 > 0.2"]
+
+
+def test_the_token_mean_gates_under_its_own_option(tmp_path):
+    run = _recorded(tmp_path / "r", [([-1.0, -1.0, -1.0, -1.0], [-1.0, -1.5, -1.0, -1.0])])  # 0.5 in one of 4
+    res = run_cli("check", "logprobs", str(run), "--max-token-mean", "0.1", "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["failures"] == ["token_mean_abs 0.125 > 0.1"]
+    assert run_cli("check", "logprobs", str(run), "--max-mean", "0.25").returncode == 0  # per sample: 0.25, 0
+
+
+def test_nucleus_logprobs_by_hand():
+    """Renormalised over the nucleus and the target itself, after the temperature; an empty nucleus keeps
+    the target alone (slime's tool tokens: log-prob 0)."""
+    from rlbench.checks.logprobs import nucleus_logprobs
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    got = nucleus_logprobs(logits, torch.tensor([1, 3, 2]), [[3], [2, 3], []], 2.0)
+    expected = [0.5 - math.log(math.exp(0.5) + math.exp(1.5)), 1.5 - math.log(math.exp(1.0) + math.exp(1.5)), 0.0]
+    assert got.tolist() == pytest.approx(expected, abs=1e-6)
+    full = torch.log_softmax(logits[0] / 2.0, -1)[1]
+    assert nucleus_logprobs(logits[:1], torch.tensor([1]), [[0, 1, 2, 3]], 2.0)[0] == pytest.approx(float(full))

@@ -17,7 +17,7 @@ from rlbench.cli.runs import RUN_FIELDS
 from tests.conftest import cli
 
 # Options that set no config field: what the command does with the config, not what it holds.
-NOT_FIELDS = {"run": {"config", "resume", "as_json", "debug", "ctx"}, "serve": {"debug"}}
+NOT_FIELDS = {"run": {"config", "resume", "print_config", "as_json", "debug", "ctx"}, "serve": {"debug"}}
 
 
 def _command(name):

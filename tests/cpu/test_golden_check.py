@@ -406,6 +406,9 @@ def test_update_refuses_to_overwrite_an_invalid_file(run_dir, tmp_path):
     (lambda d: d["metrics"]["train/loss"].pop("step_interval"), ["metrics.train/loss.step_interval"]),
     (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("1", "fast"), ["metrics.train/loss.values.1"]),
     (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("99", 1.0), ["off the series' grid"]),
+    (lambda d: d["metrics"]["train/loss"].update(end_step=10**30, values=[0.0] * 6),  # a hostile end_step
+     ["6 values for the 1000000000000000000000000000001 steps 0..1000000000000000000000000000000 every 1"]),
+    (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("01", 1.0), ["step '01' is not an integer step"]),
     (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("kind", "fuzzy"), ["tolerance", "kind one of"]),
     (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("rtol", -0.1), ["rtol", "a number >= 0"]),
     (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("speed", 1), ["unknown key(s) speed"]),
@@ -434,7 +437,7 @@ def test_debug_shows_the_traceback(run_dir, tmp_path):
 # --------------------------------------------------------------------------- Megatron-LM input
 
 
-def _megatron_file(run_dir, path, as_list=False, scale=1.0, nan_at=None):
+def _megatron_file(run_dir, path, scale=1.0, nan_at=None):
     """A Megatron-LM golden values file of the run's metrics, as Megatron writes them: iterations
     from 1, values rounded to 5 decimals, "nan" for a missing value."""
     run = read_run(run_dir)
@@ -443,16 +446,15 @@ def _megatron_file(run_dir, path, as_list=False, scale=1.0, nan_at=None):
         values = {r["step"] + 1: round(r[metric] * scale, 5) for r in run.metrics}
         if nan_at is not None:
             values[nan_at] = "nan"
-        body = list(values.values()) if as_list else {str(k): v for k, v in values.items()}
-        return {"start_step": 1, "end_step": len(values), "step_interval": 1, "values": body}
+        return {"start_step": 1, "end_step": len(values), "step_interval": 1,
+                "values": {str(k): v for k, v in values.items()}}
 
     path.write_text(json.dumps({"lm loss": series("train/entropy_loss"), "iteration-time": series("perf/step_time")}))
     return path
 
 
-@pytest.mark.parametrize("as_list", [False, True])
-def test_megatron_golden_values_compare_in_the_approx_tier(run_dir, tmp_path, as_list):
-    path = _megatron_file(run_dir, tmp_path / "golden_values_dev_dgx_h100.json", as_list=as_list)
+def test_megatron_golden_values_compare_in_the_approx_tier(run_dir, tmp_path):
+    path = _megatron_file(run_dir, tmp_path / "golden_values_dev_dgx_h100.json")
     renames = ["--rename", "lm loss=train/entropy_loss", "--rename", "iteration-time=perf/step_time"]
     res = run_cli("check", "golden", str(run_dir), str(path), *renames, "--tier", "approx", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -462,9 +464,17 @@ def test_megatron_golden_values_compare_in_the_approx_tier(run_dir, tmp_path, as
     assert kinds == {"train/entropy_loss": "approx", "perf/step_time": "median"}
     [loss] = [m for m in doc["metrics"] if m["name"] == "train/entropy_loss"]
     assert loss["steps"] == [0, 1, 2, 3, 4, 5]  # Megatron iteration k is rlbench step k - 1
+    assert doc["golden_step_offset"] == 1 and loss["compared"] == 6
+    # Megatron-LM's own tolerance for its "lm loss", whatever it is renamed to
+    assert loss["tolerance"] == {"kind": "approx", "rtol": 0.05, "atol": 0.0, "failing_steps": 1,
+                                 "mean_residual": None, "family": "Megatron-LM lm loss"}
     # no header: the exact tier has nothing to stand on
     _one_line_error(run_cli("check", "golden", str(run_dir), str(path), *renames),
                     "Megatron-LM golden values file records no platform")
+    # a list of values says no step: Megatron-LM's own reader (a pydantic Dict[int, ...]) refuses it too
+    _edit(path, lambda d: d["lm loss"].__setitem__("values", list(d["lm loss"]["values"].values())))
+    _one_line_error(run_cli("check", "golden", str(run_dir), str(path), *renames, "--tier", "approx"),
+                    "lm loss.values", "expected an object of step: value")
 
 
 def test_megatron_regression_and_nan(run_dir, tmp_path):
@@ -472,9 +482,12 @@ def test_megatron_regression_and_nan(run_dir, tmp_path):
     res = run_cli("check", "golden", str(run_dir), str(path), "--rename", "lm loss=train/entropy_loss",
                   "--ignore", "iteration-time", "--tier", "approx", "--json")
     assert res.returncode == 1
-    [m] = json.loads(res.stdout)["metrics"]
-    steps = [f["step"] for f in m["failures"]]
-    assert steps == [0, 1, 2, 3, 4, 5] and m["failures"][2]["expected"] == "nan"
+    doc = json.loads(res.stdout)
+    [m] = doc["metrics"]
+    # "nan" is Megatron-LM's mark of a step its logs lack: that step (iteration 3, step 2) is named, not compared
+    assert [f["step"] for f in m["failures"]] == [0, 1, 3, 4, 5] and m["compared"] == 5
+    assert ('train/entropy_loss: the file holds "nan" (no value in Megatron-LM\'s logs) at 1 of its 6 steps, '
+            'iteration 3: not compared') in doc["notes"]
 
 
 # --------------------------------------------------------------------------- plot

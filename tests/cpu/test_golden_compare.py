@@ -194,6 +194,20 @@ def test_perf_median_over_the_limit_fails_with_the_ratio():
     assert "xinf" in _only(compare(_run(_perf(dict.fromkeys(range(10), 1.0))), zero)).message
 
 
+def test_a_median_with_a_lower_bound_is_two_sided():
+    """Megatron-LM's iteration-time: np.isclose(run median, golden median, rtol=0.05), i.e. x0.95 to x1.05 of a
+    positive golden median: a run 6% faster fails as a run 6% slower does; the bounds themselves pass."""
+    tol = g.Tolerance(kind="median", max_ratio=1.05, min_ratio=0.95, window=(1, 9), family="Megatron-LM iteration-time")
+    golden = _golden(_perf(dict.fromkeys(range(10), 2.0)), tolerances={"perf/step_time": tol})
+    for got, status in ((2.0 * 0.94, "fail"), (2.0 * 0.95, "pass"), (2.0, "pass"), (2.1, "pass"), (2.0 * 1.06, "fail")):
+        m = _only(compare(_run(_perf(dict.fromkeys(range(10), got))), golden, "approx"))
+        assert (m.status, m.compared) == (status, 9), got
+    m = _only(compare(_run(_perf(dict.fromkeys(range(10), 1.0))), golden, "approx"))
+    assert m.message == "median 1 is x0.50 the golden's 2 (x0.95 to x1.05)"
+    assert tol.to_json() == {"kind": "median", "max_ratio": 1.05, "min_ratio": 0.95, "window": [1, 9],
+                             "family": "Megatron-LM iteration-time"}
+
+
 def test_perf_window_outside_the_golden_steps_fails():
     tol = g.Tolerance(kind="median", max_ratio=2.0, window=(20, 30), family="perf")
     m = _only(compare(_run(_perf({0: 1.0, 1: 1.0})), _golden(_perf({0: 1.0, 1: 1.0}), tolerances={"perf/step_time": tol})))
@@ -331,7 +345,9 @@ def test_the_report_as_json():
     assert loss["got"]["2"] == "inf" and loss["expected"]["2"] == LOSS[2] and loss["expected"]["0"] == 0.5
     assert loss["failures"] == [{"step": 2, "expected": LOSS[2], "got": "inf", "delta": "nan", "allowed": 0.0}]
     assert set(doc) == {"ok", "tier", "run", "golden", "golden_format", "platform", "notes", "failed", "ignored",
-                        "not_in_golden", "metrics"}
+                        "not_in_golden", "compared", "golden_step_offset", "metrics"}
+    # train/loss's 10 steps were compared; train/gone, not logged by the run, none
+    assert (doc["compared"], loss["compared"], doc["golden_step_offset"]) == (10, 10, 0)
 
 
 def test_every_difference_is_named_and_only_differences_refuse():

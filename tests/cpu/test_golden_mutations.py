@@ -92,7 +92,7 @@ def test_mutation_is_caught(tmp_path, monkeypatch, mutation):
     report = compare(_golden_run(tmp_path), load_golden(GOLDEN), "exact", ignore=["perf/*"])
     if mutation == "none":
         assert report.ok, [(m.name, m.message) for m in report.failed]
-        assert len(report.metrics) == 10
+        assert len(report.metrics) == 11
         return
     assert not report.ok, f"the golden check missed the mutation {mutation!r}"
     failing_steps = sorted({f.step for m in report.failed for f in m.failures})

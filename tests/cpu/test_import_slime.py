@@ -120,3 +120,92 @@ def test_not_a_torch_file(tmp_path):
     bad.write_text("hello")
     proc = run_cli("import", "slime", str(bad), "--out", str(tmp_path / "imp"))
     assert proc.returncode == 2 and "not a torch.save file" in proc.stderr
+
+
+# --------------------------------------------------------------------------- every field used, kept or refused
+
+
+def _one_dump(tmp_path, edit) -> object:
+    (path,) = write_dumps(tmp_path, rollout_ids=(0,))
+    dump = torch.load(path, weights_only=True)
+    edit(dump["samples"])
+    torch.save(dump, path)
+    return path
+
+
+def test_fields_are_kept_in_the_metadata_as_json_and_what_replay_does_not_use_is_named(tmp_path):
+    def edit(samples):
+        samples[0].update(metadata={"raw_reward": 0.5, 7: ["a", (1, 2)]}, session_id="s-0", my_field=torch.tensor([3]),
+                          reward={"acc": 1.0, "fmt": 0.5}, teacher_log_probs=[-1.0, -2.0])
+        for s in samples[:4]:
+            s["rollout_id"] = 11  # a compact rollout: four training samples of one rollout execution
+    path = _one_dump(tmp_path, edit)
+    proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"), "--reward-key", "acc")
+    assert proc.returncode == 0, proc.stderr
+    assert "imported 1 rollout ids (8 samples, groups of 4)" in proc.stdout
+    assert "note: teacher_log_probs kept in 1 samples' metadata, not used by replay: on-policy distillation" in proc.stdout
+    assert "fields slime's Sample does not declare, kept in the samples' metadata: my_field" in proc.stdout
+    assert "rollout id 0: 4 samples share a Sample.rollout_id with siblings (a compact rollout)" in proc.stdout
+    tensors, meta = read_step(tmp_path / "imp", 0)
+    kept = meta["samples"][0]["slime"]
+    assert kept["metadata"] == {"raw_reward": 0.5, "7": ["a", [1, 2]]} and kept["my_field"] == [3]
+    assert (kept["session_id"], kept["reward"], kept["rollout_id"]) == ("s-0", {"acc": 1.0, "fmt": 0.5}, 11)
+    assert kept["spec_info"]["spec_verify_ct"] == 0 and kept["weight_versions"] == ["3"]
+    assert "tokens" not in kept and "multimodal_inputs" not in kept  # used or refused: not kept twice
+    assert meta["samples"][0]["reward"] == 1.0 == float(tensors["rewards"][0])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(metadata={(1, 2): 3}), "samples[2].metadata: a key (1, 2) that JSON cannot keep"),
+    (lambda s: s.update(rollout_top_p_token_ids=[1, 2]), "samples[2].rollout_top_p_token_offsets: None, while its "
+                                                         "pair is set"),
+    (lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2]),
+     "samples[2].rollout_top_p_token_offsets: expected response_length + 1 = 3 non-decreasing offsets from 0 to 2"),
+    (lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2, 1]), "non-decreasing"),
+    (lambda s: s.update(prompt=[{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]),
+     "samples[2].prompt[0].content: a 'image' part: multimodal samples are not supported"),
+    (lambda s: s.update(prompt=[{"role": "user", "content": 3}]), "samples[2].prompt[0].content: expected a string"),
+    (lambda s: s.update(multimodal_train_input_id="abc"), "samples[2].multimodal_train_input_id: set, and multimodal"),
+    (lambda s: s.update(status="done"), "samples[2].status: expected one of slime's statuses"),
+    (lambda s: s.update(remove_sample=1), "samples[2].remove_sample: expected true or false"),
+    (lambda s: s.update(rollout_top_p_token_ids=[10**6, 2], rollout_top_p_token_offsets=[0, 1, 2]),
+     "token id 1000000 is outside the tokenizer's vocabulary"),
+])
+def test_what_cannot_be_imported_faithfully_is_refused_naming_the_field(tmp_path, edit, message):
+    path = _one_dump(tmp_path, lambda samples: edit(samples[2]))
+    proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "imp").exists()
+
+
+def test_a_removed_sample_keeps_its_reward_in_its_group_and_replay_trains_without_it(tmp_path):
+    path = _one_dump(tmp_path, lambda samples: samples[1].update(remove_sample=True))
+    summary = import_slime_summary(path, tmp_path / "imp")
+    assert summary["removed"] == 1 and summary["samples"] == 8
+    tensors, meta = read_step(tmp_path / "imp", 0)
+    a, b = int(tensors["offsets"][1]) + int(tensors["prompt_lengths"][1]), int(tensors["offsets"][2])
+    assert tensors["loss_mask"][a:b].tolist() == [0, 0] and tensors["rewards"].numel() == 8
+    assert [s["remove_sample"] for s in meta["samples"]] == [False, True] + [False] * 6
+    assert replay(tmp_path / "imp", tmp_path / "rep").ok
+
+
+def test_samples_without_logprobs_and_a_nucleus_are_flagged_per_sample(tmp_path):
+    def edit(samples):
+        samples[0]["rollout_log_probs"] = None
+        samples[1].update(rollout_top_p_token_ids=torch.tensor([5, 6, 7], dtype=torch.int32),
+                          rollout_top_p_token_offsets=torch.tensor([0, 2, 3], dtype=torch.int32))
+    summary = import_slime_summary(_one_dump(tmp_path, edit), tmp_path / "imp")
+    assert (summary["without_logprobs"], summary["top_p"]) == (1, 1)
+    tensors, meta = read_step(tmp_path / "imp", 0)
+    assert [(s["has_rollout_logprobs"], s["top_p"]) for s in meta["samples"][:3]] == [(False, False), (True, True),
+                                                                                      (True, False)]
+    offsets, start = tensors["top_p_offsets"], int(tensors["offsets"][1]) + int(tensors["prompt_lengths"][1])
+    assert tensors["top_p_ids"].tolist() == [5, 6, 7] and offsets.numel() == tensors["tokens"].numel() + 1
+    spans = [tensors["top_p_ids"][int(offsets[j]): int(offsets[j + 1])].tolist() for j in range(start, start + 2)]
+    assert spans == [[5, 6], [7]] and int(offsets[start]) == 0  # nothing before: no other sample has a nucleus
+
+
+def import_slime_summary(path, out) -> dict:
+    proc = run_cli("import", "slime", str(path), "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

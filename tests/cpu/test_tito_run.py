@@ -227,3 +227,30 @@ def test_jsonl_same_text_other_ids_is_mode_1_despite_closing_whitespace(tmp_path
     p = next(i for i in range(len(pieces)) if pieces[i] != canon[i])
     assert (f.finding.mode, f.finding.index) == ("reencode", len(prompt) + p)
     assert f.finding.got[0] == pieces[p] and f.finding.expected[0] == canon[p]
+
+
+# --------------------------------------------------------------------------- what the evidence lens judges
+
+
+def test_the_sampled_spans_of_a_response_are_its_runs_of_loss_mask_1():
+    """A tool observation (loss mask 0) splits the response into two engine outputs; the prompt is never one."""
+    from rlbench.checks.tito_run import sampled_spans
+
+    ids, mask = [1, 2, 3, 10, 11, 20, 21, 22, 12, 13], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
+    assert sampled_spans(ids, 3, mask) == [{"prompt_ids": [1, 2, 3], "output_ids": [10, 11]},
+                                           {"prompt_ids": [1, 2, 3, 10, 11, 20, 21, 22], "output_ids": [12, 13]}]
+    assert sampled_spans(ids, 3, [0] * 10) == [] and sampled_spans(ids, 10, [1] * 10) == []
+    assert sampled_spans(ids, 0, [1] * 10) == [{"prompt_ids": [], "output_ids": ids}]
+
+
+def test_removed_samples_are_not_judged_and_counted(tmp_path, peaky_model):
+    """Sample 3 was built from other ids than its engine sampled (mode 1 when judged); slime removed it."""
+    model_dir, model = peaky_model
+    _, canon, pieces = _same_length_resegmentation()
+    dump = _dump(tmp_path, model, pieces, canon)
+    data = torch.load(dump, weights_only=True)
+    data["samples"][3]["remove_sample"] = True
+    torch.save(data, dump)
+    report = check_run(_import(tmp_path, dump, model_dir), model_dir=model_dir)
+    assert (report.findings, report.removed, report.samples) == ([], 1, 7)
+    assert report.notes == ["1 samples removed by slime (remove_sample): not trained, not judged"]

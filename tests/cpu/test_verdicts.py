@@ -172,7 +172,7 @@ def test_a_nan_log_prob_fails_every_gate_by_name(runs, tmp_path):
     edit_step(b, 1, _nan_logprob)
     res = run_cli("check", "logprobs", str(b), "--max-mean", "0.1", "--max-abs", "10")
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "mean_abs is nan" in res.stdout and "max_abs is nan" in res.stdout
+    assert "train_rollout_logprob_abs_diff is nan" in res.stdout and "max_abs is nan" in res.stdout
     assert "1 non-finite log-prob deltas; the first at step 1" in res.stdout + res.stderr
     assert "gate passes only on finite numbers" in res.stdout
     ok = run_cli("check", "logprobs", str(a), "--max-mean", "0.1")

@@ -41,7 +41,7 @@ def _slime_view(config) -> dict:
         "adam_beta1": config.train.betas[0], "adam_beta2": config.train.betas[1], "adam_eps": config.train.adam_eps,
         "clip_grad": config.train.grad_clip, "micro_batch_size": config.train.micro_batch_size,
         "advantage_estimator": config.algo.advantage, "kl_loss_type": config.algo.kl_type,
-        "kl_coef": config.algo.reward_kl_coef, "eps_clip": config.algo.eps_clip,
+        "kl_coef": 0.0, "eps_clip": config.algo.eps_clip,  # slime's reward KL: rlbench accepts 0 only
         "eps_clip_high": config.algo.eps_clip_high, "eps_clip_c": config.algo.eps_clip_c,
         "entropy_coef": config.algo.entropy_coef, "normalize_advantages": config.algo.normalize_advantages,
         "grpo_std_normalization": config.algo.normalize_std, "calculate_per_token_loss": config.algo.per_token_loss,
@@ -52,14 +52,25 @@ def _slime_view(config) -> dict:
 def _slime(case: dict) -> dict:
     slime = dict(case["slime"])
     # The KL loss counts only under --use-kl-loss (slime's policy_loss_function), which rlbench folds into kl_coef.
-    slime["kl_loss_coef_in_loss"] = slime.pop("kl_loss_coef") if slime.pop("use_kl_loss") else 0.0
+    coef, use = slime.pop("kl_loss_coef"), slime.pop("use_kl_loss")
+    slime["kl_loss_coef_in_loss"] = coef if use else 0.0
     slime["rollout_stop_token_ids"] = slime["rollout_stop_token_ids"] or []
     for key in ("hf_checkpoint", "num_steps_per_rollout"):  # none in these cases / folded into global_batch_size
         slime.pop(key)
     return slime
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED["cases"]))
+MODELLED = sorted(name for name, case in EXPECTED["cases"].items() if case["slime"]["kl_coef"] == 0)
+
+
+def test_slimes_kl_reward_shaping_is_refused_by_name():
+    """--kl-coef (KL folded into REINFORCE++ returns) is not modelled: any value but 0 is refused."""
+    with pytest.raises(BadInput, match="--kl-coef 0.01: slime's KL reward shaping"):
+        _config(EXPECTED["cases"]["reward_kl"]["argv"])
+    assert "reward_kl" not in MODELLED and len(MODELLED) == len(EXPECTED["cases"]) - 1
+
+
+@pytest.mark.parametrize("name", MODELLED)
 def test_each_setting_is_slimes(name):
     case = EXPECTED["cases"][name]
     config = _config(case["argv"])
