@@ -70,6 +70,7 @@ class LogprobReport:
     removed: int = 0  # samples slime removed (remove_sample): not trained, not judged
     without_logprobs: int = 0  # samples whose engine reported no log-probs: not judged
     top_p: int = 0  # samples recomputed over their recorded top-p nucleus
+    histogram: list[int] | None = None  # |delta| per bin, when edges were given (abs_histogram)
 
 
 def statistics(delta: torch.Tensor, counts: list[int] | None = None) -> dict[str, float]:
@@ -79,12 +80,15 @@ def statistics(delta: torch.Tensor, counts: list[int] | None = None) -> dict[str
     if delta.numel() == 0:
         return {k: 0.0 for k in STATS}
     abs_delta = delta.abs()
-    parts = abs_delta.split([c for c in (counts if counts is not None else [delta.numel()]) if c])
+    sizes = torch.tensor([c for c in (counts if counts is not None else [delta.numel()]) if c], dtype=torch.int64)
+    ends = torch.cumsum(sizes, 0)
+    sums = torch.cat([abs_delta.new_zeros(1), torch.cumsum(abs_delta, 0)])  # float64 running sums
+    per_sample = (sums[ends] - sums[ends - sizes]) / sizes  # each judged sample's mean |delta|
     # numpy's quantile (linear, as torch's): torch.quantile refuses more than 2**24 values, a few steps of a run
     with np.errstate(invalid="ignore"):  # infinite deltas: inf - inf in the interpolation, p99 NaN without a warning
         p99 = float(np.quantile(abs_delta.numpy(), 0.99))
     return {
-        "train_rollout_logprob_abs_diff": float(torch.stack([part.mean() for part in parts]).mean()),
+        "train_rollout_logprob_abs_diff": float(per_sample.mean()),
         "token_mean_abs": float(abs_delta.mean()),
         "p99_abs": p99,
         "max_abs": float(abs_delta.max()),
@@ -210,7 +214,12 @@ def _check_thresholds(thresholds: dict[str, float | None] | None) -> dict[str, f
 
 
 def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, float] | None = None,
-                   recompute: bool = False) -> LogprobReport:
+                   recompute: bool = False, edges: Sequence[float] | None = None,
+                   steps: Sequence[int] | None = None, per_step: bool = True) -> LogprobReport:
+    """Every judged token's |trainer - rollout| log-prob over the run (or over `steps`, a subset of its
+    committed steps), read a step at a time: statistics (overall, and per step unless `per_step` is
+    false), the `top` worst tokens in their context, the gates, and with `edges` a histogram of |delta|
+    (`abs_histogram`)."""
     from rlbench.core.context import check_made_with
     from rlbench.core.model import load_tokenizer
     from rlbench.replay.replay import source_config
@@ -226,9 +235,10 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         tokenizer = load_tokenizer(config.model.tokenizer)
     except BadInput:
         tokenizer = None
-    deltas, counts, places, per_step, skipped = [], [], [], [], []
+    deltas, counts, candidates, rows, skipped, nonfinite = [], [], [], [], [], None
     left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
-    for step in run.steps:
+    wanted = run.steps if steps is None else [s for s in run.steps if s in set(steps)]
+    for step in wanted:
         tensors, meta = recording.read_step(run.root, step)
         if tokenizer is not None:
             recording.check_ids(tensors, len(tokenizer), run.root / "rollouts" / f"{step_name(step)}.safetensors",
@@ -247,15 +257,21 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         left_out["removed"] += removed
         left_out["without_logprobs"] += without
         left_out["top_p"] += sum(bool(s.get("top_p")) for s in meta["samples"]) if recomputer is not None else 0
-        lengths = tensors["offsets"][1:] - tensors["offsets"][:-1]
-        mask = tensors["loss_mask"].bool() & torch.tensor(judged, dtype=torch.bool).repeat_interleave(lengths)
+        offsets = tensors["offsets"]
+        mask = tensors["loss_mask"].bool()
+        for i in (i for i, ok in enumerate(judged) if not ok):
+            mask[int(offsets[i]):int(offsets[i + 1])] = False
         delta = (trainer - tensors["rollout_logprobs"]).double()[mask]
-        step_counts = [int(m.sum()) for m in mask.split(lengths.tolist())]
+        running = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
+        step_counts = (running[offsets[1:]] - running[offsets[:-1]]).tolist()
+        index = mask.nonzero().squeeze(-1)
         deltas.append(delta)
         counts.append(step_counts)
-        places.append((step, tensors, mask.nonzero().squeeze(-1), trainer))
-        per_step.append({"step": step, "tokens": int(delta.numel()), "samples": sum(c > 0 for c in step_counts),
-                         **statistics(delta, step_counts)})
+        candidates += _candidates(step, tensors, index, trainer, delta, top)
+        if nonfinite is None and not bool(delta.isfinite().all()):
+            nonfinite = (step, tensors, index, trainer, delta)
+        rows.append({"step": step, "tokens": int(delta.numel()), "samples": sum(c > 0 for c in step_counts),
+                     **(statistics(delta, step_counts) if per_step else {})})
     if not deltas:
         raise BadInput("no step could be recomputed (no checkpoint holds the weights any step sampled with)",
                        path=run.root / "checkpoints")
@@ -265,15 +281,32 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
                        f"removed, {left_out['without_logprobs']} without engine log-probs)", path=run.root)
     all_counts = [c for step_counts in counts for c in step_counts]
     stats = statistics(everything, all_counts)
-    worst = _worst(places, deltas, top, tokenizer)
-    nonfinite = _nonfinite(places, deltas)
-    notes = [f"recomputed steps {[p[0] for p in places]}; no exact weights for steps {skipped}"] if skipped else []
+    worst = _worst(candidates, top, tokenizer)
+    first_nonfinite = _nonfinite(nonfinite, int((~everything.isfinite()).sum()))
+    notes = [f"recomputed steps {[row['step'] for row in rows]}; no exact weights for steps {skipped}"] \
+        if skipped else []
     notes += _left_out_notes(left_out)
-    if nonfinite:
-        notes.append(nonfinite)
-    return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [p[0] for p in places],
-                         int(everything.numel()), stats, per_step, worst, thresholds,
-                         _gates(stats, thresholds, nonfinite), notes, sum(c > 0 for c in all_counts), **left_out)
+    if first_nonfinite:
+        notes.append(first_nonfinite)
+    histogram = None
+    if edges is not None:
+        histogram = abs_histogram(everything, edges)
+    return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [row["step"] for row in rows],
+                         int(everything.numel()), stats, rows, worst, thresholds,
+                         _gates(stats, thresholds, first_nonfinite), notes, sum(c > 0 for c in all_counts),
+                         **left_out, histogram=histogram)
+
+
+def abs_histogram(delta: torch.Tensor, edges: Sequence[float]) -> list[int]:
+    """Counts of |delta| per bin: exactly 0, then (edges[i], edges[i+1]] for the ascending positive `edges`
+    (the first bin (0, edges[0]]), then above the last edge; not-finite deltas count in the last bin."""
+    magnitude = delta.double().abs()
+    finite = magnitude[magnitude.isfinite()]
+    positive = finite[finite > 0]
+    bins = torch.bucketize(positive, torch.tensor(list(edges), dtype=torch.float64))
+    counts = torch.bincount(bins, minlength=len(edges) + 1).tolist()
+    counts[-1] += int(magnitude.numel() - finite.numel())
+    return [int((finite == 0).sum())] + counts
 
 
 def _left_out_notes(left_out: dict[str, int]) -> list[str]:
@@ -287,37 +320,45 @@ def _left_out_notes(left_out: dict[str, int]) -> list[str]:
     return notes
 
 
-def _nonfinite(places, deltas) -> str:
+def _nonfinite(first, total: int) -> str:
     """'' when every delta is finite, else how many are not and where the first one is."""
-    total = sum(int((~d.isfinite()).sum()) for d in deltas)
     if not total:
         return ""
-    part = next(i for i, d in enumerate(deltas) if not bool(d.isfinite().all()))
-    step, tensors, index, _ = places[part]
-    pos = int(index[int((~deltas[part].isfinite()).nonzero()[0])])
+    step, tensors, index, trainer, delta = first
+    pos = int(index[int((~delta.isfinite()).nonzero()[0])])
     offsets = tensors["offsets"]
     sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
     token = pos - int(offsets[sample]) - int(tensors["prompt_lengths"][sample])
     return (f"{total} non-finite log-prob deltas; the first at step {step}, sample {sample}, response token {token} "
-            f"(trainer {float(places[part][3][pos])}, rollout {float(tensors['rollout_logprobs'][pos])})")
+            f"(trainer {float(trainer[pos])}, rollout {float(tensors['rollout_logprobs'][pos])})")
 
 
-def _worst(places, deltas, top: int, tokenizer) -> list[WorstToken]:
-    flat = torch.cat([d.abs() for d in deltas])
-    order = torch.argsort(flat, descending=True, stable=True)[:top]
-    bounds = torch.cumsum(torch.tensor([0] + [d.numel() for d in deltas]), 0)
+def _candidates(step: int, tensors: dict, index: torch.Tensor, trainer: torch.Tensor, delta: torch.Tensor,
+                top: int) -> list[tuple]:
+    """This step's `top` largest |delta| (ties: the earlier token first), each as (|delta|, step, sample,
+    response token, token id, the 8 ids before it, trainer, rollout): the run's worst tokens are the
+    largest of these, so no step's tensors outlive its turn, and only those are decoded."""
+    order = torch.argsort(delta.abs(), descending=True, stable=True)[:top]
+    offsets = tensors["offsets"]
     out = []
     for k in order.tolist():
-        part = int(torch.searchsorted(bounds, torch.tensor(k), right=True)) - 1
-        step, tensors, index, trainer = places[part]
-        pos = int(index[k - int(bounds[part])])
-        offsets = tensors["offsets"]
+        pos = int(index[k])
         sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
         start = int(offsets[sample])
-        token_id = int(tensors["tokens"][pos])
-        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: str(ids))
-        context = decode(tensors["tokens"][max(start, pos - 8): pos].tolist())
-        out.append(WorstToken(step, sample, pos - start - int(tensors["prompt_lengths"][sample]), token_id,
-                              decode([token_id]), context, float(trainer[pos]), float(tensors["rollout_logprobs"][pos]),
-                              float(trainer[pos] - tensors["rollout_logprobs"][pos])))
+        out.append((float(delta[k].abs()), step, sample, pos - start - int(tensors["prompt_lengths"][sample]),
+                    int(tensors["tokens"][pos]), tensors["tokens"][max(start, pos - 8): pos].tolist(),
+                    float(trainer[pos]), float(tensors["rollout_logprobs"][pos])))
+    return out
+
+
+def _worst(candidates: list[tuple], top: int, tokenizer) -> list[WorstToken]:
+    """The `top` largest |delta| of the run, in step and token order among equals (NaN first, as argsort)."""
+    order = torch.argsort(torch.tensor([c[0] for c in candidates], dtype=torch.float64), descending=True,
+                          stable=True)[:top]
+    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: str(ids))
+    out = []
+    for k in order.tolist():
+        _, step, sample, token, token_id, context, trainer, rollout = candidates[k]
+        out.append(WorstToken(step, sample, token, token_id, decode([token_id]), decode(context), trainer, rollout,
+                              float(torch.tensor(trainer) - torch.tensor(rollout))))
     return out

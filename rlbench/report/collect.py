@@ -13,14 +13,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
 from rlbench.rundir.directory import RunDir, read_run
 
-# |delta| bins of the mismatch histogram: exactly 0, then one per decade up to 10, then anything above.
-EDGES = [0.0] + [10.0 ** k for k in range(-9, 2)]
+# |delta| bins of the mismatch histogram (besides exactly 0 and above the last): one per decade up to 10.
+EDGES = [10.0 ** k for k in range(-9, 2)]
+STEP_BUDGET = 2_000  # the mismatch section reads at most about this many steps' recordings (evenly spread)
 TITO_SAMPLE_BUDGET = 20_000  # check tito on the page only up to this many samples (the command checks any number)
 WORST = 12
 MANIFEST_KEYS = ("created", "command", "mode", "seed", "device", "device_name", "stages", "reward_fn", "weights",
@@ -73,41 +72,37 @@ def _timings(a: RunDir, b: RunDir | None) -> dict:
 
 
 def _mismatch(run: RunDir, verdicts: list) -> dict:
-    """The train-inference log-prob mismatch: a histogram of |trainer - rollout| over every trained token of
-    every step (read a step at a time), and `check logprobs`' statistics and worst tokens."""
-    counts = [0] * (len(EDGES) + 1)
-    tokens = steps = 0
-    for step in run.steps:
-        tensors, _ = recording.read_step(run.root, step)
-        if "old_logprobs" not in tensors:
-            continue
-        mask = tensors["loss_mask"].bool()
-        delta = (tensors["old_logprobs"] - tensors["rollout_logprobs"]).double().abs()[mask]
-        finite = delta[torch.isfinite(delta)]
-        counts[-1] += int(delta.numel() - finite.numel())  # not finite: the last bin, beside "above 10"
-        counts[0] += int((finite == 0).sum())
-        index = torch.bucketize(finite[finite > 0], torch.tensor(EDGES[1:], dtype=torch.float64))
-        for i, n in zip(*torch.unique(index, return_counts=True)):
-            counts[1 + int(i)] += int(n)
-        tokens, steps = tokens + int(delta.numel()), steps + 1
-    labels = ["0"] + [f"<=1e{k}" for k in range(-9, 2)] + [">10 or not finite"]
-    if steps == 0:
-        verdicts.append({"check": "check logprobs", "verdict": "undetermined",
-                         "detail": "the recording holds no trainer log-probs (a rollout-only or imported run)"})
-        return {"tokens": 0, "counts": counts, "labels": labels, "stats": {}, "worst": []}
+    """The train-inference log-prob mismatch as `check logprobs` measures it, in one pass over the
+    recordings: its statistics, its worst tokens, and a histogram of |trainer - rollout| over every
+    judged token (removed samples and samples without engine log-probs left out, and counted)."""
     from rlbench.checks.logprobs import check_logprobs
 
-    report = check_logprobs(run.root, top=WORST)
-    stats = ", ".join(f"{k} {v:.3g}" for k, v in report.stats.items() if isinstance(v, (int, float)))
+    labels = ["0"] + [f"<=1e{k}" for k in range(-9, 2)] + [">10 or not finite"]
+    if run.manifest.get("mode") == "rollout-only" or (run.steps and "old_logprobs" not in
+                                                      recording.read_step(run.root, run.steps[0])[0]):
+        verdicts.append({"check": "check logprobs", "verdict": "undetermined",
+                         "detail": "the recording holds no trainer log-probs (a rollout-only or imported run); "
+                                   "`rlbench check logprobs --recompute` recomputes them"})
+        return {"tokens": 0, "counts": [0] * len(labels), "labels": labels, "stats": {}, "worst": []}
+    steps = run.steps
+    stride = math.ceil(len(steps) / STEP_BUDGET)
+    if stride > 1:  # a long run: every stride-th step (and the last), said on the page
+        steps = sorted(set(steps[::stride]) | {steps[-1]})
+    report = check_logprobs(run.root, top=WORST, edges=EDGES, steps=steps, per_step=False)
+    stats = {k: v for k, v in report.stats.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    left = [f"{n} {what}" for n, what in ((report.removed, "removed"), (report.without_logprobs,
+                                                                         "without engine log-probs")) if n]
+    over = f"{len(report.steps)} steps" if stride == 1 else \
+        f"{len(report.steps)} of {len(run.steps)} steps (every {stride}th and the last: `rlbench check logprobs` reads all)"
     verdicts.append({"check": "check logprobs", "verdict": "measured",
-                     "detail": f"{report.tokens} tokens of {len(report.steps)} steps compared ({stats}); no gate "
-                               "set: `rlbench check logprobs --max-mean ...` gates"})
+                     "detail": f"{report.tokens} tokens of {report.samples} samples over {over} compared" +
+                               (f" ({', '.join(left)} samples left out)" if left else "") +
+                               "; no gate set: `rlbench check logprobs --max-mean ...` gates"})
     worst = [{"step": w.step, "sample": w.sample, "token": w.response_token, "id": w.token_id, "text": w.text,
               "context": w.context, "trainer": w.trainer, "rollout": w.rollout, "delta": w.delta}
              for w in report.worst]
-    return {"tokens": tokens, "counts": counts, "labels": labels,
-            "stats": {k: v for k, v in report.stats.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-            "worst": worst}
+    return {"tokens": report.tokens, "counts": report.histogram, "labels": labels, "stats": stats, "worst": worst,
+            "notes": list(report.notes), "steps": len(report.steps), "of": len(run.steps)}
 
 
 def _tito(run: RunDir, verdicts: list) -> dict:

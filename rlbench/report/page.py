@@ -139,7 +139,8 @@ def _mismatch(data: dict) -> str:
                    for w in m["worst"])
     table = ("<table><tr><th>step</th><th>sample</th><th>response token</th><th>id</th><th>text</th>"
              f"<th>context</th><th>trainer</th><th>rollout</th><th>delta</th></tr>{rows}</table>")
-    body = (f'<p>{m["tokens"]} trained tokens; {e(stats)}</p>'
+    span = f'{m["steps"]} steps' if m["steps"] == m["of"] else f'{m["steps"]} of {m["of"]} steps, evenly spread'
+    body = (f'<p>{m["tokens"]} judged tokens of {e(span)}; {e(stats)}</p>'
             + svg.histogram("|trainer - rollout| log-prob per token (log-scale counts)", m["counts"], m["labels"])
             + f'<h3>Worst tokens <button data-fold="worst">hide</button></h3><div id="worst">{table}</div>')
     return _section("mismatch", "Train-inference log-prob mismatch", body)
