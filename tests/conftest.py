@@ -97,7 +97,11 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["rlbench", *args], code, out.getvalue(), err.getvalue())
 
 
-_INSTALLED = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}) + \
+# Where installed packages live: the interpreter's prefixes and every sys.path entry outside this checkout (a
+# PYTHONPATH of carried wheels on the GPU host among them), and rlbench itself; plugins come from anywhere else.
+_INSTALLED = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)} |
+                   {str(Path(p).resolve()) for p in sys.path if p and REPO not in (Path(p).resolve(),
+                                                                                    *Path(p).resolve().parents)}) + \
     (str(REPO / "rlbench"),)
 
 

@@ -1,0 +1,211 @@
+"""rlbench at real model sizes on one GPU: Qwen3 shapes with random weights and the fixture tokenizer.
+
+    python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda]
+
+For each shape, in one process (deterministic mode, bf16, 8 prompts x 8 samples, `--new-tokens` new
+tokens, 4 minibatches):
+1. a step of the loop by stage (data .. record), median over `--steps` steps after one warm-up, with the time
+   spent inside rlbench's checksum functions (rlbench.rundir.digest, wherever the loop and trainer call them)
+   and in the record stage, as shares of the step;
+2. generation of the step's 64 requests by the embedded engine against transformers' own `generate` on the
+   same prompts (sampling, the same number of new tokens, no early stop), as tokens/s, alternating;
+3. the train stage against a bare torch training step over the same batch: the same model, AdamW, the same
+   micro-batches and the same PPO-clip loss, without rlbench around it (no checksums, no recording).
+Prints each figure and the ratios the issue names (checksums+recording share <= 3%, generation >= 5x
+`generate`, train <= 1.2x the bare step). The GPU is named in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stages import STAGES, sync_device  # noqa: E402
+
+import torch  # noqa: E402
+
+from rlbench.config import load_config  # noqa: E402
+from rlbench.core import loop  # noqa: E402
+from rlbench.core.context import build  # noqa: E402
+from rlbench.rundir import digest  # noqa: E402
+
+# Qwen3's published shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -4B), the vocabulary the fixture tokenizer's.
+SHAPES = {
+    "fixture": {},  # the fixture model itself: a quick check that the script runs (--device cpu)
+    "0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "1.7B": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "4B": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+}
+CHECKSUM_FUNCTIONS = ("update", "tensors_digest", "tensor_digests", "weights_digest")
+
+
+def model_dir(root: Path, shape: str) -> Path:
+    fixture = json.loads(Path(load_config().model.path, "config.json").read_text())
+    directory = root / shape
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**fixture, **SHAPES[shape], "max_position_embeddings": 4096,
+                                                       "torch_dtype": "bfloat16"}, indent=1))
+    return directory
+
+
+class Clock:
+    """Seconds spent inside rlbench's checksum functions, wherever they are called from."""
+
+    def __init__(self, device: str):
+        self.seconds, self.device, self.depth = 0.0, device, 0
+        for module in _holders():
+            for name in CHECKSUM_FUNCTIONS:
+                if hasattr(module, name):
+                    setattr(module, name, self._wrap(getattr(module, name)))
+
+    def _wrap(self, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self.depth += 1
+            if self.depth == 1:
+                sync_device(self.device)
+                start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    sync_device(self.device)
+                    self.seconds += time.perf_counter() - start
+        return timed
+
+
+def _holders():
+    import rlbench.backends.torch_trainer as trainer
+    import rlbench.core.weight_check as weight_check
+
+    return [digest, loop, trainer, weight_check]
+
+
+def step_by_stage(ctx, steps: int, clock: Clock) -> dict:
+    rows = []
+    for step in range(steps + 1):
+        state, times = loop.StepState(step), {}
+        clock.seconds = 0.0
+        for name, stage in STAGES:
+            sync_device(ctx.config.device)
+            start = time.perf_counter()
+            stage(ctx, state)
+            sync_device(ctx.config.device)
+            times[name] = time.perf_counter() - start
+        times["checksums"] = clock.seconds
+        rows.append(times)
+    return {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
+
+
+def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
+    """tokens/s of the engine and of transformers' generate on the step-0 prompts."""
+    state = loop.StepState(0)
+    loop.data(ctx, state)
+    requests = loop.step_requests(ctx, state)
+    model = ctx.engine.model
+    prompts = [list(r.prompt_ids) for r in requests]
+    width = max(map(len, prompts))
+    pad = ctx.tokenizer.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=ctx.config.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ctx.config.device)
+    times = {"engine": [], "generate": []}
+    for _ in range(repeats + 1):
+        sync_device(ctx.config.device)
+        start = time.perf_counter()
+        results = ctx.engine.generate(requests)
+        sync_device(ctx.config.device)
+        times["engine"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=attention, do_sample=True, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+        sync_device(ctx.config.device)
+        times["generate"].append(time.perf_counter() - start)
+    engine_tokens = sum(len(r.output_ids) for r in results)
+    return {"engine_tok_s": engine_tokens / statistics.median(times["engine"][1:]),
+            "generate_tok_s": len(prompts) * new_tokens / statistics.median(times["generate"][1:]),
+            "engine_tokens": engine_tokens}
+
+
+def bare_train_step(ctx, state, repeats: int = 2) -> float:
+    """The same batch through the same model and AdamW, the same micro-batches and PPO-clip loss, nothing else."""
+    from rlbench.core import algo
+
+    model, batch = ctx.trainer.model, state.batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.config.train.lr)
+    n, micro = batch.tokens.shape[0], ctx.config.train.micro_batch_size
+    per_minibatch = n // ctx.config.train.minibatches
+    times = []
+    for _ in range(repeats + 1):
+        sync_device(ctx.config.device)
+        start = time.perf_counter()
+        for lo in range(0, n, per_minibatch):
+            optimizer.zero_grad(set_to_none=True)
+            for m in range(lo, lo + per_minibatch, micro):
+                index = slice(m, min(m + micro, lo + per_minibatch))
+                tokens = batch.tokens[index].to(ctx.config.device)
+                logp = algo.token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens, 1.0)
+                mask = batch.loss_mask[index].to(ctx.config.device)
+                ratio = torch.exp(logp - batch.old_logprobs[index].to(ctx.config.device))
+                adv = batch.advantages[index].to(ctx.config.device)[:, None]
+                loss = (torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * mask).sum() / mask.sum()
+                (loss * (index.stop - index.start) / per_minibatch).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        sync_device(ctx.config.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="0.6B,1.7B")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"device: {gpu}; torch {torch.__version__}")
+    for shape in args.shapes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            config = load_config(model__path=str(model_dir(Path(tmp), shape)), model__init="random",
+                                 model__dtype="bfloat16", device=args.device, deterministic=True,
+                                 steps=args.steps + 1, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
+                                 rollout__n_samples_per_prompt=8, rollout__max_new_tokens=args.new_tokens,
+                                 train__minibatches=4, train__micro_batch_size=16)
+            ctx = build(config)
+            clock = Clock(args.device)
+            stages = step_by_stage(ctx, args.steps, clock)
+            step = sum(v for k, v in stages.items() if k != "checksums")
+            share = (stages["checksums"] + stages["record"]) / step
+            gen = generation(ctx, args.new_tokens)
+            state = loop.StepState(args.steps + 1)
+            for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
+                stage(ctx, state)
+            bare = bare_train_step(ctx, state)
+            print(f"{shape}: step {step:.2f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
+            print(f"  checksums + recording: {share * 100:.1f}% of the step (issue: <= 3%)")
+            print(f"  generation: engine {gen['engine_tok_s']:.0f} tok/s, transformers generate "
+                  f"{gen['generate_tok_s']:.0f} tok/s: x{gen['engine_tok_s'] / gen['generate_tok_s']:.2f} "
+                  f"(issue: >= 5)")
+            print(f"  train stage {stages['train']:.3f} s vs a bare torch step {bare:.3f} s: "
+                  f"x{stages['train'] / bare:.2f} (issue: <= 1.2)")
+            ctx.writer.close()
+            del ctx
+            torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+
+
+if __name__ == "__main__":
+    main()
