@@ -18,13 +18,20 @@ Sampling (`sampling.py`) is shared: Gumbel-max with noise from the request's own
 a row's randomness is its own. The two paths differ in the shapes of their forwards only, so
 their log-probs agree to rounding (tests/cpu/test_batch_invariance.py holds both to the property,
 and to each other).
+
+Step by step (`steps`): the same computation as `generate`, as a generator that yields after
+every sampled token, with the tokens so far in a `Decoding` its driver reads (`rlbench serve`
+streams them) and where the driver ends requests early (an abort, a stop string): an ended row
+draws no more noise and its tokens are no longer kept, which changes nothing in the other rows,
+whose arithmetic never depended on it. A driver may also ask for each token's top log-probs
+(SGLang's `top_logprobs_num`), read from the same log-softmax the sampler's log-prob comes from.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +44,37 @@ from rlbench.rundir.digest import tensor_digests
 DECODES = ("batched", "per-sample")
 PROMPT_BUCKET = 32  # prompt widths are rounded up to a multiple of this: fewer distinct shapes
 PREFILL_ROWS = 8  # rows of every batched prefill forward (distinct prompts; padding fills it)
+
+
+@dataclass
+class Decoding:
+    """The live state of one step-wise generation (`HFEngine.steps`), shared with its driver: each
+    request's tokens and log-probs so far (appended as they are sampled), `finished` (request index ->
+    its finish reason, once it has one), `ended` (request index -> the finish reason the driver ends
+    it with, taken before its next token), and `top_n` (request index -> how many top log-probs to keep
+    per token, in `top`: [(logprob, token id), ...] each)."""
+
+    outputs: list[list[int]]
+    logprobs: list[list[float]]
+    finished: dict[int, str] = field(default_factory=dict)
+    ended: dict[int, str] = field(default_factory=dict)
+    top_n: dict[int, int] = field(default_factory=dict)
+    top: dict[int, list[list[tuple[float, int]]]] = field(default_factory=dict)
+
+    @classmethod
+    def fresh(cls, count: int, top_n: dict[int, int] | None = None) -> Decoding:
+        top_n = {i: n for i, n in (top_n or {}).items() if n > 0}
+        return cls([[] for _ in range(count)], [[] for _ in range(count)], top_n=top_n,
+                   top={i: [] for i in top_n})
+
+
+def _run(steps: Generator) -> list:
+    """Drive a step-wise generation to its end; its results."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class KVStore:
@@ -81,6 +119,15 @@ class KVStore:
                 mine[layer][rows, :, : tensor.shape[2]] = tensor[source_rows]
 
 
+def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
+    """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob, from the log-softmax
+    `choose` reports its log-probs from (the same expression over the same rows: the same bits)."""
+    greedy = rows.temperature == 0
+    logp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
+    values, ids = torch.topk(logp[row], min(n, logp.shape[-1]))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -110,8 +157,19 @@ class HFEngine:
         if self.decode == "batched":
             results = self._generate_batched(requests)
         else:
-            prefills: dict[tuple[int, ...], tuple[KVStore, torch.Tensor]] = {}
-            results = [self._decode_alone(req, prefills) for req in requests]
+            decoding = Decoding.fresh(len(requests))
+            results = _run(self._alone_steps(requests, decoding))
+        if self.true_on_policy:
+            results = [self._rescore(req, res) for req, res in zip(requests, results)]
+        return results
+
+    def steps(self, requests: Sequence[GenerateRequest], decoding: Decoding) -> Generator[None, None, list]:
+        """`generate` step by step: yields after every sampled token (its state in `decoding`), returns
+        the results. Run it with torch's grad off (`torch.no_grad()` around each `next`)."""
+        if self.decode == "batched":
+            results = yield from self._batched_steps(requests, decoding)
+        else:
+            results = yield from self._alone_steps(requests, decoding)
         if self.true_on_policy:
             results = [self._rescore(req, res) for req, res in zip(requests, results)]
         return results
@@ -125,7 +183,16 @@ class HFEngine:
                          attention_mask={"full_attention": mask}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def _decode_alone(self, req: GenerateRequest, prefills: dict) -> GenerateResult:
+    def _alone_steps(self, requests: Sequence[GenerateRequest], decoding: Decoding) -> Generator[None, None, list]:
+        """The reference path: each request alone, one prefill per distinct prompt of the call."""
+        prefills: dict[tuple[int, ...], tuple[KVStore, torch.Tensor]] = {}
+        results = []
+        for index, req in enumerate(requests):
+            results.append((yield from self._decode_alone(req, prefills, decoding, index)))
+        return results
+
+    def _decode_alone(self, req: GenerateRequest, prefills: dict, decoding: Decoding,
+                      index: int) -> Generator[None, None, GenerateResult]:
         """The reference path: batch size 1, a cache growing by one column per token; one prefill
         per distinct prompt of the call, at the prompt's own length."""
         if req.prompt_ids not in prefills:
@@ -134,19 +201,30 @@ class HFEngine:
             prefills[req.prompt_ids] = (kv, logits[0])
         prefill, logits = prefills[req.prompt_ids]
         kv, rows, noise = prefill.extended(), SamplingRows([req], 1, self.device), RequestNoise(req, self.vocab)
-        output, logprobs, finish = [], [], "length"
+        output, logprobs, finish = decoding.outputs[index], decoding.logprobs[index], "length"
         for step in range(req.max_new_tokens):
             token, logprob = choose(logits[None], noise.draw()[None], rows)
             output.append(int(token[0]))
             logprobs.append(float(logprob[0]))
+            if index in decoding.top_n:
+                decoding.top[index].append(_top(logits[None], rows, 0, decoding.top_n[index]))
             if output[-1] in req.stop_token_ids:
                 finish = "stop"
                 break
-            if len(output) < req.max_new_tokens:
-                logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
+            if len(output) == req.max_new_tokens:
+                break
+            yield
+            if index in decoding.ended:
+                finish = decoding.ended[index]
+                break
+            logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
+        decoding.finished[index] = finish
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
     def _generate_batched(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return _run(self._batched_steps(requests, Decoding.fresh(len(requests))))
+
+    def _batched_steps(self, requests: Sequence[GenerateRequest], decoding: Decoding) -> Generator[None, None, list]:
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, req in enumerate(requests):
             width = -(-len(req.prompt_ids) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -155,7 +233,8 @@ class HFEngine:
         for (width, new), members in buckets.items():
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start: start + self.batch_size]
-                for i, result in zip(chunk, self._decode_rows([requests[i] for i in chunk], width, new)):
+                rows = yield from self._rows_steps([requests[i] for i in chunk], width, new, decoding, chunk)
+                for i, result in zip(chunk, rows):
                     results[i] = result
         return results
 
@@ -185,8 +264,13 @@ class HFEngine:
         return merged, torch.cat(logits), torch.cat(visible)
 
     def _decode_rows(self, reqs: list[GenerateRequest], width: int, new: int) -> list[GenerateResult]:
+        return _run(self._rows_steps(reqs, width, new, Decoding.fresh(len(reqs)), list(range(len(reqs)))))
+
+    def _rows_steps(self, reqs: list[GenerateRequest], width: int, new: int, decoding: Decoding,
+                    indices: list[int]) -> Generator[None, None, list]:
         """One chunk of a bucket: `batch_size` rows, KV length width + new, prompts left-padded
-        to `width` so every row writes its t-th token at column width + t."""
+        to `width` so every row writes its t-th token at column width + t. `indices`: the chunk's
+        requests' places in `decoding`."""
         rows, count = self.batch_size, len(reqs)
         distinct = list(dict.fromkeys(r.prompt_ids for r in reqs))  # one prefill per prompt, first-seen order
         prefill, first_logits, prompt_visible = self._prefill_rows(distinct, width)
@@ -195,8 +279,8 @@ class HFEngine:
         logits[:count] = first_logits[which.to(self.device)]
         kv = visible = starts = None  # the decode's store, made once a second token is needed
         sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
-        outputs: list[list[int]] = [[] for _ in reqs]
-        logprobs: list[list[float]] = [[] for _ in reqs]
+        outputs = [decoding.outputs[i] for i in indices]
+        logprobs = [decoding.logprobs[i] for i in indices]
         finish = ["length"] * count
         done = [False] * count
         quiet = torch.full((self.vocab,), 0.5)  # finished and padding rows draw nothing
@@ -208,9 +292,20 @@ class HFEngine:
                     continue
                 outputs[row].append(token)
                 logprobs[row].append(logprob)
+                if indices[row] in decoding.top_n:
+                    decoding.top[indices[row]].append(_top(logits, sampling, row, decoding.top_n[indices[row]]))
                 if token in reqs[row].stop_token_ids:
                     finish[row], done[row] = "stop", True
                 done[row] = done[row] or len(outputs[row]) == new
+                if done[row]:
+                    decoding.finished[indices[row]] = finish[row]
+            if all(done):
+                break
+            yield
+            for row in range(count):
+                if not done[row] and indices[row] in decoding.ended:
+                    finish[row], done[row] = decoding.ended[indices[row]], True
+                    decoding.finished[indices[row]] = finish[row]
             if all(done):
                 break
             if kv is None:
@@ -224,6 +319,8 @@ class HFEngine:
             kv.column = width + step
             logits = self._forward(tokens[:, None], (starts + step)[:, None], kv,
                                    visible[:, None, None, :].to(self.device))
+        for row in range(count):
+            decoding.finished.setdefault(indices[row], finish[row])
         return [GenerateResult(tuple(o), tuple(lp), f, self.engine_id, self.weight_version)
                 for o, lp, f in zip(outputs, logprobs, finish)]
 

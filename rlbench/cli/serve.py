@@ -46,9 +46,9 @@ def serve(
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     debug: Debug = False,
 ) -> None:
-    """Serve the embedded engine behind SGLang's native HTTP API: /generate, /health, /health_generate, /server_info, /model_info, /update_weights_from_disk, /flush_cache, /weights_checker, /get_weights_by_name.
+    """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, /health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.
 
-    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. Binds 127.0.0.1 unless --host says otherwise. Stop it with Ctrl-C.
+    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says otherwise. Stop it with Ctrl-C.
     """
     from rlbench.serve.server import serve as run_server
 

@@ -1,8 +1,12 @@
-"""`rlbench serve`: the embedded engine behind SGLang's native HTTP API, so that sglang-router and
-rlbench's SGLang client (and anyone's) can talk to it as to an SGLang server. CPU CI runs it as
-the SGLang workers; on a laptop it stands in for a GPU fleet.
+"""`rlbench serve`: the embedded engine behind SGLang 0.5.23's native HTTP API, so that sglang-router
+and rlbench's SGLang client (and anyone's) can talk to it as to an SGLang server. CPU CI runs it as the
+SGLang workers; on a laptop it stands in for a GPU fleet. What it cannot do is refused in SGLang's own
+error shape and listed in docs/sglang-ray.md.
 
-    worker.py   one thread runs the engine; concurrent /generate calls are decoded as one batch
-    app.py      the Starlette routes: /generate, /health*, /server_info, /model_info, weights, /flush_cache
+    request.py  what /generate accepts, checked in SGLang's order, refused in its three error shapes
+    worker.py   the scheduler: one engine thread, batches decoded a token at a time in turns, abort/pause
+    answer.py   the /generate answer: meta_info, finish reasons, log-prob layouts, stream chunks
+    weights.py  weight loads (all or nothing) and SGLang's /weights_checker
+    app.py      the routes, request bodies (bounded, JSON), the error handlers
     server.py   ServeConfig, the model and engine it loads, binding (127.0.0.1 by default) and uvicorn
 """

@@ -1,55 +1,63 @@
-"""The routes of `rlbench serve`: SGLang's native API over the embedded engine.
+"""The routes of `rlbench serve`: SGLang 0.5.23's native API over the embedded engine.
 
-/health and /health_generate (a one-token generation, 503 when it does not answer in 20 s),
-/server_info and /model_info (and their /get_* aliases, which sglang-router asks for on
-registration), /generate (one item or a batch), /update_weights_from_disk (a Hugging Face-format
-directory of safetensors, with its weight version), /flush_cache (there is no cache between
-calls: it answers as SGLang does), /weights_checker {"action": "checksum"} and /get_weights_by_name
-(for the weight-update check: see weights_payload). Request bodies are read by wire.py; a malformed
-one is a 400 in SGLang's shape, never a 5xx, and never stops the server.
+/health, /health_generate (a one-token generation; 503 when it does not answer in 20 s), /ready,
+/server_info, /model_info (and their /get_* aliases), /generate (one item, a batch, n copies, or a
+stream of server-sent events), /abort_request, /pause_generation, /continue_generation,
+/update_weights_from_disk, /update_weight_version, /weights_checker, /get_weights_by_name,
+/flush_cache, /v1/loads. Request bodies are read to at most `max_request_bytes` (413 past it, before
+the rest is read) as JSON (application/json, as FastAPI takes them) and parsed off the event loop when
+large; a refused request gets SGLang's answer for it (request.py), never a 5xx, and never stops the
+server: an error nobody foresaw is a 400 in SGLang's ValueError shape, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from rlbench.backends.sglang import wire
-from rlbench.core.types import GenerateRequest
-from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
+from rlbench.serve import request as rq
+from rlbench.serve.answer import Answers, prompt_logprobs
+from rlbench.serve.weights import LoadFailed
+from rlbench.serve.worker import Job
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
            "the operation will not be performed.)\n")
+PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed on a thread: the event loop keeps serving
 
 
 def build_app(state) -> Starlette:
     """The server's app over `state` (server.py's ServerState): the routes, the lifespan that starts and
-    stops the batching worker, and the error handlers. Starlette rather than FastAPI on top of it: every
-    route reads its own body (wire.py), so FastAPI's parameter layer had nothing to do, and it cost about
-    0.1-0.2 ms of CPU per request, as much again as Starlette's routing itself (a run sends one request
-    per sample)."""
-    handlers = Handlers(state)
-    routes = [Route(path, handlers.healthy, methods=["GET"]) for path in ("/health", "/health_generate")]
-    routes += [Route(path, handlers.server_info, methods=["GET"]) for path in ("/server_info", "/get_server_info")]
-    routes += [Route(path, handlers.model_info, methods=["GET"]) for path in ("/model_info", "/get_model_info")]
-    routes += [Route("/generate", handlers.generate, methods=["POST", "PUT"]),
-               Route("/update_weights_from_disk", handlers.update_weights_from_disk, methods=["POST"]),
-               Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
-               Route("/weights_checker", handlers.weights_checker, methods=["POST"]),
-               Route("/get_weights_by_name", handlers.get_weights_by_name, methods=["GET", "POST"])]
-    return Starlette(routes=routes, lifespan=handlers.lifespan,
-                     exception_handlers={wire.RequestError: refused, HTTPException: http_error, Exception: internal})
+    stops the worker, and the error handlers. Starlette rather than FastAPI on top of it: every route reads
+    its own body (request.py), so FastAPI's parameter layer had nothing to do, and it cost about 0.1-0.2 ms
+    of CPU per request, as much again as Starlette's routing itself (a run sends one request per sample)."""
+    h = Handlers(state)
+    routes = [Route(path, h.healthy, methods=["GET"]) for path in ("/health", "/health_generate")]
+    routes += [Route(path, h.server_info, methods=["GET"]) for path in ("/server_info", "/get_server_info")]
+    routes += [Route(path, h.model_info, methods=["GET"]) for path in ("/model_info", "/get_model_info")]
+    routes += [Route("/ready", h.ready, methods=["GET"]),
+               Route("/generate", h.generate, methods=["POST", "PUT"]),
+               Route("/abort_request", h.abort_request, methods=["POST"]),
+               Route("/pause_generation", h.pause_generation, methods=["POST"]),
+               Route("/continue_generation", h.continue_generation, methods=["POST"]),
+               Route("/update_weights_from_disk", h.update_weights_from_disk, methods=["POST"]),
+               Route("/update_weight_version", h.update_weight_version, methods=["POST"]),
+               Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
+               Route("/weights_checker", h.weights_checker, methods=["GET", "POST"]),
+               Route("/get_weights_by_name", h.get_weights_by_name, methods=["GET", "POST"]),
+               Route("/v1/loads", h.loads, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=h.lifespan,
+                     exception_handlers={rq.RequestError: refused, HTTPException: http_error, Exception: internal})
 
 
 class Handlers:
@@ -57,23 +65,31 @@ class Handlers:
 
     def __init__(self, state):
         self.state = state
+        self.answers = Answers(state.tokenizer, lambda: state.weight_version)
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette):
-        """The batching worker runs while the server does."""
+        """The worker runs while the server does."""
         self.state.worker.start()
         try:
             yield
         finally:
             await self.state.worker.stop()
 
+    # ---- health and information ---------------------------------------------------------------
+
     async def healthy(self, _request: Request) -> Response:
         """200 once a one-token generation answers within HEALTH_TIMEOUT_S, else 503."""
-        probe = GenerateRequest((0,), wire.DEFAULT_SEED, 1, 0.0, ())
+        from rlbench.core.types import GenerateRequest
+
+        probe = GenerateRequest((0,), 42, 1, 0.0, ())
         try:
             await asyncio.wait_for(self.state.worker.generate([probe]), HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure to answer is "unhealthy", as in SGLang
             return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def ready(self, _request: Request) -> Response:
         return Response(status_code=200)
 
     async def server_info(self, _request: Request) -> Response:
@@ -82,64 +98,273 @@ class Handlers:
     async def model_info(self, _request: Request) -> Response:
         return _json_response(self.state.model_info())
 
+    async def loads(self, _request: Request) -> Response:
+        """SGLang's /v1/loads, its core section: what runs and what waits."""
+        running, waiting = self.state.worker.counts()
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "max_total_num_tokens": self.state.context_len * self.state.config.decode_batch_size}
+        return _json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "version": self.state.version, "accelerator": None, "num_accelerators": 1,
+                               "loads": [load]})
+
+    # ---- generation ---------------------------------------------------------------------------
+
     async def generate(self, request: Request) -> Response:
-        """One item or a batch, answered in SGLang's shape (`_answer`)."""
-        state, started = self.state, time.perf_counter()
-        call = wire.parse_generate(await _json(request), state.vocab, state.context_len,
-                                   lambda text: state.tokenizer.encode(text, add_special_tokens=False),
-                                   lambda: uuid.uuid4().hex)
-        hit("serve.generate")
-        results = await state.worker.generate(call.requests)
-        latency = time.perf_counter() - started
-        items = [_answer(state, req, res, rid, call, skip, latency)
-                 for req, res, rid, skip in zip(call.requests, results, call.rids, call.skip_special_tokens)]
+        """One item, a batch or n copies, answered in SGLang's shape (answer.py); streamed as server-sent
+        events with `stream`."""
+        state = self.state
+        body = await _json(request, state.config.max_request_bytes)
+        encode = state.encode if state.tokenizer is not None else _no_text
+        try:
+            call = await _maybe_off_loop(request, lambda: rq.parse_generate(body, state.vocab, encode))
+        except rq.RequestError as exc:  # SGLang checks values inside the stream: a stream gets them in-band
+            if isinstance(body, dict) and body.get("stream") is True and isinstance(exc.body.get("error"), dict):
+                return StreamingResponse(_error_events(exc), media_type="text/event-stream")
+            raise
+        if call.stream:
+            return StreamingResponse(self._stream(call), media_type="text/event-stream")
+        jobs, prompts = await self._start(call)
+        done = await asyncio.gather(*(job.future for job in jobs))
+        items = [self.answers.build(item, job, prompt, call.return_text_in_logprobs, final=True)
+                 for item, job, prompt in zip(call.items, done, prompts)]
         return _json_response(items if call.batched else items[0])
 
-    async def update_weights_from_disk(self, request: Request) -> Response:
-        """Load a Hugging Face-format directory's weights and take its weight version, if given; a
-        directory that cannot be loaded is a 400 with success false, as in SGLang."""
-        path, version = _weights_request(await _json(request))
+    async def _start(self, call: rq.GenerateCall) -> tuple[list[Job], list]:
+        """Check the items' lengths and rids, wait out a pause, score prompts where asked, submit."""
+        state = self.state
+        rq.limit_items(call, state.context_len, state.eos, 42)
+        if state.tokenizer is None and any(item.sampling.stop for item in call.items):
+            stops = next(item.sampling.stop for item in call.items if item.sampling.stop)
+            raise rq.value(f"stop={list(stops)!r} is unavailable when skip_tokenizer_init=True (requires tokenizer to "
+                           "decode tokens to text for matching).")
+        live = state.worker.live_rids()
+        for item in call.items:
+            if item.rid in live:
+                raise rq.value(f"Duplicate request ID detected: {item.rid}")
+        await state.worker.unpaused()
+        hit("serve.generate")
+        prompts = []
+        for item in call.items:
+            start = item.logprob_start_len if item.return_logprob else -1
+            prompts.append(None if start < 0 else await state.worker.call(
+                lambda i=item, s=start: prompt_logprobs(state.engine.model, i.prompt_ids, s, i.request.temperature,
+                                                        i.top_logprobs_num, state.config.device)))
+        jobs = [Job(item.request, item.rid, top_n=item.top_logprobs_num if item.return_logprob else 0,
+                    stop_strings=item.sampling.stop, text_of=self._text_of(item), stream=call.stream)
+                for item in call.items]
+        state.worker.submit(jobs)
+        return jobs, prompts
+
+    def _text_of(self, item: rq.Item):
+        if not item.sampling.stop:
+            return None
+        skip = item.sampling.skip_special_tokens
+        return lambda ids: self.state.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    async def _stream(self, call: rq.GenerateCall):
+        """SGLang's server-sent events: a cumulative chunk every stream_interval new tokens of an item (batch
+        chunks carry "index"), its last with the finish reason, then [DONE]; an error after the stream began
+        comes in-band, under HTTP 200."""
         try:
-            message = await self.state.worker.call(self.state.load_weights, path)
-        except BadInput as exc:
-            return _json_response({"success": False, "message": f"Failed to update weights: {exc}",
-                                   "num_paused_requests": 0}, status_code=400)
-        if version is not None:
-            self.state.weight_version = version
-            message += f". Weight version updated to {version}."
-        return _json_response({"success": True, "message": message, "num_paused_requests": 0})
+            jobs, prompts = await self._start(call)
+        except rq.RequestError as exc:
+            async for event in _error_events(exc):
+                yield event
+            return
+        sent = [0] * len(jobs)  # tokens each item's chunks have shown (a retracted item restarts below it)
+        pending = set(range(len(jobs)))
+        while pending:
+            waits = [asyncio.ensure_future(jobs[i].progressed.wait()) for i in pending]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.cancel()
+            for i in sorted(pending):
+                job = jobs[i]
+                if not job.progressed.is_set():
+                    continue
+                job.progressed.clear()
+                if not job.done and len(job.output_ids) < sent[i] + call.items[i].sampling.stream_interval:
+                    continue
+                chunk = self.answers.build(call.items[i], job, prompts[i], call.return_text_in_logprobs, job.done)
+                if call.batched:
+                    chunk["index"] = i
+                sent[i] = len(job.output_ids)
+                if job.done:
+                    pending.discard(i)
+                yield _event(chunk)
+        yield b"data: [DONE]\n\n"
+
+    # ---- control ------------------------------------------------------------------------------
+
+    async def abort_request(self, request: Request) -> Response:
+        """SGLang's /abort_request {rid, abort_all}: 200 with an empty body."""
+        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
+                       {"rid": (str, type(None)), "abort_all": bool})
+        self.state.worker.abort(body.get("rid") or "", bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    async def pause_generation(self, request: Request) -> Response:
+        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"mode": str})
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise rq.pydantic_error("mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode)
+        self.state.worker.pause(mode)
+        return _json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: Request) -> Response:
+        _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"torch_empty_cache": bool})
+        self.state.worker.resume()
+        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: Request) -> Response:
+        """There is no cache between requests; it answers as SGLang does: refused (400) while requests run
+        (or wait, unless generation is paused), after waiting up to ?timeout= seconds for them."""
+        try:
+            timeout = float(request.query_params.get("timeout", 0.0))
+        except ValueError:
+            raise rq.pydantic_error("timeout", "float_parsing", "Input should be a valid number",
+                                    request.query_params.get("timeout")) from None
+        if not timeout >= 0:
+            raise rq.pydantic_error("timeout", "greater_than_equal", "Input should be greater than or equal to 0",
+                                    timeout)
+        worker, deadline = self.state.worker, time.monotonic() + timeout
+        while worker.busy(count_waiting=worker.paused is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if worker.busy(count_waiting=worker.paused is None):
+            return Response(content="Flush cache failed.\n", status_code=400)
+        return Response(content=FLUSHED, status_code=200)
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        """Load a model directory's weights (or the seeded dummy ones), whole or not at all, after the
+        requests before it; take its weight version. SGLang's answer: {success, message,
+        num_paused_requests}, 400 when it failed (the served weights then unchanged)."""
+        state = self.state
+        body = _fields(await _json(request, state.config.max_request_bytes, required=True), {
+            "model_path": str, "load_format": (str, type(None)), "abort_all_requests": bool,
+            "weight_version": (str, type(None)), "is_async": bool, "torch_empty_cache": bool, "keep_pause": bool,
+            "recapture_cuda_graph": bool, "token_step": int, "flush_cache": bool, "manifest": (dict, type(None))},
+            required=("model_path",))
+        refused = [k for k in ("is_async", "keep_pause", "manifest") if body.get(k)]
+        if refused:
+            return _update_answer(False, f"rlbench serve does not implement {refused[0]} (docs/sglang-ray.md)")
+        if body.get("abort_all_requests"):
+            state.worker.abort(abort_all=True)
+        fmt = body.get("load_format") or state.load_format
+        try:
+            message = await state.worker.call(state.load_weights, body["model_path"], fmt, barrier=True)
+        except LoadFailed as exc:
+            return _update_answer(False, str(exc))
+        if body.get("weight_version") is not None:
+            self._set_version(body["weight_version"])
+        if body.get("torch_empty_cache") and state.config.device.startswith("cuda"):
+            import torch
+
+            await state.worker.call(torch.cuda.empty_cache)
+        # recapture_cuda_graph: there are no CUDA graphs to capture; token_step: 0.5.23 answers nothing of it.
+        if body.get("flush_cache", True) and state.worker.busy(count_waiting=False):
+            return _update_answer(False, "Weights were updated, but the cache was not flushed because requests are "
+                                         "still running or queued. Retract or finish them, then call /flush_cache.")
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return _update_answer(True, message)
+
+    def _set_version(self, version: str) -> None:
+        old, self.state.weight_version = self.state.weight_version, version
+        if old != version:
+            self.state.worker.version_changed(old)
+
+    async def update_weight_version(self, request: Request) -> Response:
+        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
+                       {"new_version": str, "abort_all_requests": bool}, required=("new_version",))
+        if body.get("abort_all_requests", True):
+            self.state.worker.abort(abort_all=True)
+        self._set_version(body["new_version"])
+        return _json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                               "new_version": body["new_version"]})
 
     async def weights_checker(self, request: Request) -> Response:
-        """action "checksum" only: every tensor's digest (weights_payload)."""
-        body = await _json(request)
-        action = body.get("action", "checksum") if isinstance(body, dict) else None
-        if action != "checksum":
-            return _json_response({"success": False, "message": f"Unsupported action={action!r}: rlbench serve "
-                                   "answers action=checksum only"}, status_code=400)
-        payload = await self.state.worker.call(weights_payload, self.state)
-        return _json_response({"success": True, "message": f"checksum of {len(payload['checksums'])} tensors",
-                               "payload": payload})
+        """SGLang's /weights_checker (weights.py): checksum by default, snapshot, compare, reset_tensors."""
+        body = await _json(request, self.state.config.max_request_bytes, required=False)
+        body = _fields(body if body is not None else {}, {
+            "action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str})
+        selector = body.get("selector", "all")
+        if selector not in ("target", "draft", "all"):
+            raise rq.pydantic_error("selector", "literal_error", "Input should be 'target', 'draft' or 'all'", selector)
+        skip = body.get("skip_tensor_list")
+        if skip is not None and not all(isinstance(s, str) for s in skip):
+            raise rq.pydantic_error("skip_tensor_list", "string_type", "Input should be a valid string", skip)
+        action = body.get("action", "checksum")
+        if selector == "draft":  # no draft model: nothing to check, as SGLang answers without a draft runner
+            return _json_response({"success": True, "message": "Success."})
+        answer = await self.state.worker.call(self.state.checker.handle, self.state.engine.model, action, skip)
+        return _json_response(answer, status_code=200 if answer["success"] else 400)
 
     async def get_weights_by_name(self, request: Request) -> Response:
-        """The first `truncate_size` values of the named parameter, as floats."""
-        body = await _json(request)
-        name = body.get("name") if isinstance(body, dict) else None
-        size = body.get("truncate_size", 100) if isinstance(body, dict) else None
-        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise wire.envelope_error("name (a string) is required; truncate_size is a non-negative integer")
-        params = dict(self.state.engine.model.named_parameters())
-        if name not in params:
-            raise wire.value_error("Get parameter by name failed")
-        return _json_response(await self.state.worker.call(lambda: params[name].detach().float().cpu()[:size].tolist()))
+        """The first `truncate_size` rows of the named parameter (a tied lm_head reads the embeddings), as
+        SGLang's model answers; an unknown name is its 400."""
+        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
+                       {"name": str, "truncate_size": int}, required=("name",))
+        size = body.get("truncate_size", 100)
+
+        def read() -> Any:
+            model = self.state.engine.model
+            params = dict(model.named_parameters())
+            name = body["name"]
+            if name == "lm_head.weight" and name not in params and getattr(model.config, "tie_word_embeddings", False):
+                name = "model.embed_tokens.weight"
+            if name not in params:
+                return None
+            return params[name].detach().cpu().float()[: max(size, 0)].tolist()
+
+        values = await self.state.worker.call(read)
+        if values is None:
+            raise rq.value("Get parameter by name failed")
+        return _json_response(values)
 
 
-async def flush_cache(_request: Request) -> Response:
-    """There is no cache between calls: it answers as SGLang does."""
-    return Response(content=FLUSHED, status_code=200)
+async def _error_events(exc: rq.RequestError):
+    """A ValueError after a stream began, as SGLang sends it: in-band, then [DONE]."""
+    message = exc.body["error"]["message"] if isinstance(exc.body.get("error"), dict) else str(exc.body)
+    yield _event({"error": {"message": message, "type": "invalid_request_error", "code": exc.status,
+                            "retryable": False}})
+    yield b"data: [DONE]\n\n"
 
 
-async def refused(_request: Request, exc: wire.RequestError) -> Response:
-    """A malformed request (wire.py): a 400 in SGLang's shape."""
+def _no_text(_text: str) -> list[int]:
+    raise rq.value("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
+                   "input_ids or re-initialize the engine with skip_tokenizer_init=False.")
+
+
+def _update_answer(success: bool, message: str) -> Response:
+    return _json_response({"success": success, "message": message, "num_paused_requests": 0},
+                          status_code=200 if success else 400)
+
+
+def _fields(body: Any, kinds: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
+    """A control request's body as its SGLang struct takes it: an object, the fields it declares of their
+    types (unknown fields ignored), the required ones present; else the pydantic envelope."""
+    if not isinstance(body, dict):
+        raise rq.pydantic_error("", "model_type", "Input should be an object", body)
+    for name in required:
+        if name not in body:
+            raise rq.pydantic_error(name, "missing", "Field required", body)
+    for name, kind in kinds.items():
+        if name in body:
+            ok = isinstance(body[name], kind) and not (isinstance(body[name], bool) and kind is int)
+            if not ok:
+                raise rq.pydantic_error(name, "type_error", f"Input should be {_kind_name(kind)}", body[name])
+    return body
+
+
+def _kind_name(kind: Any) -> str:
+    names = {str: "a valid string", bool: "a valid boolean", int: "a valid integer", dict: "a valid dictionary",
+             list: "a valid list"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, "null") for k in kinds)
+
+
+async def refused(_request: Request, exc: rq.RequestError) -> Response:
+    """A refused request (request.py): SGLang's answer for it."""
     return _json_response(exc.body, status_code=exc.status)
 
 
@@ -149,62 +374,76 @@ async def http_error(_request: Request, exc: HTTPException) -> Response:
 
 
 async def internal(_request: Request, exc: Exception) -> Response:
-    """A bug in rlbench serve: said as such, and the server lives on."""
-    return _json_response({"error": {"message": f"internal error: {exc.__class__.__name__}: {exc}"}},
-                          status_code=500)
+    """What nothing above foresaw: a 400 in SGLang's ValueError shape, naming it (a request never gets a
+    5xx from rlbench serve); the server lives on."""
+    return _json_response({"error": {"message": f"{exc.__class__.__name__}: {str(exc)[:300]}"}}, status_code=400)
 
 
-def _weights_request(body: Any) -> tuple[str, str | None]:
-    """/update_weights_from_disk's model_path and weight_version (a 400 in SGLang's shape when they are not
-    a string and a string or null)."""
-    path, version = body.get("model_path") if isinstance(body, dict) else None, None
-    if isinstance(body, dict) and body.get("weight_version") is not None:
-        version = body["weight_version"]
-    if not isinstance(path, str) or not isinstance(version, (str, type(None))):
-        raise wire.envelope_error("model_path (a string) is required; weight_version is a string or null")
-    return path, version
+async def _json(request: Request, limit: int, required: bool = True) -> Any:
+    """The request's JSON body, read to at most `limit` bytes (413 past it, before the rest is read), taken
+    only as application/json (FastAPI's rule: another content type is not parsed, the pydantic envelope
+    answers). A missing body is None when not `required`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise rq.http_error(413, f"Request body of {declared} bytes is larger than this server reads ({limit}).")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise rq.http_error(413, f"Request body is larger than this server reads ({limit} bytes).")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise rq.envelope("the client went away before its body was read") from None
+    raw = b"".join(chunks)
+    if not raw:
+        if required:
+            raise rq.pydantic_error("", "missing", "Field required", None)
+        return None
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type != "application/json" and not (content_type.startswith("application/")
+                                                   and content_type.endswith("+json")):
+        raise rq.pydantic_error("", "model_attributes_type",
+                                "Input should be a valid dictionary or object to extract fields from", raw[:200])
+    if len(raw) > PARSE_OFF_LOOP:
+        return await asyncio.to_thread(_loads, raw)
+    return _loads(raw)
 
 
-def weights_payload(state) -> dict:
-    """SGLang's /weights_checker checksum payload (`checksums` by parameter name, `parallelism_info`),
-    with rlbench's hash, which is what the trainer's side computes: sha256 over each tensor's name,
-    dtype, shape and bytes, under Hugging Face names. SGLang's own server hashes its own parameter
-    layout with another function, so the client tells them apart by `algorithm`."""
-    from rlbench.core.model import named_weights
-    from rlbench.rundir.digest import tensor_digests
-
-    one = {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
-    return {"checksums": tensor_digests(named_weights(state.engine.model)), "parallelism_info": one,
-            "algorithm": wire.CHECKSUM_ALGORITHM, "weight_version": state.weight_version}
-
-
-async def _json(request: Request) -> Any:
+def _loads(raw: bytes) -> Any:
+    """JSON as FastAPI reads it (Python's json: integers of any size, NaN and Infinity); orjson first, for
+    speed, where it can."""
     import orjson
 
-    raw = await request.body()
     try:
-        return orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError as exc:
-        raise wire.envelope_error(f"JSON decode error: {exc}") from None
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise rq.pydantic_error("", "json_invalid", f"JSON decode error: {str(exc)[:100]}", {}) from None
 
 
-def _answer(state, req: GenerateRequest, res, rid: str, call: wire.GenerateCall, skip: bool, latency: float) -> dict:
-    """One item of SGLang's /generate answer."""
-    meta = {"id": rid, "finish_reason": wire.finish_reason(res.output_ids, res.finish_reason, req.stop_token_ids),
-            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(res.output_ids), "cached_tokens": 0,
-            "weight_version": state.weight_version, "e2e_latency": latency}
-    if call.return_logprob:
-        texts = [state.tokenizer.decode([t]) if call.return_text_in_logprobs else None for t in res.output_ids]
-        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(res.logprobs, res.output_ids, texts)]
-        meta["output_token_logprobs_length"] = len(res.output_ids)
-        meta["input_token_logprobs"] = []
-    return {"text": state.tokenizer.decode(list(res.output_ids), skip_special_tokens=skip),
-            "output_ids": list(res.output_ids), "meta_info": meta}
+async def _maybe_off_loop(request: Request, parse):
+    """Run `parse` on a thread when the body was large (tokenising a long text must not stall the loop)."""
+    size = int(request.headers.get("content-length") or 0)
+    return await asyncio.to_thread(parse) if size > PARSE_OFF_LOOP else parse()
+
+
+def _event(obj: Any) -> bytes:
+    import orjson
+
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _json_response(content: Any, status_code: int = 200, headers: dict | None = None) -> Response:
-    """orjson's bytes (as SGLang answers)."""
+    """orjson's bytes (as SGLang answers); Python's json where orjson cannot (an integer past 64 bits)."""
     import orjson
 
-    return Response(content=orjson.dumps(content), status_code=status_code, headers=headers,
-                    media_type="application/json")
+    try:
+        raw = orjson.dumps(content)
+    except TypeError:
+        raw = json.dumps(content).encode()
+    return Response(content=raw, status_code=status_code, headers=headers, media_type="application/json")
+

@@ -1,16 +1,20 @@
 """What `rlbench serve` loads and how it listens: a ServeConfig, the model and the batched engine,
-the server's own state (model path, weight version), and uvicorn on a socket bound first.
+the server's own state (model path, weight version, load format), and uvicorn on a socket bound first.
 
 It binds 127.0.0.1 unless told otherwise (`--host 0.0.0.0` serves other machines: the API has no
 authentication, like SGLang's own without --api-key). Port 0 takes a free port; either way the
 first line on standard output is `rlbench serve: listening on http://HOST:PORT ...`, printed once
-the model is loaded and the socket is bound, so a launcher can read where it is.
+the model is loaded and the socket is bound, so a launcher can read where it is. `serve_in_thread`
+runs the same server on a thread of the calling process (tests, notebooks).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -50,6 +54,14 @@ class ServeConfig:
         "While requests keep arriving this close together, gather them into one engine batch.")
     weight_version: str = setting("default", "The weight version reported until the first update.")
     served_model_name: str | None = None
+    context_length: int | None = setting(None,
+        "SGLang's --context-length: prompt + new tokens per request (default: the model's max_position_embeddings, "
+        "which it may not exceed).")
+    skip_tokenizer_init: bool = setting(False,
+        "SGLang's --skip-tokenizer-init: no tokenizer; requests send input_ids, answers carry no text.")
+    max_request_bytes: int = setting(16 << 20,
+        "Largest request body read (a larger one is answered 413 before it is read). SGLang sets none: this "
+        "bounds what one client can make the server parse.")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting("warning",
         "uvicorn's log level.")
 
@@ -68,6 +80,11 @@ class ServeConfig:
         number(self.batch_wait_ms, "--batch-wait-ms", 0, 10_000)
         check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"), "--log-level",
                "one of critical, error, warning, info, debug, trace", self.log_level)
+        if self.context_length is not None:
+            number(self.context_length, "--context-length", 8, 1 << 24, integer=True)
+        check(isinstance(self.skip_tokenizer_init, bool), "--skip-tokenizer-init", "true or false",
+              self.skip_tokenizer_init)
+        number(self.max_request_bytes, "--max-request-bytes", 1024, 1 << 34, integer=True)
 
 
 class ServerState:
@@ -79,53 +96,87 @@ class ServerState:
         from rlbench.backends.hf_engine import HFEngine
         from rlbench.core.model import build_model, load_tokenizer
         from rlbench.core.seeding import configure_determinism
+        from rlbench.serve.weights import Checker
         from rlbench.serve.worker import EngineWorker
 
         self.config = config
         self.version = __version__
         self.determinism = configure_determinism(config.threads, config.device)
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
         model = build_model(config.model_path, config.random_seed, config.dtype, config.device,
                             init=LOAD_FORMATS[config.load_format])
         self.engine = HFEngine(model, device=config.device, engine_id="serve", decode=config.decode,
                                batch_size=config.decode_batch_size)
         del model
         self.vocab = self.engine.vocab
-        self.context_len = int(getattr(self.engine.model.config, "max_position_embeddings", None) or 1 << 30)
+        positions = int(getattr(self.engine.model.config, "max_position_embeddings", None) or 1 << 30)
+        if config.context_length is not None and config.context_length > positions:
+            raise BadInput(f"expected at most the model's max_position_embeddings ({positions}), got "
+                           f"{config.context_length}", field="--context-length")
+        self.context_len = config.context_length or positions
+        self.eos = eos_ids(config.model_path, self.engine.model.config, self.tokenizer)
         self.model_path = config.model_path
+        self.served_model_name = config.served_model_name or config.model_path
+        self.load_format = config.load_format
         self.weight_version = config.weight_version
+        self.port = config.port
+        self.started = time.time()
+        self.checker = Checker()
         self.worker = EngineWorker(self.engine, config.batch_wait_ms / 1000, config.decode_batch_size)
 
-    def load_weights(self, model_path: str) -> str:
-        """Load every *.safetensors file of a Hugging Face-format directory (the engine's thread only)."""
-        from rlbench.core.model import load_named_, load_safetensors
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-        directory = Path(model_path)
-        files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-        if not files:
-            raise BadInput("no *.safetensors files (expected a Hugging Face-format model directory)", path=directory)
-        weights = {}
-        for file in files:
-            weights.update(load_safetensors(file))
-        load_named_(self.engine.model, weights, source=directory)
-        self.model_path = str(directory)
-        return f"loaded {len(weights)} tensors from {len(files)} file(s)"
+    def load_weights(self, model_path: str, load_format: str) -> str:
+        """Swap in the weights `model_path` names, whole (the engine's thread only); LoadFailed, and the
+        served weights untouched, when any part of them cannot be read."""
+        from rlbench.serve.weights import read_candidate
+
+        candidate = read_candidate(self.engine.model, model_path, load_format, self.config.random_seed)
+        self.engine.model = candidate
+        self.model_path = self.served_model_name = model_path
+        self.load_format = load_format
+        return "Succeeded to update model weights."
 
     def server_info(self) -> dict:
-        """SGLang's /server_info: the server's arguments, flat, and its version."""
-        return {**asdict(self.config), "model_path": self.model_path, "tp_size": 1, "dp_size": 1,
-                "weight_version": self.weight_version, "skip_tokenizer_init": False,
-                "max_total_tokens": self.context_len * self.config.decode_batch_size, "vocab_size": self.vocab,
-                "context_length": self.context_len, "determinism": self.determinism, "version": self.version,
-                "server": "rlbench serve"}
+        """SGLang's /server_info: the server's arguments, flat, then the scheduler's figures and its version."""
+        return {**asdict(self.config), "model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
+                "served_model_name": self.served_model_name, "load_format": self.load_format,
+                "weight_version": self.weight_version, "context_length": self.context_len, "vocab_size": self.vocab,
+                "determinism": self.determinism, "status": "ready",
+                "max_total_num_tokens": self.context_len * self.config.decode_batch_size,
+                "max_req_input_len": self.context_len - 6, "startup_time": self.started,
+                "internal_states": [{"paused": self.worker.paused}], "version": self.version,
+                "frontend": "rlbench serve", "server": "rlbench serve"}
 
     def model_info(self) -> dict:
         config = self.engine.model.config
-        return {"model_path": self.model_path, "tokenizer_path": self.config.tokenizer_path,
-                "served_model_name": self.config.served_model_name or self.config.model_path,
+        return {"model_path": self.model_path, "served_model_name": self.served_model_name,
+                "tokenizer_path": None if self.tokenizer is None else self.config.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "load_format": "safetensors", "model_type": getattr(config, "model_type", None),
+                "load_format": self.load_format, "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
+
+
+def eos_ids(model_path: str, config, tokenizer) -> tuple[int, ...]:
+    """The ids that end a request unless it sets ignore_eos: the model config's eos_token_id, its
+    generation_config.json's, and the tokenizer's (SGLang's hf_eos_token_id and tokenizer.eos_token_id)."""
+    found: list = [getattr(config, "eos_token_id", None)]
+    try:
+        generation = json.loads((Path(model_path) / "generation_config.json").read_text())
+        found.append(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+    except (OSError, ValueError):
+        pass
+    if tokenizer is not None:
+        found.append(tokenizer.eos_token_id)
+    ids = set()
+    for value in found:
+        for one in value if isinstance(value, list) else [value]:
+            if isinstance(one, int) and not isinstance(one, bool) and one >= 0:
+                ids.add(one)
+    return tuple(sorted(ids))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -147,18 +198,49 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(config: ServeConfig, announce) -> None:
-    """Load, bind, announce the URL through `announce(url)`, and serve until stopped (SIGINT/SIGTERM)."""
+def _server(state: ServerState, config: ServeConfig):
     import uvicorn
 
     from rlbench.serve.app import build_app
 
+    return uvicorn.Server(uvicorn.Config(build_app(state), log_level=config.log_level, access_log=False,
+                                         timeout_graceful_shutdown=5))
+
+
+def serve(config: ServeConfig, announce) -> None:
+    """Load, bind, announce the URL through `announce(url)`, and serve until stopped (SIGINT/SIGTERM)."""
     state = ServerState(config)
     sock = bind(config.host, config.port)
+    state.port = sock.getsockname()[1]
     announce(url_of(sock))
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=config.log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = _server(state, config)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+class ServingThread:
+    """`rlbench serve` on a thread of this process: `url`, `state`, and `close()`."""
+
+    def __init__(self, config: ServeConfig):
+        self.state = ServerState(config)
+        self.sock = bind(config.host, config.port)
+        self.state.port = self.sock.getsockname()[1]
+        self.url = url_of(self.sock)
+        self.server = _server(self.state, config)  # off the main thread, uvicorn leaves signals alone
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="rlbench-serve")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def serve_in_thread(config: ServeConfig) -> ServingThread:
+    return ServingThread(config)

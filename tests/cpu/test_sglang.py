@@ -104,11 +104,16 @@ class _Recorder:
             self.bodies.append(await request.json())
             return web.json_response(self.ANSWER)
 
+        async def health(_request):
+            return web.Response()
+
+        async def info(_request):
+            return web.json_response({"model_path": "/nowhere", "is_generation": True})
+
         app.router.add_post("/generate", generate)
-        app.router.add_get("/health", lambda _r: web.Response())
-        app.router.add_get("/server_info", lambda _r: web.json_response({"model_path": "/nowhere"}))
-        app.router.add_get("/model_info", lambda _r: web.json_response({"model_path": "/nowhere",
-                                                                         "is_generation": True}))
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", info)
+        app.router.add_get("/model_info", info)
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
@@ -150,10 +155,11 @@ def test_the_client_sends_no_field_the_router_drops():
     fleet = Fleet(route=[], workers=[recorder.url], logs=make_logs())
     try:
         start_router(fleet, lambda url: client.run(registered(client, url)))
-        sent = wire.request_body(GenerateRequest((1, 2, 3), 2**62 + 12345, 7, 0.7, (2, 9), 5, 0.9))
+        request = GenerateRequest((1, 2, 3), 2**62 + 12345, 7, 0.7, (2, 9), 5, 0.9)
+        sent = wire.request_body(request)
         answer = client.run(client.ok("POST", f"{fleet.router}/generate", sent))
         assert len(recorder.bodies) == 1 and _missing(sent, recorder.bodies[0]) == []
-        assert wire.parse_answer(answer, fleet.router).logprobs == (-0.5, -0.25)
+        assert wire.parse_answer(answer, fleet.router, request, 314).logprobs == (-0.5, -0.25)
         dropped = json.loads(json.dumps(sent))
         dropped["sampling_params"]["seed"] = 7
         client.run(client.ok("POST", f"{fleet.router}/generate", dropped))

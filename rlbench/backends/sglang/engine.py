@@ -2,23 +2,31 @@
 
 - generate: one /generate per request (slime does the same: a request carries its own
   `sampling_seed`, and the router refuses a list of sampling params), all in flight together up to
-  `rollout.max_inflight`, through the router (or spread over the servers). A request that fails in
-  a way another attempt can mend is sent again, to the next server where the client spreads them,
+  `rollout.max_inflight`, through the router (or spread over the servers). Every answer is held to
+  its request before anything of it is kept (wire.parse_answer: ids inside the model's vocabulary,
+  log-probs finite and <= 0, no more tokens than asked, a finish reason that agrees with them); an
+  aborted answer is never kept. A failed attempt (no connection, a timeout, 408/429/5xx, an abort, an
+  answer that fails those checks) is sent again, to the next server where the client spreads them,
   else to the router, which picks a live one; since its seed travels with it, its tokens and
   log-probs are the same whichever server answers. A failed attempt first asks which servers still
-  answer: a dead one is dropped (and removed from the router), and when none is left the run stops
-  with EngineUnavailable (exit 2) before anything of the step is recorded.
+  answer: a dead one is dropped (and removed from the router). When every attempt failed, or no
+  server is left, the run stops with EngineUnavailable (exit 2, the last failure naming the server
+  and the field) before anything of the step is recorded.
 - Every answer must carry the weight version the run pushed last: a server that missed an update
   (restarted, say) stops the run (WeightMismatch) instead of sampling from stale weights.
 - update_weights: the trainer's export as a Hugging Face-format directory (model.safetensors and
   the model's config.json; the previous version's directory is removed), then on every server
   POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache.
-- weight_checksums: POST /weights_checker {"action": "checksum"} on every server, which `rlbench
-  serve` answers with the sha256 of each tensor by Hugging Face name, what the trainer's side
-  computes (core/weight_check.py). SGLang's own server answers with hashes of its own fused,
-  sharded parameter layout, which cannot be compared with the trainer's tensors: against it, set
-  `rollout.verify_engine_weights = false`, and the sync is held only to each server's success answer
-  and, on every later answer, to its weight version.
+- weight_checksums: SGLang's /weights_checker {"action": "checksum"} on every server (its 0.5.23
+  answer: per rank, each tensor's hash), compared with the same hash of what the trainer pushed: a
+  tensor whose hash agrees is reported as the trainer's digest, one that differs as the server's hash,
+  so the weight-update check (core/weight_check.py) fetches it with /get_weights_by_name and names the
+  element. What cannot be compared is said, and stops the run (exit 2): a server sharded over several
+  ranks, one hashing on a GPU (SGLang's kernel there is not the CPU's sha256), one reporting its own
+  fused layout (qkv_proj, gate_up_proj) instead of the trainer's names. `rlbench serve` hashes on the
+  CPU under Hugging Face names, so the check holds it; against SGLang's own server on a GPU, set
+  `rollout.verify_engine_weights = false`, and the sync is held to each server's success answer and,
+  on every later answer, to its weight version.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ import torch
 
 from rlbench.backends.sglang import wire
 from rlbench.backends.sglang.client import Client, Retryable
+from rlbench.backends.sglang.wire import BadAnswer
 from rlbench.backends.sglang.fleet import (Fleet, answers, launch_server, make_logs, registered, start_router,
                                            wait_server)
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
+from rlbench.rundir.digest import tensor_digests
 
 
 class SGLangEngine:
@@ -51,6 +61,8 @@ class SGLangEngine:
         self.weights_dir = Path(rollout.weights_dir or tempfile.mkdtemp(prefix="rlbench-weights-"))
         self._probe_lock: asyncio.Lock | None = None
         self.server_info: dict[str, dict] = {}
+        self.vocab = _vocab(config.model.path)
+        self._pushed: Mapping[str, torch.Tensor] | None = None  # the weights pushed last, for the checksums
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -72,11 +84,13 @@ class SGLangEngine:
         for attempt in range(self.attempts):
             url = self.fleet.route[(index + attempt) % len(self.fleet.route)] + "/generate"
             try:
-                answer = wire.parse_answer(await self.client.ok("POST", url, body), url)
-            except Retryable as exc:
+                answer = wire.parse_answer(await self.client.ok("POST", url, body), url, request, self.vocab)
+            except (Retryable, BadAnswer) as exc:
                 last = exc
-                await self._drop_dead()
-                await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+                if isinstance(exc, Retryable):
+                    await self._drop_dead()
+                if attempt + 1 < self.attempts:
+                    await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
                 continue
             if self.version is not None and answer.weight_version != self.version:
                 raise WeightMismatch(f"{url} answered with weight version {answer.weight_version!r}; the run pushed "
@@ -121,6 +135,7 @@ class SGLangEngine:
         path = self._write(weights, version)
         self.client.run(self._push(path, str(version)))
         self.version = str(version)
+        self._pushed = weights
         for old in self.weights_dir.glob("weight_v*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
@@ -168,25 +183,57 @@ class SGLangEngine:
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         if not self.verify:
             return {}
-        return self.client.run(self._checksums())
+        if self._pushed is None:
+            raise RuntimeError("weight_checksums before any update_weights: nothing to compare with")
+        return self.client.run(self._checksums(self._pushed))
 
-    async def _checksums(self) -> dict[str, dict[str, str]]:
+    async def _checksums(self, pushed: Mapping[str, torch.Tensor]) -> dict[str, dict[str, str]]:
+        """Per server: each pushed tensor's digest where the server's hash of it agrees with the hash of
+        what was pushed, else "sglang:<its hash>" (a difference check_engine then locates)."""
+        want = {name: wire.tensor_hash(tensor) for name, tensor in pushed.items()}
+        digests = tensor_digests(pushed)
         out = {}
         for url in list(self.fleet.workers):
-            answer = await self.client.ok("POST", f"{url}/weights_checker", {"action": "checksum"})
-            payload = answer.get("payload") if isinstance(answer, dict) else None
-            if not isinstance(payload, dict) or payload.get("algorithm") != wire.CHECKSUM_ALGORITHM:
-                raise BadInput("reports no per-tensor sha256 by Hugging Face name (SGLang hashes its own parameter "
-                               "layout): the trainer's weights cannot be compared with it; set "
-                               "rollout.verify_engine_weights = false", path=f"{url}/weights_checker")
-            out[url] = payload["checksums"]
+            source = f"{url}/weights_checker"
+            try:
+                got = wire.parse_checksums(await self.client.ok("POST", source, {"action": "checksum"}), source)
+            except ValueError as exc:
+                raise BadInput(f"not SGLang's /weights_checker answer: {exc}", path=source) from None
+            self._comparable(url, got, want)
+            out[url] = {name: digests[name] if got.checksums[name] == want[name] else f"sglang:{got.checksums[name]}"
+                        for name in want}
         return out
+
+    def _comparable(self, url: str, got: wire.Checksums, want: dict[str, str]) -> None:
+        """BadInput, saying why, when this server's hashes cannot be compared with the trainer's tensors."""
+        info = self.server_info.get(url)
+        info = info if isinstance(info, dict) else {}
+        why = None
+        if got.ranks > 1:
+            why = f"its weights are sharded over {got.ranks} ranks, each hashed alone"
+        elif info.get("server") != "rlbench serve" and info.get("device") != "cpu":
+            why = f"it hashes on {info.get('device', 'a GPU')} with a kernel of its own, not the CPU's sha256"
+        elif set(got.checksums) != set(want):
+            common = [n for n in want if n in got.checksums]
+            differ = [n for n in common if got.checksums[n] != want[n]]
+            why = (f"it reports its own tensor layout ({len(common)} of the trainer's {len(want)} names in common; "
+                   f"only the server's: {sorted(set(got.checksums) - set(want))[:3]}, only the trainer's: "
+                   f"{sorted(set(want) - set(got.checksums))[:3]})"
+                   + (f"; of those in common, {len(differ)} differ, the first {differ[0]}" if differ else ""))
+        if why is not None:
+            raise BadInput(f"the trainer's weights cannot be compared with this server's: {why}; set "
+                           "rollout.verify_engine_weights = false to run without the weight-update check",
+                           path=f"{url}/weights_checker")
 
     def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         async def fetch(name: str) -> torch.Tensor:
-            values = await self.client.ok("POST", f"{holder}/get_weights_by_name",
-                                          {"name": name, "truncate_size": 2**31 - 1})
-            return torch.tensor(values, dtype=torch.float32).to(self.dtype)
+            source = f"{holder}/get_weights_by_name"
+            values = await self.client.ok("POST", source, {"name": name, "truncate_size": 2**31 - 1})
+            try:
+                return torch.tensor(values, dtype=torch.float32).to(self.dtype)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                raise BadInput(f"expected the values of {name} as a (nested) list of numbers, got {str(values)[:80]}",
+                               path=source) from None
 
         async def all_of() -> dict[str, torch.Tensor]:
             return {name: await fetch(name) for name in names}
@@ -235,6 +282,13 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
         engine.close()
         raise
     return engine
+
+
+def _vocab(model_path: str) -> int:
+    """The model's vocabulary (its config's vocab_size): every sampled id must be inside it."""
+    from rlbench.core.model import load_model_config
+
+    return int(load_model_config(model_path).vocab_size)
 
 
 async def _server_info(client: Client, workers: list[str]) -> dict[str, dict]:
