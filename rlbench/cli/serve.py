@@ -44,6 +44,9 @@ def serve(
     batch_wait_ms: Annotated[Optional[float], _option("batch_wait_ms", min=0)] = None,
     weight_version: Annotated[Optional[str], _option("weight_version")] = None,
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
+    context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,
+    skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)] = False,
+    max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
     debug: Debug = False,
 ) -> None:
     """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, /health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.

@@ -46,7 +46,7 @@ EXPECTED_RUN_OPTIONS = {
 
 EXPECTED_SERVE_OPTIONS = {"--model-path", "--load-format", "--tokenizer-path", "--host", "--port", "--random-seed", "--dtype", "--device",
                           "--threads", "--decode", "--decode-batch-size", "--batch-wait-ms", "--weight-version",
-                          "--log-level", "--debug"}
+                          "--log-level", "--context-length", "--skip-tokenizer-init", "--max-request-bytes", "--debug"}
 
 EXPECTED_GOLDEN_OPTIONS = {
     ("check", "golden"): {"--tier", "--ignore", "--tolerance", "--rename", "--plot", "--json", "--debug"},
