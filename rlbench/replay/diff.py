@@ -122,8 +122,8 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
             m = min(len(sa), len(sb))
             token = next((i for i in range(m) if sa[i] != sb[i]), m)
             prompt = int(ta["prompt_lengths"][sample])
-            return Difference(step, stage, f"sample {sample}, token {token} (response token {token - prompt}); "
-                              f"lengths {len(sa)} vs {len(sb)}",
+            part = f"response token {token - prompt}" if token >= prompt else "prompt"
+            return Difference(step, stage, f"sample {sample}, token {token} ({part}); lengths {len(sa)} vs {len(sb)}",
                               sa[token].item() if token < len(sa) else "(end)",
                               sb[token].item() if token < len(sb) else "(end)")
         return Difference(step, stage, f"sample count {len(lengths_a)} vs {len(lengths_b)}")

@@ -94,6 +94,7 @@ def test_the_first_differing_sample_is_shown_side_by_side(runs, tmp_path):
     text = out.read_text()
     first = diff(runs / "a", tmp_path / "s").first
     assert "sample" in first.where and f"of step {first.step}:" in text
+    assert "response token -" not in first.where  # a prompt token is named as one
     assert text.count('class="tok diff"') >= 2  # the same positions, in A and in B
 
 
