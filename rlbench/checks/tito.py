@@ -7,15 +7,23 @@ never text; only a divergence found in the ids is then decoded, to name its caus
   1  reencode   the text is the same, the ids are not (BPE is not one-to-one); or decoding was
                 lossy (byte tokens that are no valid UTF-8 alone become U+FFFD)
   2  separator  whitespace after an end-of-turn lost or doubled
-  4  reasoning  <think>...</think> of an earlier turn dropped from history
+  3  stop       a stop token that also opens the next turn (GLM's <|user|>, <|observation|>) kept, doubled or
+                swapped: the sampled stop and the rendered opener are one id, which a builder must not repeat
+  4  reasoning  <think>...</think> of an earlier turn dropped from history, or sampled reasoning the
+                template does not render at all
   5  position   an earlier turn renders differently once it is no longer last
   8  special    special tokens dropped by decode(skip_special_tokens=True)
   10 truncated  a truncated turn closed with an end-of-turn never sampled, and the conversation
                 continues after it
      template   the chat template raised on this conversation shape (audit)
 
-Not findings: whitespace a rendering adds after the last sampled end-of-turn, and the end-of-turn
-it adds to a truncated last turn (nothing was trained after either).
+Not findings: whitespace a rendering adds after the last sampled end-of-turn, the end-of-turn it adds
+to a truncated last turn, and a stop id sampled last that the rendering leaves out (nothing was
+trained after any of them).
+
+Every place where two sequences part is a divergence of its own (`divergences`): a reasoning strip
+is named even behind an earlier separator. Next to each mode stands the category Miles' token
+comparator gives the same difference (tito_miles.py), which compares decoded text per segment.
 
 The checks themselves: tito_audit.py (a chat template against generated conversation shapes) and
 tito_run.py (a run's recorded samples, through several lenses).
@@ -31,7 +39,8 @@ from rlbench.checks.compare import first_divergence
 MODES = {
     "reencode": (1, "re-encoding changes the ids of the same text"),
     "separator": (2, "separator after an end-of-turn lost or doubled"),
-    "reasoning": (4, "reasoning stripped from earlier turns"),
+    "stop": (3, "a stop token that also opens the next turn kept, doubled or swapped"),
+    "reasoning": (4, "reasoning, or the think block around it, lost from what was sampled"),
     "position": (5, "a turn renders differently once it is no longer last"),
     "special": (8, "special tokens dropped by decode(skip_special_tokens=True)"),
     "truncated": (10, "a truncated turn closed with an end-of-turn never sampled, and continued after"),
@@ -56,25 +65,45 @@ class Finding:
     expected_text: str
     got_text: str
     where: str  # "final re-render", "turn 0 vs turn 1's prompt", ...
+    category: str = ""  # what Miles' comparator calls the same difference ("none": its text comparison sees none)
+    expected_index: int = -1  # where `expected` starts in the expected sequence (-1: at `index`, as `got`)
 
 
-def render(tok, messages, tools, generation: bool) -> str:
-    """The chat template's text for `messages`. Renders transformers' own compiled template with the
-    variables `apply_chat_template` gives it: for the plain dicts a recording holds the text is the
-    same (test_tito_render.py checks that), at half the cost per call; the public path is kept for
-    anything else."""
+def render(tok, messages, tools, generation: bool, kwargs: dict | None = None) -> str:
+    """The chat template's text for `messages`, with `kwargs` (enable_thinking, clear_thinking, ...) as template
+    variables. Renders transformers' own compiled template with the variables `apply_chat_template` gives it, and
+    the messages as it gives them: keys whose value is None dropped (an OpenAI-style `content: None` is no key, not
+    the text "None"), reasoning under each name templates read. For plain dicts the text is the same
+    (test_tito_render.py checks that), at half the cost per call; the public path is kept for anything else."""
     compiled = _compiled(tok)
+    kwargs = kwargs or {}
     if compiled is None:
-        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False)
+        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False,
+                                       **kwargs)
     from jinja2.runtime import new_context
 
     template, base = compiled
     # jinja's Template.render walks the template's globals (a ChainMap) twice on every call; with
     # them merged into `base` once, a shared context needs neither walk, and renders the same text.
-    context = new_context(template.environment, template.name, template.blocks,
-                          {**base, "messages": messages, "tools": tools, "add_generation_prompt": generation},
-                          shared=True, globals=None)
+    variables = {**base, **kwargs, "messages": [_as_transformers_gives(m) for m in messages], "tools": tools,
+                 "documents": None, "add_generation_prompt": generation}
+    context = new_context(template.environment, template.name, template.blocks, variables, shared=True, globals=None)
     return template.environment.concat(template.root_render_func(context))
+
+
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")  # transformers' _REASONING_FIELDS, in its order
+
+
+def _as_transformers_gives(message):
+    """A message as transformers' apply_chat_template hands it to the template: None-valued keys dropped, and the
+    reasoning (under whichever name it came) also as `thinking` and `reasoning_content`."""
+    if not isinstance(message, dict):
+        return message
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_NAMES if message.get(k) is not None), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
 
 
 def _compiled(tok):
@@ -155,11 +184,12 @@ def only_closing(tok, got: list[int], expected: list[int], truncated_last: bool)
 
 
 def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: list[int],
-             truncated_ends: list[int]) -> tuple[str, bool]:
+             truncated_ends: list[int], stops: frozenset[int] = frozenset()) -> tuple[str, bool]:
     """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering.
-    Each test decodes only what it needs, in this order: a run check may classify many findings."""
+    Each test decodes only what it needs, in this order: a run check may classify many findings.
+    `stops`: the ids that end a sampled turn (generation_config.json's), besides the end-of-turn."""
     eos = tok.eos_token_id
-    if index in truncated_ends and index < len(expected) and expected[index] == eos:
+    if index in truncated_ends and index < len(expected) and expected[index] in stops | {eos}:
         return "truncated", True
     end = min([e for e in turn_ends if e > index] or [len(got)])
     segment = got[max(0, index - 3):end]
@@ -169,9 +199,13 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
     # The same text with other ids, whitespace a rendering adds after the final end-of-turn aside.
     if whole_got == whole_exp or (index < min(len(got), len(expected)) and whole_got.rstrip() == whole_exp.rstrip()):
         return "reencode", True
+    if _specials_dropped(tok, got, expected, index):
+        return "special", True
+    if stops and _stop_differs(tok, got, expected, index, stops):
+        return "stop", True
     if ("<think>" in text_got) != ("<think>" in text_exp):  # a think block on one side only
         return "reasoning", True
-    if index in turn_ends or (index > 0 and got[index - 1] == eos):  # at a turn boundary
+    if index in turn_ends or (0 < index <= len(got) and got[index - 1] in stops | {eos}):  # at a turn boundary
         rest_got = decode(tok, got[index:]) if index < len(got) else ""
         rest_exp = decode(tok, expected[index:]) if index < len(expected) else ""
         whitespace = not (text_got.strip() or text_exp.strip()) or \
@@ -187,6 +221,46 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
     if "\ufffd" in text_segment and encode(tok, text_segment) != segment:
         return "reencode", True
     return "position", True
+
+
+def _stop_differs(tok, got: list[int], expected: list[int], index: int, stops: frozenset[int]) -> bool:
+    """A stop id on one side at `index` (kept, doubled, or swapped for another), unless the sampled side merely
+    lacks a special stop that a decode(skip_special_tokens=True) dropped: that is mode 8."""
+    g = got[index] if index < len(got) else None
+    e = expected[index] if index < len(expected) else None
+    if g not in stops and e not in stops:
+        return False
+    dropped = e in stops and g not in stops and decode_drops(tok, expected, index) and \
+        _same_without_specials(tok, got[index:index + 8], expected[index:index + 8])
+    return not dropped
+
+
+def _same_without_specials(tok, got: list[int], expected: list[int]) -> bool:
+    """Whether two windows read the same once special tokens are skipped, whitespace aside (as far as the shorter
+    text goes): a decode that skipped an end-of-turn also loses the separator a builder puts after it."""
+    a, b = ("".join(decode(tok, ids, skip_special_tokens=True).split()) for ids in (got, expected))
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+def _specials_dropped(tok, got: list[int], expected: list[int], index: int) -> bool:
+    """The rendering has a special token at `index` that the sampled side lacks, and both read the same once
+    special tokens are skipped: what decode(skip_special_tokens=True) and a re-encode make (mode 8), <|im_end|>
+    included. A special token on the sampled side too must be one the rendering has after the dropped ones (only
+    special tokens and whitespace between); another one in its place is a swap, not a drop."""
+    if index >= len(expected):
+        return False
+    if not decode_drops(tok, expected, index):
+        return False
+    if index < len(got) and decode_drops(tok, got, index):
+        for k in range(index + 1, min(len(expected), index + 8)):
+            if expected[k] == got[index]:
+                break
+            if not (decode_drops(tok, expected, k) or _whitespace_token(tok, expected, k)):
+                return False
+        else:
+            return False
+    return _same_without_specials(tok, got[index:index + 8], expected[index:index + 8])
 
 
 def decode_drops(tok, ids: list[int], index: int) -> bool:
@@ -221,3 +295,103 @@ def divergence(tok, shape: str, where: str, got: list[int], expected: list[int],
     if index is None or only_closing(tok, got, expected, truncated_last):
         return None
     return finding(tok, shape, where, got, expected, index, turn_ends, truncated_ends)
+
+
+def divergences(tok, got: list[int], expected: list[int], truncated_last: bool = False,
+                stops: frozenset[int] = frozenset()) -> list[tuple[int, int, int, int]]:
+    """Every place where `got` and `expected` part, as (i1, i2, j1, j2): got[i1:i2] stands where expected has
+    expected[j1:j2], the ids between blocks agreeing (difflib's longest-matching-block alignment). Left out: a last
+    block that is only what a rendering closes with (only_closing), or a stop id sampled last that the rendering
+    leaves out."""
+    from difflib import SequenceMatcher
+
+    if list(got) == list(expected):
+        return []
+    blocks = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in
+              SequenceMatcher(None, got, expected, autojunk=False).get_opcodes() if tag != "equal"]
+    blocks = _joined(tok, got, expected, blocks)
+    if blocks and _closing(tok, got, expected, blocks[-1], truncated_last, stops):
+        blocks.pop()
+    return blocks
+
+
+def _joined(tok, got, expected, blocks: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Blocks that are one change: the alignment matches single ids inside a changed stretch ('Hello' against
+    'Bye' shares 'e'; 'tan'+'t'+'ool' against 'tant'+'ool' shares 'ool'), which splits one divergence into several.
+    Neighbours are joined back when the ids between them are few and no special token (a segment boundary), or
+    when their joint stretch reads the same on both sides (a re-segmentation)."""
+    out: list[tuple[int, int, int, int]] = []
+    for block in blocks:
+        if out:
+            a1, a2, b1, b2 = out[-1]
+            i1, i2, j1, j2 = block
+            plain = i1 - a2 <= 2 and not any(decode_drops(tok, got, k) for k in range(a2, i1))
+            if plain or (i1 - a2 <= 3 and decode(tok, got[a1:i2]) == decode(tok, expected[b1:j2])):
+                out[-1] = (a1, i2, b1, j2)
+                continue
+        out.append(block)
+    return out
+
+
+def _closing(tok, got, expected, block, truncated_last: bool, stops: frozenset[int]) -> bool:
+    i1, i2, j1, j2 = block
+    if i2 != len(got) or j2 != len(expected):
+        return False
+    rest = list(expected[j1:])
+    if i1 == i2:  # nothing sampled here: what the rendering adds after the last sampled id
+        if truncated_last and rest[:1] and rest[0] in stops | {tok.eos_token_id}:
+            rest = rest[1:]
+        return not decode(tok, rest).strip()
+    tail = list(got[i1:])  # sampled, not rendered: a stop id, as the very last id, and at most whitespace around it
+    return tail[-1:] != [] and tail[-1] in stops and not decode(tok, tail[:-1] + rest).strip()
+
+
+def block_findings(tok, shape: str, where: str, got: list[int], expected: list[int], turn_ends: list[int],
+                   truncated_ends: list[int], truncated_last: bool = False, stops: frozenset[int] = frozenset(),
+                   reasoning: tuple[str, ...] = (), extension: bool = False, hazard=None,
+                   compare=None) -> list[Finding]:
+    """A finding for each divergence of `got` from `expected` (divergences), each classified on its own: the
+    expected side seen as if everything before the block had agreed. `reasoning`: the reasoning texts of the
+    conversation's turns; a block that has one on a side only is mode 4 whatever markers surround it.
+    `extension`: `expected` may go on past `got` (a longer rendering): what it adds at the end is no divergence.
+    `hazard(mode, i1, i2)`: True makes the finding a hazard (not strict). `compare`: Miles' comparator, whose
+    category each finding then carries (tito_miles.categories)."""
+    blocks = divergences(tok, got, expected, truncated_last, stops)
+    aligned = len(expected)  # how much of `expected` stands against `got` (the rest: what an extension adds)
+    if extension and blocks and blocks[-1][0] == blocks[-1][1] == len(got):
+        aligned = blocks.pop()[2]
+    elif extension and not blocks:
+        aligned = min(len(got), len(expected))
+    found = []
+    for i1, i2, j1, j2 in blocks:
+        view = list(got[:i1]) + list(expected[j1:])
+        i1 = first_divergence(got, view)  # the alignment may put ids both sides share at a block's start
+        if i1 is None:
+            continue
+        mode = ("reasoning", True) if _reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning) else \
+            classify(tok, got, view, i1, turn_ends, truncated_ends, stops)
+        if hazard is not None and hazard(mode[0], i1, i2):
+            mode = (mode[0], False)
+        f = finding(tok, shape, where, got, view, i1, turn_ends, truncated_ends, mode=mode)
+        f.expected_index = j1
+        found.append(f)
+    if compare is not None:
+        from rlbench.checks.tito_miles import categories
+
+        for f, category in zip(found, categories(compare, got, expected[:aligned], blocks)):
+            f.category = category
+    return found
+
+
+def _reasoning_block(tok, got: list[int], expected: list[int], reasoning: tuple[str, ...]) -> bool:
+    """A turn's reasoning on one side of a block only, whole, or in part against nothing (think markers aside)."""
+    a, b = (decode(tok, ids).strip() for ids in (got, expected))
+    bare_a, bare_b = (x.replace("<think>", "").replace("</think>", "").strip() for x in (a, b))
+    for text in (r.strip() for r in reasoning):
+        if not text:
+            continue
+        if (text in a) != (text in b):
+            return True
+        if (len(bare_a) >= 3 and bare_a in text and not bare_b) or (len(bare_b) >= 3 and bare_b in text and not bare_a):
+            return True
+    return False

@@ -1,11 +1,32 @@
 """`check tito --audit`: a chat template against the token-in-token-out rule, before any run.
 
-The audit plays a TITO builder over generated conversation shapes: the generation prompt is
-tokenised, each assistant turn is sampled as the template renders it, up to and including the stop
-token (none for a truncated turn), and the environment's messages are appended as the rendered
-suffix (what the template adds when the conversation grows). The buffer is then compared, as ids,
-with the trainer's re-render of the whole conversation, and each extended rendering with the one
-before it (the prefix property). Each first divergence is classified (tito.py).
+The audit plays a TITO builder (tito_builders.py: rlbench's plain one, or Miles' for a model family) over
+generated conversation shapes, with the template kwargs given (enable_thinking, clear_thinking, ...):
+the generation prompt is tokenised; each assistant turn is sampled as an engine given that prompt samples
+it: the turn as the template renders it after the prompt, with the message's reasoning where the template
+leaves it out (a model that reasoned sampled its reasoning, whatever the template keeps), up to and
+including the first stop id (generation_config.json's, besides the end-of-turn; a stop the rendering only
+opens the next message with is sampled too), none for a truncated turn; then the builder appends the
+environment's messages and the next generation prompt. The buffer is compared, as ids, with the template's
+rendering of the whole conversation, and every divergence is classified (tito.py), each with the category
+Miles' comparator gives it.
+
+Stages, each named in a finding's `where`:
+- generation prompt vs turn j: the turn as rendered does not begin with the prompt the engine was given.
+- decode of turn j: a naive builder's decode(skip_special_tokens=True) and re-encode of the sampled ids.
+- prefix after turn j (plain builder): the rendering of the grown conversation does not extend the history.
+- builder error: Miles' builder refused to merge (its rendered-suffix check).
+- re-render after turn j / final re-render: the buffer against the template's rendering.
+After a broken prefix or generation prompt the shape goes on from the template's own rendering, so what
+follows is still audited and nothing is reported twice.
+
+Findings and hazards. A finding (strict, exit 1): the template, under the chosen builder and kwargs,
+gives the engine and the trainer other ids than it renders for the same conversation. A hazard (reported,
+exit 1 only with strict=True, `--strict`): what only a naive pipeline breaks, which trains on a re-render or
+on decoded text: the sampled ids re-tokenised (mode 1 in sampled ids), a skip-special decode (8), the
+end-of-turn a template closes a truncated turn with (10: no message key says truncated), and an empty think
+block that the generation prompt opened and the rendering of a turn without reasoning drops (GLM-4.7,
+MiniMax).
 
 Tool calls take the shape Hugging Face documents and most templates read (Llama 3.x, Mistral,
 Qwen): `{"type": "function", "function": {"name": ..., "arguments": {...}}}`, arguments a dict.
@@ -15,10 +36,13 @@ finding, "template error: ...", and the other shapes are still audited.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlbench.checks.tito import MODES, Finding, decode, decode_drops, divergence, encode, finding, render
+from rlbench.checks.tito import MODES, Finding, block_findings, decode, decode_drops, encode, finding
+from rlbench.checks.tito_builders import BuildError, PlainBuilder, PrefixBroken, assistant_start, make_builder, \
+    stop_ids, template_errors
 from rlbench.errors import BadInput
 
 CALCULATOR = {"type": "function", "function": {
@@ -65,8 +89,14 @@ def conversation_shapes() -> dict[str, tuple[list[dict], list | None]]:
 @dataclass
 class AuditReport:
     tokenizer: str
-    shapes: list[str]
-    findings: list[Finding] = field(default_factory=list)
+    shapes: list[str]  # the shapes audited
+    findings: list[Finding] = field(default_factory=list)  # strict ones and hazards (strict False)
+    builder: str = "plain"  # or the Miles family
+    kwargs: dict = field(default_factory=dict)  # the template kwargs every rendering had
+    roles: list[str] | None = None  # the roles the builder may append (None: any)
+    skipped: dict[str, str] = field(default_factory=dict)  # shape: why it was not audited
+    notes: list[str] = field(default_factory=list)
+    fail_on_hazards: bool = False  # --strict
 
     @property
     def modes(self) -> dict[str, int]:
@@ -76,78 +106,221 @@ class AuditReport:
         return counts
 
     @property
+    def hazards(self) -> list[Finding]:
+        return [f for f in self.findings if not f.strict]
+
+    @property
     def strict(self) -> bool:
-        return any(f.strict for f in self.findings)
+        return any(f.strict for f in self.findings) or (self.fail_on_hazards and bool(self.findings))
 
 
-def _template_error(shape: str, exc: Exception) -> Finding:
+def _template_error(shape: str, exc: Exception, stage: str = "template error") -> Finding:
     message = " ".join(str(exc).split()) or exc.__class__.__name__
     return Finding(shape, "template", MODES["template"][0], True, -1, [], [], [], "", "",
-                   f"{exc.__class__.__name__}: {message}", f"template error: {message}")
+                   f"{exc.__class__.__name__}: {message}", f"{stage}: {message}")
 
 
-def audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
-    """Play a token-in-token-out builder over one conversation; return its first divergence(s), or the
-    template's error when it cannot render the conversation."""
-    from jinja2 import TemplateError
+@dataclass
+class _Play:
+    """What one shape is played with."""
 
+    tok: object
+    builder: object
+    stops: frozenset[int]
+    compare: object = None  # Miles' comparator, for the categories
+
+
+def audit_shape(tok, shape: str, messages: list[dict], tools, builder=None, stops: frozenset[int] | None = None,
+                compare=None) -> list[Finding]:
+    """Play a token-in-token-out builder over one conversation; return every divergence, or, where the template
+    (or the builder) cannot render the conversation, what was found up to there and that error."""
+    play = _Play(tok, builder or PlainBuilder(tok, {}), stops if stops is not None else
+                 frozenset({tok.eos_token_id}), compare)
+    found: list[Finding] = []
     try:
-        return _audit_shape(tok, shape, messages, tools)
-    except TemplateError as exc:  # UndefinedError, and raise_exception() from inside the template
-        return [_template_error(shape, exc)]
+        _audit_shape(play, shape, messages, tools, found)
+    except template_errors() as exc:  # UndefinedError, raise_exception() from inside the template, Miles' wrapping
+        found.append(_template_error(shape, exc))
+    return found
 
 
-def _audit_shape(tok, shape: str, messages: list[dict], tools) -> list[Finding]:
-    eos = tok.eos_token_id
+def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: list[Finding]) -> None:
+    tok, b = play.tok, play.builder
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    buffer = encode(tok, render(tok, messages[: turns[0]], tools, True))
-    turn_ends, truncated_ends, findings = [], [], []
+    reasoning = tuple(str(m.get("reasoning_content") or "") for m in messages if m["role"] == "assistant")
+    buffer = encode(tok, b.render(messages[: turns[0]], tools, True))
+    state = _State()
     for k, j in enumerate(turns):
-        prompt = render(tok, messages[:j], tools, True)
-        turn = render(tok, messages[: j + 1], tools, False)
+        prompt, turn = b.render(messages[:j], tools, True), b.render(messages[: j + 1], tools, False)
+        following = b.render(messages[: turns[k + 1]], tools, True) if k + 1 < len(turns) else None
         if not turn.startswith(prompt):
-            ids_a, ids_b = encode(tok, prompt), encode(tok, turn)
-            found = divergence(tok, shape, f"generation prompt vs turn {j}", ids_a, ids_b, [], [])
-            return [found] if found is not None else []
-        body = turn[len(prompt):]
-        stop = body.find(tok.eos_token)
-        content = body if stop < 0 else body[:stop]
+            found += _compare(play, state, shape, f"generation prompt vs turn {j}", encode(tok, prompt),
+                              encode(tok, turn), reasoning, extension=True,
+                              hazard=_empty_think(messages[j]))
+            buffer = _resync(play, state, shape, f"re-render before turn {j}", buffer, prompt, reasoning, found)
+            common = _common_text_prefix(tok, prompt, turn)
+            buffer, body = encode(tok, turn[:common]), turn[common:]
+        else:
+            body = turn[len(prompt):]
+        body, lost = _with_reasoning(body, messages[j], prompt)
+        if lost:
+            found.append(_lost_reasoning(shape, j))
         truncated = bool(messages[j].get("truncated"))
-        sampled = encode(tok, content)
-        # What a naive builder does with the sampled ids: decode them to text (special tokens skipped)
-        # and encode that again.
-        if decode(tok, sampled, skip_special_tokens=True) != decode(tok, sampled):
-            dropped = next(i for i in range(len(sampled)) if decode_drops(tok, sampled, i))
-            naive = encode(tok, decode(tok, sampled, skip_special_tokens=True))
-            found = finding(tok, shape, f"decode of turn {j}", buffer + naive, buffer + sampled, len(buffer) + dropped,
-                            [], [], mode=("special", True))
-            findings.append(found)
-        buffer += sampled + ([] if truncated else [eos])
-        turn_ends.append(len(buffer))
+        after = following[len(turn):] if following is not None and following.startswith(turn) else ""
+        sampled = _sample(play, body, after, truncated)
+        found += _decode_hazard(play, shape, j, buffer, sampled)
+        state.spans.append((len(buffer), len(buffer) + len(sampled)))
+        buffer = buffer + sampled
+        state.turn_ends.append(len(buffer))
         if truncated:
-            truncated_ends.append(len(buffer))
-        if k + 1 < len(turns):
-            grown = render(tok, messages[: turns[k + 1]], tools, True)
-            if not grown.startswith(turn):  # the history renders differently now: the prefix property fails
-                found = divergence(tok, shape, f"prefix after turn {j}", encode(tok, turn), encode(tok, grown), [], [])
-                return findings + ([found] if found is not None else [])
-            buffer += encode(tok, grown[len(turn):])
-    final = encode(tok, render(tok, messages, tools, False))
-    found = divergence(tok, shape, "final re-render", buffer, final, turn_ends, truncated_ends,
-                       truncated_last=bool(messages[turns[-1]].get("truncated")))
-    return findings + ([found] if found is not None else [])
+            state.truncated_ends.append(len(buffer))
+        if following is None:
+            continue
+        try:
+            buffer = b.extend(messages[: j + 1], messages[: turns[k + 1]], buffer, tools)
+        except BuildError as exc:  # the plain builder's broken prefix, or Miles' builder refusing to merge
+            if not isinstance(exc, PrefixBroken):
+                found.append(_template_error(shape, exc, "builder error"))
+            if not following.startswith(turn) or not isinstance(exc, PrefixBroken):
+                found += _compare(play, state, shape, f"prefix after turn {j}", encode(tok, turn),
+                                  encode(tok, following), reasoning, extension=True)
+            _resync(play, state, shape, f"re-render after turn {j}", buffer, turn, reasoning, found)
+            buffer = encode(tok, following)
+    final = encode(tok, b.render(messages, tools, False))
+    found += _compare(play, state, shape, "final re-render", buffer, final, reasoning,
+                      truncated_last=bool(messages[turns[-1]].get("truncated")))
 
 
-def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None) -> AuditReport:
+@dataclass
+class _State:
+    """Where the sampled turns lie in the buffer (ids after each, and the truncated ones), and its id spans."""
+
+    turn_ends: list[int] = field(default_factory=list)
+    truncated_ends: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _compare(play: _Play, state: _State, shape: str, where: str, got: list[int], expected: list[int],
+             reasoning: tuple[str, ...], extension: bool = False, truncated_last: bool = False,
+             hazard=None) -> list[Finding]:
+    def is_hazard(mode: str, i1: int, i2: int) -> bool:
+        if hazard is not None:
+            return hazard
+        sampled = any(s < max(i2, i1 + 1) and i1 < e for s, e in state.spans)
+        return mode == "truncated" or (mode == "reencode" and sampled)
+
+    return block_findings(play.tok, shape, where, got, expected, state.turn_ends, state.truncated_ends,
+                          truncated_last, play.stops, reasoning, extension=extension, hazard=is_hazard,
+                          compare=play.compare)
+
+
+def _resync(play: _Play, state: _State, shape: str, where: str, buffer: list[int], text: str,
+            reasoning: tuple[str, ...], found: list[Finding]) -> list[int]:
+    """Before the shape goes on from the template's rendering `text`: the buffer so far against it."""
+    found += _compare(play, state, shape, where, buffer, encode(play.tok, text), reasoning)
+    return encode(play.tok, text)
+
+
+def _empty_think(message: dict) -> bool:
+    """A turn without reasoning: what a generation prompt opened and its rendering dropped is an empty think
+    block, which no message key can carry; with reasoning, the rendering has lost what was sampled."""
+    return not str(message.get("reasoning_content") or "").strip()
+
+
+def _common_text_prefix(tok, a: str, b: str) -> int:
+    """The length of the text that `a` and `b` share as ids (a cut between whole tokens)."""
+    ids_a, ids_b = encode(tok, a), encode(tok, b)
+    n = 0
+    while n < min(len(ids_a), len(ids_b)) and ids_a[n] == ids_b[n]:
+        n += 1
+    return len(decode(tok, ids_b[:n]))
+
+
+_EMPTY_THINK = re.compile(r"<think>(\s*)</think>")
+
+
+def _with_reasoning(body: str, message: dict, prompt: str) -> tuple[str, bool]:
+    """The turn as sampled: its rendering after the prompt, with the message's reasoning in the think block the
+    template left empty (or before a closing </think> when the prompt opened the block). True when the reasoning
+    has no place in the rendering at all: the template loses it whatever the builder does."""
+    reasoning = str(message.get("reasoning_content") or "").strip()
+    if not reasoning or reasoning in body:
+        return body, False
+    empty = _EMPTY_THINK.search(body)
+    if empty:
+        inner = f"\n{reasoning}\n" if empty.group(1) else reasoning
+        return body[: empty.start()] + "<think>" + inner + "</think>" + body[empty.end():], False
+    if body.lstrip().startswith("</think>") and prompt.rstrip().endswith("<think>"):
+        return reasoning + body, False
+    return body, True
+
+
+def _lost_reasoning(shape: str, j: int) -> Finding:
+    return Finding(shape, "reasoning", MODES["reasoning"][0], True, -1, [], [], [], "", "", "",
+                   f"turn {j}: its reasoning is not in the template's rendering of the turn, even as the last turn")
+
+
+def _sample(play: _Play, body: str, after: str, truncated: bool) -> list[int]:
+    """The ids an engine samples for a turn rendered as `body`: up to and including the first stop id; if the body
+    has none, the stop the rendering opens the next message with (`after`), else the end-of-turn. A truncated turn
+    ends before any stop."""
+    tok, stops = play.tok, play.stops
+    ids = encode(tok, body)
+    at = next((i for i, t in enumerate(ids) if t in stops), None)
+    if truncated:
+        return ids if at is None else ids[:at]
+    if at is not None:
+        return ids[: at + 1]
+    opener = encode(tok, after)[:1]
+    if opener and opener[0] in stops:
+        return ids + opener
+    return ids + [tok.eos_token_id if tok.eos_token_id is not None else min(stops)]
+
+
+def _decode_hazard(play: _Play, shape: str, j: int, buffer: list[int], sampled: list[int]) -> list[Finding]:
+    """What a naive builder does with the sampled ids: decode them to text (special tokens skipped) and encode that
+    again. The stop the turn ends with is left aside: a template renders it back."""
+    tok = play.tok
+    content = sampled[:-1] if sampled and sampled[-1] in play.stops else sampled
+    if decode(tok, content, skip_special_tokens=True) == decode(tok, content):
+        return []
+    dropped = next(i for i in range(len(content)) if decode_drops(tok, content, i))
+    naive = encode(tok, decode(tok, content, skip_special_tokens=True))
+    return [finding(tok, shape, f"decode of turn {j}", buffer + naive, buffer + content, len(buffer) + dropped,
+                    [], [], mode=("special", False))]
+
+
+def _appended_roles(messages: list[dict]) -> set[str]:
+    """The roles a builder must append after an assistant turn in this conversation."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return {m["role"] for m in messages[first:] if m["role"] != "assistant"}
+
+
+def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None, family: str | None = None,
+          kwargs: dict | None = None, roles: list[str] | None = None, strict: bool = False) -> AuditReport:
+    """Every shape played with the builder (`family`: Miles' for that model family; None: rlbench's plain one)."""
     from rlbench.core.model import load_tokenizer
+    from rlbench.checks.tito_miles import comparator
 
     tok = load_tokenizer(tokenizer_dir)
-    if not tok.chat_template:
+    if not tok.chat_template and not (family or "").startswith("deepseek"):
         raise BadInput("the tokenizer has no chat template to audit", path=tokenizer_dir)
+    builder = make_builder(tok, family, kwargs or {}, roles)
     known = conversation_shapes()
     names = shapes or list(known)
-    report = AuditReport(str(tokenizer_dir), names)
+    report = AuditReport(str(tokenizer_dir), [], builder=builder.name, kwargs=dict(builder.kwargs),
+                         roles=list(builder.roles) if builder.roles is not None else None, fail_on_hazards=strict)
+    if builder.family is not None:
+        report.notes += builder.family.notes
+    stops = stop_ids(tok, tokenizer_dir)
+    compare = comparator(tok, builder.family, assistant_start(tok, builder))
     for name in names:
         messages, tools = known[name]
-        report.findings += audit_shape(tok, name, messages, tools)
+        extra = _appended_roles(messages) - set(builder.roles) if builder.roles is not None else set()
+        if extra:
+            report.skipped[name] = (f"appends {', '.join(sorted(extra))} after an assistant turn, which the "
+                                    f"{builder.name} builder is not allowed to (--tito-allowed-append-roles)")
+            continue
+        report.shapes.append(name)
+        report.findings += audit_shape(tok, name, messages, tools, builder, stops, compare)
     return report

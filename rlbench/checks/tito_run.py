@@ -20,18 +20,16 @@
   sampled ones (mode 1). Without a model, or for a sample whose engine reported no log-probs, such a
   sample is undetermined, and the report says so instead of claiming no drift.
 - Samples slime removed (`remove_sample`: not trained) are not judged, and counted.
-- Re-render (a JSONL of {messages, token_ids}): the ids against the chat template's rendering of
-  the messages, which is what a re-tokenising pipeline would train on.
+- Re-render (a JSONL of {messages, token_ids}): tito_jsonl.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.checks.compare import first_divergence
-from rlbench.checks.tito import Finding, canonical, decode, divergence, encode, finding, render
+from rlbench.checks.tito import Finding, canonical, decode, finding
 from rlbench.errors import BadInput
 
 # Log-probs of one id from two forwards of the same weights agree to ~1e-6 (fp32) or ~1e-1 (bf16 engine
@@ -60,6 +58,8 @@ class RunReport:
     evidence: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     removed: int = 0  # samples slime removed (remove_sample): not trained, not judged
+    kwargs: dict = field(default_factory=dict)  # the chat template kwargs (JSONL: before each row's own)
+    sampled_rows: int = 0  # JSONL rows that gave their engine outputs (`sampled`), each held to its trained ids
 
     @property
     def rates(self) -> dict[str, float]:
@@ -71,6 +71,10 @@ class RunReport:
     @property
     def strict(self) -> bool:
         return any(f.finding.strict for f in self.findings)
+
+    @property
+    def hazards(self) -> list[SampleFinding]:
+        return [f for f in self.findings if not f.finding.strict]
 
 
 def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Finding | None:
@@ -142,16 +146,19 @@ def sampled_spans(ids: list[int], prompt: int, mask: list[int]) -> list[dict]:
     return turns
 
 
-def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_dir: str | Path | None = None
-              ) -> RunReport:
-    """Every sample of a run directory (or a JSONL of {messages, token_ids}) held to the TITO rule."""
+def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_dir: str | Path | None = None,
+              kwargs: dict | None = None) -> RunReport:
+    """Every sample of a run directory (or a JSONL of {messages, token_ids}) held to the TITO rule. `kwargs`: the
+    chat template kwargs (a run directory records its own, data.chat_template_kwargs, used where none are given)."""
     from rlbench.core.model import load_tokenizer
 
     path = Path(path)
     if path.is_file():
         if tokenizer_dir is None:
             raise BadInput("a JSONL of trajectories needs --tokenizer", path=path)
-        return _check_jsonl(path, load_tokenizer(tokenizer_dir))
+        from rlbench.checks.tito_jsonl import check_jsonl
+
+        return check_jsonl(path, load_tokenizer(tokenizer_dir), tokenizer_dir, dict(kwargs or {}))
     from rlbench.core.context import check_made_with
     from rlbench.rundir import recording
     from rlbench.rundir.directory import read_run
@@ -163,6 +170,8 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
     tok = load_tokenizer(tokenizer_dir)
     evidence = None
     report = RunReport(str(run.root), "sampled")
+    # recorded, not used: this lens compares the engine's own ids and renders nothing
+    report.kwargs = dict(kwargs if kwargs is not None else (config.get("data") or {}).get("chat_template_kwargs") or {})
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)
         recording.check_ids(tensors, len(tok), run.root / "rollouts" / f"{step:06d}.safetensors", "the tokenizer")
@@ -258,26 +267,3 @@ def _judge(tok, report: RunReport, evidence: _Evidence, step: int, i: int, ids: 
     found.where = (f"response token {start + p - prompt}: the engine's log-prob {engine:.4g} is not the trainer's for "
                    f"this id (|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here")
     report.findings.append(SampleFinding(step, i, found.where, found))
-
-
-def _check_jsonl(path: Path, tok) -> RunReport:
-    report = RunReport(str(path), "rendered")
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            ids, messages = [int(t) for t in row["token_ids"]], row["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise TypeError("messages")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput(f"line {lineno}: expected {{\"messages\": [...], \"token_ids\": [...]}} "
-                           f"({exc.__class__.__name__})", path=path) from None
-        report.samples += 1
-        expected = encode(tok, render(tok, messages, None, False))
-        truncated = bool(messages and messages[-1].get("truncated"))
-        found = divergence(tok, f"line {lineno}", "the chat template's re-render", ids, expected, [len(ids)],
-                           [], truncated_last=truncated)
-        if found is not None:
-            report.findings.append(SampleFinding(None, lineno, found.where, found))
-    return report

@@ -141,7 +141,7 @@ def test_a_finding_shows_both_sides_from_the_index_and_the_ids_before_it(tok):
 
 def test_modes_are_numbered_as_the_research_notes_number_them():
     assert {name: number for name, (number, _) in tito.MODES.items()} == {
-        "reencode": 1, "separator": 2, "reasoning": 4, "position": 5, "special": 8, "truncated": 10, "template": 0,
+        "reencode": 1, "separator": 2, "stop": 3, "reasoning": 4, "position": 5, "special": 8, "truncated": 10, "template": 0,
         "other": 0}
 
 
@@ -310,3 +310,48 @@ def test_render_without_transformers_private_compiler_is_the_public_path(monkeyp
         want = tok.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=generation, tokenize=False)
         assert tito.render(tok, messages[:2], tools, generation) == want
     assert tito._compiled(tok) is None
+
+
+# --------------------------------------------------------------------------- every divergence, each its own mode
+
+
+def test_every_divergence_is_found_each_classified_on_its_own(tok):
+    """A separator lost after the first turn and, later, a reasoning block the rendering drops: both are named, in
+    order, each where its ids part (the second in the expected sequence's own place too)."""
+    first, second = enc(tok, "odd") + [2], enc(tok, "<think>12 ends in 2</think>even") + [2]
+    user = enc(tok, "<|im_start|>user\nAnd 12?")
+    got = first + user + second
+    expected = first + enc(tok, "\n") + user + enc(tok, "even") + [2]
+    found = tito.block_findings(tok, "s", "w", got, expected, [len(first), len(got)], [],
+                                reasoning=("12 ends in 2",))
+    assert [(f.mode, f.index) for f in found] == [("separator", len(first)), ("reasoning", len(first + user))]
+    assert found[1].expected_index == len(first) + 1 + len(user)
+    assert tito.block_findings(tok, "s", "w", got, list(got), [], []) == []
+
+
+def test_a_stop_sampled_last_is_closing_and_a_second_one_is_not(tok):
+    turn = enc(tok, "odd")
+    assert tito.divergences(tok, turn + [2], turn, stops=frozenset({2})) == []
+    assert tito.divergences(tok, turn + [2, 2], turn, stops=frozenset({2}))
+    assert tito.divergences(tok, turn + [2], turn) == [(len(turn), len(turn) + 1, len(turn), len(turn))]
+
+
+def test_a_stop_that_opens_the_next_turn_kept_twice_is_stop(tok):
+    """Mode 3: a builder appended the rendered opener after a sampled stop that is the same id (GLM's <|user|>)."""
+    turn, rest = enc(tok, "odd") + [1], enc(tok, "user\nAnd 12?")
+    f = tito.block_findings(tok, "s", "w", turn + [1] + rest, turn + rest, [len(turn)], [], stops=frozenset({1, 2}))
+    assert [(x.mode, x.number) for x in f] == [("stop", 3)]
+
+
+def test_a_decode_that_skipped_the_end_of_turn_is_special(tok):
+    """Mode 8 for <|im_end|> too, and for the separator a builder then leaves out after it."""
+    head, rest = enc(tok, "odd"), [1] + enc(tok, "user\nAnd 12?")
+    expected = head + [2] + enc(tok, "\n") + rest
+    [f] = tito.block_findings(tok, "s", "w", head + rest, expected, [], [], stops=frozenset({2}))
+    assert (f.mode, f.number, f.index) == ("special", 8, len(head))
+
+
+def test_one_change_split_by_a_shared_id_is_one_divergence(tok):
+    """The alignment matches 'e' inside 'Hello' and 'Bye': still one divergence."""
+    [f] = tito.block_findings(tok, "s", "w", enc(tok, "Bye") + [2], enc(tok, "Hello") + [2], [], [])
+    assert f.index == 0

@@ -46,3 +46,24 @@ def test_byte_table_decode_equals_the_tokenizers(name):
     for _ in range(20_000):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))]
         assert decode(tok, ids) == tok.backend_tokenizer.decode(ids, skip_special_tokens=False)
+
+
+MILES = REPO / "tests" / "conformance" / "miles" / "tokenizers"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "kimi25-fixed", "minimax-m25-fixed", "qwen35-fixed"])
+def test_render_with_kwargs_and_none_valued_keys_equals_apply_chat_template(name):
+    """Real chat templates (tests/conformance/miles), with template kwargs, an OpenAI-style `content: None` (no key
+    to transformers, not the text "None") and reasoning under another name (`reasoning`, which transformers also
+    passes as `reasoning_content`)."""
+    tok = load_tokenizer(MILES / name)
+    shapes = conversation_shapes()
+    messages, tools = shapes["tool-result-with-tools"]
+    messages = [dict(m, content=None) if m.get("tool_calls") else m for m in messages]
+    messages[-1] = dict(messages[-1], reasoning="7 is odd")
+    for kwargs in ({}, {"enable_thinking": False, "clear_thinking": False, "preserve_thinking": True}):
+        for generation in (False, True):
+            want = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False,
+                                           **kwargs)
+            assert render(tok, messages, tools, generation, kwargs) == want
+            assert "None" not in want

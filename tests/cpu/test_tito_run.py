@@ -229,6 +229,113 @@ def test_jsonl_same_text_other_ids_is_mode_1_despite_closing_whitespace(tmp_path
     assert f.finding.got[0] == pieces[p] and f.finding.expected[0] == canon[p]
 
 
+TITO_CLEAN = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean"
+
+
+def _clean_row(tools=None, **extra):
+    """A tool conversation as tito-clean renders it, its trained ids that rendering (with or without tools)."""
+    tok = load_tokenizer(TITO_CLEAN)
+    messages = [{"role": "user", "content": "Is 3 plus 4 odd?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}]},
+                {"role": "tool", "content": "7"}, {"role": "assistant", "content": "odd"}]
+    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True)["input_ids"]
+    return {"messages": messages, "token_ids": ids, **({"tools": tools} if tools else {}), **extra}, tok
+
+
+def test_jsonl_rows_render_with_their_tools_and_without_none_valued_keys(tmp_path):
+    """`tools` is read (a row rendered with tools is not drift), and `content: None` is no key, as transformers
+    gives it to the template, not the text "None"."""
+    from rlbench.checks.tito_audit import CALCULATOR
+
+    row, _ = _clean_row(tools=[CALCULATOR])
+    report = check_run(_jsonl(tmp_path, [row]), TITO_CLEAN)
+    assert (report.samples, report.findings, report.notes) == (1, [], [])
+    row.pop("tools")
+    assert check_run(_jsonl(tmp_path, [row]), TITO_CLEAN).findings  # the same ids held to a render without tools
+
+
+def test_jsonl_template_kwargs_from_the_command_and_from_each_row(tmp_path):
+    """A template that reads a kwarg: the command's kwargs render every row, a row's own chat_template_kwargs win;
+    both recorded."""
+    tok = load_tokenizer(TITO_CLEAN)
+    tok.chat_template = tok.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n' + "
+                                                  "('<think>\\n' if enable_thinking else '')")
+    tok.save_pretrained(tmp_path / "tok")
+    messages, _ = _prompt()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True,
+                                  tokenize=True)["input_ids"] + tok.encode("odd") + [tok.eos_token_id]
+    row = {"messages": messages + [{"role": "assistant", "content": "<think>\nodd"}], "token_ids": ids}
+    path = _jsonl(tmp_path, [row])
+    assert check_run(path, tmp_path / "tok", kwargs={"enable_thinking": True}).findings == []
+    assert check_run(path, tmp_path / "tok").kwargs == {}
+    own = _jsonl(tmp_path, [{**row, "chat_template_kwargs": {"enable_thinking": False}}])
+    report = check_run(own, tmp_path / "tok", kwargs={"enable_thinking": True})
+    assert report.kwargs == {"enable_thinking": True} and report.findings == []  # the row's kwarg is not rendered
+
+
+def test_jsonl_sampled_ids_say_whether_it_trained_on_what_was_sampled(tmp_path):
+    """With each assistant turn's engine ids, a row is held to them too: found unchanged, in order, the row trained
+    on what was sampled; a turn the trainer re-encoded is a finding even where the re-render agrees with it."""
+    messages, prompt = _prompt()
+    answer, canon, pieces = _same_length_resegmentation()
+    row = {"messages": messages + [{"role": "assistant", "content": answer}],
+           "token_ids": prompt + canon + [TOK.eos_token_id], "sampled": [pieces + [TOK.eos_token_id]]}
+    report = check_run(_jsonl(tmp_path, [row]), QWEN)
+    [f] = report.findings
+    assert (f.finding.mode, f.finding.where, report.sampled_rows) == ("reencode", "assistant turn 0: sampled vs trained",
+                                                                      1)
+    row["sampled"] = [canon + [TOK.eos_token_id]]
+    assert check_run(_jsonl(tmp_path, [row]), QWEN).findings == []
+    res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN))
+    assert res.returncode == 0 and "trained on what was sampled" in res.stdout
+    # sampled ids that match, trained ids that differ from the re-render inside them: a hazard, not drift
+    row = {**row, "token_ids": prompt + pieces + [TOK.eos_token_id], "sampled": [pieces + [TOK.eos_token_id]]}
+    [f] = check_run(_jsonl(tmp_path, [row]), QWEN).findings
+    assert (f.finding.mode, f.finding.strict) == ("reencode", False)
+    strict = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN), "--strict")
+    assert strict.returncode == 1 and "(hazard)" in strict.stdout
+    assert run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN)).returncode == 0
+
+
+def test_jsonl_without_sampled_ids_is_never_called_no_drift(tmp_path):
+    row, _ = _clean_row()
+    res = run_cli("check", "tito", _jsonl(tmp_path, [row, {**row, "meta": 1}]), "--tokenizer", str(TITO_CLEAN))
+    assert res.returncode == 0 and "no drift" not in res.stdout
+    assert "equal to the chat template's re-render (2 of 2 trajectories gave no sampled ids" in res.stdout
+    assert "note: not read: meta (1 rows)" in res.stderr
+
+
+def test_jsonl_a_row_the_template_refuses_is_a_finding_not_an_internal_error(tmp_path):
+    function = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-function"
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1"}}}
+    row = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                                                            "tool_calls": [call, call]}], "token_ids": [1, 2]}
+    res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(function), "--json")
+    assert res.returncode == 1, res.stderr
+    [f] = json.loads(res.stdout)["findings"]
+    assert f["where"] == "template error: This model only supports single tool-calls at once!"
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"messages": [], "token_ids": [1], "tools": "x"}, "(TypeError: tools)"),
+    ({"messages": [], "token_ids": [1], "chat_template_kwargs": [1]}, "(TypeError: chat_template_kwargs)"),
+    ({"messages": [{"role": "assistant", "content": "a"}], "token_ids": [1], "sampled": [[1], [2]]},
+     "(sampled: one list of ids per assistant message)"),
+    ({"messages": [], "token_ids": [10**6]}, "(token id 1000000 is outside the tokenizer's vocabulary"),
+    ({"messages": [{"content": "a"}], "token_ids": [1]}, "(TypeError: messages)"),
+])
+def test_jsonl_bad_rows_are_bad_input_naming_the_line_and_field(tmp_path, row, message):
+    res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN))
+    assert res.returncode == 2 and "line 1: expected" in res.stderr and message in res.stderr, res.stderr
+
+
+def test_builder_options_are_refused_outside_the_audit(tmp_path):
+    row, _ = _clean_row()
+    res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(TITO_CLEAN), "--tito-model", "qwen3")
+    assert res.returncode == 2 and "choose the builder --audit plays" in res.stderr
+
+
 # --------------------------------------------------------------------------- what the evidence lens judges
 
 
