@@ -29,14 +29,17 @@ def _long(server, prompt_id: int = 0, **extra):
         "temperature": 0.8, "max_new_tokens": LONG, "ignore_eos": True, "sampling_seed": prompt_id}, **extra})
 
 
-def _running(server, at_least: int = 1, timeout: float = 30.0) -> None:
-    """Wait until the server runs `at_least` requests (/v1/loads)."""
+def _running(server, at_least: int = 1, in_flight: int = 0, timeout: float = 30.0) -> None:
+    """Wait until the server runs `at_least` requests and holds `in_flight` in all, running or waiting
+    (/v1/loads): the event the test acts on, whatever the machine's speed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum(load["num_running_reqs"] for load in server.get("/v1/loads").json()["loads"]) >= at_least:
+        loads = server.get("/v1/loads").json()["loads"]
+        running = sum(load["num_running_reqs"] for load in loads)
+        if running >= at_least and running + sum(load["num_waiting_reqs"] for load in loads) >= in_flight:
             return
         time.sleep(0.01)
-    raise AssertionError(f"fewer than {at_least} requests ever ran")
+    raise AssertionError(f"fewer than {at_least} requests ever ran, or fewer than {in_flight} arrived")
 
 
 def test_abort_all(server):
@@ -46,7 +49,7 @@ def test_abort_all(server):
     e2e_latency above 0, one output (and top) log-prob per output id."""
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_long, server, i, return_logprob=True, top_logprobs_num=3) for i in range(6)]
-        _running(server)
+        _running(server, in_flight=6)  # all six arrived, one at least running: abort_all reaches every one
         response = server.post("/abort_request", {"abort_all": True})
         assert response.status_code == 200
         results = [f.result().json() for f in as_completed(futures)]
