@@ -73,11 +73,50 @@ def check_installed(config: RunConfig) -> None:
             needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
                           "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
                          else ("starlette", "rollout.sglang_server", "pip install '.[serve]'"))
+    if config.train.backend == "megatron" and trains(config):
+        needs.append(("megatron.core", "train.backend", "pip install '.[megatron]'"))
     if config.placement.backend == "ray":
         needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
+        if (config.placement.ray_address or "").startswith("ray://"):
+            needs.append(("grpc", "placement.ray_address",
+                          "a ray:// address is Ray's client: pip install 'ray[client]'"))
     for module, field, how in needs:
         if importlib.util.find_spec(module) is None:
             raise BadInput(f"the {module} package is not installed here ({how})", field=field)
+
+
+def check_trainer(config: RunConfig) -> None:
+    """The trainer's own settings, before anything starts (the megatron trainer's: its `[train.megatron]`
+    table, precision and shape, backends/megatron/model.check); BadInput at the first problem."""
+    if trains(config) and config.train.backend == "megatron":
+        from rlbench.backends.megatron.model import check
+
+        check(config)
+
+
+def check_capacity(config: RunConfig) -> None:
+    """The megatron trainer's tp * dp ranks against what this machine can place, before any starts: one
+    CPU each (those this process may run on) or, on CUDA, one GPU each. Under `--placement ray`,
+    placement/ray.py holds every bundle to the Ray instance's resources instead."""
+    if not trains(config) or config.train.backend != "megatron" or config.placement.backend == "ray":
+        return
+    ranks = config.tp * config.dp
+    if config.device.startswith("cuda"):
+        import torch
+
+        have, each = torch.cuda.device_count(), "a CUDA device"
+    else:
+        have, each = available_cpus(), "a CPU"
+    if ranks > have:
+        raise BadInput(f"expected at most {have} ranks ({each} each: this machine has {have}), got tp {config.tp} "
+                       f"x dp {config.dp} = {ranks}", field="tp * dp")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the system has one)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def bundles(config: RunConfig) -> tuple[int, int]:

@@ -368,7 +368,7 @@ def block_findings(tok, shape: str, where: str, got: list[int], expected: list[i
         i1 = first_divergence(got, view)  # the alignment may put ids both sides share at a block's start
         if i1 is None:
             continue
-        mode = ("reasoning", True) if _reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning) else \
+        mode = ("reasoning", True) if reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning) else \
             classify(tok, got, view, i1, turn_ends, truncated_ends, stops)
         if hazard is not None and hazard(mode[0], i1, i2):
             mode = (mode[0], False)
@@ -383,7 +383,7 @@ def block_findings(tok, shape: str, where: str, got: list[int], expected: list[i
     return found
 
 
-def _reasoning_block(tok, got: list[int], expected: list[int], reasoning: tuple[str, ...]) -> bool:
+def reasoning_block(tok, got: list[int], expected: list[int], reasoning: tuple[str, ...]) -> bool:
     """A turn's reasoning on one side of a block only, whole, or in part against nothing (think markers aside)."""
     a, b = (decode(tok, ids).strip() for ids in (got, expected))
     bare_a, bare_b = (x.replace("<think>", "").replace("</think>", "").strip() for x in (a, b))

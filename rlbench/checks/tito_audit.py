@@ -114,7 +114,7 @@ class AuditReport:
         return any(f.strict for f in self.findings) or (self.fail_on_hazards and bool(self.findings))
 
 
-def _template_error(shape: str, exc: Exception, stage: str = "template error") -> Finding:
+def template_error(shape: str, exc: Exception, stage: str = "template error") -> Finding:
     message = " ".join(str(exc).split()) or exc.__class__.__name__
     return Finding(shape, "template", MODES["template"][0], True, -1, [], [], [], "", "",
                    f"{exc.__class__.__name__}: {message}", f"{stage}: {message}")
@@ -140,7 +140,7 @@ def audit_shape(tok, shape: str, messages: list[dict], tools, builder=None, stop
     try:
         _audit_shape(play, shape, messages, tools, found)
     except template_errors() as exc:  # UndefinedError, raise_exception() from inside the template, Miles' wrapping
-        found.append(_template_error(shape, exc))
+        found.append(template_error(shape, exc))
     return found
 
 
@@ -180,7 +180,7 @@ def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: li
             buffer = b.extend(messages[: j + 1], messages[: turns[k + 1]], buffer, tools)
         except BuildError as exc:  # the plain builder's broken prefix, or Miles' builder refusing to merge
             if not isinstance(exc, PrefixBroken):
-                found.append(_template_error(shape, exc, "builder error"))
+                found.append(template_error(shape, exc, "builder error"))
             if not following.startswith(turn) or not isinstance(exc, PrefixBroken):
                 found += _compare(play, state, shape, f"prefix after turn {j}", encode(tok, turn),
                                   encode(tok, following), reasoning, extension=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlbench.checks.compare import first_divergence
 from rlbench.checks.tito import Finding, decode, decode_many, encode, finding, render
-from rlbench.checks.tito_run import RunReport, SampleFinding
+from rlbench.checks.tito_report import RunReport, SampleFinding
 from rlbench.errors import BadInput
 
 ROW_KEYS = ("messages", "token_ids", "tools", "chat_template_kwargs", "sampled")
@@ -93,7 +93,7 @@ def _ids(value, vocab: int) -> list[int]:
 def _judge_row(tok, lineno: int, row: dict, kwargs: dict, stops: frozenset[int], compare) -> list[Finding]:
     """One trajectory against the template's re-render, and against its engine's outputs where it gives them."""
     from rlbench.checks.tito import block_findings
-    from rlbench.checks.tito_audit import _template_error
+    from rlbench.checks.tito_audit import template_error
     from rlbench.checks.tito_builders import template_errors
 
     ids, messages, sampled = row["token_ids"], row["messages"], row.get("sampled")
@@ -101,7 +101,7 @@ def _judge_row(tok, lineno: int, row: dict, kwargs: dict, stops: frozenset[int],
     try:
         expected = encode(tok, render(tok, messages, row.get("tools"), False, kwargs))
     except template_errors() as exc:  # a template that refuses the conversation: this row's finding
-        return [_template_error(label, exc)]
+        return [template_error(label, exc)]
     reasoning = tuple(str(m.get("reasoning_content") or "") for m in messages if m["role"] == "assistant")
     found, spans = [], []
     if sampled is not None:
@@ -206,7 +206,7 @@ def _turn_findings(tok, label: str, k: int, ids, turn, start: int, end: int, sto
     sequence (its context decides: a turn boundary, a think block) against the trained ids as they would be had
     they kept what was sampled there. Reasoning the trained ids lack is one finding (mode 4), however the
     alignment of its text with theirs splits it."""
-    from rlbench.checks.tito import _reasoning_block, classify, divergences
+    from rlbench.checks.tito import reasoning_block, classify, divergences
 
     # the trained ids after the turn continue both sides, so that what the turn lacks at its end stays at its end;
     # where the turn ends in them is taken where that leaves the fewest ids apart
@@ -231,7 +231,7 @@ def _turn_findings(tok, label: str, k: int, ids, turn, start: int, end: int, sto
             continue
         i1 = first_divergence(ids, view)  # the alignment may put ids both sides share at a block's start
         in_lost = lost is not None and b2 > lost[0] and b1 < lost[1]
-        mode = ("reasoning", True) if in_lost or _reasoning_block(tok, ids[i1:i2], turn[b1:b2], reasoning) else \
+        mode = ("reasoning", True) if in_lost or reasoning_block(tok, ids[i1:i2], turn[b1:b2], reasoning) else \
             classify(tok, ids, view, i1, [], [], stops)
         f = finding(tok, label, f"assistant turn {k}: sampled vs trained", ids, view, i1, [], [], mode=mode)
         f.expected_index = b1

@@ -119,6 +119,7 @@ def run(
     sglang_server: Annotated[Optional[SGLangServer], config_option("rollout.sglang_server", "--sglang-server")] = None,
     placement: Annotated[Optional[Placement], config_option("placement.backend", "--placement")] = None,
     ray_address: Annotated[Optional[str], config_option("placement.ray_address", "--ray-address")] = None,
+    ray_timeout: Annotated[Optional[float], config_option("placement.ray_timeout", "--ray-timeout", min=0)] = None,
     trainer_backend: Annotated[Optional[TrainerBackend], config_option("train.backend", "--trainer-backend", "--trainer")] = None,
     tp: Annotated[Optional[int], config_option("tp", "--tp", min=1)] = None,
     dp: Annotated[Optional[int], config_option("dp", "--dp", min=1)] = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -32,7 +33,7 @@ from rlbench.errors import BadInput
 from rlbench.rundir.digest import weights_digest
 from rlbench.rundir.directory import RunDir, RunWriter, read_run
 from rlbench.rundir.manifest import manifest
-from rlbench.rundir.recording import read_step
+from rlbench.rundir.recording import finish_reasons, read_step
 
 if TYPE_CHECKING:
     import torch
@@ -90,12 +91,15 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
 
 def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False,
           command: str | None = None) -> Context:
-    """Everything the run needs, in order: every input is checked (devices, packages, the recording or
-    the dataset and plugins, the model) before the trainer and engine are made in this process and
-    the manifest is assembled; then the backends outside it (Ray actors, SGLang servers) start and
-    the run directory is made, and a failure there stops what was started."""
+    """Everything the run needs, in order: every input is checked (devices, packages, the ranks the
+    machine can place, the trainer's settings, the recording or the dataset and plugins, the model)
+    before the trainer and engine are made in this process and the manifest is assembled; then the
+    backends outside it (Ray actors, SGLang servers) start and the run directory is made, and a
+    failure there stops what was started."""
     _check_device(config.device)
     registry.check_installed(config)
+    registry.check_capacity(config)
+    registry.check_trainer(config)
     determinism = configure_determinism(config.threads, config.device, config.deterministic)
     source = read_run(config.rollouts) if config.mode == "train-only" else None
     tokenizer = _tokenizer(config)
@@ -149,7 +153,9 @@ def _check_recording(config: RunConfig, source: RunDir, start: int) -> int:
                        path=source.root / "metrics.jsonl")
     recorded_ids = 0
     for step in range(start, config.steps):
-        tokens = read_step(source.root, step)[0]["tokens"]
+        tensors, meta = read_step(source.root, step)
+        finish_reasons(source.root, step, meta["samples"])  # the rollout metrics are recomputed from them
+        tokens = tensors["tokens"]
         recorded_ids = max(recorded_ids, int(tokens.max()) + 1 if tokens.numel() else 0)
     return recorded_ids
 
@@ -308,20 +314,48 @@ def _encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, sour
     in the model's context (`limit` tokens) is bad input."""
     encoded = {}
     for prompt in dataset:
-        if template_kwargs is None:
-            if len(prompt.messages) != 1 or prompt.messages[0].get("role") != "user":
-                raise BadInput(f"prompt {prompt.index} is a list of messages: without the chat template "
-                               "(data.apply_chat_template false) a prompt is a string", path=source)
-            ids = tokenizer(prompt.messages[0]["content"], add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
-                                                **template_kwargs)
+        with _quiet_tokenizer():
+            ids = _encode(tokenizer, prompt, source, template_kwargs)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if not ids:  # an engine has nothing to continue from (a chat template that renders nothing)
+            raise BadInput(f"prompt {prompt.index} renders to no tokens", path=source)
         if len(ids) > limit:
             raise BadInput(f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
                            f"model's {limit} + max_new_tokens positions", path=source)
         encoded[prompt.index] = tuple(int(t) for t in ids)
     return encoded
+
+
+def _encode(tokenizer, prompt: Prompt, source: str, template_kwargs: dict | None):
+    """One prompt's ids (see `_encode_prompts`); a chat template that fails to render is bad input naming
+    the tokenizer: the template is the tokenizer's own program (a Jinja syntax error, an unknown filter,
+    its own raise_exception, an error in what it computes)."""
+    if template_kwargs is None:
+        if len(prompt.messages) != 1 or prompt.messages[0].get("role") != "user":
+            raise BadInput(f"prompt {prompt.index} is a list of messages: without the chat template "
+                           "(data.apply_chat_template false) a prompt is a string", path=source)
+        return tokenizer(prompt.messages[0]["content"], add_special_tokens=False)["input_ids"]
+    try:
+        return tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
+                                             **template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the template's code raises, it is the tokenizer's
+        first = (str(exc).splitlines() or [""])[0][:160]
+        raise BadInput(f"the chat template cannot render prompt {prompt.index} ({exc.__class__.__name__}: {first})",
+                       path=getattr(tokenizer, "name_or_path", None) or None, field="chat_template") from None
+
+
+@contextmanager
+def _quiet_tokenizer():
+    """transformers warns (on stderr, once) when a prompt is longer than the tokenizer's model_max_length;
+    rlbench holds each prompt to the model's positions itself (`_encode_prompts`), in one line."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def check_made_with(run: RunDir, tokenizer: str | Path | None = None, model: str | Path | None = None) -> None:

@@ -43,12 +43,32 @@ def load_tokenizer(path: str | Path):
         raise BadInput(f"cannot load tokenizer ({exc.__class__.__name__}: {first[:160]})", path=path) from None
 
 
+# The sizes a model's config.json gives, each a count: held to [1, 2**31 - 1] before transformers reads them (it
+# warns about some and fails on others deep inside the model's construction).
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "intermediate_size", "head_dim", "max_position_embeddings")
+
+
+def _check_sizes(path: Path) -> None:
+    """The sizes config.json sets, where it parses as an object (transformers says why it does not)."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return
+    for key in SIZES if isinstance(table, dict) else ():
+        value = table.get(key)
+        if key in table and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                   or not 1 <= value < 2**31):
+            raise BadInput(f"expected an integer in [1, 2**31 - 1], got {value!r}", path=path, field=key)
+
+
 def load_model_config(path: str | Path):
     from transformers import AutoConfig
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise BadInput("not a model directory (no config.json)", path=path)
+    _check_sizes(path / "config.json")
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except RecursionError:

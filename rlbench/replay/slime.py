@@ -54,16 +54,17 @@ def load_dump(path: Path) -> dict:
     """One dump file, loaded without unpickling anything but plain data."""
     if not path.is_file():
         raise BadInput("dump not found", path=path)
+    if path.stat().st_size == 0:
+        raise BadInput("empty file (0 bytes): not a torch.save file", path=path)
     try:
         dump = torch.load(path, map_location="cpu", weights_only=True)
     except (Exception, RecursionError) as exc:  # pickle.UnpicklingError for what weights_only refuses
+        lines = str(exc).splitlines() or [""]
         if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
-            reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
-                          str(exc).splitlines()[0])[:160]
+            reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])[:160]
             raise BadInput(f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles "
                            f"nothing else ({reason})", path=path) from None
-        raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120]})",
-                       path=path) from None
+        raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {lines[0][:120]})", path=path) from None
     if not isinstance(dump, dict) or not isinstance(dump.get("rollout_id"), int) or \
             not isinstance(dump.get("samples"), list):
         raise BadInput("expected {'rollout_id': int, 'samples': [Sample.to_dict(), ...]}", path=path)

@@ -392,6 +392,34 @@ def _steps_text(steps: list[int]) -> str:
     return shown + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
 
 
+def _one_line_per_step(rows: list[dict], path: Path) -> None:
+    """A step has one line in each log: rlbench appends it once and resume cuts back before it writes,
+    so a second line (`rows[i]` is line i + 1) is an edit or a mix-up, which no reader picks a side of."""
+    first: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        step = row["step"]
+        if step in first:
+            earlier = rows[first[step]]
+            differ = [k for k in dict.fromkeys([*earlier, *row]) if earlier.get(k) != row.get(k)]
+            how = f"differing at {', '.join(differ[:3])}" if differ else "the same again"
+            raise BadInput(f"line {i + 1}: a second line for step {step} (line {first[step] + 1} is the first), "
+                           f"{how}", path=path)
+        first[step] = i
+
+
+def _numbers_only(metrics: list[dict], path: Path) -> None:
+    """Every metric a number (NaN included: a gate fails it by name), never a string, a boolean or null."""
+    for i, row in enumerate(metrics):
+        for key, value in row.items():
+            if key != "step" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise BadInput(f"line {i + 1}: {_shown(key)} is {_shown(value)}, expected a number", path=path)
+
+
+def _shown(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def read_run(root: str | Path) -> RunDir:
     """Validate and read a run directory's manifest and logs, keeping committed steps only."""
     root = Path(root)
@@ -409,6 +437,9 @@ def read_run(root: str | Path) -> RunDir:
     metrics, notes = _read_jsonl(root / "metrics.jsonl")
     checksums, more = _read_jsonl(root / "checksums.jsonl")
     notes += more
+    _one_line_per_step(metrics, root / "metrics.jsonl")
+    _one_line_per_step(checksums, root / "checksums.jsonl")
+    _numbers_only(metrics, root / "metrics.jsonl")
     committed = {row["step"] for row in metrics}
     extra = [row["step"] for row in checksums if row["step"] not in committed]
     if extra:

@@ -17,6 +17,8 @@ Layout, all token-aligned arrays indexed by `offsets` (sample i is tokens[offset
     top_p_offsets     int64  [T+1]  token j's nucleus top_p_ids[top_p_offsets[j]:top_p_offsets[j+1]]; the
                                     samples whose JSON says "top_p": true have one on every response token
 
+Every sample's JSON names its `finish_reason` (stop, length or abort: why generation ended), which
+train-only and replay read (`finish_reasons`).
 Per-sample JSON keys every reader honours where present (an import from slime writes them):
     remove_sample         true: slime removed it; its loss mask is all 0 and no check judges it
     has_rollout_logprobs  false: the engine reported no log-probs; `rollout_logprobs` holds 0.0 there,
@@ -150,12 +152,30 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
         got = meta.get("schema") if isinstance(meta, dict) else type(meta).__name__
         raise BadInput(f"expected {SCHEMA!r}, got {got!r}", path=js_path, field="schema")
-    if _samples_digest(meta.get("samples")) != meta.get("samples_sha256"):
+    if "samples" not in meta:
+        raise BadInput("missing: expected a list of per-sample objects", path=js_path, field="samples")
+    if _samples_digest(meta["samples"]) != meta.get("samples_sha256"):
         raise BadInput("corrupt: samples do not match samples_sha256", path=js_path)
     if not isinstance(meta["samples"], list) or not all(isinstance(x, dict) for x in meta["samples"]):
         raise BadInput("expected a list of per-sample objects", path=js_path, field="samples")
     _check_shapes(tensors, len(meta["samples"]), st_path)
     return tensors, meta
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def finish_reasons(root: Path, step: int, samples: list[dict]) -> list[str]:
+    """Each sample's finish reason, from a step's JSON as read_step returns it: what a reader that
+    recomputes the rollout metrics needs (train-only, replay), held to stop, length or abort."""
+    path = root / "rollouts" / f"{step:06d}.json"
+    for i, sample in enumerate(samples):
+        reason = sample.get("finish_reason")
+        if reason not in FINISH_REASONS:
+            got = "nothing" if "finish_reason" not in sample else repr(reason)
+            raise BadInput(f"expected one of {', '.join(FINISH_REASONS)}, got {got}", path=path,
+                           field=f"samples[{i}].finish_reason")
+    return [sample["finish_reason"] for sample in samples]
 
 
 DTYPES = {"tokens": torch.int64, "offsets": torch.int64, "prompt_lengths": torch.int64, "prompt_index": torch.int64,

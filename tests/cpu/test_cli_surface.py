@@ -31,6 +31,7 @@ EXPECTED_RUN_OPTIONS = {
     "--sglang-server",
     "--placement",
     "--ray-address",
+    "--ray-timeout",
     "--trainer-backend", "--trainer",
     "--tp",
     "--dp",

@@ -115,11 +115,19 @@ def test_malformed_samples_are_named(tmp_path, mutate, message):
     assert message in proc.stderr and "rollout_0.pt" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_not_a_torch_file(tmp_path):
+@pytest.mark.parametrize("content, needle", [(b"hello", "not a torch.save file"),
+                                             (b"", "empty file (0 bytes): not a torch.save file"),
+                                             ("half", "not a torch.save file")])
+def test_not_a_torch_file(tmp_path, content, needle):
     bad = tmp_path / "x.pt"
-    bad.write_text("hello")
+    if content == "half":  # a real dump cut short
+        (dump,) = write_dumps(tmp_path, rollout_ids=(0,))
+        content = dump.read_bytes()[: dump.stat().st_size // 2]
+    bad.write_bytes(content)
     proc = run_cli("import", "slime", str(bad), "--out", str(tmp_path / "imp"))
-    assert proc.returncode == 2 and "not a torch.save file" in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0] and str(bad) in lines[0], proc.stderr
+    assert not (tmp_path / "imp").exists()
 
 
 # --------------------------------------------------------------------------- every field used, kept or refused

@@ -9,8 +9,8 @@ Each rank process imports torch, transformers and megatron-core, so these runs a
 from __future__ import annotations
 
 import json
+import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +71,29 @@ def test_replay_of_a_tp2_run_from_its_sharded_checkpoint(runs, tmp_path):
     assert doc["ok"] and doc["reproduced"] == 1 and doc["steps"] == [8, 9]
 
 
+def wait_gone(pids: list[int], limit: float = 120) -> None:
+    """Until every process in `pids` has exited: a pidfd turns readable at the exit (an event; no polling
+    against a clock). `limit` only bounds a test that would otherwise hang: reaching it fails the test."""
+    import select
+
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:  # gone already
+            pass
+    try:
+        while fds:
+            ready, _, _ = select.select(fds, [], [], limit)
+            assert ready, f"processes {pids} still run after {limit} s"
+            for fd in ready:
+                fds.remove(fd)
+                os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _processes_with(tag: str) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():
@@ -91,13 +114,33 @@ def test_sigkilled_tp2_run_resumes_to_the_same_files(runs, tmp_path, monkeypatch
     res = run_process(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
     monkeypatch.delenv("RLBENCH_FAILPOINT")
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
-    deadline = time.monotonic() + 30
-    while _processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_gone(_processes_with(tag))  # the kernel kills them as rank 0 dies (PR_SET_PDEATHSIG)
     assert _processes_with(tag) == [], "a worker rank outlived rank 0"
     assert len(read_run(tmp_path / "tp2").steps) == 9
     res = run_cli("run", "--resume", str(tmp_path / "tp2"), "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["restarted_from_checkpoint"] == 8 and doc["recomputed_and_verified"] == 1
+    assert_same_run(tmp_path / "tp2", runs / "tp2")
+
+
+def test_a_killed_worker_rank_stops_the_run_in_one_line_and_resume_finishes_it_the_same(runs, tmp_path, monkeypatch):
+    """SIGKILL of rank 1 as it receives step 8's train_step (faults.py: an event, not a time): rank 0 stops
+    with exit 2 and one line naming the rank and the command, leaves no worker behind, keeps steps 0..7,
+    and --resume ends with the uninterrupted run's files."""
+    (tmp_path / "s.toml").write_text(TOML)
+    tag = str(tmp_path)
+    monkeypatch.setenv("RLBENCH_MEGATRON_KILL", "1:train_step@9")
+    monkeypatch.setenv("RLBENCH_TEST_TAG", tag)  # the workers inherit it: found in /proc if one is left
+    res = run_process(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
+    monkeypatch.delenv("RLBENCH_MEGATRON_KILL")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.splitlines() == [
+        "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while running the train_step command of step 8; "
+        "the run stopped (its committed steps are kept: rlbench run --resume RUN continues it)"]
+    assert _processes_with(tag) == []  # rank 0 stopped and reaped its workers before it exited
+    assert read_run(tmp_path / "tp2").steps == list(range(8))
+    res = run_cli("run", "--resume", str(tmp_path / "tp2"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["restarted_from_checkpoint"] == 8
     assert_same_run(tmp_path / "tp2", runs / "tp2")

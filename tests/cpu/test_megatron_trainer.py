@@ -97,15 +97,93 @@ def test_kl_to_the_reference_policy(tmp_path):
     assert result.history[0]["train/kl_loss"] > 0
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"train__megatron": {"no_such_field": 1}}, "train.megatron"),
-    ({"train__megatron": {"hidden_size": 32}}, "train.megatron"),
-    ({"tp": 4}, "num_key_value_heads"),
+@pytest.fixture
+def no_rank_starts(monkeypatch):
+    """Fails the test if a worker rank process is started."""
+    from rlbench.backends.megatron import launch
+
+    def refuse(self, port, world, device):
+        raise AssertionError(f"{world - 1} worker rank(s) started before the settings were refused")
+
+    monkeypatch.setattr(launch.Processes, "start", refuse)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train__megatron": {"no_such_field": 1}},
+     "train.megatron.no_such_field: not a field of megatron-core's TransformerConfig that a config sets"),
+    ({"train__megatron": {"hidden_size": 32}}, "hidden_size: set from the model's config.json or by rlbench"),
+    ({"tp": 4}, "num_key_value_heads: 2 does not divide by the tensor-parallel size 4"),
+    ({"train__megatron": {"sequence_parallel": 1}}, "train.megatron.sequence_parallel: expected true or false, got 1"),
+    ({"train__megatron": {"init_method_std": "0.02"}},
+     "train.megatron.init_method_std: expected a finite number, got '0.02'"),
+    ({"train__megatron": {"init_method_std": float("nan")}}, "init_method_std: expected a finite number, got nan"),
+    ({"train__megatron": {"num_moe_experts": True}}, "num_moe_experts: expected an integer, got True"),
+    ({"train__megatron": {"recompute_granularity": "most"}},
+     "recompute_granularity: expected one of 'full', 'selective', got 'most'"),
+    ({"train__megatron": {"window_size": [4]}}, "window_size: expected a list of 2 integers, got [4]"),
+    ({"train__megatron": {"init_method": "normal"}},
+     "train.megatron.init_method: expected Callable (a Python object, which a TOML table cannot give), got 'normal'"),
+    ({"train__megatron": {"attention_backend": "flash"}},
+     "attention_backend: expected AttnBackend (an enum, which a TOML table cannot give), got 'flash'"),
+    ({"train__megatron": {"bf16": True}}, "train.megatron.bf16: expected false on the CPU, got True: the megatron "
+                                          "trainer trains in float32 there (megatron-core's bf16 runs on a GPU)"),
+    ({"train__megatron": {"fp16": True}}, "train.megatron.fp16: expected false on the CPU"),
+    ({"train__megatron": {"fp8": "e4m3"}}, "train.megatron.fp8: expected unset on the CPU, got 'e4m3'"),
+    ({"train__megatron": {"num_attention_heads": 3}}, "num_attention_heads: set from the model's config.json"),
+    ({"train__megatron": {"fp8_param": True}},
+     "train.megatron: megatron-core refused the settings (ValueError: fp8_param must be used together with fp8 mode.)"),
+    ({"dp": 5}, "tp * dp: expected at most 4 ranks (a CPU each: this machine has 4), got tp 1 x dp 5 = 5"),
+    ({"tp": 2, "dp": 512}, "tp * dp: expected at most 4 ranks"),
 ])
-def test_refused_before_anything_starts(tmp_path, overrides, field):
-    with pytest.raises(BadInput, match=field.replace(".", r"\.")):
+def test_refused_before_anything_starts(tmp_path, monkeypatch, no_rank_starts, overrides, message):
+    from rlbench.backends import registry
+
+    monkeypatch.setattr(registry, "available_cpus", lambda: 4)  # the same refusals on any machine
+    with pytest.raises(BadInput) as info:
         run(_config(tmp_path / "bad", **overrides))
+    assert message in str(info.value)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("args, needle", [(("--dp", "1024"), "got tp 1 x dp 1024 = 1024"),
+                                          (("--tp", "2", "--dp", "512"), "got tp 2 x dp 512 = 1024"),
+                                          (("--dp", "64"), "got tp 1 x dp 64 = 64")])
+def test_more_ranks_than_the_machine_has_is_one_line_and_starts_nothing(tmp_path, monkeypatch, no_rank_starts, args,
+                                                                       needle):
+    from rlbench.backends import registry
+    from tests.conftest import cli
+
+    monkeypatch.setattr(registry, "available_cpus", lambda: 2)  # a 2-core machine, as the issue's
+    res = cli("run", "--trainer", "megatron", *args, "--out", str(tmp_path / "o"))
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rlbench: error: tp * dp: expected at most 2 ranks ") and needle in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_settable_field_takes_its_own_default():
+    """The type check holds to megatron-core's own declarations: every TransformerConfig field rlbench
+    leaves to the table takes its default (where TOML can say it) and refuses a value of another kind."""
+    import dataclasses
+    import typing
+
+    from rlbench.backends.megatron import settings
+    from rlbench.backends.megatron.model import quiet
+
+    with quiet():
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    hints = typing.get_type_hints(TransformerConfig)
+    checked = 0
+    for f in dataclasses.fields(TransformerConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        default = list(default) if isinstance(default, tuple) else default
+        if not f.init or f.name in settings.OWNED or not isinstance(default, (bool, int, float, str, list)):
+            continue
+        assert settings.fits(default, hints[f.name]), f.name
+        odd = {bool: 1, int: True, float: "1.0", str: 1}.get(type(default), "x")
+        assert not settings.fits(odd, hints[f.name]), (f.name, odd)
+        checked += 1
+    assert checked > 150
 
 
 def test_the_megatron_table_passes_through():

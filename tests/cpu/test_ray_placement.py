@@ -11,7 +11,6 @@ and unpacked as it is between processes."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -24,16 +23,19 @@ from rlbench.config import apply_overrides, load_config
 from rlbench.core.loop import run
 from rlbench.rundir.directory import read_run
 from tests.cpu.megatron_reference import TOML, reference_runs
+from tests.cpu.test_megatron_parallel import wait_gone
 
 
 @pytest.fixture(scope="module")
 def ray_instance():
     ray = pytest.importorskip("ray")
+    from rlbench.placement.ray import start_local
+
     tmp = tempfile.mkdtemp(prefix="rlray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.environ["RAY_TMPDIR"] = tmp
-    # 3 logical CPUs (Ray's scheduling tokens, not cores): a bundle of one each for two trainer ranks and a server
-    ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
-             _temp_dir=tmp)
+    # 3 logical CPUs (Ray's scheduling tokens, not cores): a bundle of one each for two trainer ranks and a server;
+    # on 127.0.0.1, as rlbench starts Ray
+    start_local(3, _temp_dir=tmp)
     try:
         yield ray
     finally:
@@ -100,10 +102,213 @@ def test_bundles_one_per_trainer_rank_then_one_per_engine_and_cpus_enough_for_th
     assert _shape(megatron) == (4, 1)
     assert _shape(apply_overrides(megatron, rollout__backend="sglang", rollout__num_engines=3)) == (4, 3)
     assert _shape(apply_overrides(megatron, mode="rollout-only")) == (0, 1)
-    assert local_cpus(megatron, 5) == max(os.cpu_count(), 5)
-    assert local_cpus(apply_overrides(megatron, placement__num_cpus=5), 5) == 5
-    with pytest.raises(BadInput, match=r"placement.num_cpus: expected at least 5 .* got 4"):
+    assert local_cpus(apply_overrides(megatron, placement__num_cpus=5), 5) == 5  # cores shared on purpose
+    with pytest.raises(BadInput, match=r"placement.num_cpus: expected at least 5 CPUs .* got 4: placement.num_cpus$"):
         local_cpus(apply_overrides(megatron, placement__num_cpus=4), 5)
+
+
+def test_a_local_ray_instance_gets_the_cpus_of_this_machine_and_no_more(small_config, monkeypatch):
+    from rlbench.backends import registry
+    from rlbench.errors import BadInput
+    from rlbench.placement.ray import local_cpus
+
+    monkeypatch.setattr(registry, "available_cpus", lambda: 2)
+    megatron = apply_overrides(small_config, train__backend="megatron", tp=2, placement__backend="ray")
+    assert local_cpus(megatron, 2) == 2
+    with pytest.raises(BadInput, match=r"^placement: expected at least 3 CPUs \(one for each trainer rank and each "
+                                       r"engine\), got 2: this machine has 2 \(placement.num_cpus may say more\)$"):
+        local_cpus(megatron, 3)
+
+
+# --------------------------------------------------------------------------- addresses and connecting
+
+
+@pytest.mark.parametrize("address, needle", [
+    ("garbage", "got 'garbage' (no host name or IP address before :PORT)"),
+    ("http://127.0.0.1:8265", "got the scheme 'http' (an http address is the dashboard's; the cluster's is HOST:6379)"),
+    ("127.0.0.1:0", "with a port in 1..65535, got '127.0.0.1:0'"),
+    ("127.0.0.1:65536", "with a port in 1..65535"),
+    ("ray://:10001", "no host name or IP address before :PORT"),
+    ("::1:6379", "no host name or IP address before :PORT"),
+    ("head:6379/path", "with a port in 1..65535"),
+])
+def test_a_ray_address_is_checked_before_anything_connects(tmp_path, address, needle):
+    from tests.conftest import cli
+
+    res = cli("run", "--placement", "ray", "--ray-address", address, "--out", str(tmp_path / "o"))
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rlbench: error: placement.ray_address: expected auto, HOST:PORT") and needle in lines[0]
+
+
+def test_the_timeout_is_a_ray_setting():
+    from rlbench.errors import BadInput
+
+    assert load_config(placement__backend="ray", placement__ray_timeout=5.0).placement.ray_timeout == 5.0
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(BadInput, match="placement.ray_timeout: expected a finite number in \\(0, 86,400\\]"):
+            load_config(placement__backend="ray", placement__ray_timeout=bad)
+    with pytest.raises(BadInput, match="placement.ray_timeout: expected the default unless placement.backend is ray"):
+        load_config(placement__ray_timeout=5.0)
+
+
+def test_a_ray_client_address_needs_the_client_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from rlbench.backends import registry
+    from tests.conftest import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(registry.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "grpc" else real(name, *a))
+    res = cli("run", "--placement", "ray", "--ray-address", "ray://127.0.0.1:10001", "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "rlbench: error: placement.ray_address: the grpc package is not installed here (a ray:// address is Ray's "
+        "client: pip install 'ray[client]')"], res.stderr
+
+
+@pytest.fixture
+def server():
+    """A TCP server on 127.0.0.1 that answers every connection with `reply` (None: accepts and says nothing);
+    yields a function that starts it and returns its port."""
+    import socket
+    import threading
+
+    sockets = []
+
+    def start(reply: bytes | None) -> int:
+        listener = socket.create_server(("127.0.0.1", 0))
+        sockets.append(listener)
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                sockets.append(conn)
+                if reply is not None:
+                    conn.recv(64)
+                    conn.sendall(reply)
+                    conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return listener.getsockname()[1]
+
+    yield start
+    for sock in sockets:
+        sock.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]  # closed again: nothing listens there
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("closed", "nothing listens there (connection refused)"),
+    ("http", "the server there is not a Ray cluster (it does not speak gRPC)"),
+    ("silent", "no answer within 1 s (--ray-timeout)"),
+])
+def test_an_address_where_no_ray_answers_is_one_line_within_the_timeout(tmp_path, monkeypatch, server, kind, needle):
+    """Through `rlbench run`: refused at once (a closed port, a server of another kind) or after
+    --ray-timeout (a server that never answers), never a hang; Ray itself is never asked."""
+    import ray
+
+    from tests.conftest import cli
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever another test of this process started
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    http = b"HTTP/1.1 400 Bad Request\r\n\r\n"
+    address = {"closed": lambda: f"127.0.0.1:{_free_port()}", "http": lambda: f"127.0.0.1:{server(http)}",
+               "silent": lambda: f"127.0.0.1:{server(None)}"}[kind]()
+    started = time.monotonic()
+    res = cli("run", "-c", str(_small(tmp_path)), "--placement", "ray", "--ray-address", address, "--ray-timeout", "1",
+              "--out", str(tmp_path / "o"))
+    assert time.monotonic() - started < 60
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"rlbench: error: placement.ray_address: {address}: {needle}"], res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _small(tmp_path: Path) -> Path:
+    from tests.conftest import small_toml
+
+    (tmp_path / "s.toml").write_text(small_toml(1))
+    return tmp_path / "s.toml"
+
+
+def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
+    """What is left of the timeout after the probe bounds ray.init itself (held here by an event, never a
+    sleep), and Ray's own refusal is one line."""
+    import threading
+
+    import ray
+
+    from rlbench.errors import BadInput
+    from rlbench.placement.ray import _init_within
+
+    release = threading.Event()
+    monkeypatch.setattr(ray, "init", lambda *a, **k: release.wait())
+    try:
+        with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray did not connect within 7 s "
+                                           r"\(--ray-timeout\)$"):
+            _init_within("auto", 0.2, 7)
+    finally:
+        release.set()
+
+    def refuse(*a, **k):
+        raise ConnectionError("Could not find any running Ray instance.\nPlease specify ...")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray refused the connection \(ConnectionError: "
+                                       r"Could not find any running Ray instance.\)$"):
+        _init_within("auto", 5, 5)
+
+
+def test_loopback_holds_only_while_ray_starts():
+    from ray._private import ray_constants
+
+    from rlbench.placement.ray import LOOPBACK_ENV, loopback
+
+    before = (os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER)
+    with loopback():
+        assert os.environ[LOOPBACK_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+        from ray._private.services import get_node_ip_address
+
+        assert get_node_ip_address() == "127.0.0.1"  # the address Ray gives a new node (no node in this process)
+    assert (os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER) == before
+
+
+def test_a_cluster_too_small_for_the_bundles_is_refused_before_placing(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlbench.errors import BadInput
+    from rlbench.placement.ray import Placement
+
+    placement = Placement.__new__(Placement)
+    placement.ray = SimpleNamespace(cluster_resources=lambda: {"CPU": 2.0, "memory": 1e9})
+    with pytest.raises(BadInput, match=r"^placement: the Ray cluster has 2 CPU in all, the run needs 3 \(one for each "
+                                       r"trainer rank and engine: 3 bundles\)$"):
+        placement.make_group([{"CPU": 1}] * 3)
+    with pytest.raises(BadInput, match="has 0 GPU in all, the run needs 2"):
+        placement.make_group([{"CPU": 1, "GPU": 1}] * 2)
+
+
+def test_an_rlbench_error_inside_an_actor_comes_back_as_itself(monkeypatch):
+    import ray
+
+    from rlbench.errors import BadInput
+    from rlbench.placement.ray import get
+
+    cause = BadInput("not a checkpoint (no state.json)", path="/x")
+    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(
+        ray.exceptions.RayTaskError("load_checkpoint", "Traceback ...\nmany lines", cause)))
+    with pytest.raises(BadInput) as info:
+        get(object(), lambda why: AssertionError(why))
+    assert info.value is cause and str(info.value) == "/x: not a checkpoint (no state.json)"
 
 
 def _actors() -> list[dict]:
@@ -176,13 +381,15 @@ def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_in
     assert manifest["config"]["placement"]["backend"] == "ray" and manifest["versions"]["ray"]
     assert (manifest["config"]["tp"], len(manifest["engines"])) == (2, 1)
 
+    # on 127.0.0.1: the instance, and what the actors told the driver (the server's URL, reached through it)
+    assert ray_instance.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert ray_instance.util.get_node_ip_address() == "127.0.0.1"
+    assert all("127.0.0.1" in json.dumps(engine) for engine in manifest["engines"]), manifest["engines"]
+
     # nothing left: every actor dead and its process gone, no server process, the group removed
     assert ray_instance.is_initialized()  # rlbench left running the instance it did not start
     assert all(g["state"] == "REMOVED" for g in ray_instance.util.placement_group_table().values())
-    deadline = time.monotonic() + 30
-    while (any(_running(a["Pid"]) for a in during["actors"]) or _instance_processes_running_rlbench()) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_gone([a["Pid"] for a in during["actors"]] + _instance_processes_running_rlbench())
     assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []
     assert [a["ActorClassName"] for a in during["actors"] if _running(a["Pid"])] == []
     assert _instance_processes_running_rlbench() == []

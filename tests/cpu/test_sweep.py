@@ -240,3 +240,144 @@ def test_run_with_a_hostile_dataset(base, tmp_path_factory, rows):
                       "[train]\nminibatches = 1\n")
     _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, data],
              owned=[work / "out"])
+
+
+# --------------------------------------------------------------------------- issue 26: the second round's surfaces
+
+
+MEGATRON_KEYS = ("sequence_parallel", "init_method_std", "num_moe_experts", "recompute_granularity", "window_size",
+                 "init_method", "attention_backend", "bf16", "fp16", "fp8", "fp8_param", "no_such_field",
+                 "hidden_size", "layernorm_zero_centered_gamma", "moe_router_topk", "cuda_graph_scope")
+TOML_VALUES = st.one_of(st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.booleans(), st.text(max_size=12),
+                        st.lists(st.integers(-3, 3), max_size=3), st.just("full"), st.just(0.02), st.just(True))
+
+
+def _toml_value(value) -> str:
+    """A drawn value as TOML writes it: JSON's, but a float as Python writes it (nan, inf, 1e+20)."""
+    return repr(value) if isinstance(value, float) else json.dumps(value)
+
+
+@BUDGET
+@given(key=st.sampled_from(MEGATRON_KEYS), value=TOML_VALUES,
+       ranks=st.sampled_from([(1, 1), (1, 2), (2, 512), (64, 16)]))
+def test_megatron_run_with_a_hostile_table_or_rank_count(base, tmp_path_factory, monkeypatch, key, value, ranks):
+    """Refused before any rank starts (one line), or a one-rank run: a rank process is never started here
+    (this machine is held to one CPU, so every tp * dp above 1 is refused)."""
+    from rlbench.backends import registry
+    from rlbench.backends.megatron import launch
+
+    monkeypatch.setattr(registry, "available_cpus", lambda: 1)
+    monkeypatch.setattr(launch.Processes, "start", lambda *a: pytest.fail("a rank process was started"))
+    work = tmp_path_factory.mktemp("megatron")
+    config = work / "c.toml"
+    config.write_text(f"steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\n"
+                      f"backend = 'megatron'\nminibatches = 1\n[train.megatron]\n{key} = {_toml_value(value)}\n")
+    tp, dp = ranks
+    _run_all([["run", "-c", str(config), "--tp", str(tp), "--dp", str(dp), "--out", str(work / "out"), "--json"]],
+             [base, config], owned=[work / "out"])
+
+
+RAY_HOSTS = st.sampled_from(["127.0.0.1", "[::1]", "", "::1", "a b", "localhost", "[zz]"])
+RAY_ADDRESSES = st.one_of(
+    st.builds(lambda scheme, host, port: f"{scheme}{host}:{port}",
+              st.sampled_from(["", "ray://", "http://", "grpc://"]), RAY_HOSTS, st.integers(-5, 70_000)),
+    st.text(max_size=20).filter(lambda t: "\x00" not in t), st.just("auto"))
+
+
+@BUDGET
+@given(address=RAY_ADDRESSES)
+def test_run_with_a_hostile_ray_address(base, tmp_path_factory, monkeypatch, address):
+    """Refused by the config, by the probe (nothing listens, not a gRPC server) or by Ray, in one line within
+    --ray-timeout. Ray is never really joined here: ray.init refuses (a cluster of this machine may listen on a
+    port the sweep draws)."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("the sweep does not join clusters")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    work = tmp_path_factory.mktemp("ray")
+    config = work / "c.toml"
+    config.write_text("steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\n"
+                      "minibatches = 1\n")
+    _run_all([["run", "-c", str(config), "--placement", "ray", "--ray-address", address, "--ray-timeout", "1",
+               "--out", str(work / "out"), "--json"]], [base, config], owned=[work / "out"])
+
+
+@BUDGET
+@given(edit=st.data(), sample=st.integers(0, 3))
+def test_commands_on_a_recording_whose_sample_json_is_edited_consistently(base, tmp_path_factory, edit, sample):
+    """A sample's JSON edited and its digest recomputed (a deliberate edit, or another tool's writer): only the
+    readers' own checks stand between it and the loop."""
+    from rlbench.rundir.recording import _samples_digest
+
+    work = tmp_path_factory.mktemp("samples")
+    run = work / "run"
+    shutil.copytree(base / "good", run)
+    path = run / "rollouts" / "000000.json"
+    meta = json.loads(path.read_text())
+    if edit.draw(st.booleans()):
+        meta["samples"][sample].pop(edit.draw(st.sampled_from(sorted(meta["samples"][sample]))))
+    else:
+        where, value = edit.draw(json_edit(meta["samples"][sample]))
+        meta["samples"][sample] = _mutate_json(meta["samples"][sample], where, value)
+    meta["samples_sha256"] = _samples_digest(meta["samples"])
+    path.write_text(json.dumps(meta))
+    _run_all([["replay", str(run), "--steps", "0:1", "--out", str(work / "replay")],
+              ["diff", str(base / "good"), str(run)],
+              ["run", "--mode", "train-only", "--rollouts", str(run), "--steps", "1", "--out", str(work / "t")]],
+             [base, run], owned=[work / "replay", work / "t"])
+
+
+MODEL_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "head_dim", "max_position_embeddings")
+
+
+@BUDGET
+@given(key=st.sampled_from(MODEL_KEYS), value=st.one_of(
+    st.integers(-10**30, 0), st.integers(2**31, 10**30), st.floats(allow_nan=True), st.booleans(), st.text(max_size=8),
+    st.lists(st.integers(), max_size=2)))
+def test_run_with_a_model_config_of_hostile_sizes(base, tmp_path_factory, key, value):
+    from rlbench.config import ModelConfig
+
+    work = tmp_path_factory.mktemp("model")
+    model = work / "model"
+    shutil.copytree(ModelConfig().path, model)
+    doc = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**doc, key: value}))
+    config = work / "c.toml"
+    config.write_text(f"steps = 1\n[model]\npath = '{model}'\ninit = 'random'\n")
+    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, model], owned=[work / "out"])
+
+
+TEMPLATES = st.one_of(st.text(max_size=40), st.sampled_from([
+    "{{ messages | no_such_filter }}", "{% if %}", "{{ raise_exception('no system prompt') }}", "{{ 1 / 0 }}",
+    "{% for m in messages %}{{ m.content }}", "{{ messages[99].content.upper() }}", "{{ messages[0]['content'] * 3 }}",
+    "{{ ''.join(messages) }}", "{% set x = undefined_thing.attr %}"]))
+
+
+@BUDGET
+@given(template=TEMPLATES)
+def test_run_with_a_hostile_chat_template(base, tmp_path_factory, template):
+    from rlbench.config import ModelConfig
+
+    work = tmp_path_factory.mktemp("template")
+    tok = work / "tok"
+    shutil.copytree(ModelConfig().tokenizer, tok)
+    doc = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**doc, "chat_template": template}))
+    config = work / "c.toml"
+    config.write_text(f"steps = 1\n[model]\ntokenizer = '{tok}'\n[data]\nprompts_per_step = 1\n[rollout]\n"
+                      "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n")
+    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, tok], owned=[work / "out"])
+
+
+@BUDGET
+@given(cut=st.floats(0, 1), garbage=st.binary(max_size=64), kind=st.sampled_from(["empty", "cut", "garbage"]))
+def test_import_of_a_dump_that_is_no_torch_file(base, tmp_path_factory, cut, garbage, kind):
+    work = tmp_path_factory.mktemp("dumpbytes")
+    raw = (REPO / "examples" / "slime-dumps" / "rollout_0.pt").read_bytes()
+    path = work / "rollout_0.pt"
+    path.write_bytes({"empty": b"", "cut": raw[: int(len(raw) * cut)], "garbage": garbage}[kind])
+    _run_all([["import", "slime", str(path), "--out", str(work / "out")]], [base, path], owned=[work / "out"])

@@ -282,10 +282,10 @@ def test_a_template_error_is_one_line_finding():
 
     from rlbench.checks.tito import Finding
 
-    f = tito_audit._template_error("s", TemplateError("cannot\n   render  this"))
+    f = tito_audit.template_error("s", TemplateError("cannot\n   render  this"))
     assert f == Finding("s", "template", 0, True, -1, [], [], [], "", "", "TemplateError: cannot render this",
                         "template error: cannot render this")
-    assert tito_audit._template_error("s", TemplateError("")).where == "template error: TemplateError"
+    assert tito_audit.template_error("s", TemplateError("")).where == "template error: TemplateError"
 
 
 def test_a_tokenizer_without_a_chat_template_is_bad_input(tmp_path):

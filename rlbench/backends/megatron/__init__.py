@@ -1,12 +1,13 @@
 """The megatron trainer (`--trainer megatron`): megatron-core GPTModel, tensor and data parallel.
 
     model.py    the GPTModel and its TransformerConfig from the Hugging Face config; [train.megatron] passes through
+    settings.py the [train.megatron] table checked before any rank starts: keys, types, precision for the device
     convert.py  weights between Hugging Face names and Megatron shards, both ways (fused QKV, gate/up)
     compat.py   the CPU compatibility layer: megatron-core's CUDA-only calls redirected, only on the CPU
     trainer.py  the Trainer (rank 0) and each rank's shard: DDP, finalised grads, checkpoints with a layout
     launch.py   the worker ranks rlbench starts itself (processes, or Ray actors), and rank 0's commands
     worker.py   a worker rank (ranks 1..): it joins rank 0, then runs rank 0's commands
-    faults.py   deliberate faults, for the tests that prove the checks can fail
+    faults.py   deliberate faults (and a rank killed at a named command), for the tests that prove the checks can fail
 
 Imported only when chosen (`[train] backend = "megatron"`); needs `pip install '.[megatron]'`.
 

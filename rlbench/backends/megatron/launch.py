@@ -23,20 +23,45 @@ collectives inside Megatron line up. Only rank 0 records, exports and checkpoint
 die with rank 0: the broadcast they wait in fails when its socket closes, and, whatever killed
 rank 0, a worker process gets SIGKILL from the kernel when its parent dies (PR_SET_PDEATHSIG,
 Linux), a worker actor from Ray when the actor that created it dies (Ray's owner fate-sharing).
+
+A worker that dies (SIGKILL, the OOM killer, a lost node) closes its sockets, so the collective
+the others are in fails (gloo: "Connection reset by peer"). A worker that fails that way exits
+quietly (PEER_LOST: it did not cause the stop); rank 0 waits a moment for the worker that did
+(`dead_rank`), stops the others, and raises `RankDied` naming it and the command the ranks were
+running: exit 2, one line, the committed steps intact for `--resume`. A worker that dies before
+it joins is named the same way (`join` waits on their sign-in, not on the group's rendezvous).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from rlbench.errors import RlbenchError
+
 STORE_ENV = "RLBENCH_MEGATRON_STORE"  # host:port of rank 0's TCP store (worker.py reads it)
+PEER_LOST = 75  # a worker's exit code when its collective failed because another rank died (it prints nothing)
+# How long rank 0 waits, after a collective failed, for the worker that died to show as exited: its sockets
+# close as it exits, so the failure and the exit are moments apart.
+DEATH_WAIT = 10.0
+# Making a process group waits in rank 0's store for every member, and a member that died never comes: the
+# groups are made with this timeout (then `settle` gives them the usual one), so that such a death is named
+# within it instead of after torch's default of 30 minutes.
+SETUP_TIMEOUT = datetime.timedelta(minutes=2)
+JOIN_TIMEOUT = 600.0  # seconds a worker has to start (import torch and megatron-core) and reach rank 0's store
+
+
+class RankDied(RlbenchError):
+    """A worker rank of the megatron trainer died: the run stops, its committed steps intact (exit 2)."""
 
 
 @dataclass
@@ -49,6 +74,7 @@ class Ranks:
     device: str  # this rank's own: cuda:r where a rank sees every GPU, cuda:0 where it sees its own only
     channel: object = None  # the gloo group commands travel on
     workers: list = field(default_factory=list)  # handles as subprocess.Popen's: poll, wait(timeout), kill
+    store: object = None  # rank 0's TCP store: each worker notes there the command it runs (`running`)
 
     @property
     def is_main(self) -> bool:
@@ -64,9 +90,24 @@ def init_rank(rank: int, world: int, device: str, store) -> Ranks:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-    channel = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    return Ranks(rank, world, device, channel)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=SETUP_TIMEOUT)
+    channel = dist.new_group(backend="gloo", timeout=SETUP_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    settle([dist.group.WORLD, channel])
+    return Ranks(rank, world, device, channel, store=store)
+
+
+def settle(groups: list, timeout: datetime.timedelta | None = None) -> None:
+    """Give process groups made with SETUP_TIMEOUT the timeout their collectives have otherwise (`timeout`,
+    else torch's default for the group's backend): a short one would stop the workers while rank 0 rolls out
+    between two commands. torch sets a group's timeout only through a private function."""
+    from torch.distributed import constants
+    from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout
+
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup) and not _rank_not_in_group(group):
+            nccl = dist.get_backend(group) == "nccl" and constants.default_pg_nccl_timeout is not None
+            _set_pg_timeout(timeout or (constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout),
+                            group)
 
 
 @dataclass
@@ -116,15 +157,90 @@ def kill(workers: list) -> None:
             proc.wait()
 
 
+def signed_in(store, rank: int) -> None:
+    """A worker: tell rank 0 it reached the store (before the group's rendezvous, which has no way out)."""
+    store.set(f"rlbench/joined/{rank}", "1")
+
+
+def _wait_signed_in(pending: Pending) -> None:
+    """Rank 0: until every worker signed in; a worker that exits first is named (RankDied)."""
+    keys = [f"rlbench/joined/{rank}" for rank in range(1, pending.world)]
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    while not pending.store.check(keys):
+        for rank, proc in enumerate(pending.workers, start=1):
+            if proc.poll() is not None:
+                raise RankDied(f"megatron rank {rank} of {pending.world} {_how(proc.poll())} before it joined "
+                               "the others; nothing was trained")
+        if time.monotonic() > deadline:
+            late = [str(r) for r, key in enumerate(keys, start=1) if not pending.store.check([key])]
+            raise RankDied(f"megatron rank(s) {', '.join(late)} of {pending.world} did not start within "
+                           f"{JOIN_TIMEOUT:g} s; nothing was trained")
+        time.sleep(0.05)
+
+
 def join(pending: Pending) -> Ranks:
     """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
     try:
+        if pending.world > 1:
+            _wait_signed_in(pending)
         ranks = init_rank(0, pending.world, rank_device(pending.device, 0), pending.store)
     except BaseException:
         kill(pending.workers)
         raise
     ranks.workers = pending.workers
     return ranks
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether a torch.distributed call failed because another rank's connection went away."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(sign in text for sign in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused"))
+
+
+def dead_rank(workers: list, wait: float = DEATH_WAIT) -> tuple[int, int] | None:
+    """Rank 0, after a command failed: (rank, exit status) of the worker that died and caused it, waiting
+    up to `wait` seconds for it to show as exited; None when none did (the failure was rank 0's own).
+    A worker that exited PEER_LOST only followed another's death."""
+    deadline = time.monotonic() + wait
+    while True:
+        codes = [(rank, proc.poll()) for rank, proc in enumerate(workers, start=1)]
+        causes = [(rank, code) for rank, code in codes if code is not None and code != PEER_LOST]
+        if causes:
+            return min(causes, key=lambda rc: (rc[1] >= 0, rc[0]))  # a signal first: it came from outside
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def running(ranks: Ranks, op: str, meta: dict) -> None:
+    """A worker, on receiving a command: note it in rank 0's store, for rank 0 to name if this rank dies."""
+    step = f" of step {meta['step']}" if isinstance(meta.get("step"), int) else ""
+    ranks.store.set(f"rlbench/running/{ranks.rank}", f"the {op} command{step}")
+
+
+def died(ranks: Ranks, wait: float = DEATH_WAIT) -> RankDied | None:
+    """Rank 0, after a command failed: the RankDied to raise if a worker died, naming it and the command
+    it was running (the others are stopped first, so no rank outlives the run); else None."""
+    found = dead_rank(ranks.workers, wait)
+    if found is None:
+        return None
+    kill(ranks.workers)
+    rank, code = found
+    key = f"rlbench/running/{rank}"
+    when = f"while running {ranks.store.get(key).decode()}" if ranks.store.check([key]) else \
+        "before its first command"
+    return RankDied(f"megatron rank {rank} of {ranks.world} {_how(code)} {when}; the run stopped (its committed "
+                    "steps are kept: rlbench run --resume RUN continues it)")
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed (signal {-code})"
+    return f"exited with code {code}"
 
 
 def stop(ranks: Ranks, timeout: float = 60) -> None:

@@ -4,7 +4,9 @@ The TransformerConfig is made from the Hugging Face config: RMSNorm, SwiGLU, GQA
 tied embeddings as the model has them, no dropout, no biases. These fields are rlbench's (they
 say what the model is); every other TransformerConfig field can be set in the `[train.megatron]`
 table, which passes through unchanged (slime's convention: Megatron's own arguments are not
-redeclared). The local layer spec is used unless Transformer Engine is installed and a GPU trains.
+redeclared), its keys, types and precision checked first (settings.py; `check` runs every check
+before any rank process starts). The local layer spec is used unless Transformer Engine is
+installed and a GPU trains.
 
 The logits are gathered over tensor-parallel ranks (`parallel_output=False`), so the loss, the
 log-probs and the entropy are the torch trainer's own functions (rlbench/core/algo.py) on the
@@ -13,23 +15,20 @@ full vocabulary: the two trainers differ only in the model.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import typing
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from rlbench.backends.megatron import settings
 from rlbench.backends.megatron.convert import Dims
+from rlbench.backends.megatron.settings import has_transformer_engine
 from rlbench.errors import BadInput
 
 SUPPORTED = ("qwen3",)
-# Set from the model's config.json or by rlbench's loop; not [train.megatron] settings.
-OWNED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
-         "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "tensor_model_parallel_size",
-         "pipeline_model_parallel_size", "params_dtype", "use_cpu_initialization", "calculate_per_token_loss",
-         "deterministic_mode")
 
 
 @contextmanager
@@ -47,10 +46,6 @@ def silence_runtime_warnings() -> None:
     overlapping communication that rlbench's small models do not need."""
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
-
-
-def has_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims:
@@ -72,13 +67,24 @@ def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims
     return dims
 
 
+def check(config) -> None:
+    """Every megatron setting of a run config, before any rank process starts (BadInput at the first
+    problem): the model's shape against TP (`dims_of`), the `[train.megatron]` table's keys, types and
+    precision (settings.py), and megatron-core's own checks of the whole TransformerConfig (by making it)."""
+    from rlbench.core.model import load_model_config
+
+    hf_config = load_model_config(config.model.path)
+    dims = dims_of(hf_config, config.tp, config.model.path, config.device)
+    transformer_config(hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron)
+
+
 def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict):
+    """The rank's TransformerConfig: the model's fields and rlbench's (OWNED), then `overrides` (the
+    `[train.megatron]` table), checked first by settings.check_table."""
     with quiet():
         from megatron.core.transformer.transformer_config import TransformerConfig
-    taken = sorted(set(overrides) & set(OWNED))
-    if taken:
-        raise BadInput(f"{', '.join(taken)}: set from the model's config.json or by rlbench, not here",
-                       field="train.megatron")
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    settings.check_table(overrides, fields, typing.get_type_hints(TransformerConfig), device)
     owned = dict(num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
                  num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
                  normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
@@ -95,10 +101,10 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
     try:
         with quiet():
             return TransformerConfig(**owned, **overrides)
-    except TypeError as exc:
-        raise BadInput(f"not a megatron-core TransformerConfig field ({exc})", field="train.megatron") from None
-    except (ValueError, AssertionError) as exc:
-        raise BadInput(f"megatron-core refused the settings ({exc})", field="train.megatron") from None
+    except Exception as exc:  # noqa: BLE001 - its __post_init__'s checks of the whole, which raise many kinds
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise BadInput(f"megatron-core refused the settings ({exc.__class__.__name__}: {first})",
+                       field="train.megatron") from None
 
 
 def build(hf_config, dims: Dims, config) -> torch.nn.Module:

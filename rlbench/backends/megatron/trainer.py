@@ -29,6 +29,7 @@ Hugging Face names that diff, train-only runs and `check logprobs --recompute` r
 
 from __future__ import annotations
 
+import datetime
 import json
 import weakref
 from pathlib import Path
@@ -71,7 +72,11 @@ class RankTrainer(TorchTrainer):
             from rlbench.backends.megatron import compat
 
             compat.apply()
-        ps.initialize_model_parallel(tensor_model_parallel_size=config.tp)
+        # Made within the setup timeout (a rank dead meanwhile is named then), then given megatron-core's
+        # own 30 minutes; _global_process_group_list is megatron-core's record of the groups it made.
+        minutes = int(launch.SETUP_TIMEOUT.total_seconds() // 60)
+        ps.initialize_model_parallel(tensor_model_parallel_size=config.tp, distributed_timeout_minutes=minutes)
+        launch.settle(ps._global_process_group_list or [], datetime.timedelta(minutes=30))
         self.ranks, self.tp, self.dp = ranks, config.tp, config.dp
         self.is_main = ranks.is_main
         self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
@@ -246,20 +251,15 @@ class MegatronTrainer:
         """`workers`: how ranks 1.. start (launch.spawn): processes of this machine unless given."""
         self.config = config
         self.hf_model = hf_model  # the initial weights: read when the ranks start
-        hf_config = load_model_config(config.model.path)
-        self.dims = mmodel.dims_of(hf_config, config.tp, config.model.path, config.device)
-        # The workers start importing now, while this rank imports megatron-core to check the
-        # settings; they join at the first call. Refused, or dropped unused (a run refused later
-        # while it is built), the trainer takes them down.
+        # Every setting is checked before a worker starts (the run's build checked them already; a
+        # trainer made some other way is held to the same), then the workers start importing while
+        # the run goes on being built; they join at the first call. Dropped unused (a run refused
+        # later while it is built), the trainer takes them down.
+        mmodel.check(config)
+        self.dims = mmodel.dims_of(load_model_config(config.model.path), config.tp, config.model.path, config.device)
+        _import_megatron()
         self._pending = launch.spawn(config.tp * config.dp, config.device, workers)
         weakref.finalize(self, launch.kill, self._pending.workers)
-        try:
-            _import_megatron()
-            mmodel.transformer_config(hf_config, self.dims, config.tp, config.deterministic, config.device,
-                                      config.train.megatron)
-        except BaseException:
-            launch.kill(self._pending.workers)
-            raise
         self._checkpoint: Path | None = None
         self._broken = False
         self._ranks: launch.Ranks | None = None
@@ -268,12 +268,23 @@ class MegatronTrainer:
     def _call(self, op: str, meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None):
         if self._local is None:
             self._start()
-        launch.send(self._ranks, op, meta or {}, tensors or {})
+        meta, tensors = meta or {}, tensors or {}
         try:
-            return dispatch(self._local, op, meta or {}, tensors or {})
-        except BaseException:  # the others may be inside a collective this rank left: no more commands
+            launch.send(self._ranks, op, meta, tensors)
+            return dispatch(self._local, op, meta, tensors)
+        except Exception as exc:  # the others may be inside a collective this rank left: no more commands
+            self._broken = True
+            raise self._dead_rank(exc) or exc
+        except BaseException:
             self._broken = True
             raise
+
+    def _dead_rank(self, exc: Exception) -> launch.RankDied | None:
+        """The RankDied to raise where a worker died (the others stopped), else None: a failed collective
+        waits a moment for the dead worker to show, any other failure looks once."""
+        if self._ranks is None or self._ranks.world == 1:
+            return None
+        return launch.died(self._ranks, launch.DEATH_WAIT if launch.lost_peer(exc) else 0)
 
     def _start(self) -> None:
         self._ranks = launch.join(self._pending)
@@ -281,7 +292,13 @@ class MegatronTrainer:
         try:
             launch.send(self._ranks, "init", {"config": self.config.to_dict()}, initial)
             self._local = RankTrainer(self._ranks, self.config, initial)
+        except Exception as exc:
+            self._broken = True
+            error = self._dead_rank(exc)
+            self.close()
+            raise error or exc
         except BaseException:
+            self._broken = True
             self.close()
             raise
         if self._checkpoint is not None:

@@ -18,7 +18,7 @@ import sys
 
 import torch.distributed as dist
 
-from rlbench.backends.megatron import launch
+from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron.trainer import RankTrainer, dispatch
 from rlbench.config import config_from_dict
 from rlbench.core.seeding import configure_determinism
@@ -27,6 +27,8 @@ from rlbench.core.seeding import configure_determinism
 def run_commands(ranks: launch.Ranks) -> None:
     """A worker rank's life: the init command (config and initial weights), then commands until stop."""
     op, meta, tensors = launch.receive(ranks)
+    launch.running(ranks, op, {})
+    faults.kill_point(ranks.rank, op)
     assert op == "init", op
     config = config_from_dict(meta["config"], "the init command")
     configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
@@ -34,6 +36,8 @@ def run_commands(ranks: launch.Ranks) -> None:
     try:
         while True:
             op, meta, tensors = launch.receive(ranks)
+            launch.running(ranks, op, meta)
+            faults.kill_point(ranks.rank, op)
             if op == "stop":
                 return
             dispatch(trainer, op, meta, tensors)
@@ -45,6 +49,7 @@ def work(host: str, port: int, rank: int, world: int, device: str) -> None:
     """A worker rank, however it was started: join rank 0's store at host:port as `rank`, on
     `device` (its own), then run rank 0's commands until it says stop."""
     store = dist.TCPStore(host, port, world, is_master=False)
+    launch.signed_in(store, rank)
     ranks = launch.init_rank(rank, world, device, store)
     run_commands(ranks)
     dist.destroy_process_group()
@@ -67,7 +72,12 @@ def rank_main() -> None:
     _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
     host, port = os.environ[launch.STORE_ENV].rsplit(":", 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    work(host, int(port), rank, world, launch.rank_device(os.environ["RLBENCH_MEGATRON_DEVICE"], rank))
+    try:
+        work(host, int(port), rank, world, launch.rank_device(os.environ["RLBENCH_MEGATRON_DEVICE"], rank))
+    except Exception as exc:  # noqa: BLE001 - sorted: another rank's death, or this rank's own failure
+        if launch.lost_peer(exc):
+            os._exit(launch.PEER_LOST)  # quiet: rank 0 names the rank that died
+        raise
 
 
 if __name__ == "__main__":
