@@ -167,8 +167,9 @@ def _weights_request(body: Any) -> tuple[str, str | None]:
 
 def weights_payload(state) -> dict:
     """SGLang's /weights_checker checksum payload (`checksums` by parameter name, `parallelism_info`),
-    with rlbench's hash, which is what the trainer's side computes: sha256 over each tensor's name,
-    dtype, shape and bytes, under Hugging Face names. SGLang's own server hashes its own parameter
+    with rlbench's checksum (rundir/digest.py, `wire.CHECKSUM_ALGORITHM`), which is what the trainer's side
+    computes: each tensor's name, dtype, shape and bytes, under Hugging Face names, reduced on the engine's
+    device. SGLang's own server hashes its own parameter
     layout with another function, so the client tells them apart by `algorithm`."""
     from rlbench.core.model import named_weights
     from rlbench.rundir.digest import tensor_digests

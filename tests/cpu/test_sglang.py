@@ -86,13 +86,13 @@ def test_a_run_through_the_router_is_the_in_process_run(small_config, fleet, ref
 
 class _Recorder:
     """A stand-in SGLang worker (aiohttp, on a thread of this process) that keeps every /generate body
-    it receives and answers with a fixed, well-formed answer."""
+    it receives and answers with a fixed, well-formed answer (and /weights_checker with `checksums`)."""
 
     ANSWER = {"text": "", "output_ids": [5, 2], "meta_info": {
         "id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
         "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}}
 
-    def __init__(self):
+    def __init__(self, checksums: dict | None = None):
         import asyncio
 
         from aiohttp import web
@@ -100,11 +100,15 @@ class _Recorder:
         self.bodies: list[dict] = []
         app = web.Application()
 
+        async def weights_checker(_request):
+            return web.json_response({"success": True, "message": "", "payload": checksums})
+
         async def generate(request):
             self.bodies.append(await request.json())
             return web.json_response(self.ANSWER)
 
         app.router.add_post("/generate", generate)
+        app.router.add_post("/weights_checker", weights_checker)
         app.router.add_get("/health", lambda _r: web.Response())
         app.router.add_get("/server_info", lambda _r: web.json_response({"model_path": "/nowhere"}))
         app.router.add_get("/model_info", lambda _r: web.json_response({"model_path": "/nowhere",
@@ -283,6 +287,38 @@ def test_without_a_router_the_client_retries_on_another_engine(small_config):
         assert [r.output_ids for r in results] == [(5, 2)] * 6 and len(recorder.bodies) == 6
         assert sorted(b["sampling_params"]["sampling_seed"] for b in recorder.bodies) == list(range(6))
         assert engine.fleet.workers == [recorder.url] and engine.fleet.route == [recorder.url]
+    finally:
+        engine.close()
+        recorder.close()
+
+
+@pytest.mark.parametrize("algorithm", ["ours", "sha256 of (name, dtype, shape, bytes): rlbench.rundir.digest", None])
+def test_weight_checksums_of_another_algorithm_are_refused_by_name(small_config, algorithm):
+    """A server's /weights_checker checksums are compared only when it names this rlbench's algorithm; an
+    `rlbench serve` of an older rlbench (sha256) is refused naming both, a server naming none (SGLang's own)
+    as one whose checksums cannot be compared."""
+    from rlbench.backends.sglang import wire
+    from rlbench.backends.sglang.client import Client
+    from rlbench.backends.sglang.engine import SGLangEngine
+    from rlbench.backends.sglang.fleet import Fleet
+    from rlbench.errors import BadInput
+
+    named = wire.CHECKSUM_ALGORITHM if algorithm == "ours" else algorithm
+    assert wire.CHECKSUM_ALGORITHM == "wordsum/1 of (name, dtype, shape, bytes): rlbench.rundir.digest"
+    recorder = _Recorder({"checksums": {"w": "0" * 64}, "algorithm": named})
+    config = _sglang(small_config, rollout__external_engine_addrs=(recorder.url,), rollout__use_router=False)
+    engine = SGLangEngine(config, Fleet(route=[recorder.url], workers=[recorder.url]), Client(8, 30))
+    try:
+        if algorithm == "ours":
+            assert engine.weight_checksums() == {recorder.url: {"w": "0" * 64}}
+        elif algorithm is None:
+            with pytest.raises(BadInput, match=r"/weights_checker: reports no per-tensor rlbench checksums by "):
+                engine.weight_checksums()
+        else:
+            with pytest.raises(BadInput, match=r"/weights_checker: answers checksums of 'sha256 of \(name, dtype, "
+                                               r"shape, bytes\): rlbench\.rundir\.digest' \(another rlbench version\); "
+                                               r"this rlbench computes 'wordsum/1 of "):
+                engine.weight_checksums()
     finally:
         engine.close()
         recorder.close()

@@ -14,11 +14,12 @@
   the model's config.json; the previous version's directory is removed), then on every server
   POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache.
 - weight_checksums: POST /weights_checker {"action": "checksum"} on every server, which `rlbench
-  serve` answers with the sha256 of each tensor by Hugging Face name, what the trainer's side
-  computes (core/weight_check.py). SGLang's own server answers with hashes of its own fused,
-  sharded parameter layout, which cannot be compared with the trainer's tensors: against it, set
-  `rollout.verify_engine_weights = false`, and the sync is held only to each server's success answer
-  and, on every later answer, to its weight version.
+  serve` answers with the checksum of each tensor by Hugging Face name (rundir/digest.py, computed on
+  the engine's device), what the trainer's side computes (core/weight_check.py); an `rlbench serve`
+  of another rlbench version names another algorithm, and is refused with both names. SGLang's own
+  server answers with hashes of its own fused, sharded parameter layout, which cannot be compared
+  with the trainer's tensors: against it, set `rollout.verify_engine_weights = false`, and the sync
+  is held only to each server's success answer and, on every later answer, to its weight version.
 """
 
 from __future__ import annotations
@@ -175,9 +176,14 @@ class SGLangEngine:
         for url in list(self.fleet.workers):
             answer = await self.client.ok("POST", f"{url}/weights_checker", {"action": "checksum"})
             payload = answer.get("payload") if isinstance(answer, dict) else None
-            if not isinstance(payload, dict) or payload.get("algorithm") != wire.CHECKSUM_ALGORITHM:
-                raise BadInput("reports no per-tensor sha256 by Hugging Face name (SGLang hashes its own parameter "
-                               "layout): the trainer's weights cannot be compared with it; set "
+            algorithm = payload.get("algorithm") if isinstance(payload, dict) else None
+            if isinstance(algorithm, str) and algorithm != wire.CHECKSUM_ALGORITHM and "rlbench" in algorithm:
+                raise BadInput(f"answers checksums of {algorithm!r} (another rlbench version); this rlbench "
+                               f"computes {wire.CHECKSUM_ALGORITHM!r}: run one rlbench version on both sides, or "
+                               "set rollout.verify_engine_weights = false", path=f"{url}/weights_checker")
+            if algorithm != wire.CHECKSUM_ALGORITHM:
+                raise BadInput("reports no per-tensor rlbench checksums by Hugging Face name (SGLang hashes its own "
+                               "parameter layout): the trainer's weights cannot be compared with it; set "
                                "rollout.verify_engine_weights = false", path=f"{url}/weights_checker")
             out[url] = payload["checksums"]
         return out

@@ -26,6 +26,7 @@ from typing import Any
 
 from rlbench.core.types import GenerateRequest
 from rlbench.errors import BadInput
+from rlbench.rundir.algorithm import CHECKSUM
 from rlbench.validate import normalize_url  # noqa: F401 - the client's and the fleet's, as the server's
 
 # The first line `rlbench serve` prints once it is ready; a launcher reads the URL after it.
@@ -34,7 +35,7 @@ SAMPLING_EPS = 1e-6  # SGLang: a temperature below this is greedy
 DEFAULT_SEED = 42  # SGLang's sampling_seed when a request gives none (deterministic inference)
 MAX_BATCH = 4096  # items of one batched /generate; more is refused, not queued
 # What `rlbench serve` says its /weights_checker checksums are (SGLang's own server hashes otherwise).
-CHECKSUM_ALGORITHM = "sha256 of (name, dtype, shape, bytes): rlbench.rundir.digest"
+CHECKSUM_ALGORITHM = f"{CHECKSUM} of (name, dtype, shape, bytes): rlbench.rundir.digest"
 SEED_MAX = 2**63 - 1  # SGLang's sampling_seed is an i64, the router's a u64, negative ones are refused
 
 # SGLang's SamplingParams fields; the router keeps the first group and drops the rest.
