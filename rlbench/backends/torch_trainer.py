@@ -9,7 +9,6 @@ token see padding and no attention mask is needed. Checkpoints are safetensors +
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,8 +116,8 @@ class TorchTrainer:
                            field="algo.use_tis")
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
-        grads_hash = hashlib.sha256()
-        per_param = {name: hashlib.sha256() for name in self._param_names()}
+        # every gradient's lanes stay on its device until the step's end: one copy to the host a step
+        grads = digest.Digests([None, *self._param_names()])  # None: all of them, in order; a name: its own
         sums = dict.fromkeys(algo.loss_metric_names(acfg), 0.0)
         losses, grad_norms = [], []
         self.model.train()
@@ -135,7 +134,7 @@ class TorchTrainer:
                 total += part.detach().cpu()
             self._finalize_grads()
             for name, grad in self._named_grads():
-                digest.update(grads_hash, name, grad, per_param[name])
+                grads.add(name, grad, None, name)
             grad_norms.append(self._clip_grads())
             self.optimizer.step()
             losses.append(total)
@@ -143,8 +142,9 @@ class TorchTrainer:
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
         metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        return algo.TrainStats(metrics=metrics, losses=losses, grads_digest=grads_hash.hexdigest(),
-                               param_grads={name: h.hexdigest() for name, h in per_param.items()})
+        param_grads = grads.hexdigests()
+        return algo.TrainStats(metrics=metrics, losses=losses, grads_digest=param_grads.pop(None),
+                               param_grads=param_grads)
 
     def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict,
               tokens: torch.Tensor | None = None) -> torch.Tensor:

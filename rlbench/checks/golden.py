@@ -327,7 +327,7 @@ def platform_of(manifest: dict) -> str:
 def config_identity(manifest: dict) -> dict:
     """The run's configuration as far as it shapes the metrics: I/O settings dropped, file paths
     replaced by the sha256 of their contents (so another checkout compares), plus the initial
-    weights' sha256."""
+    weights' checksum, prefixed by its algorithm (a manifest naming none is an older rlbench's: sha256)."""
     config = json.loads(json.dumps(manifest.get("config", {})))
     for key in IO_KEYS:
         config.pop(key, None)
@@ -340,12 +340,12 @@ def config_identity(manifest: dict) -> dict:
             table = table.get(parent) if isinstance(table, dict) else None
         if isinstance(table, dict) and table.get(key, neutral) == neutral:  # not a table: named as a difference
             table.pop(key, None)
-    config.get("model", {}).pop("init", None)  # which weights: the initial weights' sha256 below says it exactly
+    config.get("model", {}).pop("init", None)  # which weights: the initial weights' checksum below says it exactly
     hashes = manifest.get("hashes", {})
     for (section, key), hash_name in PATH_KEYS.items():
         if key in config.get(section, {}):
             config[section][key] = f"sha256:{hashes.get(hash_name)}"
-    config["initial_weights"] = f"sha256:{hashes.get('initial_weights')}"
+    config["initial_weights"] = f"{manifest.get('checksum') or 'sha256'}:{hashes.get('initial_weights')}"
     return config
 
 

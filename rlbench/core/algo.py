@@ -61,7 +61,7 @@ class TrainStats:
 
     metrics: dict[str, float]
     losses: torch.Tensor  # [minibatches] float32, each optimizer step's loss
-    grads_digest: str  # sha256 over every optimizer step's gradients (before clipping)
+    grads_digest: str  # checksum (rundir/digest.py) of every optimizer step's gradients (before clipping)
     param_grads: dict[str, str]  # the same, per parameter: lets `diff` name the parameter
 
 

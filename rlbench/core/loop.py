@@ -29,7 +29,7 @@ from rlbench.errors import BadInput, Divergence, NonFinite
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS
 from rlbench.rundir.failpoints import hit
-from rlbench.rundir.digest import tensor_digests, tensors_digest, weights_digest
+from rlbench.rundir.digest import tensors_digest, weights_digests
 
 
 class Diverged(Divergence):
@@ -230,9 +230,8 @@ def train(ctx: Context, state: StepState) -> None:
     state.tensors["losses"] = stats.losses
     state.checksums["loss"] = _digest(state.tensors, "loss")
     state.checksums["grads"] = stats.grads_digest
-    state.checksums["weights"] = weights_digest(weights)
-    state.extra["param_digests"] = {"grads": stats.param_grads,
-                                    "weights": tensor_digests(weights)}
+    state.checksums["weights"], per_tensor = weights_digests(weights)
+    state.extra["param_digests"] = {"grads": stats.param_grads, "weights": per_tensor}
 
 
 def sync(ctx: Context, state: StepState) -> None:

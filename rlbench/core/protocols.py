@@ -32,7 +32,7 @@ class RolloutEngine(Protocol):
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         """For each copy of the weights the engine holds (one in-process, one per server), its id ->
-        tensor name -> sha256 of (name, dtype, shape, bytes) (rundir/digest.py): what the weight-update
+        tensor name -> checksum of (name, dtype, shape, bytes) (rundir/digest.py): what the weight-update
         check compares with the trainer's export."""
 
     def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:

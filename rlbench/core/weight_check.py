@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from rlbench.errors import WeightMismatch
-from rlbench.rundir.digest import tensor_digests, weights_digest
+from rlbench.rundir.digest import weights_digests
 
 
 def _first_element(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -67,7 +67,7 @@ def check(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
 def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str) -> str:
     """Every copy of the weights `engine` holds is `weights`, bit for bit; returns their digest (the
     `engine_weights` checksum: the digest of what the engine holds, proven equal to `weights`)."""
-    want = tensor_digests(weights)
+    whole, want = weights_digests(weights)  # one pass over the bytes for both
     for holder, got in engine.weight_checksums().items():
         if got == want:
             continue
@@ -81,4 +81,4 @@ def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str) -> str:
             found = first_difference({name: weights[name] for name in differing}, held, ("trainer", "engine"))
             found = found or f"{differing[0]}: its checksum differs, its values read back equal (dtype?)"
         raise WeightMismatch(f"{when}: {label} weights differ from the trainer's at {found}")
-    return weights_digest(weights)
+    return whole

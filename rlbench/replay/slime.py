@@ -355,6 +355,7 @@ def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], ou
     from rlbench.core.context import versions
     from rlbench.core.loop import StepState, checksum_inputs
     from rlbench.core.model import file_digest
+    from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
     config = RunConfig(steps=len(steps), mode="rollout-only", out=str(out), model=model)
@@ -362,7 +363,7 @@ def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], ou
                             rollout=config.rollout.__class__(n_samples_per_prompt=max(map(max, sizes))),
                             train=config.train.__class__(minibatches=1))
     manifest = json.loads(json.dumps({
-        "schema": SCHEMA, "config": config.to_dict(), "seed": config.seed, "mode": "rollout-only",
+        "schema": SCHEMA, "checksum": CHECKSUM, "config": config.to_dict(), "seed": config.seed, "mode": "rollout-only",
         "stages": ["data", "rollout", "reward"], "reward_fn": "imported", "versions": versions(),
         "device": "cpu", "imported": {"from": "slime", "files": [str(p) for _, p, _ in steps],
                                       "rollout_ids": [rid for rid, _, _ in steps], "group_sizes": sizes},

@@ -2,7 +2,8 @@
 
     directory.py   the run directory: atomic writes, the step commit, validated reading
     recording.py   a step's samples as flat safetensors tensors and per-sample JSON, self-verifying
-    digest.py      sha256 of named tensors (name, dtype, shape, bytes): the unit of checksums.jsonl
+    digest.py      checksums of named tensors (name, dtype, shape, bytes), computed on their device: wordsum/1
+    algorithm.py   that algorithm's name, and the refusal of a directory or recording that names another
     manifest.py    a run's manifest (RUN/manifest.json): what made the run, laid out with the schema
     lock.py        one writer per run directory: an OS lock on RUN/.lock
     jsonio.py      reading JSON someone else wrote: every failure is BadInput naming the file

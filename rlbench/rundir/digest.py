@@ -1,7 +1,35 @@
-"""sha256 digests of tensors, the unit of `checksums.jsonl`.
+"""Checksums of tensors (algorithm `wordsum/1`), the unit of `checksums.jsonl`, computed where the tensor lives.
 
-A digest covers, for each tensor in order, its name, dtype, shape and raw bytes, so two
-stages agree only when every value agrees to the bit and nothing was reshaped or recast.
+A checksum covers, for each tensor in order, its name, dtype, shape, byte count and bytes, so two stages agree
+only when every value agrees to the bit and nothing was reshaped or recast. The bytes are reduced on the tensor's
+own device to two 64-bit lanes; only those 16 bytes per tensor cross to the host, where sha256 runs over each
+tensor's header and lanes, in order: the checksum string is that sha256's hex digest.
+
+The lanes. The tensor's bytes (row-major, as stored: little-endian on every device rlbench runs on) are read as
+n = ceil(nbytes / 8) little-endian 64-bit words w_i, the last one zero-padded (the header holds nbytes, so the
+padding is never mistaken for data). Lane k (k = 0, 1) is
+
+    L_k = sum_i  w_i * m_k(i)   mod 2**64,     m_k(i) = A_k[i mod C] * B_k[i div C]   mod 2**64,
+
+with C = CHUNK = 2**14 words, A_k[j] and B_k[c] (c >= 1) SplitMix64 outputs of four fixed streams with the
+lowest bit set, and B_k[0] = 1: every multiplier is odd.
+
+Why it is exact and order-independent: the sum runs in the ring of integers modulo 2**64, where addition is
+associative and commutative, so any reduction order, any split into chunks, any thread count and any device give
+the same value. The CPU path computes it with numpy's unsigned 64-bit dot product (unsigned arithmetic wraps by
+definition); a CUDA path with torch's int64 multiply and sum, which wrap modulo 2**64 in two's complement (the
+same bits): tests/cpu/test_digest.py pins that on the CPU with known values, tests/gpu/test_digest_cuda.py holds
+the devices equal.
+
+Memory: A's table is 256 KiB (kept per device), B's 16 bytes per chunk of the largest tensor seen; the device
+path multiplies at most GROUP chunks at a time (a 16 MiB temporary). A non-contiguous tensor is copied once to
+its row-major bytes; a contiguous one is read in place.
+
+What it catches: flipping bit b of word i changes w_i by +-2**b, so lane k changes by +-2**b * m_k(i) mod 2**64,
+which is never 0 since m_k(i) is odd and b < 64: a single flipped bit changes both lanes, with certainty. Other
+changes (two tensors swapped in a checksum: the host's sha256 runs over the headers and lanes in order) are
+caught unless they cancel in both lanes at once, which for these pseudo-random multipliers takes a change built
+for it. It is a checksum against accidents and bugs, not a cryptographic hash: nothing here is secret.
 """
 
 from __future__ import annotations
@@ -9,42 +37,210 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
+import numpy as np
 import torch
+
+from rlbench.rundir.algorithm import CHECKSUM as ALGORITHM
+
+CHUNK = 1 << 14  # words per chunk: A's table (2 x 128 KiB) stays in the CPU's cache
+GROUP = 64  # chunks per device kernel: bounds the device's temporary product to 16 MiB
+_PREFIX = f"rlbench checksum {ALGORITHM}\0".encode()  # a checksum of another algorithm never equals one of these
+_MASK = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_A_STREAMS, _B_STREAMS = (0xA0, 0xA1), (0xB0, 0xB1)  # one stream per lane, for A and for B
+
+
+def splitmix64(seed: int, count: int) -> np.ndarray:
+    """The first `count` outputs of SplitMix64 seeded with `seed` (Steele, Lea, Flood 2014; seed 0's first is
+    0xE220A8397B1DCDAF), as uint64: numpy's unsigned array arithmetic wraps modulo 2**64."""
+    z = (np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) + np.uint64(seed)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return z ^ (z >> np.uint64(31))
+
+
+@functools.cache
+def a_table() -> np.ndarray:
+    """A: [2, CHUNK] uint64, lane k's multipliers within a chunk (odd)."""
+    return np.stack([splitmix64(seed, CHUNK) | np.uint64(1) for seed in _A_STREAMS])
+
+
+@functools.cache
+def _b_rows(size: int) -> np.ndarray:
+    table = np.stack([splitmix64(seed, size) | np.uint64(1) for seed in _B_STREAMS], axis=1)
+    table[0] = 1
+    return table
+
+
+def b_table(count: int) -> np.ndarray:
+    """B: [>= count, 2] uint64, each chunk's multiplier per lane (odd; chunk 0's is 1). Cached by powers of two."""
+    return _b_rows(max(1024, 1 << max(count - 1, 0).bit_length()))
+
+
+_DEVICE_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def _on_device(which: str, count: int, device: torch.device) -> torch.Tensor:
+    """A (count ignored) or B as int64 on `device` (the same bits): copied there once per size, and kept."""
+    key = (which, str(device))
+    table = _DEVICE_TABLES.get(key)
+    if table is None or (which == "B" and table.shape[0] < count):
+        host = a_table() if which == "A" else b_table(count)
+        table = _DEVICE_TABLES[key] = torch.from_numpy(host.view(np.int64)).to(device)
+    return table
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its device (a copy only when it is not contiguous)."""
+    flat = tensor.detach()
+    flat = (flat if flat.is_contiguous() else flat.contiguous()).view(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _tail_word(data, full: int):
+    """The last nbytes % 8 bytes, zero-padded to one word (numpy or torch, as `data`)."""
+    if isinstance(data, np.ndarray):
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[:data.size - full] = data[full:]
+        return int(tail.view(np.uint64)[0])
+    tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
+    tail[:data.numel() - full] = data[full:]
+    return tail.view(torch.int64)
+
+
+def _host_lanes(data: np.ndarray) -> tuple[int, int]:
+    """The two lanes of `data` (uint8) with numpy's unsigned 64-bit matrix product: [chunks, C] x [C, 2]."""
+    full = data.size // 8 * 8
+    words = data[:full].view(np.uint64)
+    chunks, rest = divmod(words.size, CHUNK)
+    a, lanes = a_table(), [0, 0]
+    b = b_table(chunks + 1)[chunks] if chunks else (1, 1)  # the last chunk's multipliers (chunk 0's are 1)
+    if chunks:
+        sums = (words[:chunks * CHUNK].reshape(chunks, CHUNK) @ a.T) * b_table(chunks)[:chunks]
+        lanes = [int(x) for x in sums.sum(axis=0, dtype=np.uint64)]
+    if rest:
+        sums = a[:, :rest] @ words[chunks * CHUNK:]
+        lanes = [lanes[0] + int(sums[0]) * int(b[0]), lanes[1] + int(sums[1]) * int(b[1])]
+    if full < data.size:  # the last word, zero-padded, at position n
+        word = _tail_word(data, full)
+        lanes = [lanes[k] + word * int(a[k, rest]) * int(b[k]) for k in range(2)]
+    return lanes[0] & _MASK, lanes[1] & _MASK
+
+
+def _device_lanes(data: torch.Tensor) -> torch.Tensor:
+    """The two lanes of `data` (uint8, any device) with torch's int64 multiply and sum, which wrap modulo
+    2**64: a [2] int64 tensor on that device, computed without a synchronisation."""
+    full = data.numel() // 8 * 8
+    body = data[:full]
+    if body.storage_offset() % 8:  # an int64 view needs aligned bytes
+        body = body.clone()
+    words = body.view(torch.int64)
+    n, a = words.numel(), _on_device("A", 0, data.device)
+    chunks, rest = divmod(n, CHUNK)
+    b = _on_device("B", chunks + 1, data.device)
+    parts = []
+    grid = words[:chunks * CHUNK].view(chunks, CHUNK)
+    for g in range(0, chunks, GROUP):
+        block = grid[g:g + GROUP]
+        parts.append(((block.unsqueeze(1) * a).sum(dim=2) * b[g:g + block.shape[0]]).sum(dim=0))
+    if rest:
+        sums = (words[chunks * CHUNK:] * a[:, :rest]).sum(dim=1)
+        parts.append(sums * b[chunks] if chunks else sums)  # chunk 0's multiplier is 1
+    if full < data.numel():  # the last word, zero-padded, at position n
+        parts.append(_tail_word(data, full) * a[:, rest] * b[chunks])
+    if not parts:
+        return torch.zeros(2, dtype=torch.int64, device=data.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
+
+
+def lanes(tensor: torch.Tensor, on_device: bool | None = None) -> torch.Tensor | tuple[int, int]:
+    """The two lanes of `tensor`'s bytes, computed on its device: a pair of ints for a CPU tensor (numpy), a
+    [2] int64 tensor on the device otherwise (`on_device=True` takes that path on the CPU too: the tests
+    hold the two paths equal)."""
+    data = _byte_view(tensor)
+    if on_device or (on_device is None and not data.is_cpu):
+        return _device_lanes(data)
+    return _host_lanes(data.numpy())
+
+
+def to_unsigned(pair) -> tuple[int, int]:
+    """Lanes as two ints in [0, 2**64), from a pair of ints or int64 values."""
+    return int(pair[0]) & _MASK, int(pair[1]) & _MASK
 
 
 @functools.lru_cache(maxsize=8192)
-def _header(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    """The length-prefixed JSON header of a tensor: a step hashes the same few hundred names again
-    and again (every gradient of every minibatch), so each is built once."""
-    header = json.dumps([name, str(dtype), list(shape)], separators=(",", ":")).encode()
+def _header(name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The length-prefixed JSON header of a tensor: a step checksums the same few hundred names again and
+    again (every gradient of every minibatch), so each is built once."""
+    header = json.dumps([name, str(dtype), list(shape), nbytes], separators=(",", ":")).encode()
     return len(header).to_bytes(4, "little") + header
 
 
-def update(digest: "hashlib._Hash", name: str, tensor: torch.Tensor, *more: "hashlib._Hash") -> None:
-    """Feed `name` and `tensor` to `digest` (and to each of `more`: one tensor, several running digests)."""
-    tensor = tensor.detach().cpu().contiguous()  # each returns the tensor itself when it is already so
-    header, data = _header(name, tensor.dtype, tuple(tensor.shape)), tensor.reshape(-1).view(torch.uint8).numpy()
-    for target in (digest, *more):
-        target.update(header)
-        target.update(data)  # hashed in place: no bytes copy
+class Digests:
+    """Running checksums over tensors, several at once: `add` computes a tensor's lanes on its device and
+    counts them in each digest it names; `hexdigests` brings every pending lane to the host in one copy per
+    device and runs sha256 there. A trainer adds every gradient of every minibatch and asks once a step."""
+
+    def __init__(self, keys: Iterable[Hashable] = ()):
+        self._keys = dict.fromkeys(keys)  # digests asked for even if nothing is added to them
+        self._entries: list[tuple[tuple[Hashable, ...], bytes, object]] = []
+
+    def add(self, name: str, tensor: torch.Tensor, *keys: Hashable) -> None:
+        header = _header(name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+        self._keys.update(dict.fromkeys(keys))
+        self._entries.append((keys, header, lanes(tensor)))
+
+    def hexdigests(self) -> dict[Hashable, str]:
+        """Each key's checksum: sha256 over the prefix and, for each tensor added to it in order, its header
+        and its lanes (two little-endian uint64)."""
+        pending = [value for _, _, value in self._entries if isinstance(value, torch.Tensor)]
+        fetched = iter(_fetch(pending))
+        digests = {key: hashlib.sha256(_PREFIX) for key in self._keys}
+        for keys, header, value in self._entries:
+            pair = next(fetched) if isinstance(value, torch.Tensor) else value
+            record = header + pair[0].to_bytes(8, "little") + pair[1].to_bytes(8, "little")
+            for key in keys:
+                digests[key].update(record)
+        return {key: digest.hexdigest() for key, digest in digests.items()}
+
+
+def _fetch(pending: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Device lanes to the host as unsigned pairs, in order: one stacked copy per device."""
+    out: list[tuple[int, int] | None] = [None] * len(pending)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(pending):
+        by_device.setdefault(value.device, []).append(i)
+    for indices in by_device.values():
+        host = torch.stack([pending[i] for i in indices]).cpu().numpy().view(np.uint64)
+        for i, row in zip(indices, host.tolist()):
+            out[i] = (row[0], row[1])
+    return out
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Digest of named tensors, in the order given (pass a dict sorted by name for weights)."""
-    digest = hashlib.sha256()
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    for name, tensor in items:
-        update(digest, name, tensor)
-    return digest.hexdigest()
+    """Checksum of named tensors, in the order given (pass a dict sorted by name for weights)."""
+    digests = Digests([None])
+    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        digests.add(name, tensor, None)
+    return digests.hexdigests()[None]
+
+
+def weights_digests(weights: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
+    """(weights_digest, tensor_digests) of a state dict from one pass over its bytes."""
+    digests = Digests([None])
+    for name, tensor in sorted(weights.items()):
+        digests.add(name, tensor, None, ("tensor", name))
+    out = digests.hexdigests()
+    return out.pop(None), {name: out[("tensor", name)] for name in weights}
 
 
 def tensor_digests(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Each tensor's own digest, by name: what an engine reports of the weights it holds."""
-    return {name: tensors_digest({name: tensor}) for name, tensor in weights.items()}
+    """Each tensor's own checksum, by name: what an engine reports of the weights it holds."""
+    return weights_digests(weights)[1]
 
 
 def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
-    """Digest of a state dict, by sorted name, so the order parameters were visited does not matter."""
+    """Checksum of a state dict, by sorted name, so the order parameters were visited does not matter."""
     return tensors_digest(sorted(weights.items()))

@@ -1,8 +1,8 @@
 """The run directory (schema `rlbench.run/1`): written so a crash loses nothing committed.
 
-    RUN/manifest.json                  schema, resolved config, seed, versions, platform, hashes
+    RUN/manifest.json                  schema, checksum algorithm, resolved config, seed, versions, platform, hashes
     RUN/metrics.jsonl                  one line per committed step, written last: the commit point
-    RUN/checksums.jsonl                one line per step: {"step": n, "<stage>": "<sha256>", ...}
+    RUN/checksums.jsonl                one line per step: {"step": n, "<stage>": "<checksum>", ...}
     RUN/rollouts/NNNNNN.safetensors    the step's tensors (flat tokens + offsets, masks, log-probs, ...)
     RUN/rollouts/NNNNNN.json           the step's per-sample metadata
     RUN/checkpoints/NNNNNN/            state after NNNNNN steps (000000: the initial weights)
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
+from rlbench.rundir.algorithm import CHECKSUM, older_checksums
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.jsonio import parse_json, read_bytes, read_json
 from rlbench.rundir.lock import NAME as LOCK_NAME, RunLock
@@ -336,7 +337,7 @@ class RunDir:
         return [k for k in CHECKSUM_KEYS if k in keys]
 
     def require_checksums(self) -> None:
-        """Verification data or nothing: every committed step has its checksums line, holding a sha256 for
+        """Verification data or nothing: every committed step has its checksums line, holding a checksum for
         every stage the run records. Anything less is bad input, never a verdict over what is there."""
         path = self.root / "checksums.jsonl"
         if self.steps and not path.is_file():
@@ -352,8 +353,8 @@ class RunDir:
             bad = [k for k in keys if not (isinstance(row.get(k), str) and len(row[k]) == 64
                                            and all(c in "0123456789abcdef" for c in row[k]))]
             if bad:
-                raise BadInput(f"step {step}: expected a sha256 for {', '.join(bad)} (the run's stages "
-                               f"{', '.join(self.manifest['stages'])} record them)", path=path)
+                raise BadInput(f"step {step}: expected a checksum (64 hex digits) for {', '.join(bad)} (the run's "
+                               f"stages {', '.join(self.manifest['stages'])} record them)", path=path)
 
 
 _FILES = {"manifest.json", "metrics.jsonl", "checksums.jsonl", LOCK_NAME}
@@ -430,6 +431,8 @@ def read_run(root: str | Path) -> RunDir:
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         got = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
         raise BadInput(f"expected {SCHEMA!r}, got {got!r}", path=path, field="schema")
+    if manifest.get("checksum") != CHECKSUM:
+        raise BadInput(older_checksums(manifest.get("checksum")), path=path, field="checksum")
     for key, kind in (("config", dict), ("stages", list), ("mode", str)):
         if not isinstance(manifest.get(key), kind):
             raise BadInput(f"expected {kind.__name__ if kind is not dict else 'an object'}, got "

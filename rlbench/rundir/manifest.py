@@ -13,6 +13,7 @@ import platform
 from typing import TYPE_CHECKING
 
 from rlbench import numerics
+from rlbench.rundir.algorithm import CHECKSUM
 from rlbench.rundir.directory import SCHEMA
 
 if TYPE_CHECKING:
@@ -25,10 +26,12 @@ def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...],
              hashes: dict[str, str | None], source: RunDir | None = None) -> dict:
     """The manifest of a run of `config`: `command` is the command line that asked for it, `stages` the
     loop's stages in its mode, `reward_fn` the verifier's name, `weights` where the initial weights came
-    from (a checkpoint's files, or a seed), `hashes` the sha256 of its inputs, `source` the recording
-    a train-only run reads (None otherwise)."""
+    from (a checkpoint's files, or a seed), `hashes` the sha256 of its input files and the checksum (`checksum`,
+    the algorithm every tensor checksum of the run uses) of its initial weights, `source` the recording a
+    train-only run reads (None otherwise)."""
     made = {
         "schema": SCHEMA,
+        "checksum": CHECKSUM,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "config": config.to_dict(),

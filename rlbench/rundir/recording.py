@@ -26,8 +26,9 @@ Per-sample JSON keys every reader honours where present (an import from slime wr
     top_p                 true: the sample's nucleus is in top_p_ids / top_p_offsets
     group                 the sample's group (slime's group_index); groups may differ in size
 
-Both files verify themselves: the safetensors metadata holds the digest of its tensors and the
-JSON the digest of its samples, so a truncated file or a flipped byte is caught as corruption
+Both files verify themselves: the safetensors metadata holds the checksum of its tensors (and names its
+algorithm, `checksum`: a recording by an older rlbench, sha256, is refused with the reason) and the JSON the
+sha256 of its samples, so a truncated file or a flipped byte is caught as corruption
 (bad input), apart from a recording that is intact but differs from the run (a divergence).
 """
 
@@ -41,8 +42,9 @@ from pathlib import Path
 import torch
 
 from rlbench.errors import BadInput
+from rlbench.rundir.algorithm import older_checksums
+from rlbench.rundir.digest import ALGORITHM, tensors_digest
 from rlbench.rundir.jsonio import read_bytes, read_json
-from rlbench.rundir.digest import tensors_digest
 
 SCHEMA = "rlbench.run/1"
 REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index", "loss_mask", "rollout_logprobs",
@@ -104,8 +106,8 @@ def encode_step(step: int, tensors: dict[str, torch.Tensor], samples: list[dict]
     tensors = {k: v.contiguous() for k, v in sorted(tensors.items())}
     # One metadata key holding sorted JSON: safetensors writes `__metadata__` from a Rust
     # HashMap, so two or more keys come out in a per-process order and the bytes differ.
-    header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step, "tensors_sha256": tensors_digest(tensors)},
-                                    sort_keys=True)}
+    header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step, "checksum": ALGORITHM,
+                                     "tensors_checksum": tensors_digest(tensors)}, sort_keys=True)}
     meta = {"schema": SCHEMA, "step": step, **(extra or {}), "samples": samples,
             "samples_sha256": _samples_digest(samples)}
     return save(tensors, metadata=header), _step_json(meta)
@@ -146,7 +148,9 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     if header.get("schema") != SCHEMA or header.get("step") != step:
         raise BadInput(f"expected schema {SCHEMA!r} and step {step}, got {header.get('schema')!r} and "
                        f"{header.get('step')!r}", path=st_path, field="__metadata__")
-    if tensors_digest(dict(sorted(tensors.items()))) != header.get("tensors_sha256"):
+    if header.get("checksum") != ALGORITHM:
+        raise BadInput(older_checksums(header.get("checksum")), path=st_path, field="__metadata__")
+    if tensors_digest(dict(sorted(tensors.items()))) != header.get("tensors_checksum"):
         raise BadInput("corrupt: tensors do not match the digest in the file's header", path=st_path)
     meta = read_json(js_path)
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:

@@ -110,10 +110,11 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
     """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
     `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1).
     `meta`: the two samples' JSON."""
+    from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
-    manifest = {"schema": SCHEMA, "config": config or _config(), "mode": "full", "stages": ["data"],
-                "hashes": {}, **manifest}
+    manifest = {"schema": SCHEMA, "checksum": CHECKSUM, "config": config or _config(), "mode": "full",
+                "stages": ["data"], "hashes": {}, **manifest}
     writer = RunWriter(root, manifest, record=True)
     samples = _samples(prompts)
     for step, (trainer, rollout) in enumerate(steps):

@@ -57,6 +57,13 @@ def _schema(run):
     return "schema"
 
 
+def _older_checksums(run):
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["checksum"]  # as an rlbench before wordsum/1 wrote it: sha256, not named
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return "written with sha256 checksums by an older rlbench"
+
+
 def _other_tokenizer(run):
     tok = run.parent / f"{run.name}-tok"
     shutil.copytree(REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny", tok)
@@ -71,7 +78,8 @@ def _other_tokenizer(run):
 
 CASES = {"truncated safetensors": _truncate, "flipped byte in tensors": _flip_tensor_byte,
          "flipped byte in JSON": _flip_json_byte, "missing rollout file": _remove,
-         "wrong schema version": _schema, "recording made with another tokenizer": _other_tokenizer}
+         "wrong schema version": _schema, "recording made with another tokenizer": _other_tokenizer,
+         "checksums of an older rlbench": _older_checksums}
 
 
 def _snapshot(root):

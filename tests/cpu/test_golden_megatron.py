@@ -39,7 +39,8 @@ def _finite(series: dict) -> dict[int, float]:
 def _run_dir(root: Path, series: dict[str, dict[int, float]], steps: int) -> Path:
     """A run directory whose committed steps 0..steps-1 log these metrics (FILL where a series has no value)."""
     root.mkdir(parents=True)
-    manifest = {"schema": "rlbench.run/1", "config": {}, "stages": [], "mode": "full", "device": "cpu"}
+    manifest = {"schema": "rlbench.run/1", "checksum": "wordsum/1", "config": {}, "stages": [], "mode": "full",
+                "device": "cpu"}
     (root / "manifest.json").write_text(json.dumps(manifest))
     rows = [{"step": s, **{name: values.get(s, FILL) for name, values in series.items()}} for s in range(steps)]
     (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

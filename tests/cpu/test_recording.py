@@ -11,7 +11,7 @@ import torch
 
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
-from rlbench.rundir.digest import tensor_digests, tensors_digest, update, weights_digest
+from rlbench.rundir.digest import Digests, lanes, tensor_digests, tensors_digest, weights_digest
 
 
 def _packed():
@@ -63,8 +63,8 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
         b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
     header = json.loads(st.read_bytes()[8:8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
     assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
-    assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3,
-                                             "tensors_sha256": tensors_digest(dict(sorted(expected.items())))}
+    assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3, "checksum": "wordsum/1",
+                                             "tensors_checksum": tensors_digest(dict(sorted(expected.items())))}
     lines = js.read_text().splitlines()  # the bytes as written: one-space indents, one sample per line
     assert lines[:3] == ["{", ' "schema": "rlbench.run/1",', ' "step": 3,'] and lines[-1] == "}"
     assert lines[lines.index(' "samples": [') + 1:][:3] == [
@@ -190,28 +190,33 @@ def test_check_ids_holds_tokens_to_the_vocabulary(tmp_path):
 # ---------------------------------------------------------------- digests
 
 
-def test_tensors_digest_is_sha256_of_name_dtype_shape_and_bytes():
+def test_tensors_digest_is_sha256_of_name_dtype_shape_length_and_lanes():
+    """The checksum string: sha256 over the algorithm's prefix and, per tensor, its header and its two lanes
+    (the lanes' own definition: tests/cpu/test_digest.py)."""
     tensor = torch.tensor([[1, 2], [3, 4]], dtype=torch.int16)
-    header = b'["w","torch.int16",[2,2]]'
-    by_hand = hashlib.sha256(len(header).to_bytes(4, "little") + header + tensor.numpy().tobytes()).hexdigest()
+    header = b'["w","torch.int16",[2,2],8]'
+    first, second = lanes(tensor)
+    prefix = b"rlbench checksum wordsum/1\0"
+    by_hand = hashlib.sha256(prefix + len(header).to_bytes(4, "little") + header + first.to_bytes(8, "little")
+                             + second.to_bytes(8, "little")).hexdigest()
     assert tensors_digest({"w": tensor}) == tensors_digest([("w", tensor)]) == by_hand
     assert tensors_digest({"w": tensor.t().contiguous().t()}) == by_hand  # a non-contiguous view: its values
     pair = [("a", tensor), ("b", tensor.float())]
     assert tensors_digest(pair) != tensors_digest(pair[::-1])  # in the order given
     assert weights_digest(dict(pair)) == weights_digest(dict(pair[::-1])) == tensors_digest(pair)
-    assert tensors_digest({}) == hashlib.sha256().hexdigest()
+    assert tensors_digest({}) == hashlib.sha256(prefix).hexdigest()
     assert tensors_digest({"w": tensor.requires_grad_(False)}) != tensors_digest({"v": tensor})
 
 
-def test_tensor_digests_gives_each_tensor_its_own_digest_and_update_feeds_several():
+def test_tensor_digests_gives_each_tensor_its_own_digest_and_digests_feeds_several():
     """What an engine reports of its weights: one digest per name, each the digest of that tensor alone."""
     a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)
     assert tensor_digests({"a": a, "b": b}) == {"a": tensors_digest({"a": a}), "b": tensors_digest({"b": b})}
     assert tensor_digests({"a": a})["a"] != tensor_digests({"a": a.clone().fill_(1)})["a"]
     assert tensor_digests({}) == {}
-    one, two, three = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
-    update(one, "a", a.t(), two, three)  # a view, several running digests: each gets the same bytes
-    assert one.hexdigest() == two.hexdigest() == three.hexdigest() == tensors_digest({"a": a.t().contiguous()})
+    several = Digests()
+    several.add("a", a.t(), 1, 2, 3)  # a view, several running digests: each gets the same record
+    assert set(several.hexdigests().values()) == {tensors_digest({"a": a.t().contiguous()})}
 
 
 def test_the_step_json_is_indented_with_one_sample_per_line_and_an_empty_list_as_brackets():

@@ -16,10 +16,12 @@ from rlbench.core.types import Prompt, Sample
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
 from rlbench.rundir.digest import weights_digest
+from rlbench.rundir.algorithm import CHECKSUM
 from rlbench.rundir.directory import SCHEMA, RunWriter, atomic_write, read_run
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
-MANIFEST = {"schema": SCHEMA, "config": {"seed": 1}, "mode": "full", "stages": ["data", "rollout", "reward"]}
+MANIFEST = {"schema": SCHEMA, "checksum": CHECKSUM, "config": {"seed": 1}, "mode": "full",
+            "stages": ["data", "rollout", "reward"]}
 
 
 def _write_run(root, steps=3):

@@ -86,13 +86,13 @@ def test_a_run_through_the_router_is_the_in_process_run(small_config, fleet, ref
 
 class _Recorder:
     """A stand-in SGLang worker (aiohttp, on a thread of this process) that keeps every /generate body
-    it receives and answers with a fixed, well-formed answer."""
+    it receives and answers with a fixed, well-formed answer (and /weights_checker with `checksum`)."""
 
     ANSWER = {"text": "", "output_ids": [5, 2], "meta_info": {
         "id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
         "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}}
 
-    def __init__(self):
+    def __init__(self, checksum: dict | None = None):
         import asyncio
 
         from aiohttp import web
@@ -104,6 +104,9 @@ class _Recorder:
             self.bodies.append(await request.json())
             return web.json_response(self.ANSWER)
 
+        async def weights_checker(_request):
+            return web.json_response(checksum)
+
         async def health(_request):
             return web.Response()
 
@@ -111,6 +114,7 @@ class _Recorder:
             return web.json_response({"model_path": "/nowhere", "is_generation": True})
 
         app.router.add_post("/generate", generate)
+        app.router.add_post("/weights_checker", weights_checker)
         app.router.add_get("/health", health)
         app.router.add_get("/server_info", info)
         app.router.add_get("/model_info", info)
@@ -129,6 +133,7 @@ class _Recorder:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()  # else its self-pipe is left for the garbage collector to warn about in a later test
 
 
 def _missing(sent: dict, received: dict, prefix: str = "") -> list[str]:
@@ -289,6 +294,40 @@ def test_without_a_router_the_client_retries_on_another_engine(small_config):
         assert [r.output_ids for r in results] == [(5, 2)] * 6 and len(recorder.bodies) == 6
         assert sorted(b["sampling_params"]["sampling_seed"] for b in recorder.bodies) == list(range(6))
         assert engine.fleet.workers == [recorder.url] and engine.fleet.route == [recorder.url]
+    finally:
+        engine.close()
+        recorder.close()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_weight_checksums_are_the_run_directorys_where_sglangs_hash_agrees(small_config, ranks):
+    """The client holds SGLang's /weights_checker hashes to the same hash of what it pushed: a tensor that
+    agrees is reported by its run-directory digest (rundir/digest.py, what the weight-update check compares),
+    one that differs by the server's hash; an answer sharded over two ranks cannot be compared (exit 2)."""
+    import torch
+
+    from rlbench.backends.sglang import wire
+    from rlbench.backends.sglang.client import Client
+    from rlbench.backends.sglang.engine import SGLangEngine
+    from rlbench.backends.sglang.fleet import Fleet
+    from rlbench.errors import BadInput
+    from rlbench.rundir.digest import tensor_digests
+
+    pushed = {"a": torch.ones(3), "b": torch.zeros(2)}
+    held = {"a": wire.tensor_hash(pushed["a"]), "b": "f" * 16}
+    rank = {"checksums": held, "per_gpu_checksum": "x", "parallelism_info": [{"role": "target"}]}
+    recorder = _Recorder({"success": True, "message": "Success.", "ranks": [rank] * ranks, "per_engine_checksum": "y"})
+    config = _sglang(small_config, rollout__external_engine_addrs=(recorder.url,), rollout__use_router=False)
+    engine = SGLangEngine(config, Fleet(route=[recorder.url], workers=[recorder.url]), Client(8, 30))
+    engine._pushed, engine.server_info = pushed, {recorder.url: {"server": "rlbench serve"}}
+    try:
+        if ranks == 1:
+            reported = {"a": tensor_digests(pushed)["a"], "b": "sglang:" + "f" * 16}
+            assert engine.weight_checksums() == {recorder.url: reported}
+        else:
+            with pytest.raises(BadInput, match=r"/weights_checker: the trainer's weights cannot be compared with this "
+                                               r"server's: its weights are sharded over 2 ranks, each hashed alone; "):
+                engine.weight_checksums()
     finally:
         engine.close()
         recorder.close()

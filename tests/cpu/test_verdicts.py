@@ -99,7 +99,7 @@ def test_a_checksum_line_missing_a_stage_is_bad_input(runs, tmp_path):
     rows = [json.loads(line) for line in (b / "checksums.jsonl").read_text().splitlines()]
     del rows[1]["grads"]
     (b / "checksums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    _one_line(run_cli("diff", str(a), str(b)), 2, "step 1: expected a sha256 for grads")
+    _one_line(run_cli("diff", str(a), str(b)), 2, "step 1: expected a checksum (64 hex digits) for grads")
 
 
 def test_diff_refuses_a_corrupt_recording_whose_checksums_agree(runs, tmp_path):

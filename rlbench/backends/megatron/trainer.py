@@ -121,8 +121,8 @@ class RankTrainer(TorchTrainer):
         for p in self.gpt.parameters():  # what megatron-core's own optimizer does for fp32 params
             p.grad = p.main_grad
 
-    def _named_grads(self):
-        return self._full_hf({name: p.grad for name, p in self.gpt.named_parameters()}).items()
+    def _named_grads(self):  # gathered on the device: their checksums are computed there
+        return self._full_hf({name: p.grad for name, p in self.gpt.named_parameters()}, cpu=False).items()
 
     def _param_names(self) -> list[str]:
         return hf_names(self.dims)
@@ -152,22 +152,23 @@ class RankTrainer(TorchTrainer):
 
     # -- gathering to rank 0, export, checkpoints --
 
-    def _tp_shards(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Every TP rank's copy of `tensors` (same names and shapes on each), on the CPU, in rank order."""
+    def _tp_shards(self, tensors: dict[str, torch.Tensor], cpu: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Every TP rank's copy of `tensors` (same names and shapes on each), in rank order, on the CPU (or
+        with `cpu=False`, on this rank's device)."""
         shards = [{} for _ in range(self.tp)]
         for name, t in tensors.items():
             t = t.detach().to(self.device).contiguous()  # NCCL gathers device tensors only
             parts = [torch.empty_like(t) for _ in range(self.tp)]
             dist.all_gather(parts, t, group=self.tp_group)
             for shard, part in zip(shards, parts):
-                shard[name] = part.cpu()
+                shard[name] = part.cpu() if cpu else part
         return shards
 
     def _megatron_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.gpt.named_parameters()}
 
-    def _full_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return to_hf(self._tp_shards(tensors), self.dims)
+    def _full_hf(self, tensors: dict[str, torch.Tensor], cpu: bool = True) -> dict[str, torch.Tensor]:
+        return to_hf(self._tp_shards(tensors, cpu), self.dims)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         return self._full_hf(self._megatron_state())

@@ -19,11 +19,13 @@
   POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache.
 - weight_checksums: SGLang's /weights_checker {"action": "checksum"} on every server (its 0.5.23
   answer: per rank, each tensor's hash), compared with the same hash of what the trainer pushed: a
-  tensor whose hash agrees is reported as the trainer's digest, one that differs as the server's hash,
-  so the weight-update check (core/weight_check.py) fetches it with /get_weights_by_name and names the
-  element. What cannot be compared is said, and stops the run (exit 2): a server sharded over several
-  ranks, one hashing on a GPU (SGLang's kernel there is not the CPU's sha256), one reporting its own
-  fused layout (qkv_proj, gate_up_proj) instead of the trainer's names. `rlbench serve` hashes on the
+  tensor whose hash agrees is reported as the trainer's digest (rundir/digest.py's, what the
+  weight-update check compares), one that differs as the server's hash, so the check
+  (core/weight_check.py) fetches it with /get_weights_by_name and names the element. The hash is
+  SGLang's, not rlbench's run-directory checksum, so a server of another rlbench version hashes alike.
+  What cannot be compared is said, and stops the run (exit 2): a server sharded over several ranks,
+  one hashing on a GPU (SGLang's kernel there is not the CPU's sha256), one reporting its own fused
+  layout (qkv_proj, gate_up_proj) instead of the trainer's names. `rlbench serve` hashes on the
   CPU under Hugging Face names, so the check holds it; against SGLang's own server on a GPU, set
   `rollout.verify_engine_weights = false`, and the sync is held to each server's success answer and,
   on every later answer, to its weight version.

@@ -1,0 +1,78 @@
+"""Checksums on a GPU (rlbench/rundir/digest.py, wordsum/1): the same bytes give the same lanes and the same
+checksum on the CUDA device as on the CPU, in every dtype and at sizes that span chunks and device groups; a
+single flipped bit is caught there too; CUDA's int64 multiply and sum wrap modulo 2**64 as the CPU's do
+(tests/cpu/test_digest.py pins them there); and only the lanes cross to the host (no tensor is copied back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlbench.rundir import digest
+
+C = digest.CHUNK
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool)
+
+
+def _random(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    return (raw != 0) if dtype == torch.bool else raw.view(dtype)
+
+
+def _cuda_lanes(t: torch.Tensor) -> tuple[int, int]:
+    on_device = digest.lanes(t.cuda())
+    assert isinstance(on_device, torch.Tensor) and on_device.is_cuda
+    return digest.to_unsigned(on_device.cpu())
+
+
+def test_cuda_int64_multiply_and_sum_wrap_modulo_2_64():
+    big = torch.tensor([-0x61C8864680B583EB, 0x7FFFFFFFFFFFFFFF] * 100_000, device="cuda")
+    factor = torch.tensor([0x5851F42D4C957F2D, 3] * 100_000, device="cuda")
+    expected = (big.cpu() * factor.cpu()).sum().item()
+    assert (big * factor).sum().item() == expected
+    assert torch.tensor([2**62 + 1], device="cuda").mul(4).item() == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_same_bytes_give_the_same_checksum_on_the_gpu(dtype):
+    size = torch.empty((), dtype=dtype).element_size()
+    for n in (0, 1, 3, 1000, (8 * C + 13) // size, ((digest.GROUP + 2) * C * 8 + 5) // size):
+        t = _random(dtype, n, seed=n)
+        assert _cuda_lanes(t) == digest.lanes(t), (dtype, n)
+    grid = _random(dtype, 64 * 33).reshape(64, 33)
+    assert _cuda_lanes(grid.T) == digest.lanes(grid.T)  # non-contiguous: its row-major bytes
+    shifted = _random(dtype, 101)[1:]
+    assert _cuda_lanes(shifted) == digest.lanes(shifted)  # not word-aligned on the device
+    weights = {"w": _random(dtype, 5000, seed=1).reshape(50, 100), "b": _random(dtype, 7, seed=2)}
+    on_gpu = {name: t.cuda() for name, t in weights.items()}
+    assert digest.weights_digests(on_gpu) == digest.weights_digests(weights)
+    assert digest.tensors_digest(list(on_gpu.items())) == digest.tensors_digest(list(weights.items()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_single_flipped_bit_is_caught_on_the_gpu(dtype):
+    size = torch.empty((), dtype=dtype).element_size()
+    t = _random(dtype, (8 * C + 24) // size + 3, seed=3).cuda()
+    base = digest.to_unsigned(digest.lanes(t).cpu())
+    nbytes = t.numel() * size
+    for byte in (0, nbytes // 2, 8 * C, nbytes - 1):
+        for bit in ([0] if dtype == torch.bool else range(8)):
+            raw = t.clone().reshape(-1).view(torch.uint8)
+            raw[byte] ^= 1 << bit
+            flipped = digest.to_unsigned(digest.lanes(raw.view(dtype)).cpu())
+            assert flipped[0] != base[0] and flipped[1] != base[1], (dtype, byte, bit)
+
+
+def test_a_trainer_step_checksums_gradients_on_the_device_as_on_the_cpu():
+    """The torch trainer on the GPU keeps every minibatch's gradient lanes on the device; its grads checksum
+    is the one the CPU computes from the same gradients (copied to the host here, for the test only)."""
+    grads = [{"w": torch.randn(300, 70, device="cuda").bfloat16(), "b": torch.randn(70, device="cuda")}
+             for _ in range(3)]
+    running = digest.Digests([None, "w", "b"])
+    for minibatch in grads:
+        for name, g in minibatch.items():
+            running.add(name, g, None, name)
+    out = running.hexdigests()
+    assert out[None] == digest.tensors_digest([(n, g.cpu()) for mb in grads for n, g in mb.items()])
+    assert out["w"] == digest.tensors_digest([("w", mb["w"].cpu()) for mb in grads])
