@@ -313,6 +313,9 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None, family: st
     if builder.family is not None:
         report.notes += builder.family.notes
     stops = stop_ids(tok, tokenizer_dir)
+    if not stops:  # nothing ends a sampled turn: no turn could be played
+        raise BadInput("expected an eos token (tokenizer_config.json eos_token, or generation_config.json "
+                       "eos_token_id) to end each sampled turn; the tokenizer has none", path=tokenizer_dir)
     compare = comparator(tok, builder.family, assistant_start(tok, builder))
     for name in names:
         messages, tools = known[name]

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 from rlbench.cli.app import Debug, app, stdout
 from rlbench.cli.options import config_option, overrides
 from rlbench.backends.sglang.wire import LISTENING
-from rlbench.serve.server import ServeConfig
+from rlbench.serve.server import API_KEY_ENV, LOOPBACK, ServeConfig
 
 _DEFAULT = ServeConfig()
 
@@ -47,11 +47,16 @@ def serve(
     context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,
     skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)] = False,
     max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
+    api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                              default_text="none")] = None,
+    allow_unauthenticated: Annotated[bool, _option("allow_unauthenticated", "--allow-unauthenticated",
+                                                   flag_value=True)] = False,
+    weights_dir: Annotated[Optional[Path], _option("weights_dir", default_text="the --model-path directory")] = None,
     debug: Debug = False,
 ) -> None:
     """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, /health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.
 
-    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says otherwise. Stop it with Ctrl-C.
+    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop it with Ctrl-C.
     """
     from rlbench.serve.server import serve as run_server
 
@@ -62,7 +67,8 @@ def serve(
     host = config.host
 
     def announce(url: str) -> None:
-        scope = "this machine only" if host in ("127.0.0.1", "localhost", "::1") else "every address of this machine"
+        scope = "this machine only" if host in LOOPBACK else "every address of this machine"
+        scope += "; requests need the api key" if config.api_key else "; no api key"
         stdout.print(f"{LISTENING}{url} (bound to {host}: {scope}; SGLang's native API; Ctrl-C stops)",
                      markup=False, highlight=False, soft_wrap=True)
         stdout.file.flush()

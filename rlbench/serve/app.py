@@ -8,18 +8,26 @@ stream of server-sent events), /abort_request, /pause_generation, /continue_gene
 the rest is read) as JSON (application/json, as FastAPI takes them) and parsed off the event loop when
 large; a refused request gets SGLang's answer for it (request.py), never a 5xx, and never stops the
 server: an error nobody foresaw is a 400 in SGLang's ValueError shape, naming it.
+
+With an api key (ServeConfig.api_key) every request but OPTIONS and paths starting /health, /ready or
+/metrics must carry `Authorization: Bearer KEY` (compared in constant time), else 401
+{"error": "Unauthorized"}, before its body is read: SGLang 0.5.23's add_api_key_middleware
+(srt/utils/auth.py, its NORMAL level; rlbench serve has no admin key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -56,8 +64,37 @@ def build_app(state) -> Starlette:
                Route("/weights_checker", h.weights_checker, methods=["GET", "POST"]),
                Route("/get_weights_by_name", h.get_weights_by_name, methods=["GET", "POST"]),
                Route("/v1/loads", h.loads, methods=["GET"])]
+    key = state.config.api_key
     return Starlette(routes=routes, lifespan=h.lifespan,
+                     middleware=[Middleware(ApiKey, key=key)] if key else [],
                      exception_handlers={rq.RequestError: refused, HTTPException: http_error, Exception: internal})
+
+
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang leaves probes and scrapes open
+
+
+def authorized(method: str, path: str, header: str | None, key: str) -> bool:
+    """SGLang's decide_request_auth for a server with an api key and no admin key."""
+    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and bool(token) and secrets.compare_digest(token.encode(), key.encode())
+
+
+class ApiKey:
+    """ASGI middleware: a request without the key gets SGLang's 401 and reaches no route."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization")
+            header = header.decode("latin-1") if header is not None else None
+            if not authorized(scope["method"], scope["path"], header, self.key):
+                await _json_response({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class Handlers:
@@ -247,6 +284,9 @@ class Handlers:
         refused = [k for k in ("is_async", "keep_pause", "manifest") if body.get(k)]
         if refused:
             return _update_answer(False, f"rlbench serve does not implement {refused[0]} (docs/sglang-ray.md)")
+        outside = outside_root(body["model_path"], state.config.weights_root())
+        if outside:
+            return _update_answer(False, outside)
         if body.get("abort_all_requests"):
             state.worker.abort(abort_all=True)
         fmt = body.get("load_format") or state.load_format
@@ -333,6 +373,18 @@ async def _error_events(exc: rq.RequestError):
 def _no_text(_text: str) -> list[int]:
     raise rq.value("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
                    "input_ids or re-initialize the engine with skip_tokenizer_init=False.")
+
+
+def outside_root(path: str, root: Path) -> str | None:
+    """Why `path` may not be read (it is not below `root`, symbolic links followed), or None."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        return f"Failed to get weights iterator: {exc.__class__.__name__}: {str(exc)[:200]}."
+    if resolved == root or root in resolved.parents:
+        return None
+    return (f"Failed to update weights: {path} is outside the directory this server reads weights from ({root}; "
+            f"rlbench serve --weights-dir). Nothing was changed.")
 
 
 def _update_answer(success: bool, message: str) -> Response:

@@ -1,8 +1,10 @@
 """What `rlbench serve` loads and how it listens: a ServeConfig, the model and the batched engine,
 the server's own state (model path, weight version, load format), and uvicorn on a socket bound first.
 
-It binds 127.0.0.1 unless told otherwise (`--host 0.0.0.0` serves other machines: the API has no
-authentication, like SGLang's own without --api-key). Port 0 takes a free port; either way the
+It binds 127.0.0.1 unless told otherwise. With `--api-key` (or RLBENCH_SERVE_API_KEY) every route but
+/health*, /ready* and /metrics* asks for `Authorization: Bearer KEY`, as SGLang's server does (app.py);
+bound beyond loopback without a key it refuses to start unless `--allow-unauthenticated`. Weight
+updates read only below `--weights-dir` (default: the model directory it started with). Port 0 takes a free port; either way the
 first line on standard output is `rlbench serve: listening on http://HOST:PORT ...`, printed once
 the model is loaded and the socket is bound, so a launcher can read where it is. `serve_in_thread`
 runs the same server on a thread of the calling process (tests, notebooks).
@@ -23,6 +25,9 @@ from rlbench.config import FIXTURES, setting
 from rlbench.errors import BadInput
 from rlbench.validate import check, number, text
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "RLBENCH_SERVE_API_KEY"  # how a launcher hands the key over: a command line is visible to all users
+
 # SGLang's --load-format names for the two ways rlbench starts a model (ModelConfig.init).
 LOAD_FORMATS = {"auto": "checkpoint", "dummy": "random"}
 
@@ -39,7 +44,8 @@ class ServeConfig:
         "SGLang's --load-format: auto loads the model directory's safetensors; dummy starts from seeded random "
         "weights (--random-seed), for a directory without weights.")
     host: str = setting("127.0.0.1",
-        "Address to bind. The API has no authentication: 0.0.0.0 serves every machine that can reach this one.")
+        "Address to bind. Beyond loopback (0.0.0.0: every machine that can reach this one) it needs --api-key, "
+        "or --allow-unauthenticated.")
     port: int = setting(30000, "Port to bind; 0 takes a free one (the first line printed says which).")
     random_seed: int = setting(1234,
         "Seed of the initial weights with --load-format dummy (the run's --seed gives the same weights).")
@@ -62,6 +68,14 @@ class ServeConfig:
     max_request_bytes: int = setting(16 << 20,
         "Largest request body read (a larger one is answered 413 before it is read). SGLang sets none: this "
         "bounds what one client can make the server parse.")
+    api_key: str | None = setting(None,
+        f"SGLang's --api-key: every request but /health*, /ready* and /metrics* must send 'Authorization: Bearer "
+        f"KEY' (401 otherwise). Read from {API_KEY_ENV} when set there; it is never printed or reported.")
+    allow_unauthenticated: bool = setting(False,
+        "Serve beyond loopback without --api-key: anyone who reaches the port can generate, read the weights and "
+        "load new ones.")
+    weights_dir: str | None = setting(None,
+        "/update_weights_from_disk reads only below this directory (default: the model directory served at start).")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting("warning",
         "uvicorn's log level.")
 
@@ -85,6 +99,24 @@ class ServeConfig:
         check(isinstance(self.skip_tokenizer_init, bool), "--skip-tokenizer-init", "true or false",
               self.skip_tokenizer_init)
         number(self.max_request_bytes, "--max-request-bytes", 1024, 1 << 34, integer=True)
+        if self.api_key is not None:
+            if not isinstance(self.api_key, str) or not self.api_key.strip():  # the value is never echoed
+                raise BadInput("expected a non-empty string", field="--api-key")
+        check(isinstance(self.allow_unauthenticated, bool), "--allow-unauthenticated", "true or false",
+              self.allow_unauthenticated)
+        if self.weights_dir is not None:
+            text(self.weights_dir, "--weights-dir")
+        if self.host not in LOOPBACK and self.api_key is None and not self.allow_unauthenticated:
+            raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {API_KEY_ENV}), "
+                           f"bind 127.0.0.1, or pass --allow-unauthenticated", field="--host")
+
+    def __repr__(self) -> str:  # the key stays out of every repr, log and error
+        shown = {k: v for k, v in asdict(self).items() if k != "api_key"}
+        return f"ServeConfig({shown}, api_key={'set' if self.api_key else None})"
+
+    def weights_root(self) -> Path:
+        """The directory weight updates may read below."""
+        return Path(self.weights_dir or self.model_path).resolve()
 
 
 class ServerState:
@@ -140,7 +172,8 @@ class ServerState:
 
     def server_info(self) -> dict:
         """SGLang's /server_info: the server's arguments, flat, then the scheduler's figures and its version."""
-        return {**asdict(self.config), "model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
+        public = {k: v for k, v in asdict(self.config).items() if k != "api_key"}
+        return {**public, "model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
                 "served_model_name": self.served_model_name, "load_format": self.load_format,
                 "weight_version": self.weight_version, "context_length": self.context_len, "vocab_size": self.vocab,
                 "determinism": self.determinism, "status": "ready",

@@ -298,3 +298,14 @@ def test_a_tokenizer_without_a_chat_template_is_bad_input(tmp_path):
     with pytest.raises(BadInput) as info:
         audit(tmp_path)
     assert str(info.value) == f"{tmp_path}: the tokenizer has no chat template to audit"
+
+
+def test_a_tokenizer_without_an_eos_token_is_one_line_and_exit_2(tmp_path):
+    config = json.loads((TOKENIZERS / "tito-clean" / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
+    res = run_cli("check", "tito", "--tokenizer", str(tmp_path), "--audit")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "expected an eos token" in lines[0], res.stderr
+    assert "Traceback" not in res.stdout + res.stderr

@@ -10,16 +10,22 @@ Bounded: at most `max_inflight` requests at a time (a semaphore, and the pool's 
 request times out after `timeout_s`. A request that fails in a way another attempt can mend
 (no connection, a timeout, 408, 429 or a 5xx) raises `Retryable`; any other status is the server
 refusing the request, BadInput naming the URL and its answer.
+
+A fleet that needs a key (SGLang's --api-key, `rlbench serve --api-key`) gets it from the environment
+variable RLBENCH_SGLANG_API_KEY, sent as `Authorization: Bearer KEY` on every request. It is no setting
+(never in a config or a manifest) and never printed: errors name the URL and the answer, not headers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from typing import Any
 
 from rlbench.errors import BadInput
 
+API_KEY_ENV = "RLBENCH_SGLANG_API_KEY"
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}  # what sglang-router itself retries
 
 
@@ -42,9 +48,16 @@ class Retryable(Exception):
         self.unreachable = unreachable
 
 
+def api_key() -> str | None:
+    """The key the fleet asks for (RLBENCH_SGLANG_API_KEY), or None when unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
 class Client:
     def __init__(self, max_inflight: int = 256, timeout_s: float = 600.0):
         self.max_inflight, self.timeout_s = max_inflight, timeout_s
+        key = api_key()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._loop = _new_loop()
         self._session = None
         self._slots: asyncio.Semaphore | None = None
@@ -70,7 +83,7 @@ class Client:
             self._slots = asyncio.Semaphore(self.max_inflight)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_inflight, force_close=False),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers,
                 json_serialize=lambda obj: orjson.dumps(obj).decode())
         return self._session
 
@@ -105,6 +118,9 @@ class Client:
     async def ok(self, method: str, url: str, body: Any = None, timeout_s: float | None = None) -> Any:
         """The answer of a call that must succeed (2xx); another status is BadInput naming the URL."""
         status, data = await self.call(method, url, body, timeout_s)
+        if status == 401:
+            said = "was refused" if self._headers else "is needed: set it"
+            raise BadInput(f"answered 401 Unauthorized: the fleet's api key (RLBENCH_SGLANG_API_KEY) {said}", path=url)
         if not 200 <= status < 300:
             raise BadInput(f"answered {status}: {str(data)[:300]}", path=url)
         return data

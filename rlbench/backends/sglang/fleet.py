@@ -115,11 +115,15 @@ def passthrough(args: dict) -> list[str]:
     return out
 
 
-def server_command(config, host: str, port: int) -> list[str]:
-    """The command that starts one server for the run `config` (a RunConfig) on host:port."""
+def server_command(config, host: str, port: int, weights_dir: str | Path | None = None) -> list[str]:
+    """The command that starts one server for the run `config` (a RunConfig) on host:port. An `rlbench serve`
+    reads weight updates only below `weights_dir`, else rollout.weights_dir, else the system's temporary
+    directory (where each engine makes its own: a fleet may outlive the engine that started it)."""
     rollout, model = config.rollout, config.model
     if rollout.sglang_server == "rlbench":
+        allowed = weights_dir or rollout.weights_dir or tempfile.gettempdir()
         return [sys.executable, "-m", "rlbench.cli", "serve", "--host", host, "--port", str(port),
+                "--weights-dir", str(allowed),
                 "--model-path", model.path, "--tokenizer-path", model.tokenizer, "--random-seed", str(config.seed),
                 "--load-format", "auto" if model.init == "checkpoint" else "dummy", "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
                 "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
@@ -130,10 +134,30 @@ def server_command(config, host: str, port: int) -> list[str]:
             "--enable-deterministic-inference", *passthrough(rollout.sglang)]
 
 
-def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1") -> Process:
-    """Start one server; `wait_server` says where it listens once it answers."""
+def server_env(config) -> dict | None:
+    """The environment of an `rlbench serve` worker: the client's key (RLBENCH_SGLANG_API_KEY) handed over
+    as the server's (RLBENCH_SERVE_API_KEY), never on the command line, which every user of the machine can
+    read; without a client key, none (a key left in this environment would lock the run out). None (this
+    process's environment) for SGLang's own server."""
+    from rlbench.backends.sglang.client import api_key
+    from rlbench.serve.server import API_KEY_ENV
+
+    if config.rollout.sglang_server != "rlbench":
+        return None
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    key = api_key()
+    if key is not None:
+        env[API_KEY_ENV] = key
+    return env
+
+
+def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1",
+                  weights_dir: str | Path | None = None) -> Process:
+    """Start one server (`weights_dir`: server_command's); `wait_server` says where it listens once it answers."""
     port = 0 if config.rollout.sglang_server == "rlbench" else free_port()
-    proc = start_process(f"server-{index}", server_command(config, host, port), logs, stdout=subprocess.PIPE)
+    proc = start_process(f"server-{index}", server_command(config, host, port, weights_dir), logs,
+                         stdout=subprocess.PIPE,
+                         env=server_env(config))
     if port:
         proc.url = f"http://{host}:{port}"
     return proc

@@ -63,7 +63,9 @@ def server(request, tmp_path_factory) -> Server:
 
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("served") / "model")
     settings = {"model_path": str(checkpoint), "load_format": "auto", "port": 0, "decode_batch_size": 8,
-                "batch_wait_ms": 1.0, **getattr(request.module, "SERVE", {})}
+                "batch_wait_ms": 1.0,
+                "weights_dir": str(tmp_path_factory.getbasetemp()),  # the tests' checkpoints are written there
+                **getattr(request.module, "SERVE", {})}
     serving = serve_in_thread(ServeConfig(**settings))
     try:
         yield Server(serving.url, serving)

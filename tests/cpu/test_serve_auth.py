@@ -1,0 +1,125 @@
+"""`rlbench serve --api-key` as SGLang's server does it: a request without the key gets 401
+{"error": "Unauthorized"} and changes nothing, /health* stays open; beyond loopback without a key the
+server refuses to start unless --allow-unauthenticated; weight updates read only below --weights-dir
+(default: the model directory); the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rlbench.backends.sglang.client import Client
+from rlbench.config import FIXTURES, load_config
+from rlbench.errors import BadInput
+from rlbench.serve.app import authorized
+from rlbench.serve.server import ServeConfig, serve_in_thread
+from tests.conftest import cli
+
+KEY = "k3y-not-to-be-seen"
+MODEL = str(FIXTURES / "models" / "tiny-qwen3")
+
+
+def _call(url: str, path: str, body=None, key: str | None = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, method="POST" if body is not None else "GET",
+                                     headers={"Content-Type": "application/json"})
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            raw, status = answer.read(), answer.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    return status, json.loads(raw) if raw else None
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    serving = serve_in_thread(ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0))
+    try:
+        yield serving
+    finally:
+        serving.close()
+
+
+def _checksum(url: str) -> str:
+    status, answer = _call(url, "/weights_checker", {"action": "checksum"}, KEY)
+    assert status == 200
+    return answer["ranks"][0]["per_gpu_checksum"]
+
+
+def test_without_the_key_401_and_nothing_changes(keyed, tmp_path):
+    before = _checksum(keyed.url)
+    for key in (None, "wrong", ""):
+        for path, body in [("/update_weights_from_disk", {"model_path": MODEL}), ("/server_info", None),
+                           ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+                           ("/update_weight_version", {"new_version": "x"})]:
+            assert _call(keyed.url, path, body, key) == (401, {"error": "Unauthorized"}), (path, key)
+    assert _call(keyed.url, "/health", key=None)[0] == 200  # probes stay open, as in SGLang
+    assert _checksum(keyed.url) == before
+    status, info = _call(keyed.url, "/server_info", key=KEY)
+    assert status == 200 and info["weight_version"] == "default"
+    assert KEY not in json.dumps(info) and KEY not in repr(keyed.state.config)
+
+
+def test_with_the_key_200_and_weights_only_from_below_the_allowed_directory(keyed, tmp_path):
+    status, answer = _call(keyed.url, "/update_weights_from_disk", {"model_path": MODEL, "weight_version": "v1"}, KEY)
+    assert status == 200 and answer["success"], answer
+    before = _checksum(keyed.url)
+    for outside in (str(tmp_path), "/etc", f"{MODEL}/../.."):
+        status, answer = _call(keyed.url, "/update_weights_from_disk", {"model_path": outside,
+                                                                        "weight_version": "v2"}, KEY)
+        assert status == 400 and answer["success"] is False and "outside" in answer["message"], answer
+    assert _checksum(keyed.url) == before
+    assert _call(keyed.url, "/server_info", key=KEY)[1]["weight_version"] == "v1"
+
+
+def test_the_client_sends_the_key_from_the_environment(keyed, monkeypatch):
+    monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
+    client = Client(2, 30)
+    try:
+        assert client.run(client.ok("GET", f"{keyed.url}/model_info"))["weight_version"]
+    finally:
+        client.close()
+    monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", "wrong")
+    client = Client(2, 30)
+    try:
+        with pytest.raises(BadInput, match="401 Unauthorized.*was refused") as refused:
+            client.run(client.ok("GET", f"{keyed.url}/model_info"))
+    finally:
+        client.close()
+    assert KEY not in str(refused.value) and "wrong" not in str(refused.value)
+
+
+def test_sglangs_auth_rule():
+    assert authorized("GET", "/health_generate", None, KEY) and authorized("OPTIONS", "/generate", None, KEY)
+    assert authorized("POST", "/generate", f"bearer {KEY}", KEY)
+    assert not authorized("POST", "/generate", KEY, KEY) and not authorized("POST", "/generate", "Bearer ", KEY)
+
+
+def test_beyond_loopback_needs_a_key_or_to_be_told(tmp_path):
+    res = cli("serve", "--host", "0.0.0.0", "--port", "0")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--allow-unauthenticated" in lines[0], res.stderr
+    assert ServeConfig(host="0.0.0.0", allow_unauthenticated=True).host == "0.0.0.0"
+    assert ServeConfig(host="0.0.0.0", api_key=KEY).api_key == KEY
+    with pytest.raises(BadInput, match="--api-key: expected a non-empty string"):
+        ServeConfig(api_key=" ")
+
+
+def test_the_key_goes_to_workers_by_environment_never_the_command_line_or_the_manifest(monkeypatch):
+    from dataclasses import asdict
+
+    from rlbench.backends.sglang.fleet import server_command, server_env
+
+    monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
+    config = load_config(rollout__backend="sglang", rollout__sglang_server="rlbench")
+    assert KEY not in " ".join(server_command(config, "127.0.0.1", 0))
+    assert server_env(config)["RLBENCH_SERVE_API_KEY"] == KEY
+    assert KEY not in json.dumps(asdict(config), default=str)
+    monkeypatch.delenv("RLBENCH_SGLANG_API_KEY")
+    monkeypatch.setenv("RLBENCH_SERVE_API_KEY", "left-over")
+    assert "RLBENCH_SERVE_API_KEY" not in server_env(config)
