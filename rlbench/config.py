@@ -31,10 +31,12 @@ from rlbench.validate import check, normalize_url, number, text
 # `pip install` runs `rlbench run` as it comes; rlbench/fixtures/build.py makes them offline.
 FIXTURES = Path(str(importlib.resources.files("rlbench") / "fixtures"))
 
-# The server arguments rlbench sets itself, per server kind; a --sglang-* argument may not name them.
-OWNED = {"sglang": ("model-path", "tokenizer-path", "host", "port", "random-seed", "enable-deterministic-inference"),
+# The server arguments rlbench sets itself, per server kind; a --sglang-* argument may not name them (a key
+# among them: it would land in the manifest and on a command line every user of the machine can read).
+OWNED = {"sglang": ("model-path", "tokenizer-path", "host", "port", "random-seed", "enable-deterministic-inference",
+                    "api-key", "admin-api-key"),
          "rlbench": ("model-path", "tokenizer-path", "host", "port", "random-seed", "load-format", "dtype", "device",
-                     "threads", "decode", "decode-batch-size")}
+                     "threads", "decode", "decode-batch-size", "api-key", "admin-api-key")}
 
 Mode = Literal["full", "rollout-only", "train-only"]
 MODES = ("full", "rollout-only", "train-only")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 import uuid
@@ -137,7 +138,8 @@ class SGLangShaped:
         self.backend = serve_in_thread(ServeConfig(
             model_path=config.model.path, tokenizer_path=config.model.tokenizer, load_format="dummy", port=0,
             random_seed=config.seed, dtype=config.model.dtype, threads=config.threads, decode=config.rollout.decode,
-            decode_batch_size=config.rollout.decode_batch_size))
+            decode_batch_size=config.rollout.decode_batch_size,
+            weights_dir=tempfile.gettempdir()))  # where the run's engine writes its weight versions
         self.plan, self.count, self.rewritten = plan, 0, 0
         self.loop = asyncio.new_event_loop()
         app = web.Application()
