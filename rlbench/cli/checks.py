@@ -243,12 +243,7 @@ def check_golden(
     from rlbench.checks.golden_compare import compare
     from rlbench.rundir.directory import read_run
 
-    renames = {}
-    for item in rename or []:
-        old, eq, new = item.partition("=")
-        if not eq or not old or not new:
-            raise BadInput(f"expected GOLDEN_NAME=RUN_NAME, got {item!r}", field="--rename")
-        renames[old] = new
+    renames = parse_renames(rename)
     overrides = [g.parse_override(spec) for spec in tolerance or []]
     if plot is not None:
         from rlbench.checks.plot import require_matplotlib
@@ -370,3 +365,14 @@ def golden_update(
         numerics = ", ".join(f"{k} {v}" for k, v in doc["header"]["numerics"].items())
         stdout.print(f"note: the platform changed to {doc['header']['platform']}"
                      f"{f' ({numerics})' if numerics else ''}", markup=False, highlight=False, soft_wrap=True)
+
+
+def parse_renames(items: list[str] | None) -> dict[str, str]:
+    """`--rename GOLDEN_NAME=RUN_NAME`, each given once or more, as {golden name: run name}."""
+    renames = {}
+    for item in items or []:
+        old, eq, new = item.partition("=")
+        if not eq or not old or not new:
+            raise BadInput(f"expected GOLDEN_NAME=RUN_NAME, got {item!r}", field="--rename")
+        renames[old] = new
+    return renames

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlbench.cli.app import Debug, app, stdout
+from rlbench.cli.checks import parse_renames
 from rlbench.errors import BadInput
 
 
@@ -35,13 +36,7 @@ def report(
         raise BadInput("exists: give a new file (a report never overwrites one)", path=out)
     if not out.parent.is_dir():
         raise BadInput("no such directory to write the report into", path=out.parent)
-    pairs = {}
-    for item in rename or []:
-        name, eq, target = item.partition("=")
-        if not eq or not name or not target:
-            raise BadInput(f"expected GOLDEN_NAME=RUN_NAME, got {item!r}", field="--rename")
-        pairs[name] = target
-    page = render(collect(run_dir, run_b, golden, pairs, tier, ignore or []))
+    page = render(collect(run_dir, run_b, golden, parse_renames(rename), tier, ignore or []))
     handle, temporary = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=out.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
