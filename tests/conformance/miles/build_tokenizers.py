@@ -242,13 +242,18 @@ def build(repo: Path, out: Path) -> list[Path]:
         sources[name] = source
     files["sources.json"] = _dump({"miles_commit": commit, "package": miles_tito_tokenizers.__name__,
                                    "tokenizers": sources})
-    written = []
-    for rel, text in sorted(files.items()):
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    return _fixtures_build().write_files(out, files)
+
+
+def _fixtures_build():
+    """rlbench/fixtures/build.py (a script beside the fixtures, not a module of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fixtures_build",
+                                                  Path(__file__).resolve().parents[3] / "rlbench/fixtures/build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
