@@ -1,16 +1,21 @@
 """rlbench at real model sizes on one GPU: Qwen3 shapes with random weights and the fixture tokenizer.
 
-    python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda]
+    python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
+                          [--no-checkpoint]
 
-For each shape, in one process (deterministic mode, bf16, 8 prompts x 8 samples, `--new-tokens` new
-tokens, 4 minibatches):
+For each shape, in one process (deterministic mode, bf16 over fp32 master weights, 8 prompts x 8 samples,
+`--new-tokens` new tokens, 4 minibatches):
 1. a step of the loop by stage (data .. record), median over `--steps` steps after one warm-up, with the time
    spent inside rlbench's checksum functions (rlbench.rundir.digest, wherever the loop and trainer call them)
    and in the record stage, as shares of the step;
-2. generation of the step's 64 requests by the embedded engine against transformers' own `generate` on the
-   same prompts (sampling, the same number of new tokens, no early stop), as tokens/s, alternating;
-3. the train stage against a bare torch training step over the same batch: the same model, AdamW, the same
-   micro-batches and the same PPO-clip loss, without rlbench around it (no checksums, no recording).
+2. generation of the step's 64 requests by the embedded engine (CUDA graphs on, then off) against transformers'
+   own `generate` on the same prompts (sampling, the same number of new tokens, no early stop), as tokens/s,
+   alternating, and whether the engine's bits are the same with and without its graphs;
+3. the train stage against a bare torch training step over the same batch: the same model, the same fused
+   AdamW over fp32 masters, the same micro-batches and a PPO-clip loss, without rlbench around it (no
+   checksums, no metrics, no recording);
+4. one checkpoint (model, masters and AdamW state), which is not part of a step: a run writes one every
+   `checkpoint_every` steps.
 Prints each figure and the ratios the issue names (checksums+recording share <= 3%, generation >= 5x
 `generate`, train <= 1.2x the bare step). The GPU is named in the output.
 """
@@ -47,7 +52,10 @@ SHAPES = {
     "4B": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
            "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
 }
-CHECKSUM_FUNCTIONS = ("update", "tensors_digest", "tensor_digests", "weights_digest")
+# Every entry into rlbench's checksum code (rlbench/rundir/digest.py), under the names its callers imported it by:
+# nested calls count once (the outermost).
+CHECKSUM_FUNCTIONS = ("lanes", "_fetch", "tensors_digest", "tensor_digests", "weights_digest", "weights_digests")
+CHECKSUM_METHODS = ("add", "hexdigests")  # digest.Digests: the trainer's gradient checksums
 
 
 def model_dir(root: Path, shape: str) -> Path:
@@ -68,6 +76,8 @@ class Clock:
             for name in CHECKSUM_FUNCTIONS:
                 if hasattr(module, name):
                     setattr(module, name, self._wrap(getattr(module, name)))
+        for name in CHECKSUM_METHODS:
+            setattr(digest.Digests, name, self._wrap(getattr(digest.Digests, name)))
 
     def _wrap(self, fn):
         @functools.wraps(fn)
@@ -87,10 +97,12 @@ class Clock:
 
 
 def _holders():
+    import rlbench.backends.hf_engine as engine
     import rlbench.backends.torch_trainer as trainer
     import rlbench.core.weight_check as weight_check
+    import rlbench.rundir.recording as recording
 
-    return [digest, loop, trainer, weight_check]
+    return [digest, loop, trainer, weight_check, engine, recording]
 
 
 def step_by_stage(ctx, steps: int, clock: Clock) -> dict:
@@ -110,7 +122,8 @@ def step_by_stage(ctx, steps: int, clock: Clock) -> dict:
 
 
 def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
-    """tokens/s of the engine and of transformers' generate on the step-0 prompts."""
+    """tokens/s of the engine (its CUDA graphs on, then off) and of transformers' generate on the step-0 prompts,
+    alternating; whether the engine's tokens and log-probs are the same bits with and without its graphs."""
     state = loop.StepState(0)
     loop.data(ctx, state)
     requests = loop.step_requests(ctx, state)
@@ -120,13 +133,21 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
     pad = ctx.tokenizer.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=ctx.config.device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ctx.config.device)
-    times = {"engine": [], "generate": []}
+    times = {"engine": [], "eager": [], "generate": []}
+    graphs, results, eager = ctx.engine.cuda_graphs, [], []
     for _ in range(repeats + 1):
-        sync_device(ctx.config.device)
-        start = time.perf_counter()
-        results = ctx.engine.generate(requests)
-        sync_device(ctx.config.device)
-        times["engine"].append(time.perf_counter() - start)
+        for key, on in (("engine", graphs), ("eager", False)):
+            ctx.engine.cuda_graphs = on
+            sync_device(ctx.config.device)
+            start = time.perf_counter()
+            got = ctx.engine.generate(requests)
+            sync_device(ctx.config.device)
+            times[key].append(time.perf_counter() - start)
+            if key == "engine":
+                results = got
+            else:
+                eager = got
+        ctx.engine.cuda_graphs = graphs
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=attention, do_sample=True, max_new_tokens=new_tokens,
@@ -134,17 +155,26 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
         sync_device(ctx.config.device)
         times["generate"].append(time.perf_counter() - start)
     engine_tokens = sum(len(r.output_ids) for r in results)
+    same = all(a.output_ids == b.output_ids and a.logprobs == b.logprobs for a, b in zip(results, eager))
     return {"engine_tok_s": engine_tokens / statistics.median(times["engine"][1:]),
+            "eager_tok_s": engine_tokens / statistics.median(times["eager"][1:]), "graphs_same_bits": same,
             "generate_tok_s": len(prompts) * new_tokens / statistics.median(times["generate"][1:]),
             "engine_tokens": engine_tokens}
 
 
 def bare_train_step(ctx, state, repeats: int = 2) -> float:
-    """The same batch through the same model and AdamW, the same micro-batches and PPO-clip loss, nothing else."""
+    """The same batch through the same model, the same micro-batches and PPO-clip loss and the same optimizer as
+    the trainer (fused AdamW; for a bf16 model over fp32 master weights, its gradients added into fp32 master
+    gradients after each micro-batch), nothing else: no checksums, no metrics, no recording."""
     from rlbench.core import algo
 
     model, batch = ctx.trainer.model, state.batch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.config.train.lr)
+    for hook in getattr(ctx.trainer.masters, "hooks", ()):  # the trainer's own mixed precision: off from here on
+        hook.remove()
+    params = list(model.parameters())
+    mixed = params[0].dtype != torch.float32
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params] if mixed else params
+    optimizer = torch.optim.AdamW(masters, lr=ctx.config.train.lr, fused=True)
     n, micro = batch.tokens.shape[0], ctx.config.train.micro_batch_size
     per_minibatch = n // ctx.config.train.minibatches
     times = []
@@ -162,8 +192,15 @@ def bare_train_step(ctx, state, repeats: int = 2) -> float:
                 adv = batch.advantages[index].to(ctx.config.device)[:, None]
                 loss = (torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * mask).sum() / mask.sum()
                 (loss * (index.stop - index.start) / per_minibatch).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if mixed:
+                    for p, master in zip(params, masters):
+                        master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+                        p.grad = None
+            torch.nn.utils.clip_grad_norm_(masters, 1.0)
             optimizer.step()
+            if mixed:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, masters)
         sync_device(ctx.config.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
@@ -175,6 +212,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=2, help="timed generations and bare steps (after a warm-up)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {gpu}; torch {torch.__version__}")
@@ -182,24 +221,34 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             config = load_config(model__path=str(model_dir(Path(tmp), shape)), model__init="random",
                                  model__dtype="bfloat16", device=args.device, deterministic=True,
-                                 steps=args.steps + 1, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
+                                 steps=args.steps + 10, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
                                  rollout__n_samples_per_prompt=8, rollout__max_new_tokens=args.new_tokens,
-                                 train__minibatches=4, train__micro_batch_size=16)
+                                 train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6)
             ctx = build(config)
             clock = Clock(args.device)
             stages = step_by_stage(ctx, args.steps, clock)
             step = sum(v for k, v in stages.items() if k != "checksums")
             share = (stages["checksums"] + stages["record"]) / step
-            gen = generation(ctx, args.new_tokens)
+            gen = generation(ctx, args.new_tokens, args.repeats)
             state = loop.StepState(args.steps + 1)
             for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
                 stage(ctx, state)
-            bare = bare_train_step(ctx, state)
+            bare = bare_train_step(ctx, state, args.repeats)
+            checkpoint_s = float("nan")
+            if not args.no_checkpoint:
+                sync_device(args.device)
+                start = time.perf_counter()
+                loop.checkpoint(ctx, args.steps + 1)  # not a stage of every step: written every checkpoint_every steps
+                ctx.writer.flush()
+                sync_device(args.device)
+                checkpoint_s = time.perf_counter() - start
             print(f"{shape}: step {step:.2f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
             print(f"  checksums + recording: {share * 100:.1f}% of the step (issue: <= 3%)")
+            print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint_s:.2f} s")
             print(f"  generation: engine {gen['engine_tok_s']:.0f} tok/s, transformers generate "
                   f"{gen['generate_tok_s']:.0f} tok/s: x{gen['engine_tok_s'] / gen['generate_tok_s']:.2f} "
-                  f"(issue: >= 5)")
+                  f"(issue: >= 5); without CUDA graphs {gen['eager_tok_s']:.0f} tok/s; graphs and eager the same "
+                  f"bits: {gen['graphs_same_bits']}")
             print(f"  train stage {stages['train']:.3f} s vs a bare torch step {bare:.3f} s: "
                   f"x{stages['train'] / bare:.2f} (issue: <= 1.2)")
             ctx.writer.close()

@@ -59,7 +59,9 @@ class ModelConfig:
 
     path: str = str(FIXTURES / "models" / "tiny-qwen3")
     tokenizer: str = str(FIXTURES / "tokenizers" / "qwen-tiny")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float64"] = setting("float32",
+        "Parameter and compute dtype. float64: the CPU only, with the embedded engine (hf) and either trainer: the "
+        "precision for TP/DP invariance checks, where float32's reduction-order noise (~1e-6 relative) hides bugs.")
     init: Literal["checkpoint", "random"] = setting("random",
         "Initial weights. checkpoint: the model directory's safetensors (one file, or the shards of its index). "
         "random: seeded random weights, for a directory without weights.")
@@ -67,7 +69,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         text(self.path, "model.path")
         text(self.tokenizer, "model.tokenizer")
-        check(self.dtype in ("float32", "bfloat16"), "model.dtype", "float32 or bfloat16", self.dtype)
+        check(self.dtype in ("float32", "bfloat16", "float64"), "model.dtype", "float32, bfloat16 or float64",
+              self.dtype)
         check(self.init in ("checkpoint", "random"), "model.init", "checkpoint or random", self.init)
 
 
@@ -120,6 +123,10 @@ class RolloutConfig:
     # one request at a time); both are batch-invariant (rlbench/backends/hf_engine.py).
     decode: Literal["batched", "per-sample"] = "batched"
     decode_batch_size: int = 64  # rows of every batched decode forward (fixed: padding fills it)
+    cuda_graphs: bool = setting(True,
+        "The embedded engine on a GPU: each batched decode forward is captured once per shape as a CUDA graph and "
+        "replayed (one launch a token instead of a few a layer; the same kernels, so the same bits). false: launched "
+        "kernel by kernel. No effect on the CPU.")
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
@@ -159,6 +166,7 @@ class RolloutConfig:
             "rollout.stop_token_ids", "a list of token ids", self.stop_token_ids)
         check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
         number(self.decode_batch_size, "rollout.decode_batch_size", 1, 100_000, integer=True)
+        check(isinstance(self.cuda_graphs, bool), "rollout.cuda_graphs", "true or false", self.cuda_graphs)
         self._check_sglang()
 
     def _check_sglang(self) -> None:
@@ -356,6 +364,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
     micro_batch_size: int = 64  # also the no-grad log-prob pass: one forward for the default step
+    max_tokens_per_micro_batch: int | None = setting(None,
+        "Micro-batches sized by tokens (slime's --use-dynamic-batch-size --max-tokens-per-gpu): a minibatch's samples "
+        "packed first-fit by length, each micro-batch at most this many tokens (a longer sample alone); also the "
+        "log-prob pass. None: micro_batch_size samples each.")
     grad_clip: float = 1.0
     megatron: dict = field(default_factory=dict)
 
@@ -372,6 +384,8 @@ class TrainConfig:
         number(self.adam_eps, "train.adam_eps", 0, 1, open_low=True)
         number(self.minibatches, "train.minibatches", 1, 100_000, integer=True)
         number(self.micro_batch_size, "train.micro_batch_size", 1, 100_000, integer=True)
+        if self.max_tokens_per_micro_batch is not None:
+            number(self.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch", 1, 2**31 - 1, integer=True)
         number(self.grad_clip, "train.grad_clip", 0, 1e6, open_low=True)
 
 
@@ -421,6 +435,12 @@ class RunConfig:
         number(self.threads, "threads", 1, 1024, integer=True)
         check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
                "cpu, cuda or cuda:N", self.device)
+        if self.model.dtype == "float64":  # the CPU invariance check's precision, run where it runs
+            check(self.device == "cpu", "model.dtype", f"float32 or bfloat16 on {self.device} (float64 runs on the "
+                  "CPU only)", self.model.dtype)
+            check(self.rollout.backend == "hf" or self.mode == "train-only", "model.dtype",
+                  "float32 or bfloat16 with the sglang rollout (SGLang serves no float64; float64 runs with the "
+                  "embedded engine, hf)", self.model.dtype)
         number(self.tp, "tp", 1, 1024, integer=True)
         number(self.dp, "dp", 1, 1024, integer=True)
         check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
@@ -430,7 +450,8 @@ class RunConfig:
         else:
             check(not self.rollout.true_on_policy, "rollout.true_on_policy",
                    "false with the megatron trainer (the engine cannot run its forward)", self.rollout.true_on_policy)
-            check(self.model.dtype == "float32", "model.dtype", "float32 with the megatron trainer", self.model.dtype)
+            check(self.model.dtype in ("float32", "float64"), "model.dtype", "float32 or float64 with the megatron "
+                  "trainer", self.model.dtype)
             check(self.device == "cpu" or self.tp * self.dp == 1 or self.device == "cuda", "device",
                    "cuda (rank r takes cuda:r) when the megatron trainer spans ranks", self.device)
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
@@ -483,7 +504,8 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     elif default is None and key == "algo.eps_clip_c":  # a number or unset
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
-    elif default is None and (key.endswith("seed") or key.endswith("num_cpus")):
+    elif default is None and (key.endswith("seed") or key.endswith("num_cpus")
+                              or key == "train.max_tokens_per_micro_batch"):  # an integer or unset
         check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
         text(value, key)

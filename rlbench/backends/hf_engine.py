@@ -86,20 +86,26 @@ class KVStore:
 
     def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None):
         self.keys, self.values = keys or [], values or []
-        self.column: int | None = None
+        self.column: torch.Tensor | None = None  # [1] long, on the buffers' device: where a fixed store writes
 
     @classmethod
     def fixed(cls, config, rows: int, width: int, dtype: torch.dtype, device: str) -> KVStore:
+        """Zeroed buffers [rows, kv heads, width, head dim] per layer, written one column a token."""
         shape = (rows, config.num_key_value_heads, width, _head_dim(config))
         layers = config.num_hidden_layers
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+        store = cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+        store.column = torch.zeros(1, dtype=torch.long, device=device)
+        return store
+
+    def zero_(self) -> None:
+        for tensor in (*self.keys, *self.values):
+            tensor.zero_()
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.column is not None:
-            span = slice(self.column, self.column + keys.shape[2])
-            self.keys[layer_idx][:, :, span] = keys
-            self.values[layer_idx][:, :, span] = values
+        if self.column is not None:  # a device tensor, not an int: a captured CUDA graph replays it with new values
+            self.keys[layer_idx].index_copy_(2, self.column, keys)
+            self.values[layer_idx].index_copy_(2, self.column, values)
         elif layer_idx == len(self.keys):
             self.keys.append(keys)
             self.values.append(values)
@@ -119,6 +125,70 @@ class KVStore:
                 mine[layer][rows, :, : tensor.shape[2]] = tensor[source_rows]
 
 
+class EagerDecode:
+    """A chunk's decode forwards launched as they come, over a fixed store of `rows` x `length` columns."""
+
+    def __init__(self, engine: HFEngine, rows: int, length: int):
+        self.engine = engine
+        config = engine.model.config
+        self.kv = KVStore.fixed(config, rows, length, engine.model.dtype, engine.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int) -> torch.Tensor:
+        """Logits [rows, vocab] of one decode step; its keys and values go to column `column`."""
+        self.kv.column.fill_(column)
+        return self.engine._forward(tokens, positions, self.kv, mask.to(self.engine.device))
+
+
+class GraphDecode(EagerDecode):
+    """The same forward captured once as a CUDA graph for its (rows, length) and replayed every step: one
+    launch instead of a few per layer, the same kernels on the same shapes, so the same bits as
+    `EagerDecode` (tests/gpu/test_engine_cuda.py). Inputs are copied into the graph's own tensors and the
+    logits it returns are a copy (the next replay overwrites its output). Reused chunk after chunk: `claim`
+    zeroes its store (a store's unwritten columns are zeros, as a fresh one's) and marks it taken until
+    `release`, so two interleaved generations never share one."""
+
+    def __init__(self, engine: HFEngine, rows: int, length: int):
+        super().__init__(engine, rows, length)
+        device = engine.device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # lazy set-ups (cuBLAS handles, workspaces) happen here, not in the capture
+            for _ in range(2):
+                engine._forward(self.tokens, self.positions, self.kv, self.mask)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # Deterministic mode fills every new tensor with NaN first (a guard against reading memory nothing wrote):
+        # a few hundred fill kernels a step. The graph's forward writes every tensor it reads, as the eager forward
+        # does (tests/gpu/test_engine_cuda.py holds their bits equal), so its capture leaves the fills out.
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.logits = engine._forward(self.tokens, self.positions, self.kv, self.mask)
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+        self.taken = False
+
+    def claim(self) -> GraphDecode:
+        self.kv.zero_()
+        self.taken = True
+        return self
+
+    def release(self) -> None:
+        self.taken = False
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.mask.copy_(mask)
+        self.kv.column.fill_(column)
+        self.graph.replay()
+        return self.logits.clone()
+
+
 def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
     """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob, from the log-softmax
     `choose` reports its log-probs from (the same expression over the same rows: the same bits)."""
@@ -126,6 +196,34 @@ def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tup
     logp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
     values, ids = torch.topk(logp[row], min(n, logp.shape[-1]))
     return list(zip(values.tolist(), ids.tolist()))
+
+
+GROUPED = "rlbench_grouped"  # the batched path's attention on a GPU (registered with transformers on first use)
+
+
+def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor, scaling: float, **_) -> tuple[torch.Tensor, None]:
+    """Attention for the batched path's forwards on a GPU, registered with transformers as `rlbench_grouped`.
+    SDPA with a mask does not take grouped keys (GQA): transformers copies every key/value head to each of its
+    query heads first, the whole cache twice a layer at each decode step. Here each key/value head's query heads
+    are the rows of one matrix product over that head's cache, read once: scores [rows x kv heads, group x q,
+    length], the mask, a float32 softmax cast back (transformers' eager attention's arithmetic), times the values.
+    Each row is its own slices of batched matrix products of fixed shapes: batch invariance holds as before."""
+    rows, heads, q, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads  # query head h reads key/value head h // group, as transformers' repeat_kv pairs them
+    scores = torch.bmm(query.reshape(rows * kv_heads, group * q, dim),
+                       key.reshape(rows * kv_heads, length, dim).transpose(1, 2)) * scaling
+    visible = attention_mask[:, None].expand(rows, kv_heads, group, q, length).reshape(rows * kv_heads, group * q, length)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
+    out = torch.bmm(weights.to(value.dtype), value.reshape(rows * kv_heads, length, dim))
+    return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+def _register_grouped() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED, grouped_attention)
 
 
 def _head_dim(config) -> int:
@@ -136,7 +234,8 @@ class HFEngine:
     """Holds its own copy of the policy, as a real engine does; weights arrive through `update_weights`."""
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu", engine_id: str = "hf:0",
-                 true_on_policy: bool = False, decode: str = "batched", batch_size: int = 64):
+                 true_on_policy: bool = False, decode: str = "batched", batch_size: int = 64,
+                 cuda_graphs: bool = True):
         if decode not in DECODES:
             raise BadInput(f"expected one of {', '.join(DECODES)}, got {decode!r}", field="rollout.decode")
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
@@ -151,6 +250,14 @@ class HFEngine:
         self.engine_id = engine_id
         self.weight_version = 0
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
+        # On a GPU the batched path's forwards attend with `grouped_attention`; the per-sample path (the reference)
+        # and true on-policy rescoring keep the model's own attention (the trainer's).
+        self.grouped = torch.device(device).type == "cuda"
+        if self.grouped:
+            _register_grouped()
+        self.own_attention = self.model.config._attn_implementation
+        self.graphs: dict[tuple[int, int], list[GraphDecode]] = {}  # (rows, length) -> captured decodes, kept
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -178,9 +285,16 @@ class HFEngine:
                  mask: torch.Tensor | None) -> torch.Tensor:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole
-        batch for padding). A None mask is causal for a prefill and all-visible for one token."""
-        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device), past_key_values=kv,
-                         attention_mask={"full_attention": mask}, use_cache=True, logits_to_keep=1)
+        batch for padding). A None mask is causal for a prefill and all-visible for one token (the
+        per-sample path); a mask given is the batched path's, which attends with `grouped_attention` on a GPU."""
+        if self.grouped and mask is not None:
+            self.model.config._attn_implementation = GROUPED
+        try:
+            out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                             past_key_values=kv, attention_mask={"full_attention": mask}, use_cache=True,
+                             logits_to_keep=1)
+        finally:
+            self.model.config._attn_implementation = self.own_attention
         return out.logits[:, -1].float()
 
     def _alone_steps(self, requests: Sequence[GenerateRequest], decoding: Decoding) -> Generator[None, None, list]:
@@ -220,6 +334,18 @@ class HFEngine:
             logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
         decoding.finished[index] = finish
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
+
+    def _decoder(self, rows: int, length: int) -> EagerDecode:
+        """The decode for a chunk: a free captured graph of that shape (captured on first use) on a GPU with
+        `cuda_graphs`, else eager. Graphs are kept for the engine's life: a run has few shapes (its buckets)."""
+        if not self.cuda_graphs:
+            return EagerDecode(self, rows, length)
+        kept = self.graphs.setdefault((rows, length), [])
+        free = next((graph for graph in kept if not graph.taken), None)
+        if free is None:
+            free = GraphDecode(self, rows, length)
+            kept.append(free)
+        return free.claim()
 
     def _generate_batched(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         return _run(self._batched_steps(requests, Decoding.fresh(len(requests))))
@@ -277,48 +403,55 @@ class HFEngine:
         which = torch.tensor([distinct.index(r.prompt_ids) for r in reqs])
         logits = torch.zeros(rows, self.vocab, device=self.device)
         logits[:count] = first_logits[which.to(self.device)]
-        kv = visible = starts = None  # the decode's store, made once a second token is needed
+        decoder = visible = starts = None  # the decode and its store, made once a second token is needed
         sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
         outputs = [decoding.outputs[i] for i in indices]
         logprobs = [decoding.logprobs[i] for i in indices]
         finish = ["length"] * count
         done = [False] * count
         quiet = torch.full((self.vocab,), 0.5)  # finished and padding rows draw nothing
-        for step in range(new):
-            uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)] + [quiet] * (rows - count))
-            tokens, chosen = choose(logits, uniform, sampling)
-            for row, (token, logprob) in enumerate(zip(tokens.tolist()[:count], chosen.tolist())):
-                if done[row]:
-                    continue
-                outputs[row].append(token)
-                logprobs[row].append(logprob)
-                if indices[row] in decoding.top_n:
-                    decoding.top[indices[row]].append(_top(logits, sampling, row, decoding.top_n[indices[row]]))
-                if token in reqs[row].stop_token_ids:
-                    finish[row], done[row] = "stop", True
-                done[row] = done[row] or len(outputs[row]) == new
-                if done[row]:
-                    decoding.finished[indices[row]] = finish[row]
-            if all(done):
-                break
-            yield
-            for row in range(count):
-                if not done[row] and indices[row] in decoding.ended:
-                    finish[row], done[row] = decoding.ended[indices[row]], True
-                    decoding.finished[indices[row]] = finish[row]
-            if all(done):
-                break
-            if kv is None:
-                kv = KVStore.fixed(self.model.config, rows, width + new, self.model.dtype, self.device)
-                kv.put(slice(0, count), which.to(self.device), prefill)
-                visible = torch.zeros(rows, width + new, dtype=torch.bool)
-                visible[:count, :width] = prompt_visible[which]
-                starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
-                starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
-            visible[:, width + step] = True  # padding rows see their own token: no all-masked row
-            kv.column = width + step
-            logits = self._forward(tokens[:, None], (starts + step)[:, None], kv,
-                                   visible[:, None, None, :].to(self.device))
+        try:  # a generation abandoned at a yield (its driver closed it) frees its graph too
+            for step in range(new):
+                uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)]
+                                      + [quiet] * (rows - count))
+                tokens, chosen = choose(logits, uniform, sampling)
+                # one copy to the host a step: ids and float32 log-probs are both exact in float64
+                picked = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
+                for row, (token, logprob) in enumerate(zip(picked[0][:count], picked[1])):
+                    token = int(token)
+                    if done[row]:
+                        continue
+                    outputs[row].append(token)
+                    logprobs[row].append(logprob)
+                    if indices[row] in decoding.top_n:
+                        decoding.top[indices[row]].append(_top(logits, sampling, row, decoding.top_n[indices[row]]))
+                    if token in reqs[row].stop_token_ids:
+                        finish[row], done[row] = "stop", True
+                    done[row] = done[row] or len(outputs[row]) == new
+                    if done[row]:
+                        decoding.finished[indices[row]] = finish[row]
+                if all(done):
+                    break
+                yield
+                for row in range(count):
+                    if not done[row] and indices[row] in decoding.ended:
+                        finish[row], done[row] = decoding.ended[indices[row]], True
+                        decoding.finished[indices[row]] = finish[row]
+                if all(done):
+                    break
+                if decoder is None:
+                    decoder = self._decoder(rows, width + new)
+                    decoder.kv.put(slice(0, count), which.to(self.device), prefill)
+                    visible = torch.zeros(rows, width + new, dtype=torch.bool)
+                    visible[:count, :width] = prompt_visible[which]
+                    starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
+                    starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
+                visible[:, width + step] = True  # padding rows see their own token: no all-masked row
+                logits = decoder.forward(tokens[:, None], (starts + step)[:, None].to(self.device),
+                                         visible[:, None, None, :], width + step)
+        finally:
+            if isinstance(decoder, GraphDecode):
+                decoder.release()
         for row in range(count):
             decoding.finished.setdefault(indices[row], finish[row])
         return [GenerateResult(tuple(o), tuple(lp), f, self.engine_id, self.weight_version)

@@ -151,7 +151,8 @@ def make_hf_engine(config: RunConfig, model: torch.nn.Module, start: int, device
 
     rollout = config.rollout
     engine = HFEngine(model, device=device, engine_id=engine_id, true_on_policy=rollout.true_on_policy,
-                      decode=rollout.decode, batch_size=rollout.decode_batch_size)
+                      decode=rollout.decode, batch_size=rollout.decode_batch_size,
+                      cuda_graphs=rollout.cuda_graphs)
     engine.weight_version = start
     return engine
 

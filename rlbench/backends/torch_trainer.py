@@ -1,9 +1,16 @@
 """The embedded trainer (`torch`): the transformers model, AdamW, micro-batches, gradient clipping.
 
 One rollout step of training is `minibatches` optimizer steps over a seeded permutation of
-the step's samples; each optimizer step accumulates gradients over micro-batches of at most
-`micro_batch_size` samples. Sequences are right-padded, so causal attention never lets a real
-token see padding and no attention mask is needed. Checkpoints are safetensors + JSON.
+the step's samples; each optimizer step accumulates gradients over micro-batches: of at most
+`micro_batch_size` samples, or, with `max_tokens_per_micro_batch`, packed first-fit by the samples'
+lengths as slime's `--use-dynamic-batch-size --max-tokens-per-gpu` packs them (each micro-batch is
+then padded to its longest sample). Sequences are right-padded, so causal attention never lets a
+real token see padding and no attention mask is needed. Checkpoints are safetensors + JSON.
+
+A model in bf16 (or fp16) trains in mixed precision as Megatron's optimizer does it: the forward
+and backward run in the model's dtype, each micro-batch's gradients are added into fp32 gradients of
+fp32 master weights, AdamW's state and update are fp32, and after each optimizer step the model's
+parameters are the masters rounded to its dtype (`MasterWeights`). A float32 model trains as it is.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class TorchTrainer:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo_config: AlgoConfig,
                  temperature: float, seed: int, device: str = "cpu", reference: torch.nn.Module | None = None):
         self.model = model.to(device)
+        self.masters = MasterWeights(self.model) if _low_precision(self.model) else None
         self.train_config, self.algo_config = train, algo_config
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
@@ -48,12 +56,28 @@ class TorchTrainer:
             self.reference = reference.eval().requires_grad_(False)
         # fused: its sqrt is the exact vector instruction; the for-loop AdamW calls torch.sqrt, which on
         # the CPU is MKL's VML and rounds differently on AMD and Intel (rlbench/numerics.py).
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
+        params = self.masters.params.values() if self.masters else model.parameters()
+        self.optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas,
                                            eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
 
-    def _micro_batches(self, n: int):
-        size = self.train_config.micro_batch_size
-        return [range(i, min(i + size, n)) for i in range(0, n, size)]
+    def _micro_batches(self, lengths: Sequence[int]) -> list[Sequence[int]]:
+        """Positions 0..len(lengths)-1 in micro-batches: `micro_batch_size` at a time, or first-fit packed
+        by length under `max_tokens_per_micro_batch` (slime's rule: a longer sample sits alone)."""
+        n, cap = len(lengths), self.train_config.max_tokens_per_micro_batch
+        if cap is None:
+            size = self.train_config.micro_batch_size
+            return [range(i, min(i + size, n)) for i in range(0, n, size)]
+        bins: list[list[int]] = []
+        sums: list[int] = []
+        for position, length in enumerate(lengths):
+            fit = next((j for j, total in enumerate(sums) if total + length <= cap), None)
+            if fit is None:
+                bins.append([position])
+                sums.append(length)
+            else:
+                bins[fit].append(position)
+                sums[fit] += length
+        return bins
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
@@ -66,37 +90,54 @@ class TorchTrainer:
             out = torch.zeros(tokens.shape, dtype=torch.float32)
             for i in range(tokens.shape[0]):
                 n = int(lengths[i]) if lengths is not None else tokens.shape[1]
-                out[i, :n] = algo.sequence_logprobs(model, tokens[i, :n], self.temperature, self.device)
+                out[i, :n] = algo.sequence_logprobs(model, tokens[i, :n], self.temperature, self.device).float()
             return out
-        parts = []
-        for mb in self._micro_batches(tokens.shape[0]):
-            ids = tokens[mb.start: mb.stop].to(self.device)
-            parts.append(algo.token_logprobs(self._logits(model, ids), ids, self.temperature).cpu())
-        return torch.cat(parts)
+        out = torch.zeros(tokens.shape, dtype=torch.float32)
+        real = _lengths(tokens, lengths)
+        for mb in self._micro_batches(real.tolist()):
+            rows = torch.as_tensor(list(mb))
+            # token-sized micro-batches are cut to their longest row; sample-sized ones keep the batch's width
+            trim = self.train_config.max_tokens_per_micro_batch is not None
+            width = int(real[rows].max()) if trim else tokens.shape[1]
+            ids = tokens[rows, :width].to(self.device)
+            # recorded as float32 (a float64 run computes them in float64 and records them rounded)
+            out[rows, :width] = algo.token_logprobs(self._logits(model, ids), ids, self.temperature).float().cpu()
+        return out
 
     def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Logits of the last `keep` positions of `ids` (None: all)."""
         return model(input_ids=ids, logits_to_keep=keep or 0, use_cache=False).logits  # a cache nothing reads
 
-    def _train_micro_batches(self, n: int):
-        """The micro-batches of a minibatch of `n` samples that this trainer (rank) computes."""
-        return self._micro_batches(n)
+    def _train_micro_batches(self, lengths: Sequence[int]):
+        """The micro-batches (positions in the minibatch) of a minibatch of samples of these lengths that
+        this trainer (rank) computes."""
+        return self._micro_batches(lengths)
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters:
+            self.model.zero_grad(set_to_none=True)
 
     def _finalize_grads(self) -> None:
         """After the micro-batches' backward passes, before the gradients are read."""
 
     def _named_grads(self):
-        """(Hugging Face name, full gradient) of every parameter, in the model's order."""
-        return ((name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
+        """(Hugging Face name, full gradient) of every parameter, in the model's order (the fp32 master
+        gradients in mixed precision: what the optimizer steps with)."""
+        named = self.masters.params.items() if self.masters else self.model.named_parameters()
+        return ((name, p.grad) for name, p in named if p.grad is not None)
 
     def _param_names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]
 
     def _clip_grads(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip))
+        params = self.masters.params.values() if self.masters else self.model.parameters()
+        return float(torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip))
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.masters:
+            self.masters.copy_to_model()
 
     def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
         """Every rank's share of the losses and metric sums, added up (one rank: as they are)."""
@@ -118,32 +159,37 @@ class TorchTrainer:
         per_update = n // cfg.minibatches
         # every gradient's lanes stay on its device until the step's end: one copy to the host a step
         grads = digest.Digests([None, *self._param_names()])  # None: all of them, in order; a name: its own
-        sums = dict.fromkeys(algo.loss_metric_names(acfg), 0.0)
+        # Metric sums and losses stay on the device until the step's end: no wait for the GPU mid-step.
+        # float64 sums: the same arithmetic as adding Python floats, in the same order.
+        sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in algo.loss_metric_names(acfg)}
         losses, grad_norms = [], []
+        lengths = _lengths(batch.tokens, batch.lengths)
+        # a minibatch's loss adds up in float32, or in float64 in a float64 run (then recorded rounded to float32)
+        wide = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.model.train()
         for update in range(cfg.minibatches):
             index = order[update * per_update: (update + 1) * per_update]
             # per-token loss: each micro-batch's masked sum over the whole minibatch's token count
             tokens = algo.token_denominator(batch.loss_mask[index]) if acfg.per_token_loss else None
             self._zero_grads()
-            total = torch.zeros((), dtype=torch.float32)
-            for mb in self._train_micro_batches(per_update):
-                weight = 1.0 if tokens is not None else (mb.stop - mb.start) / per_update
-                part = self._loss(batch, index[mb.start: mb.stop], weight=weight, sums=sums, tokens=tokens)
+            total = torch.zeros((), dtype=wide, device=self.device)
+            for mb in self._train_micro_batches(lengths[index].tolist()):
+                weight = 1.0 if tokens is not None else len(mb) / per_update
+                part = self._loss(batch, index[list(mb)], weight=weight, sums=sums, tokens=tokens)
                 part.backward()
-                total += part.detach().cpu()
+                total += part.detach()
             self._finalize_grads()
-            for name, grad in self._named_grads():
-                grads.add(name, grad, None, name)
+            grads.add_all((name, grad, (None, name)) for name, grad in self._named_grads())
             grad_norms.append(self._clip_grads())
-            self.optimizer.step()
+            self._optimizer_step()
             losses.append(total)
-        losses, sums = self._reduce_stats(torch.stack(losses), sums)
+        sums = {name: float(value) for name, value in sums.items()}
+        losses, sums = self._reduce_stats(torch.stack(losses).cpu(), sums)
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
         metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         param_grads = grads.hexdigests()
-        return algo.TrainStats(metrics=metrics, losses=losses, grads_digest=param_grads.pop(None),
+        return algo.TrainStats(metrics=metrics, losses=losses.float(), grads_digest=param_grads.pop(None),
                                param_grads=param_grads)
 
     def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict,
@@ -171,19 +217,30 @@ class TorchTrainer:
                                        entropy, acfg, algo.reducer(mask, tokens), given["ref_logprobs"],
                                        given["rollout_logprobs"])
         for key, value in terms.items():
-            sums[key] += float(value.detach()) * weight
+            sums[key] += value.detach().double() * weight
         return loss * weight
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        return {name: t.to("cpu") for name, t in named_weights(self.model).items()}
+        """The model's weights by Hugging Face name, where they live (on the GPU for a GPU run: checksums run
+        there and the engine copies from them device to device). Views of the parameters: read them before the
+        next optimizer step."""
+        return {name: t.detach() for name, t in named_weights(self.model).items()}
 
     def save_checkpoint(self) -> dict[str, bytes]:
-        """The checkpoint's files as bytes (the run directory writes them atomically)."""
+        """The checkpoint's files as bytes (the run directory writes them atomically); in mixed precision the
+        fp32 masters are kept as the optimizer state's `master/NAME` tensors."""
         from safetensors.torch import save
 
-        opt_tensors, meta = optimizer_state(self.optimizer, self.model)
+        named = self.masters.params if self.masters else dict(self.model.named_parameters())
+        opt_tensors, meta = optimizer_state(self.optimizer, named)
+        held = optimizer_tensors(self.optimizer, named)  # the same tensors, where they live: checksummed there
+        if self.masters:
+            held.update({f"master/{name}": p.detach() for name, p in named.items()})
+            opt_tensors.update({f"master/{name}": p.detach().cpu().contiguous() for name, p in named.items()})
+        # read back by load_checkpoint: a flipped bit in the optimizer state (or a master weight) is refused
+        meta["tensors_checksum"] = digest.tensors_digest(sorted(held.items()))
         return {
-            "model.safetensors": save({k: v.contiguous() for k, v in self.export_hf_weights().items()}),
+            "model.safetensors": save({k: v.cpu().contiguous() for k, v in self.export_hf_weights().items()}),
             "optimizer.safetensors": save(opt_tensors),
             "optimizer.json": (json.dumps(meta, sort_keys=True, indent=1) + "\n").encode(),
         }
@@ -195,13 +252,80 @@ class TorchTrainer:
         load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
         meta = read_json(directory / "optimizer.json")
         scalars = meta.get("scalars") if isinstance(meta, dict) else None
-        load_optimizer_state(self.optimizer, self.model, load_safetensors(directory / "optimizer.safetensors"),
-                             scalars, self.device, directory)
+        tensors = load_safetensors(directory / "optimizer.safetensors")
+        expected = meta.get("tensors_checksum") if isinstance(meta, dict) else None
+        if expected is not None and expected != digest.tensors_digest(sorted(tensors.items())):
+            raise BadInput("its tensors do not match the checksum optimizer.json holds for them (tensors_checksum): "
+                           "the checkpoint was changed or damaged after it was written",
+                           path=directory / "optimizer.safetensors")
+        if self.masters:
+            self.masters.load(tensors, directory)
+        named = self.masters.params if self.masters else dict(self.model.named_parameters())
+        load_optimizer_state(self.optimizer, named, tensors, scalars, self.device, directory)
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-    """AdamW's state as safetensors tensors (`field/param name`) and JSON (param groups, scalars)."""
-    names = {id(p): name for name, p in model.named_parameters()}
+def _low_precision(model: torch.nn.Module) -> bool:
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+
+
+def _lengths(tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """Each row's real length (the padded width where a batch does not say)."""
+    return lengths if lengths is not None else torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
+
+
+class MasterWeights:
+    """fp32 master copies of a bf16/fp16 model's parameters, by name. A hook on each parameter adds the
+    gradient its backward just accumulated (one micro-batch's, in the model's dtype) into the master's fp32
+    gradient and drops it, so micro-batches add up in fp32 (Megatron's `main_grad`); the optimizer steps the
+    masters; `copy_to_model` rounds them into the model's parameters."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = {name: p.detach().float().clone().requires_grad_(True) for name, p in model.named_parameters()}
+        self.hooks = [param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
+                      for name, param in model.named_parameters()]
+
+    @staticmethod
+    def _accumulate(master: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad.float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            param.grad = None
+        return hook
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for name, param in self.model.named_parameters():
+            param.copy_(self.params[name])
+
+    def load(self, tensors: dict[str, torch.Tensor], source: Path) -> None:
+        """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`)."""
+        for name, master in self.params.items():
+            value = tensors.pop(f"master/{name}", None)
+            if value is None or value.shape != master.shape:
+                raise BadInput(f"optimizer state: expected the fp32 master weight 'master/{name}' of shape "
+                               f"{tuple(master.shape)} (the model trains in mixed precision)", path=source)
+            with torch.no_grad():
+                master.copy_(value)
+        for name, param in self.model.named_parameters():  # model.safetensors must be these masters, rounded
+            if not torch.equal(self.params[name].to(param.dtype), param.detach()):
+                raise BadInput(f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
+                               "changed or damaged after it was written)", path=source / "model.safetensors")
+        self.copy_to_model()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """AdamW's state tensors (`field/param name`), where they live."""
+    names = {id(p): name for name, p in named.items()}
+    return {f"{key}/{names[id(param)]}": value.detach() for param, state in optimizer.state.items()
+            for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer,
+                    named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """AdamW's state as safetensors tensors (`field/param name`) and JSON (param groups, scalars); `named`:
+    the optimizer's parameters by name."""
+    names = {id(p): name for name, p in named.items()}
     tensors, scalars = {}, {}
     for param, state in optimizer.state.items():
         name = names[id(param)]
@@ -215,17 +339,20 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) ->
     return tensors, meta
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
-                         scalars: object, device: str, source: Path) -> None:
-    """The inverse of `optimizer_state`, every entry held to the model's parameters (BadInput naming `source`)."""
+def load_optimizer_state(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor],
+                         tensors: dict[str, torch.Tensor], scalars: object, device: str, source: Path) -> None:
+    """The inverse of `optimizer_state`, every entry held to the optimizer's parameters `named` (BadInput
+    naming `source`)."""
     if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                 for v in scalars.values()):
         raise BadInput("optimizer state: expected {\"scalars\": {name: number}}", path=source)
-    params = dict(model.named_parameters())
+    params = named
     for key, value in {**tensors, **scalars}.items():
         field, _, name = key.partition("/")
         if name not in params or field not in ("step", "exp_avg", "exp_avg_sq") or (
                 torch.is_tensor(value) and value.shape != params[name].shape):
             raise BadInput(f"optimizer state {key!r} fits no parameter of the model", path=source)
         state = optimizer.state[params[name]]
-        state[field] = value.to(device) if torch.is_tensor(value) else torch.tensor(float(value))
+        # a fused AdamW keeps its step count on the parameter's device (the for-loop one on the CPU)
+        home = params[name].device if optimizer.defaults.get("fused") else "cpu"
+        state[field] = value.to(device) if torch.is_tensor(value) else torch.tensor(float(value), device=home)

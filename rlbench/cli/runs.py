@@ -422,6 +422,8 @@ def _render_diff(res) -> None:
             style = "bold" if row["a"] != row["b"] else None
             around.add_row(str(row["step"]), row["metric"], f"{row['a']:.6g}", f"{row['b']:.6g}", style=style)
         stdout.print(around)
+    if res.advice:
+        stdout.print(f"advice: {res.advice}", markup=False, highlight=False, soft_wrap=True)
 
 
 import_app = typer.Typer(help="Turn other frameworks' dumps into rlbench recordings.", no_args_is_help=True)

@@ -61,6 +61,8 @@ ARGS: dict[str, SlimeArg] = {
     "--adam-eps": _arg("float", "train.adam_eps"),
     "--clip-grad": _arg("float", "train.grad_clip"),
     "--micro-batch-size": _arg("int", "train.micro_batch_size"),
+    "--use-dynamic-batch-size": _arg("flag", help="with --max-tokens-per-gpu: train.max_tokens_per_micro_batch"),
+    "--max-tokens-per-gpu": _arg("int", help="train.max_tokens_per_micro_batch, under --use-dynamic-batch-size"),
     "--tensor-model-parallel-size": _arg("int", "tp"),
     "--save": _arg("str", "out", help="the run directory (its checkpoints/ hold the checkpoints)"),
     "--save-interval": _arg("int", "checkpoint_every"),
@@ -204,6 +206,12 @@ def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> 
     fields["train.betas"] = betas
     fields["algo.eps_clip_high"] = given.get("--eps-clip-high", fields["algo.eps_clip"])
     fields["algo.kl_coef"] = given.get("--kl-loss-coef", 0.0) if given.get("--use-kl-loss") else 0.0
+    if given.get("--use-dynamic-batch-size") and given.get("--max-tokens-per-gpu") is None:
+        raise BadInput("max_tokens_per_gpu must be set when use_dynamic_batch_size is set (slime asserts the same)",
+                       field="--use-dynamic-batch-size")
+    # slime reads --max-tokens-per-gpu only under --use-dynamic-batch-size
+    fields["train.max_tokens_per_micro_batch"] = (given["--max-tokens-per-gpu"] if given.get("--use-dynamic-batch-size")
+                                                  else None)
     samples = given["--rollout-batch-size"] * fields["rollout.n_samples_per_prompt"]
     steps, batch = given.get("--num-steps-per-rollout"), given.get("--global-batch-size")
     if steps is not None:
@@ -228,6 +236,8 @@ def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> 
             sets["train.betas"] = betas
         elif name in ("--use-kl-loss", "--kl-loss-coef"):
             sets["algo.kl_coef"] = fields["algo.kl_coef"]
+        elif name in ("--use-dynamic-batch-size", "--max-tokens-per-gpu"):
+            sets["train.max_tokens_per_micro_batch"] = fields["train.max_tokens_per_micro_batch"]
         elif name in ("--global-batch-size", "--num-steps-per-rollout"):
             sets["train.minibatches"] = fields["train.minibatches"]
         elif name == "--eps-clip":

@@ -132,11 +132,16 @@ def whiten(values: torch.Tensor, token_counts: torch.Tensor, eps: float = 1e-8) 
     return ((x - mean) / math.sqrt(float(variance + eps))).to(values.dtype)
 
 
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in float32, or in their own dtype where it is wider (a float64 run stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(token t | tokens < t) as [n, L], from the logits of the last k positions of `tokens`
     [n, L] (k = L: all of them); positions they do not predict get 0 (position 0 always)."""
     k, length = logits.shape[1], tokens.shape[1]
-    scaled = logits[:, :-1].float()
+    scaled = _widened(logits[:, :-1])
     if temperature > 0:
         scaled = scaled / temperature
     picked = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, length - k + 1:, None]).squeeze(-1)
@@ -153,7 +158,7 @@ def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: fl
 def token_entropy(logits: torch.Tensor, temperature: float, length: int | None = None) -> torch.Tensor:
     """Entropy of the next-token distribution predicting token t, as [n, length], from the logits
     of the last k positions (as `token_logprobs`; length None: k); unpredicted positions get 0."""
-    scaled = logits[:, :-1].float()
+    scaled = _widened(logits[:, :-1])
     if temperature > 0:
         scaled = scaled / temperature
     logp = torch.log_softmax(scaled, dim=-1)

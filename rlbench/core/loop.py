@@ -237,7 +237,11 @@ def train(ctx: Context, state: StepState) -> None:
 def sync(ctx: Context, state: StepState) -> None:
     weights = ctx.trainer.export_hf_weights()
     ctx.engine.update_weights(weights, version=state.step + 1)
-    state.checksums["engine_weights"] = weight_check.check_engine(ctx.engine, weights, f"step {state.step}, sync")
+    # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums.
+    per_tensor = state.extra.get("param_digests", {}).get("weights")
+    known = (state.checksums["weights"], per_tensor) if per_tensor is not None else None
+    state.checksums["engine_weights"] = weight_check.check_engine(ctx.engine, weights, f"step {state.step}, sync",
+                                                                  known)
 
 
 def first_sync(ctx: Context, start: int) -> None:

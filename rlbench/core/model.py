@@ -24,7 +24,9 @@ from rlbench.errors import BadInput
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub: everything is local
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float64: the CPU's precision for invariance checks (TP/DP against one rank), where float32's reduction-order
+# noise (~1e-6 relative) would hide a real bug of that size (config.py refuses it elsewhere).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def load_tokenizer(path: str | Path):

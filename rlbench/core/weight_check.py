@@ -64,10 +64,12 @@ def check(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
         raise WeightMismatch(f"{when}: {labels[1]} weights differ from the {labels[0]}'s at {found}")
 
 
-def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str) -> str:
+def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str,
+                 digests: tuple[str, dict[str, str]] | None = None) -> str:
     """Every copy of the weights `engine` holds is `weights`, bit for bit; returns their digest (the
-    `engine_weights` checksum: the digest of what the engine holds, proven equal to `weights`)."""
-    whole, want = weights_digests(weights)  # one pass over the bytes for both
+    `engine_weights` checksum: the digest of what the engine holds, proven equal to `weights`). `digests`:
+    `weights_digests(weights)` where the caller has it already (the train stage's, of the same export)."""
+    whole, want = digests or weights_digests(weights)  # one pass over the bytes for both
     for holder, got in engine.weight_checksums().items():
         if got == want:
             continue

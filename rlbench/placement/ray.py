@@ -177,7 +177,8 @@ class RankWorker:
     is `wait`'s; the actor itself lives on until `kill` (then `poll` says so), unless its loop failed:
     then `poll` gives what a rank process would have exited with (SIGKILL's status for an actor that
     died, launch.PEER_LOST for a loop that failed because another rank died, 1 for any other failure),
-    so that rank 0 names a dead rank actor as it names a dead rank process."""
+    so that rank 0 names a dead rank actor as it names a dead rank process. launch.py's exit watcher
+    calls `wait()` on a thread of its own, which returns when the actor's loop ends or the actor dies."""
 
     def __init__(self, handle, done):
         self.handle, self.done, self.returncode = handle, done, None

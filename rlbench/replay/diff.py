@@ -44,6 +44,7 @@ class Difference:
     b: object = None
     max_abs: float | None = None
     count: int | None = None  # how many values differ
+    max_rel: float | None = None  # the largest |a - b| / max(|a|, |b|) among them, where values were compared
     notes: list[str] = field(default_factory=list)
 
 
@@ -60,6 +61,7 @@ class DiffResult:
     comparisons: int = 0  # (step, stage) pairs compared before the verdict
     stages_only: dict[str, list[str]] = field(default_factory=dict)  # {"A": [...], "B": [...]}: not comparable
     recordings_verified: dict[str, int] = field(default_factory=dict)  # {"A": steps, "B": steps}
+    advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
 
 
 def verify_recordings(run: RunDir) -> int:
@@ -136,7 +138,8 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
     delta = (a.double() - b.double()).abs()
     worst = int(delta.argmax())
     where = _token_place(ta, first) if key in TOKEN_STAGES.values() else f"sample {first}"
-    diff = Difference(step, stage, where, a[first].item(), b[first].item(), float(delta.max()), int((~same).sum()))
+    diff = Difference(step, stage, where, a[first].item(), b[first].item(), float(delta.max()), int((~same).sum()),
+                      _max_rel(a[~same], b[~same]) if a.is_floating_point() else None)
     if worst != first:
         place = _token_place(ta, worst) if key in TOKEN_STAGES.values() else f"sample {worst}"
         diff.notes.append(f"largest difference at {place}: {a[worst].item()!r} vs {b[worst].item()!r}")
@@ -287,7 +290,7 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
                            f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree")
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
     return DiffResult(str(run_a.root), str(run_b.root), steps, stages, tol, first, around, notes, comparisons, only,
-                      verified)
+                      verified, layout_advice(run_a.manifest, run_b.manifest, first))
 
 
 def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:
@@ -298,4 +301,44 @@ def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol)
         return None
     if bool(_close(torch.tensor(va, dtype=torch.float64), torch.tensor(vb, dtype=torch.float64), tol)):
         return None
-    return Difference(step, stage, f"metric {key}", va, vb, abs(va - vb), 1)
+    return Difference(step, stage, f"metric {key}", va, vb, abs(va - vb), 1,
+                      _max_rel(torch.tensor([va], dtype=torch.float64), torch.tensor([vb], dtype=torch.float64)))
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The largest |a - b| / max(|a|, |b|) over differing values (None where none is finite: NaN, inf)."""
+    a, b = a.double(), b.double()
+    rel = (a - b).abs() / torch.maximum(a.abs(), b.abs())
+    rel = rel[rel.isfinite()]
+    return float(rel.max()) if len(rel) else None
+
+
+# Rounding reaches these stages when only the reduction order differs (the engine's log-probs through the
+# weights the trainer synced); tokens, rewards and advantages part only by a discrete change.
+ROUNDED_STAGES = ("rollout_logprobs", "old_logprobs", "loss", "grads", "weights")
+# float32's TP/DP reduction-order noise, TP=2 against TP=1: 2.4e-6 relative in a minibatch loss at step 1 of
+# the default run, 2.5e-6 by step 9, and more as runs train apart; the q/k-norm all-reduce bug parts them by
+# 3.0e-6 (a small config, docs/benchmarks.md) to 2.0e-4 (the default run). Up to this gap, a float32
+# difference between layouts can be either.
+NOISE_GAP = 1e-3
+
+
+def layout_advice(manifest_a: dict, manifest_b: dict, first: Difference | None) -> str | None:
+    """Advice where two runs of different parallel layouts (tp, dp) part by a gap float32 rounding can make:
+    rerun both in float64, where that noise is ~1e-16 and a bug stays. None otherwise: no difference, the
+    same layout (or one the manifests do not say), both runs float64, a discrete stage, a large gap, or a gap
+    that is not known (a checksum alone)."""
+    if first is None or first.stage not in ROUNDED_STAGES or first.max_rel is None or first.max_rel > NOISE_GAP:
+        return None
+    configs = [m.get("config") if isinstance(m.get("config"), dict) else {} for m in (manifest_a, manifest_b)]
+    layouts = [(c.get("tp"), c.get("dp")) for c in configs]
+    dtypes = [c["model"].get("dtype") if isinstance(c.get("model"), dict) else None for c in configs]
+    if None in layouts[0] + layouts[1] or layouts[0] == layouts[1] or None in dtypes or dtypes == ["float64"] * 2:
+        return None
+    shown = "; ".join(f"{side}: tp {tp}, dp {dp}, {dtype}" for side, (tp, dp), dtype in zip("AB", layouts, dtypes))
+    return (f"the runs differ in parallel layout ({shown}) and part by {first.max_rel:.2g} relative, a gap float32 "
+            "rounding can make: TP/DP reduction order alone moves float32 values by ~1e-6 relative at the first "
+            "update, and more as the runs train apart, while a real bug such as an unreduced q/k-norm gradient parts "
+            "them by as little as 3e-6. To tell which, rerun both with dtype = \"float64\" in the [model] table of "
+            "--config (the CPU and the embedded engine only), where that noise is ~1e-16 and a bug stays as large, "
+            "and compare them with --rtol 1e-12")

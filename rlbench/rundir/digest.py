@@ -46,6 +46,7 @@ from rlbench.rundir.algorithm import CHECKSUM as ALGORITHM
 
 CHUNK = 1 << 14  # words per chunk: A's table (2 x 128 KiB) stays in the CPU's cache
 GROUP = 64  # chunks per device kernel: bounds the device's temporary product to 16 MiB
+BATCH_BYTES = 256 << 20  # `Digests.add_all` concatenates smaller device tensors into batches of about this size
 _PREFIX = f"rlbench checksum {ALGORITHM}\0".encode()  # a checksum of another algorithm never equals one of these
 _MASK = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -155,6 +156,28 @@ def _device_lanes(data: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
 
 
+def _device_lanes_many(datas: list[torch.Tensor]) -> torch.Tensor:
+    """[len(datas), 2] int64: the lanes of each uint8 tensor (all on one device), equal to `_device_lanes` of
+    each, from one concatenation, so a few hundred small tensors cost a few kernels instead of a few each. Every
+    tensor's bytes are zero-padded to whole chunks there: a word keeps its place in its chunk and its chunk its
+    place in its tensor, and the padding's zero words add nothing. Per-chunk sums are totalled per tensor as
+    differences of a running sum, which wraps like every other sum here."""
+    device, span = datas[0].device, CHUNK * 8
+    chunks = [-(-d.numel() // span) for d in datas]
+    zeros = torch.zeros(max(c * span - d.numel() for c, d in zip(chunks, datas)), dtype=torch.uint8, device=device)
+    pieces = []
+    for data, count in zip(datas, chunks):
+        pieces += [data, zeros[:count * span - data.numel()]]
+    words = torch.cat(pieces).view(torch.int64).view(-1, CHUNK)
+    a, b = _on_device("A", 0, device), _on_device("B", max(chunks) + 1, device)
+    place = torch.from_numpy(np.concatenate([np.arange(c) for c in chunks] + [np.zeros(0, np.int64)])).to(device)
+    sums = torch.cat([(words[g:g + GROUP].unsqueeze(1) * a).sum(dim=2) for g in range(0, words.shape[0], GROUP)]
+                     or [torch.zeros(0, 2, dtype=torch.int64, device=device)])
+    running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), (sums * b[place]).cumsum(dim=0)])
+    ends = torch.from_numpy(np.cumsum(chunks)).to(device)
+    return running[ends] - running[ends - torch.tensor(chunks, device=device)]
+
+
 def lanes(tensor: torch.Tensor, on_device: bool | None = None) -> torch.Tensor | tuple[int, int]:
     """The two lanes of `tensor`'s bytes, computed on its device: a pair of ints for a CPU tensor (numpy), a
     [2] int64 tensor on the device otherwise (`on_device=True` takes that path on the CPU too: the tests
@@ -192,6 +215,34 @@ class Digests:
         self._keys.update(dict.fromkeys(keys))
         self._entries.append((keys, header, lanes(tensor)))
 
+    def add_all(self, items: Iterable[tuple[str, torch.Tensor, tuple[Hashable, ...]]]) -> None:
+        """`add(name, tensor, *keys)` for each item, in order; tensors on a GPU smaller than BATCH_BYTES are
+        reduced together in batches (`_device_lanes_many`: the same lanes, a few kernels a batch)."""
+        batch: list[int] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal size
+            if batch:
+                rows = _device_lanes_many([_byte_view(self._entries[i][2]) for i in batch])
+                for row, i in enumerate(batch):
+                    self._entries[i] = (*self._entries[i][:2], rows[row])
+            batch.clear()
+            size = 0
+
+        for name, tensor, keys in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.is_cpu or nbytes >= BATCH_BYTES:
+                self.add(name, tensor, *keys)
+                continue
+            if size + nbytes > BATCH_BYTES or (batch and self._entries[batch[0]][2].device != tensor.device):
+                flush()
+            self._keys.update(dict.fromkeys(keys))
+            self._entries.append((keys, _header(name, tensor.dtype, tuple(tensor.shape), nbytes), tensor))
+            batch.append(len(self._entries) - 1)
+            size += nbytes
+        flush()
+
     def hexdigests(self) -> dict[Hashable, str]:
         """Each key's checksum: sha256 over the prefix and, for each tensor added to it in order, its header
         and its lanes (two little-endian uint64)."""
@@ -222,16 +273,15 @@ def _fetch(pending: list[torch.Tensor]) -> list[tuple[int, int]]:
 def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
     """Checksum of named tensors, in the order given (pass a dict sorted by name for weights)."""
     digests = Digests([None])
-    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
-        digests.add(name, tensor, None)
+    digests.add_all((name, tensor, (None,)) for name, tensor in (tensors.items() if isinstance(tensors, Mapping)
+                                                                   else tensors))
     return digests.hexdigests()[None]
 
 
 def weights_digests(weights: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
     """(weights_digest, tensor_digests) of a state dict from one pass over its bytes."""
     digests = Digests([None])
-    for name, tensor in sorted(weights.items()):
-        digests.add(name, tensor, None, ("tensor", name))
+    digests.add_all((name, tensor, (None, ("tensor", name))) for name, tensor in sorted(weights.items()))
     out = digests.hexdigests()
     return out.pop(None), {name: out[("tensor", name)] for name in weights}
 

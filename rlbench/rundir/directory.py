@@ -292,6 +292,10 @@ class RunWriter:
     def has_checkpoint(self, steps_done: int) -> bool:
         return (self.root / "checkpoints" / step_name(steps_done) / "state.json").is_file()
 
+    def flush(self) -> None:
+        """Wait for every queued write to land (and raise if one failed)."""
+        self._writer.flush()
+
     def close(self) -> None:
         """Wait for every queued write to land (and raise if one failed); then let the directory go."""
         try:

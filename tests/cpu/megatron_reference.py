@@ -42,18 +42,27 @@ def run_process(root: Path, name: str, *args: str):
     return run_cli("run", "-c", str(root / "s.toml"), "--out", str(root / name), "--json", *args, process=True)
 
 
-def reference_runs(tmp_path_factory, worker_id: str) -> Path:
-    """The directory holding s.toml (TOML) and its runs tp1 and tp2, made on first use (pytest-xdist's
-    recipe: a lock file in the directory the workers share)."""
+def made_once(tmp_path_factory, worker_id: str, name: str, make) -> Path:
+    """A directory shared by the session's xdist workers, filled by `make(root)` by the first to ask (pytest-xdist's
+    recipe: a lock file in the directory the workers share, and a mark once it is complete)."""
     base = tmp_path_factory.getbasetemp()
-    root = (base if worker_id == "master" else base.parent) / "megatron-parallel"
+    root = (base if worker_id == "master" else base.parent) / name
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / ".done").exists():
-            (root / "s.toml").write_text(TOML)
-            run(apply_overrides(load_config(root / "s.toml"), out=str(root / "tp1")))  # in-process: one rank
-            res = run_process(root, "tp2", "--tp", "2")
-            assert res.returncode == 0, res.stderr
+            make(root)
             (root / ".done").touch()
     return root
+
+
+def reference_runs(tmp_path_factory, worker_id: str) -> Path:
+    """The directory holding s.toml (TOML) and its runs tp1 and tp2, made on first use."""
+
+    def make(root: Path) -> None:
+        (root / "s.toml").write_text(TOML)
+        run(apply_overrides(load_config(root / "s.toml"), out=str(root / "tp1")))  # in-process: one rank
+        res = run_process(root, "tp2", "--tp", "2")
+        assert res.returncode == 0, res.stderr
+
+    return made_once(tmp_path_factory, worker_id, "megatron-parallel", make)

@@ -131,3 +131,33 @@ def test_different_seeds_sample_differently(setup):
     for engine in engines.values():
         results = engine.generate([GenerateRequest(prompts[0], s, 6, 1.0, (eos,)) for s in range(8)])
         assert len({r.output_ids for r in results}) > 1
+
+
+def test_grouped_attention_is_sdpa_to_rounding_and_keeps_the_property(setup):
+    """The GPU's attention for the batched path (`grouped_attention`: grouped keys read once, no copy per query
+    head), run here on the CPU: equal to SDPA over repeated keys to float32 rounding, and an engine attending
+    with it is still batch-invariant and agrees with the per-sample path."""
+    import torch
+
+    from rlbench.backends import hf_engine
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 4, 5, 8), (3, 2, 7, 8), (3, 2, 7, 8)))
+    mask = torch.rand(3, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True  # no row without a visible key
+    got, _ = hf_engine.grouped_attention(None, q, k, v, mask, scaling=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            attn_mask=mask, scale=0.125).transpose(1, 2)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    engines, prompts, eos, model = setup
+    grouped = HFEngine(model, batch_size=ROWS)
+    grouped.grouped = True
+    hf_engine._register_grouped()
+    batch = [_request(prompts, eos, (i % 13, 300 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 4)) for i in range(7)]
+    others = [_request(prompts, eos, (12, 9, 1.0, -1, 1.0, 4))]
+    assert _moved(grouped, batch, others, 3) == []
+    alone = engines["per-sample"].generate(batch)
+    mine = grouped.generate(batch)
+    assert [r.output_ids for r in mine] == [r.output_ids for r in alone]
+    assert max(abs(a - b) for x, y in zip(mine, alone) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
+    assert grouped.model.config._attn_implementation == grouped.own_attention  # restored after each forward

@@ -107,6 +107,22 @@ def test_every_dtype_empty_odd_sized_many_chunks_non_contiguous(dtype):
     assert _both(_random(dtype, 1).reshape(())) == _both(_random(dtype, 1))  # a scalar: its bytes
 
 
+def test_many_tensors_reduced_together_have_each_their_own_lanes():
+    """`_device_lanes_many` (how `Digests.add_all` reduces small GPU tensors in one concatenation) gives each tensor
+    the lanes it has alone: empty, one byte, a padded tail, several chunks and device groups, every dtype, a
+    non-contiguous view, in one batch; a flipped bit moves only its own tensor's lanes."""
+    tensors = [_random(dtype, n, seed=i) for i, (dtype, n) in enumerate(
+        [(torch.uint8, 0), (torch.uint8, 1), (torch.bfloat16, 7), (torch.float32, (8 * C + 13) // 4),
+         (torch.int64, (digest.GROUP + 2) * C + 1), (torch.bool, 5), (torch.float16, 3)])]
+    tensors.append(_random(torch.float32, 64 * 33).reshape(64, 33).T)
+    rows = digest._device_lanes_many([digest._byte_view(t) for t in tensors])
+    assert [digest.to_unsigned(r) for r in rows] == [digest.lanes(t) for t in tensors]
+    flipped = list(tensors)
+    flipped[3] = _flip(tensors[3], 8 * C + 1, 5)
+    again = [digest.to_unsigned(r) for r in digest._device_lanes_many([digest._byte_view(t) for t in flipped])]
+    assert [i for i, (x, y) in enumerate(zip(again, rows)) if x != digest.to_unsigned(y)] == [3]
+
+
 # ---------------------------------------------------------------- what a checksum catches
 
 

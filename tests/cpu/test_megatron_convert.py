@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from rlbench.backends.megatron import compat, convert, faults
+from rlbench.backends.megatron import convert, faults
 from rlbench.backends.megatron import model as mmodel
 from rlbench.config import FIXTURES
 from rlbench.core.model import build_model, load_model_config, named_weights
@@ -24,21 +23,6 @@ def hf():
 @pytest.fixture(scope="module")
 def dims():
     return mmodel.dims_of(load_model_config(MODEL), 2, MODEL)
-
-
-@pytest.fixture
-def one_rank():
-    """megatron-core's parallel state over a one-process gloo group, torn down afterwards."""
-    with mmodel.quiet():
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    compat.apply()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ps.initialize_model_parallel(1)
-    model_parallel_cuda_manual_seed(1)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def test_parameter_order_is_the_hf_models(hf, dims):

@@ -69,6 +69,7 @@ def test_step0_losses_match_the_torch_trainer_and_diff_names_where_they_part(run
     assert (first["step"], first["stage"]) == (0, "old_logprobs")  # the first stage the trainer computes
     assert first["where"].startswith("sample ") and "token" in first["where"]
     assert 0 < first["max_abs"] < 1e-5
+    assert json.loads(res.stdout)["advice"] is None  # one layout (tp 1, dp 1) and dtype: no float64 advice
 
 
 def test_replay_reproduces_a_megatron_run(runs, tmp_path):
@@ -126,7 +127,8 @@ def no_rank_starts(monkeypatch):
     ({"train__megatron": {"attention_backend": "flash"}},
      "attention_backend: expected AttnBackend (an enum, which a TOML table cannot give), got 'flash'"),
     ({"train__megatron": {"bf16": True}}, "train.megatron.bf16: expected false on the CPU, got True: the megatron "
-                                          "trainer trains in float32 there (megatron-core's bf16 runs on a GPU)"),
+                                          "trainer trains in model.dtype (float32 or float64) there (megatron-core's "
+                                          "bf16 runs on a GPU)"),
     ({"train__megatron": {"fp16": True}}, "train.megatron.fp16: expected false on the CPU"),
     ({"train__megatron": {"fp8": "e4m3"}}, "train.megatron.fp8: expected unset on the CPU, got 'e4m3'"),
     ({"train__megatron": {"num_attention_heads": 3}}, "num_attention_heads: set from the model's config.json"),

@@ -44,13 +44,6 @@ def ray_instance():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def reference(small_config, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run(apply_overrides(small_config, out=str(out)))
-    return out
-
-
 def _same_run(got: Path, want: Path) -> None:
     assert (got / "checksums.jsonl").read_bytes() == (want / "checksums.jsonl").read_bytes()
     strip = [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(got).metrics]
@@ -393,3 +386,47 @@ def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_in
     assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []
     assert [a["ActorClassName"] for a in during["actors"] if _running(a["Pid"])] == []
     assert _instance_processes_running_rlbench() == []
+
+
+@pytest.mark.slow  # actors importing megatron-core, twice (the run and its resume)
+def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_finishes_it(ray_instance, tmp_path_factory,
+                                                                                        worker_id, tmp_path,
+                                                                                        monkeypatch):
+    """`--placement ray --trainer megatron --tp 2`: as step 1 is about to train, the driver SIGKILLs rank 1's
+    actor process (its PID from Ray's actor table) and waits for it to be gone. The trainer actor names the dead
+    rank; the run stops with exit 2 and one line, step 0 committed and readable, no actor left; `--resume` (Ray
+    again) ends with the in-process TP=2 run's files for those steps."""
+    import signal
+
+    from rlbench.placement import ray as placement
+    from tests.conftest import cli
+
+    train_step, killed = placement.RayTrainer.train_step, []
+
+    def kill_rank_1(self, batch, step):
+        if step == 1 and not killed:
+            [rank_1] = [a for a in _actors() if a["ActorClassName"] == "RankActor" and a["State"] == "ALIVE"]
+            os.kill(rank_1["Pid"], signal.SIGKILL)
+            wait_gone([rank_1["Pid"]])
+            killed.append(rank_1["Pid"])
+        return train_step(self, batch, step)
+
+    monkeypatch.setattr(placement.RayTrainer, "train_step", kill_rank_1)
+    (tmp_path / "s.toml").write_text(TOML)
+    out = tmp_path / "ray-tp2"
+    res = cli("run", "-c", str(tmp_path / "s.toml"), "--steps", "2", "--tp", "2", "--placement", "ray", "--out", str(out))
+    assert killed and res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [
+        "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while running the logprobs command; the run "
+        "stopped (its committed steps are kept: rlbench run --resume RUN continues it)"], res.stderr
+    assert read_run(out).steps == [0]
+    assert all(g["state"] == "REMOVED" for g in ray_instance.util.placement_group_table().values())
+    assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []
+
+    monkeypatch.setattr(placement.RayTrainer, "train_step", train_step)
+    res = cli("run", "--resume", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    reference = reference_runs(tmp_path_factory, worker_id)  # the in-process TP=2 run (10 steps of this config)
+    assert (out / "checksums.jsonl").read_bytes().splitlines() == \
+        (reference / "tp2" / "checksums.jsonl").read_bytes().splitlines()[:2]
+    assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []

@@ -1,13 +1,16 @@
 """`rlbench serve --api-key` as SGLang's server does it: a request without the key gets 401
 {"error": "Unauthorized"} and changes nothing, /health* stays open; beyond loopback without a key the
 server refuses to start unless --allow-unauthenticated; weight updates read only below --weights-dir
-(default: the model directory); the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere."""
+(default: the model directory); the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere; with it
+set, `rlbench run --rollout sglang` starts keyed workers behind sglang-router and writes the in-process run's
+checksums, byte for byte."""
 
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,7 @@ from rlbench.config import FIXTURES, load_config
 from rlbench.errors import BadInput
 from rlbench.serve.app import authorized
 from rlbench.serve.server import ServeConfig, serve_in_thread
-from tests.conftest import cli
+from tests.conftest import cli, small_toml
 
 KEY = "k3y-not-to-be-seen"
 MODEL = str(FIXTURES / "models" / "tiny-qwen3")
@@ -123,3 +126,57 @@ def test_the_key_goes_to_workers_by_environment_never_the_command_line_or_the_ma
     monkeypatch.delenv("RLBENCH_SGLANG_API_KEY")
     monkeypatch.setenv("RLBENCH_SERVE_API_KEY", "left-over")
     assert "RLBENCH_SERVE_API_KEY" not in server_env(config)
+
+
+def test_a_keyed_run_through_the_router_to_a_keyed_worker_is_the_in_process_run(reference, tmp_path, monkeypatch):
+    """`rlbench run --rollout sglang` with RLBENCH_SGLANG_API_KEY set: the `rlbench serve` worker it starts
+    requires the key (a request without it, straight or through the router, gets 401 and changes nothing), the
+    router passes the client's key on, and the run writes the in-process run's checksums.jsonl byte for byte. The
+    key is on no command line, in no server log, in no file of the run directory and in nothing printed."""
+    from rlbench.backends.sglang.engine import SGLangEngine
+
+    monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
+    update, seen = SGLangEngine.update_weights, {}
+
+    def probed(self, weights, version):  # the run's first weight sync: its servers are up and keyed
+        if not seen:
+            generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            for url in (*self.fleet.workers, self.fleet.router):
+                seen[url] = [_call(url, "/generate", generate), _call(url, "/update_weights_from_disk",
+                                                                      {"model_path": MODEL, "weight_version": "x"})]
+            seen["commands"] = [Path(f"/proc/{p.popen.pid}/cmdline").read_bytes() for p in self.fleet.processes]
+            seen["logs"] = [log.read_bytes() for log in self.fleet.logs.iterdir()]
+        return update(self, weights, version)
+
+    monkeypatch.setattr(SGLangEngine, "update_weights", probed)
+    (tmp_path / "s.toml").write_text(small_toml(3))
+    out = tmp_path / "keyed"
+    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--sglang-server", "rlbench",
+              "--out", str(out), "--json")  # the default fleet: one server, behind a router
+    assert res.returncode == 0, res.stderr
+    assert (out / "checksums.jsonl").read_bytes() == (reference / "checksums.jsonl").read_bytes()
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    workers = manifest["engines"]
+    assert len(workers) == 1 and len(seen) == 1 + 1 + 2  # the worker and the router were asked
+    for url in workers:
+        assert seen[url] == [(401, {"error": "Unauthorized"})] * 2, url
+    router = next(url for url in seen if url not in workers and url not in ("commands", "logs"))
+    assert seen[router][0] == (401, {"error": "Unauthorized"})  # the router passes the worker's answer on
+    assert len(seen["commands"]) == 2 and not any(KEY.encode() in c for c in seen["commands"] + seen["logs"])
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert len(files) > 5 and not [path for path in files if KEY.encode() in path.read_bytes()]
+    assert KEY not in res.stdout + res.stderr
+
+
+def test_a_run_without_the_key_against_a_keyed_server_stops_in_one_line(keyed, tmp_path, monkeypatch):
+    """The other way: no RLBENCH_SGLANG_API_KEY, a server that needs one (behind the router the run starts):
+    exit 2, one line saying the key is needed, nothing written."""
+    monkeypatch.delenv("RLBENCH_SGLANG_API_KEY", raising=False)
+    (tmp_path / "s.toml").write_text(small_toml(1))
+    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--rollout-external-engine-addrs",
+              keyed.url, "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"rlbench: error: {keyed.url}/server_info: answered 401 Unauthorized: the fleet's api key "
+        "(RLBENCH_SGLANG_API_KEY) is needed: set it"], res.stderr
+    assert not (tmp_path / "o").exists()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import uuid
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rlbench.errors import WeightMismatch
 from rlbench.rundir.directory import read_run
 from tests.conformance.test_sglang_api import *  # noqa: F401,F403 - the conformance tests, run against `fleet`
 from tests.conftest import tagged_processes
+from tests.cpu.conftest import ThreadedApp
 
 # One xdist worker runs every test of this module (the conformance tests imported above too), so
 # the fleet is started once: `--dist loadgroup` (pyproject.toml) keeps a group on one worker.
@@ -33,13 +33,6 @@ pytestmark = pytest.mark.xdist_group("sglang-fleet")
 
 def _sglang(config, **overrides):
     return apply_overrides(config, rollout__backend="sglang", **overrides)
-
-
-@pytest.fixture(scope="module")
-def reference(small_config, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run(apply_overrides(small_config, out=str(out)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +77,15 @@ def test_a_run_through_the_router_is_the_in_process_run(small_config, fleet, ref
     assert manifest["versions"]["sglang-router"]
 
 
-class _Recorder:
-    """A stand-in SGLang worker (aiohttp, on a thread of this process) that keeps every /generate body
-    it receives and answers with a fixed, well-formed answer (and /weights_checker with `checksum`)."""
+class _Recorder(ThreadedApp):
+    """A stand-in SGLang worker that keeps every /generate body it receives and answers with a fixed,
+    well-formed answer (and /weights_checker with `checksum`)."""
 
     ANSWER = {"text": "", "output_ids": [5, 2], "meta_info": {
         "id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
         "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}}
 
     def __init__(self, checksum: dict | None = None):
-        import asyncio
-
         from aiohttp import web
 
         self.bodies: list[dict] = []
@@ -118,22 +109,7 @@ class _Recorder:
         app.router.add_get("/health", health)
         app.router.add_get("/server_info", info)
         app.router.add_get("/model_info", info)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        import asyncio
-
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()  # else its self-pipe is left for the garbage collector to warn about in a later test
+        super().__init__(app)
 
 
 def _missing(sent: dict, received: dict, prefix: str = "") -> list[str]:

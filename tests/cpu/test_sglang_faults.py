@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,14 +26,7 @@ from rlbench.core.loop import run
 from rlbench.errors import EngineUnavailable
 from rlbench.rundir.directory import read_run
 from tests.conftest import cli, small_toml, tagged_processes
-
-
-@pytest.fixture(scope="module")
-def reference(small_config, tmp_path_factory) -> Path:
-    """The undisturbed in-process run (read only by the tests)."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    run(apply_overrides(small_config, out=str(out)))
-    return out
+from tests.cpu.conftest import ThreadedApp
 
 
 def _checksums(run_dir: Path) -> bytes:
@@ -124,7 +115,7 @@ WRONG = {  # answers no SGLang should give, each with the field the run must nam
 }
 
 
-class SGLangShaped:
+class SGLangShaped(ThreadedApp):
     """`rlbench serve` (on a thread, the run's model and seed) behind an aiohttp proxy (on a thread) that
     answers /generate as SGLang 0.5.23 does: every answer with extra meta_info keys and a null text, and the
     n-th answer rewritten by `plan(n, answer, request body)` (an abort, a wrong answer, or itself). The other
@@ -141,16 +132,9 @@ class SGLangShaped:
             decode_batch_size=config.rollout.decode_batch_size,
             weights_dir=tempfile.gettempdir()))  # where the run's engine writes its weight versions
         self.plan, self.count, self.rewritten = plan, 0, 0
-        self.loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._proxy)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__(app)
 
     async def _proxy(self, request):
         import aiohttp
@@ -175,9 +159,7 @@ class SGLangShaped:
         return web.json_response(shaped)
 
     def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        super().close()
         self.backend.close()
 
 

@@ -76,3 +76,19 @@ def test_a_trainer_step_checksums_gradients_on_the_device_as_on_the_cpu():
     out = running.hexdigests()
     assert out[None] == digest.tensors_digest([(n, g.cpu()) for mb in grads for n, g in mb.items()])
     assert out["w"] == digest.tensors_digest([("w", mb["w"].cpu()) for mb in grads])
+
+
+def test_tensors_reduced_in_batches_on_the_gpu_keep_their_checksums(monkeypatch):
+    """`Digests.add_all` reduces small GPU tensors together (batches of BATCH_BYTES, here made small so a step's
+    worth of tensors spans several); every checksum equals the CPU's, and a flipped bit in one tensor changes that
+    tensor's checksum and the whole's, no other."""
+    monkeypatch.setattr(digest, "BATCH_BYTES", 3 * C * 8)
+    weights = {f"layer{i}.w": _random(DTYPES[i % len(DTYPES)], 1000 * i + 5, seed=i) for i in range(12)}
+    weights["big"] = _random(torch.float32, 4 * C * 2 + 1, seed=99)  # over BATCH_BYTES: reduced alone
+    on_gpu = {name: t.cuda() for name, t in weights.items()}
+    whole, each = digest.weights_digests(on_gpu)
+    assert (whole, each) == digest.weights_digests(weights)
+    raw = on_gpu["layer4.w"].view(torch.uint8).reshape(-1)
+    raw[17] ^= 4
+    whole2, each2 = digest.weights_digests(on_gpu)
+    assert whole2 != whole and [n for n in each if each[n] != each2[n]] == ["layer4.w"]

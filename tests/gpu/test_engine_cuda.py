@@ -46,3 +46,63 @@ def test_cuda_paths_agree():
     alone = HFEngine(model, device="cuda", decode="per-sample").generate(requests)
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     assert max(abs(a - b) for x, y in zip(batched, alone) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+# ---------------------------------------------------------------- the hypothesis property and CUDA graphs on the GPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from tests.cpu.test_batch_invariance import ROWS, NaiveEngine, _check_property, _moved, _request, batches  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The CPU property test's setup, on the GPU: the batched engine (CUDA graphs, grouped attention) and the
+    per-sample reference."""
+    config = load_config(device="cuda")
+    configure_determinism(config.threads, config.device, deterministic=True)
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
+    prompts.append(prompts[0] + prompts[1])
+    model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
+    engines = {"batched": HFEngine(model, device="cuda", batch_size=ROWS),
+               "per-sample": HFEngine(model, device="cuda", decode="per-sample")}
+    return engines, prompts, tokenizer.eos_token_id, model
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**batches)
+def test_cuda_batched_sample_does_not_depend_on_its_batch(setup, batch, others, same_prompt, order):
+    assert setup[0]["batched"].cuda_graphs
+    _check_property(setup, "batched", batch, others, same_prompt, order)
+
+
+def test_cuda_naive_batched_decode_breaks_the_property(setup):
+    _, prompts, eos, model = setup
+    naive = NaiveEngine(model, device="cuda")
+    batch = [_request(prompts, eos, (i % 13, 100 + i, 1.0, -1, 1.0, 6)) for i in range(6)]
+    others = [_request(prompts, eos, (12, 7, 1.0, -1, 1.0, 6))]
+    assert _moved(naive, batch, others, 0) != []
+
+
+def test_cuda_graphs_give_the_eager_bits_and_follow_weight_updates(setup):
+    """The captured decode replays the eager forward's kernels: the same tokens and log-probs, before and after a
+    weight update (the graph reads the parameters in place), and a graph is reused, not captured again."""
+    _, prompts, eos, model = setup
+    requests = [_request(prompts, eos, (i % 13, 50 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 12)) for i in range(9)]
+    graphs = HFEngine(model, device="cuda", batch_size=ROWS)
+    eager = HFEngine(model, device="cuda", batch_size=ROWS, cuda_graphs=False)
+    before = graphs.generate(requests)
+    assert before == eager.generate(requests)
+    captured = sum(len(kept) for kept in graphs.graphs.values())
+    assert captured >= 1
+    changed = {name: t * 1.01 for name, t in graphs.model.named_parameters()}
+    graphs.update_weights(changed, 1)
+    eager.update_weights(changed, 1)
+    after = graphs.generate(requests)
+    assert after == eager.generate(requests)
+    assert after != before  # the new weights were read
+    assert sum(len(kept) for kept in graphs.graphs.values()) == captured
+    assert not torch.cuda.is_current_stream_capturing()

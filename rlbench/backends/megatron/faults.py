@@ -10,8 +10,9 @@ environment). Each is a real bug of the kind users meet in Megatron-based RL sta
 
 `RLBENCH_MEGATRON_KILL=RANK:OP@N` kills a worker rank: rank RANK sends itself SIGKILL when it
 receives rank 0's N-th OP command (`init`, `logprobs`, `train_step`, `export`, `checkpoint`,
-`load`), as the OOM killer or a lost node would end it, at a place a test names instead of a time
-it guesses. Rank 0 must then stop the run cleanly, naming the rank and the command.
+`load`), or with OP `join`, after it signed in and before it enters init_process_group, as the OOM
+killer or a lost node would end it, at a place a test names instead of a time it guesses. Rank 0
+must then stop the run cleanly, naming the rank and the command (or the set-up).
 """
 
 from __future__ import annotations

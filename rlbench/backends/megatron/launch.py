@@ -28,8 +28,14 @@ A worker that dies (SIGKILL, the OOM killer, a lost node) closes its sockets, so
 the others are in fails (gloo: "Connection reset by peer"). A worker that fails that way exits
 quietly (PEER_LOST: it did not cause the stop); rank 0 waits a moment for the worker that did
 (`dead_rank`), stops the others, and raises `RankDied` naming it and the command the ranks were
-running: exit 2, one line, the committed steps intact for `--resume`. A worker that dies before
-it joins is named the same way (`join` waits on their sign-in, not on the group's rendezvous).
+running: exit 2, one line, the committed steps intact for `--resume`.
+
+A worker that dies while the ranks are set up (before it signed in, inside the rendezvous of
+init_process_group, or inside megatron-core's model-parallel init) is named as soon as it has
+exited, not after a timeout: a thread per worker waits for that worker's exit (a pidfd, or the
+handle's own `wait`), and the exit ends every wait rank 0 is in in `Watched`, its store as the
+sign-in and (gloo, the CPU) the groups' rendezvous see it, which raises RankDied (exit 2, one line,
+no torch timeout warning). On GPUs the NCCL groups meet in the store itself (`join` says why).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,9 +61,10 @@ PEER_LOST = 75  # a worker's exit code when its collective failed because anothe
 # How long rank 0 waits, after a collective failed, for the worker that died to show as exited: its sockets
 # close as it exits, so the failure and the exit are moments apart.
 DEATH_WAIT = 10.0
-# Making a process group waits in rank 0's store for every member, and a member that died never comes: the
-# groups are made with this timeout (then `settle` gives them the usual one), so that such a death is named
-# within it instead of after torch's default of 30 minutes.
+# Making a process group waits in rank 0's store for every member, and a member that died never comes. On the
+# CPU its exit ends the wait (`Watched`); a member that hangs alive, or one that died on a GPU, is named after
+# this timeout, which the groups are made with (then `settle` gives them the usual one), instead of after
+# torch's default of 30 minutes.
 SETUP_TIMEOUT = datetime.timedelta(minutes=2)
 JOIN_TIMEOUT = 600.0  # seconds a worker has to start (import torch and megatron-core) and reach rank 0's store
 
@@ -75,6 +84,7 @@ class Ranks:
     channel: object = None  # the gloo group commands travel on
     workers: list = field(default_factory=list)  # handles as subprocess.Popen's: poll, wait(timeout), kill
     store: object = None  # rank 0's TCP store: each worker notes there the command it runs (`running`)
+    watched: object = None  # rank 0's `Watched` over it: the first worker that exited, named
 
     @property
     def is_main(self) -> bool:
@@ -85,12 +95,13 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device == "cuda" else device
 
 
-def init_rank(rank: int, world: int, device: str, store) -> Ranks:
-    """Join the process group as `rank`, on `device` (this rank's own)."""
+def init_rank(rank: int, world: int, device: str, store, group_store=None) -> Ranks:
+    """Join the process group as `rank`, on `device` (this rank's own); the groups meet in `group_store`
+    (rank 0: its `Watched` store), else in `store`."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=SETUP_TIMEOUT)
+    dist.init_process_group(backend, store=group_store or store, rank=rank, world_size=world, timeout=SETUP_TIMEOUT)
     channel = dist.new_group(backend="gloo", timeout=SETUP_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     settle([dist.group.WORLD, channel])
     return Ranks(rank, world, device, channel, store=store)
@@ -110,6 +121,107 @@ def settle(groups: list, timeout: datetime.timedelta | None = None) -> None:
                             group)
 
 
+class Watched(dist.Store):
+    """Rank 0's store as the sign-in and its (gloo) process groups see it (a group's rendezvous is a
+    wait in it for every member's key), which a worker's exit ends: every wait in it then raises the
+    RankDied naming that worker, at once.
+
+    `stop(error)` is called from another thread (a worker's exit, a deadline); `error` is kept (the
+    first one: `died` names it). Where rank 0 waits, it first stops the other workers (woken, they
+    would read the key values below), then wakes the waits by setting the keys they wait for, with
+    values never read, through `side`, a connection of its own for such threads (a wait holds
+    `inner`'s). A wait that starts after it raises at once. Every other call passes through."""
+
+    def __init__(self, inner, workers: list):
+        super().__init__()
+        self.inner, self.side, self.workers = inner, inner.clone(), workers
+        self._lock = threading.Lock()
+        self._waiting: list[list[str]] = []
+        self.error: RankDied | None = None
+
+    def stop(self, error: RankDied) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            keys = [key for keys in self._waiting for key in keys]
+        if keys:
+            kill(self.workers)
+            for key in keys:
+                self.side.set(key, b"")
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, keys, timeout=None) -> None:
+        with self._lock:
+            self._raise_error()
+            self._waiting.append(keys)
+        try:
+            self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+        finally:
+            with self._lock:
+                self._waiting.remove(keys)
+        self._raise_error()
+
+    def get(self, key):
+        self.wait([key])
+        return self.inner.get(key)
+
+    def set(self, key, value):
+        return self.inner.set(key, value)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+def _watch_exit(watched: Watched, rank: int, world: int, proc) -> None:
+    """Stop `watched` when worker `rank` exits, naming it and what it was doing (an exit PEER_LOST only
+    follows another's). A daemon thread waits for the exit: of a process through a pidfd (readable at
+    its exit, opened here, before anyone could reap it; the process is left for its Popen to reap), of
+    any other handle through its own `wait()`. The thread ends with the worker, which the run always ends."""
+    if isinstance(proc, subprocess.Popen):
+        fd = os.pidfd_open(proc.pid)
+
+        def exit_() -> None:
+            try:
+                select.select([fd], [], [])
+            finally:
+                os.close(fd)
+    else:
+        exit_ = proc.wait
+
+    def watch() -> None:
+        exit_()
+        code = proc.wait()  # it has exited: at once (poll() says None while another thread reaps it)
+        code = proc.poll() if code is None else code  # a rank actor's code comes from poll()
+        if code == PEER_LOST:
+            return
+        try:
+            doing = _doing(watched.side, rank)
+        except Exception:  # noqa: BLE001 - the store went with rank 0's trainer: nothing waits in it any more
+            return
+        watched.stop(RankDied(f"megatron rank {rank} of {world} {_how(code)} {doing}"))
+
+    threading.Thread(target=watch, name=f"megatron-rank-{rank}-exit", daemon=True).start()
+
+
 @dataclass
 class Pending:
     """Rank 0's half of starting the ranks: the store is open and the workers are importing."""
@@ -118,6 +230,7 @@ class Pending:
     device: str
     store: object
     workers: list
+    watched: Watched | None = None  # the store the groups meet in; None for one rank
 
 
 # Workers print to the process's standard error (descriptor 2), never to rank 0's standard output,
@@ -146,7 +259,22 @@ def spawn(world: int, device: str, workers=None) -> Pending:
         return Pending(1, device, dist.HashStore(), [])
     workers = workers or Processes()
     store = dist.TCPStore(workers.host, 0, world, is_master=True, wait_for_workers=False)
-    return Pending(world, device, store, workers.start(store.port, world, device))
+    pending = Pending(world, device, store, workers.start(store.port, world, device))
+    pending.watched = Watched(store, pending.workers)
+    for rank, proc in enumerate(pending.workers, start=1):
+        _watch_exit(pending.watched, rank, world, proc)
+    return pending
+
+
+def _doing(store, rank: int) -> str:
+    """What worker `rank` was doing, as far as rank 0's store says (it signs in, then notes each command)."""
+    if not store.check([f"rlbench/joined/{rank}"]):
+        return "before it joined the others; nothing was trained"
+    key = f"rlbench/running/{rank}"
+    if store.check([key]):
+        return f"while running {store.get(key).decode()}; the run stopped (its committed steps are kept: " \
+               "rlbench run --resume RUN continues it)"
+    return "while the ranks set up their process groups; nothing was trained"
 
 
 def kill(workers: list) -> None:
@@ -158,36 +286,48 @@ def kill(workers: list) -> None:
 
 
 def signed_in(store, rank: int) -> None:
-    """A worker: tell rank 0 it reached the store (before the group's rendezvous, which has no way out)."""
+    """A worker: tell rank 0 it reached the store (before the group's rendezvous), so that rank 0 can say
+    whether a worker that exits died before or while the ranks set up their groups."""
     store.set(f"rlbench/joined/{rank}", "1")
 
 
 def _wait_signed_in(pending: Pending) -> None:
-    """Rank 0: until every worker signed in; a worker that exits first is named (RankDied)."""
+    """Rank 0: until every worker signed in. A worker that exits first ends the wait (RankDied, naming it);
+    so does JOIN_TIMEOUT, by the same way (a timer), naming the late ones."""
     keys = [f"rlbench/joined/{rank}" for rank in range(1, pending.world)]
-    deadline = time.monotonic() + JOIN_TIMEOUT
-    while not pending.store.check(keys):
-        for rank, proc in enumerate(pending.workers, start=1):
-            if proc.poll() is not None:
-                raise RankDied(f"megatron rank {rank} of {pending.world} {_how(proc.poll())} before it joined "
-                               "the others; nothing was trained")
-        if time.monotonic() > deadline:
-            late = [str(r) for r, key in enumerate(keys, start=1) if not pending.store.check([key])]
-            raise RankDied(f"megatron rank(s) {', '.join(late)} of {pending.world} did not start within "
-                           f"{JOIN_TIMEOUT:g} s; nothing was trained")
-        time.sleep(0.05)
+
+    def late() -> None:
+        missing = [str(r) for r, key in enumerate(keys, start=1) if not pending.watched.side.check([key])]
+        pending.watched.stop(RankDied(f"megatron rank(s) {', '.join(missing)} of {pending.world} did not start "
+                                      f"within {JOIN_TIMEOUT:g} s; nothing was trained"))
+
+    timer = threading.Timer(JOIN_TIMEOUT, late)
+    timer.daemon = True
+    timer.start()
+    try:
+        pending.watched.wait(keys, datetime.timedelta(seconds=JOIN_TIMEOUT * 2))
+    finally:
+        timer.cancel()
 
 
 def join(pending: Pending) -> Ranks:
-    """Rank 0: join the process group with the workers (one rank: a group of one, in-process)."""
+    """Rank 0: join the process group with the workers (one rank: a group of one, in-process). A worker
+    that exits meanwhile is named (RankDied) as soon as it has exited; the others are stopped."""
     try:
         if pending.world > 1:
             _wait_signed_in(pending)
-        ranks = init_rank(0, pending.world, rank_device(pending.device, 0), pending.store)
+        # Gloo groups (the CPU) meet in the watched store. NCCL groups meet in the store itself: NCCL's monitor
+        # threads call their store from C++ all run long, which a Python store would serve under the GIL, and
+        # that path is not tested here; on a GPU a rank dead inside a rendezvous is named at SETUP_TIMEOUT.
+        cpu = not pending.device.startswith("cuda")
+        ranks = init_rank(0, pending.world, rank_device(pending.device, 0), pending.store,
+                          pending.watched if cpu else None)
     except BaseException:
         kill(pending.workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
-    ranks.workers = pending.workers
+    ranks.workers, ranks.watched = pending.workers, pending.watched
     return ranks
 
 
@@ -221,7 +361,11 @@ def running(ranks: Ranks, op: str, meta: dict) -> None:
 
 def died(ranks: Ranks, wait: float = DEATH_WAIT) -> RankDied | None:
     """Rank 0, after a command failed: the RankDied to raise if a worker died, naming it and the command
-    it was running (the others are stopped first, so no rank outlives the run); else None."""
+    it was running (the others are stopped first, so no rank outlives the run); else None. The worker
+    whose exit was seen first, where it was (`Watched`, which may have stopped the others already)."""
+    if ranks.watched is not None and ranks.watched.error is not None:
+        kill(ranks.workers)
+        return ranks.watched.error
     found = dead_rank(ranks.workers, wait)
     if found is None:
         return None

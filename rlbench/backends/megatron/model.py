@@ -75,12 +75,15 @@ def check(config) -> None:
 
     hf_config = load_model_config(config.model.path)
     dims = dims_of(hf_config, config.tp, config.model.path, config.device)
-    transformer_config(hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron)
+    transformer_config(hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron,
+                       config.model.dtype)
 
 
-def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict):
+def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict,
+                       dtype: str = "float32"):
     """The rank's TransformerConfig: the model's fields and rlbench's (OWNED), then `overrides` (the
-    `[train.megatron]` table), checked first by settings.check_table."""
+    `[train.megatron]` table), checked first by settings.check_table. `dtype`: the run's model.dtype,
+    its parameters' dtype (float32, or float64 on the CPU: config.py allows no other here)."""
     with quiet():
         from megatron.core.transformer.transformer_config import TransformerConfig
     fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
@@ -90,7 +93,7 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
                  normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
                  activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
                  qk_layernorm=True, hidden_dropout=0.0, attention_dropout=float(hf_config.attention_dropout),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=torch.float32,
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=getattr(torch, dtype),
                  use_cpu_initialization=device == "cpu",
                  # The loss is already normalised over the whole minibatch, so data-parallel
                  # gradients must be summed, not averaged (Megatron's DDP scales by 1/dp otherwise).
@@ -108,14 +111,17 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
 
 
 def build(hf_config, dims: Dims, config) -> torch.nn.Module:
-    """The GPTModel of this rank (parallel state must be initialised)."""
+    """The GPTModel of this rank (parallel state must be initialised), every parameter of `params_dtype`:
+    the local spec's norms (torch.nn.RMSNorm, made without a dtype) come in torch's default, float32, and
+    are cast. RoPE's frequencies are no parameter: they stay float32, as transformers computes them."""
     with quiet():
         from megatron.core.models.gpt import GPTModel
 
         spec = _layer_spec(dims)
-        return GPTModel(config, spec, vocab_size=dims.vocab, max_sequence_length=hf_config.max_position_embeddings,
-                        parallel_output=False, share_embeddings_and_output_weights=dims.tied,
-                        position_embedding_type="rope", rotary_base=hf_config.rope_parameters["rope_theta"])
+        gpt = GPTModel(config, spec, vocab_size=dims.vocab, max_sequence_length=hf_config.max_position_embeddings,
+                       parallel_output=False, share_embeddings_and_output_weights=dims.tied,
+                       position_embedding_type="rope", rotary_base=hf_config.rope_parameters["rope_theta"])
+    return gpt.to(dtype=config.params_dtype)
 
 
 def _layer_spec(dims: Dims):

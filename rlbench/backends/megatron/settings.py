@@ -8,9 +8,10 @@ after the processes started, is one line of bad input instead:
   so megatron-core would take either silently); an integer is a float's value (TOML's `1` for 1.0),
   passed as it is. A field whose type no TOML value has (a callable, a torch dtype, an enum, a
   class) is refused by name;
-- the precision the chosen device can run: the trainer keeps float32 parameters and trains in
-  float32 on the CPU (fp16, bf16, fp8 and fp4 are megatron-core's GPU paths); on a GPU, bf16 needs
-  a device that has it, fp8 and fp4 need Transformer Engine and a device of their generation.
+- the precision the chosen device can run: on the CPU the trainer trains in the model's dtype,
+  float32 or float64 (`model.dtype`; fp16, bf16, fp8 and fp4 are megatron-core's GPU paths); on a
+  GPU, bf16 needs a device that has it, fp8 and fp4 need Transformer Engine and a device of their
+  generation.
 
 This module imports no megatron-core: the caller hands it the fields.
 """
@@ -63,8 +64,8 @@ def check_precision(table: dict, device: str) -> None:
     for key, need, te in asked:
         if not device.startswith("cuda"):
             raise BadInput(f"expected {'false' if key in ('fp16', 'bf16') else 'unset'} on the CPU, got "
-                           f"{_shown(table[key])}: the megatron trainer trains in float32 there (megatron-core's "
-                           f"{key} runs on a GPU)", field=f"{FIELD}.{key}")
+                           f"{_shown(table[key])}: the megatron trainer trains in model.dtype (float32 or float64) "
+                           f"there (megatron-core's {key} runs on a GPU)", field=f"{FIELD}.{key}")
         import torch
 
         have = torch.cuda.get_device_capability(torch.device(device if ":" in device else "cuda:0"))

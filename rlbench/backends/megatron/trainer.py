@@ -86,7 +86,7 @@ class RankTrainer(TorchTrainer):
         self.hf_config = load_model_config(config.model.path)
         self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path, config.device)
         self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
-                                                 config.device, config.train.megatron)
+                                                 config.device, config.train.megatron, config.model.dtype)
         self.gpt = self._shard(initial, device)
         ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(), self.gpt)
         reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
@@ -104,8 +104,8 @@ class RankTrainer(TorchTrainer):
         logits = mmodel.logits(model, ids)
         return logits if keep is None else logits[:, -keep:]
 
-    def _train_micro_batches(self, n: int):
-        return self._micro_batches(n)[self.dp_rank::self.dp]
+    def _train_micro_batches(self, lengths):
+        return self._micro_batches(lengths)[self.dp_rank::self.dp]
 
     def _zero_grads(self) -> None:
         super()._zero_grads()
@@ -176,7 +176,7 @@ class RankTrainer(TorchTrainer):
     def checkpoint_files(self) -> dict[str, bytes]:
         from safetensors.torch import save
 
-        opt_tensors, meta = optimizer_state(self.optimizer, self.gpt)
+        opt_tensors, meta = optimizer_state(self.optimizer, dict(self.gpt.named_parameters()))
         model_shards = self._tp_shards(self._megatron_state())
         opt_shards = self._tp_shards(opt_tensors)
         if not self.ranks.is_main:  # it took part in the gathers; only rank 0 writes
@@ -200,7 +200,7 @@ class RankTrainer(TorchTrainer):
         layout = read_json(directory / "layout.json")
         opt = directory / f"optimizer-tp{self.tp_rank:02d}.safetensors"
         scalars = (layout.get("optimizer") or {}).get("scalars") if isinstance(layout, dict) else None
-        load_optimizer_state(self.optimizer, self.gpt, load_safetensors(opt), scalars, self.device, opt)
+        load_optimizer_state(self.optimizer, dict(self.gpt.named_parameters()), load_safetensors(opt), scalars, self.device, opt)
 
     def close(self) -> None:
         ps = _import_megatron()

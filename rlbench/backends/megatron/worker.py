@@ -50,6 +50,7 @@ def work(host: str, port: int, rank: int, world: int, device: str) -> None:
     `device` (its own), then run rank 0's commands until it says stop."""
     store = dist.TCPStore(host, port, world, is_master=False)
     launch.signed_in(store, rank)
+    faults.kill_point(rank, "join")  # RLBENCH_MEGATRON_KILL=RANK:join@1: dies while rank 0 makes the group
     ranks = launch.init_rank(rank, world, device, store)
     run_commands(ranks)
     dist.destroy_process_group()

@@ -52,6 +52,9 @@ CASES = {
                          "--use-kl-loss", "--kl-loss-coef", "0.02", "--kl-loss-type", "k2",
                          "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--micro-batch-size", "2",
                          "--clip-grad", "0.5", "--lr", "3e-4", "--adam-eps", "1e-6"],
+    "dynamic_batch_size": BASE + ["--global-batch-size", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+                                  "4096"],
+    "max_tokens_without_dynamic_batch_size": BASE + ["--global-batch-size", "4", "--max-tokens-per-gpu", "4096"],
 }
 KEYS = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "apply_chat_template",
         "apply_chat_template_kwargs", "rollout_shuffle", "rollout_batch_size", "n_samples_per_prompt",
@@ -60,7 +63,8 @@ KEYS = ("hf_checkpoint", "prompt_data", "input_key", "label_key", "apply_chat_te
         "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "micro_batch_size",
         "advantage_estimator", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "kl_coef", "eps_clip",
         "eps_clip_high", "eps_clip_c", "entropy_coef", "normalize_advantages", "grpo_std_normalization",
-        "calculate_per_token_loss", "use_tis", "tis_clip", "tis_clip_low")
+        "calculate_per_token_loss", "use_tis", "tis_clip", "tis_clip_low", "use_dynamic_batch_size",
+        "max_tokens_per_gpu")
 MEGATRON = {"--weight-decay": (float, 0.01), "--adam-beta1": (float, 0.9), "--adam-beta2": (float, 0.999),
             "--adam-eps": (float, 1e-08), "--optimizer": (str, "adam"), "--lr-decay-style": (str, "linear"),
             "--tensor-model-parallel-size": (int, 1)}

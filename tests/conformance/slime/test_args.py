@@ -46,6 +46,7 @@ def _slime_view(config) -> dict:
         "entropy_coef": config.algo.entropy_coef, "normalize_advantages": config.algo.normalize_advantages,
         "grpo_std_normalization": config.algo.normalize_std, "calculate_per_token_loss": config.algo.per_token_loss,
         "use_tis": config.algo.use_tis, "tis_clip": config.algo.tis_clip, "tis_clip_low": config.algo.tis_clip_low,
+        "max_tokens_per_micro_batch": config.train.max_tokens_per_micro_batch,
     }
 
 
@@ -54,6 +55,9 @@ def _slime(case: dict) -> dict:
     # The KL loss counts only under --use-kl-loss (slime's policy_loss_function), which rlbench folds into kl_coef.
     coef, use = slime.pop("kl_loss_coef"), slime.pop("use_kl_loss")
     slime["kl_loss_coef_in_loss"] = coef if use else 0.0
+    # slime packs micro-batches by --max-tokens-per-gpu only under --use-dynamic-batch-size
+    tokens, dynamic = slime.pop("max_tokens_per_gpu"), slime.pop("use_dynamic_batch_size")
+    slime["max_tokens_per_micro_batch"] = tokens if dynamic else None
     slime["rollout_stop_token_ids"] = slime["rollout_stop_token_ids"] or []
     for key in ("hf_checkpoint", "num_steps_per_rollout"):  # none in these cases / folded into global_batch_size
         slime.pop(key)
