@@ -70,6 +70,9 @@ def check_installed(config: RunConfig) -> None:
         if rollout.use_router and not rollout.sglang_router_url:
             needs.append(("sglang_router", "rollout.use_router", "pip install '.[router]'"))
         if not (rollout.sglang_router_url or rollout.external_engine_addrs):
+            from rlbench.backends.sglang.fleet import check_key
+
+            check_key(config)  # before the package: a key it cannot take is refused wherever sglang is installed
             needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
                           "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
                          else ("starlette", "rollout.sglang_server", "pip install '.[serve]'"))

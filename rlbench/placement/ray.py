@@ -242,9 +242,11 @@ class EngineActor:
 
 
 class ServerActor:
-    """One SGLang server (or `rlbench serve`), started on the actor's node, stopped with it."""
+    """One SGLang server (or `rlbench serve`), started on the actor's node, stopped with it. `key`: the driver's
+    RLBENCH_SGLANG_API_KEY, handed over as an argument (a node of a remote cluster does not have the driver's
+    environment), never in a runtime environment or on a command line; the server gets it as server_env says."""
 
-    def start(self, config_json: str, index: int) -> str:
+    def start(self, config_json: str, index: int, key: str | None = None) -> str:
         import ray
 
         from rlbench.backends.sglang.client import Client
@@ -253,7 +255,7 @@ class ServerActor:
         config = _config(config_json)
         host = ray.util.get_node_ip_address()
         self.logs = make_logs()
-        self.proc = launch_server(config, self.logs, index, host=host)
+        self.proc = launch_server(config, self.logs, index, host=host, key=key)
         client = Client(4, 30)
         try:
             return wait_server(self.proc, lambda url: client.run(answers(client, url)))
@@ -603,7 +605,10 @@ def _place(placement: Placement, config, model, start: int, init_checkpoint: Pat
     elif registry.rolls_out(config):
         def start_servers(fleet, client) -> None:
             actors = [placement.actor(ServerActor, ranks + i, bundle) for i in range(engines)]
-            fleet.workers = placement.ray.get([a.start.remote(config_json, i) for i, a in enumerate(actors)])
+            from rlbench.backends.sglang.client import api_key
+
+            key = api_key()
+            fleet.workers = placement.ray.get([a.start.remote(config_json, i, key) for i, a in enumerate(actors)])
             fleet.stoppers.append(lambda: placement.ray.get([a.stop.remote() for a in actors]))
 
         engine = registry.open_sglang_engine(config, start_servers if engines else None)

@@ -128,6 +128,40 @@ def test_the_key_goes_to_workers_by_environment_never_the_command_line_or_the_ma
     assert "RLBENCH_SERVE_API_KEY" not in server_env(config)
 
 
+def test_a_key_sglangs_own_servers_could_take_only_on_their_command_line_is_refused(tmp_path, monkeypatch):
+    """SGLang's own server takes its key only as --api-key on its command line, which every user of the machine
+    can read: with RLBENCH_SGLANG_API_KEY set, rlbench refuses to start such servers (exit 2, one line naming the
+    ways that keep the key, the key itself nowhere), before it looks for the sglang package; without a key it
+    goes on to that check (here: sglang is not installed)."""
+    monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
+    res = cli("run", "--rollout", "sglang", "--sglang-server", "sglang", "--steps", "1", "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "SGLang's own server takes its key only on its command line" in res.stderr and KEY not in res.stderr
+    assert not (tmp_path / "r").exists()
+    monkeypatch.delenv("RLBENCH_SGLANG_API_KEY")
+    res = cli("run", "--rollout", "sglang", "--sglang-server", "sglang", "--steps", "1", "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and "command line" not in res.stderr, res.stderr
+
+
+def test_a_ray_server_actor_gets_the_key_as_an_argument_not_from_its_environment(monkeypatch):
+    """Under `--placement ray` a server actor may run on a node without the driver's environment: the driver hands
+    its key to the actor's `start` (here called in this process, with no key in the environment). The worker it
+    starts listens on the node's address, beyond loopback, which it would refuse without a key; with the handed
+    key it starts, and a request without the key gets 401, with it 200."""
+    pytest.importorskip("ray")
+    from rlbench.placement.ray import ServerActor
+
+    monkeypatch.delenv("RLBENCH_SGLANG_API_KEY", raising=False)
+    config = load_config(rollout__backend="sglang", rollout__sglang_server="rlbench")
+    actor = ServerActor()
+    try:
+        url = actor.start(json.dumps(config.to_dict()), 0, KEY)
+        assert _call(url, "/get_model_info")[0] == 401
+        assert _call(url, "/get_model_info", key=KEY)[0] == 200
+    finally:
+        actor.stop()
+
+
 def test_a_keyed_run_through_the_router_to_a_keyed_worker_is_the_in_process_run(reference, tmp_path, monkeypatch):
     """`rlbench run --rollout sglang` with RLBENCH_SGLANG_API_KEY set: the `rlbench serve` worker it starts
     requires the key (a request without it, straight or through the router, gets 401 and changes nothing), the

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.backends.sglang.wire import LISTENING
-from rlbench.errors import EngineUnavailable
+from rlbench.errors import BadInput, EngineUnavailable
 
 STARTUP_TIMEOUT_S = 600.0  # a server loading a large model takes minutes
 ROUTER_TIMEOUT_S = 60.0
@@ -115,6 +115,20 @@ def passthrough(args: dict) -> list[str]:
     return out
 
 
+def check_key(config) -> None:
+    """SGLang servers rlbench would start while the run has a key (RLBENCH_SGLANG_API_KEY): refused, never a fleet
+    silently without the key. SGLang's own server takes its key only on its command line (--api-key), which every
+    user of the machine can read."""
+    from rlbench.backends.sglang.client import API_KEY_ENV, api_key
+
+    if config.rollout.sglang_server == "sglang" and api_key() is not None:
+        raise BadInput(f"{API_KEY_ENV} is set, and SGLang's own server takes its key only on its command line "
+                       "(--api-key), where every user of this machine can read it: start keyed SGLang servers "
+                       "yourself and name them (rollout.external_engine_addrs or rollout.sglang_router_url), or let "
+                       "rlbench start `rlbench serve` workers (rollout.sglang_server = \"rlbench\"), which take the "
+                       "key through their environment", field="rollout.sglang_server")
+
+
 def server_command(config, host: str, port: int, weights_dir: str | Path | None = None) -> list[str]:
     """The command that starts one server for the run `config` (a RunConfig) on host:port. An `rlbench serve`
     reads weight updates only below `weights_dir`, else rollout.weights_dir, else the system's temporary
@@ -128,36 +142,39 @@ def server_command(config, host: str, port: int, weights_dir: str | Path | None 
                 "--load-format", "auto" if model.init == "checkpoint" else "dummy", "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
                 "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
                 *passthrough(rollout.sglang)]
+    check_key(config)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model.path, "--tokenizer-path",
             model.tokenizer, "--host", host, "--port", str(port), "--random-seed", str(config.seed),
             # per-request sampling_seed takes effect only in this mode (sglang-api.md section 5)
             "--enable-deterministic-inference", *passthrough(rollout.sglang)]
 
 
-def server_env(config) -> dict | None:
+def server_env(config, key: str | None = None) -> dict | None:
     """The environment of an `rlbench serve` worker: the client's key (RLBENCH_SGLANG_API_KEY) handed over
     as the server's (RLBENCH_SERVE_API_KEY), never on the command line, which every user of the machine can
-    read; without a client key, none (a key left in this environment would lock the run out). None (this
-    process's environment) for SGLang's own server."""
+    read; without a client key, none (a key left in this environment would lock the run out). `key`: the
+    client's key where it was handed over (a Ray actor on another node), else this process's variable. None
+    (this process's environment) for SGLang's own server."""
     from rlbench.backends.sglang.client import api_key
     from rlbench.serve.server import API_KEY_ENV
 
     if config.rollout.sglang_server != "rlbench":
         return None
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    key = api_key()
+    key = key or api_key()
     if key is not None:
         env[API_KEY_ENV] = key
     return env
 
 
 def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1",
-                  weights_dir: str | Path | None = None) -> Process:
-    """Start one server (`weights_dir`: server_command's); `wait_server` says where it listens once it answers."""
+                  weights_dir: str | Path | None = None, key: str | None = None) -> Process:
+    """Start one server (`weights_dir`: server_command's; `key`: server_env's); `wait_server` says where it
+    listens once it answers."""
     port = 0 if config.rollout.sglang_server == "rlbench" else free_port()
     proc = start_process(f"server-{index}", server_command(config, host, port, weights_dir), logs,
                          stdout=subprocess.PIPE,
-                         env=server_env(config))
+                         env=server_env(config, key))
     if port:
         proc.url = f"http://{host}:{port}"
     return proc
