@@ -44,6 +44,7 @@ from rlbench.rundir.digest import tensor_digests
 DECODES = ("batched", "per-sample")
 PROMPT_BUCKET = 32  # prompt widths are rounded up to a multiple of this: fewer distinct shapes
 PREFILL_ROWS = 8  # rows of every batched prefill forward (distinct prompts; padding fills it)
+KEPT_GRAPHS = 8  # captured decode graphs an engine keeps (each holds a KV cache of its shape)
 
 
 @dataclass
@@ -337,15 +338,29 @@ class HFEngine:
 
     def _decoder(self, rows: int, length: int) -> EagerDecode:
         """The decode for a chunk: a free captured graph of that shape (captured on first use) on a GPU with
-        `cuda_graphs`, else eager. Graphs are kept for the engine's life: a run has few shapes (its buckets)."""
+        `cuda_graphs`, else eager. Captured graphs are kept, each with its cache buffers: a run has few shapes
+        (its buckets), a server may see many (every max_new_tokens its clients ask for), so past KEPT_GRAPHS the
+        free graphs of the shapes used longest ago are let go (captured again if they come back)."""
         if not self.cuda_graphs:
             return EagerDecode(self, rows, length)
-        kept = self.graphs.setdefault((rows, length), [])
+        kept = self.graphs.pop((rows, length), [])
+        self.graphs[(rows, length)] = kept  # the most recently used shape last
         free = next((graph for graph in kept if not graph.taken), None)
         if free is None:
+            self._let_go(KEPT_GRAPHS - 1)
+            self.graphs[(rows, length)] = kept  # (let go of if it held only free graphs)
             free = GraphDecode(self, rows, length)
             kept.append(free)
         return free.claim()
+
+    def _let_go(self, keep: int) -> None:
+        """Drop free graphs, oldest shape first, until at most `keep` are kept (graphs in use stay)."""
+        for shape in list(self.graphs):
+            if sum(len(kept) for kept in self.graphs.values()) <= keep:
+                return
+            self.graphs[shape] = [graph for graph in self.graphs[shape] if graph.taken]
+            if not self.graphs[shape]:
+                del self.graphs[shape]
 
     def _generate_batched(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         return _run(self._batched_steps(requests, Decoding.fresh(len(requests))))

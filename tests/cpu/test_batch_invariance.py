@@ -161,3 +161,40 @@ def test_grouped_attention_is_sdpa_to_rounding_and_keeps_the_property(setup):
     assert [r.output_ids for r in mine] == [r.output_ids for r in alone]
     assert max(abs(a - b) for x, y in zip(mine, alone) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
     assert grouped.model.config._attn_implementation == grouped.own_attention  # restored after each forward
+
+
+def test_an_engine_keeps_a_bounded_number_of_captured_decodes(setup, monkeypatch):
+    """A server sees as many decode shapes as its clients ask for max_new_tokens: past KEPT_GRAPHS the free
+    captured decodes of the shapes used longest ago are let go. CUDA graphs need a GPU, so a stand-in with the
+    captured decode's claim/release (an eager decode underneath) takes their place here: the results stay the
+    eager engine's, at most KEPT_GRAPHS are kept, and the shape used last is among them."""
+    from rlbench.backends import hf_engine
+
+    made = []
+
+    class StandIn(hf_engine.EagerDecode):
+        def __init__(self, engine, rows, length):
+            super().__init__(engine, rows, length)
+            self.taken = False
+            made.append((rows, length))
+
+        def claim(self):
+            self.kv.zero_()
+            self.taken = True
+            return self
+
+        def release(self):
+            self.taken = False
+
+    monkeypatch.setattr(hf_engine, "GraphDecode", StandIn)
+    monkeypatch.setattr(hf_engine, "KEPT_GRAPHS", 2)
+    engines, prompts, eos, model = setup
+    kept = HFEngine(model, batch_size=ROWS)
+    kept.cuda_graphs = True
+    eager = HFEngine(model, batch_size=ROWS)
+    for new in (2, 3, 4, 2, 5):
+        batch = [_request(prompts, eos, (i, 40 + i, 1.0, -1, 1.0, new)) for i in range(3)]
+        assert kept.generate(batch) == eager.generate(batch)
+        assert sum(len(graphs) for graphs in kept.graphs.values()) <= 2
+        assert any(length == 32 + new for _, length in kept.graphs)
+    assert made == [(ROWS, 34), (ROWS, 35), (ROWS, 36), (ROWS, 34), (ROWS, 37)]  # 34 let go, then captured again

@@ -29,7 +29,7 @@ from tests.cpu.test_megatron_parallel import wait_gone
 @pytest.fixture(scope="module")
 def ray_instance():
     ray = pytest.importorskip("ray")
-    from rlbench.placement.ray import start_local
+    from rlbench.placement.ray_connect import start_local
 
     tmp = tempfile.mkdtemp(prefix="rlray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.environ["RAY_TMPDIR"] = tmp
@@ -241,14 +241,14 @@ def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
     import ray
 
     from rlbench.errors import BadInput
-    from rlbench.placement.ray import _init_within
+    from rlbench.placement.ray_connect import init_within
 
     release = threading.Event()
     monkeypatch.setattr(ray, "init", lambda *a, **k: release.wait())
     try:
         with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray did not connect within 7 s "
                                            r"\(--ray-timeout\)$"):
-            _init_within("auto", 0.2, 7)
+            init_within("auto", 0.2, 7)
     finally:
         release.set()
 
@@ -258,13 +258,13 @@ def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
     monkeypatch.setattr(ray, "init", refuse)
     with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray refused the connection \(ConnectionError: "
                                        r"Could not find any running Ray instance.\)$"):
-        _init_within("auto", 5, 5)
+        init_within("auto", 5, 5)
 
 
 def test_loopback_holds_only_while_ray_starts():
     from ray._private import ray_constants
 
-    from rlbench.placement.ray import LOOPBACK_ENV, loopback
+    from rlbench.placement.ray_connect import LOOPBACK_ENV, loopback
 
     before = (os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER)
     with loopback():
