@@ -450,8 +450,8 @@ class RunConfig:
         else:
             check(not self.rollout.true_on_policy, "rollout.true_on_policy",
                    "false with the megatron trainer (the engine cannot run its forward)", self.rollout.true_on_policy)
-            check(self.model.dtype in ("float32", "float64"), "model.dtype", "float32 or float64 with the megatron "
-                  "trainer", self.model.dtype)
+            check(self.model.dtype in ("float32", "float64", "bfloat16"), "model.dtype", "float32, float64 or "
+                  "bfloat16 with the megatron trainer", self.model.dtype)
             check(self.device == "cpu" or self.tp * self.dp == 1 or self.device == "cuda", "device",
                    "cuda (rank r takes cuda:r) when the megatron trainer spans ranks", self.device)
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt

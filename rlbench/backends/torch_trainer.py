@@ -47,7 +47,7 @@ class TorchTrainer:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo_config: AlgoConfig,
                  temperature: float, seed: int, device: str = "cpu", reference: torch.nn.Module | None = None):
         self.model = model.to(device)
-        self.masters = MasterWeights(self.model) if _low_precision(self.model) else None
+        self.masters = MasterWeights(*self._master_source()) if _low_precision(self.model) else None
         self.train_config, self.algo_config = train, algo_config
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
@@ -59,6 +59,11 @@ class TorchTrainer:
         params = self.masters.params.values() if self.masters else model.parameters()
         self.optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas,
                                            eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
+
+    def _master_source(self) -> tuple[torch.nn.Module, bool]:
+        """The module whose parameters get fp32 masters in mixed precision, and whether the masters take the
+        gradients through hooks (the megatron trainer's come from megatron-core's fp32 gradient buffers)."""
+        return self.model, True
 
     def _micro_batches(self, lengths: Sequence[int]) -> list[Sequence[int]]:
         """Positions 0..len(lengths)-1 in micro-batches: `micro_batch_size` at a time, or first-fit packed
@@ -279,11 +284,11 @@ class MasterWeights:
     gradient and drops it, so micro-batches add up in fp32 (Megatron's `main_grad`); the optimizer steps the
     masters; `copy_to_model` rounds them into the model's parameters."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, hooks: bool = True):
         self.model = model
         self.params = {name: p.detach().float().clone().requires_grad_(True) for name, p in model.named_parameters()}
         self.hooks = [param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
-                      for name, param in model.named_parameters()]
+                      for name, param in model.named_parameters()] if hooks else []
 
     @staticmethod
     def _accumulate(master: torch.Tensor):
@@ -298,8 +303,9 @@ class MasterWeights:
         for name, param in self.model.named_parameters():
             param.copy_(self.params[name])
 
-    def load(self, tensors: dict[str, torch.Tensor], source: Path) -> None:
-        """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`)."""
+    def load(self, tensors: dict[str, torch.Tensor], source: Path, weights: str = "model.safetensors") -> None:
+        """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`); the model's
+        parameters, loaded from `source / weights`, must be those masters rounded."""
         for name, master in self.params.items():
             value = tensors.pop(f"master/{name}", None)
             if value is None or value.shape != master.shape:
@@ -310,7 +316,7 @@ class MasterWeights:
         for name, param in self.model.named_parameters():  # model.safetensors must be these masters, rounded
             if not torch.equal(self.params[name].to(param.dtype), param.detach()):
                 raise BadInput(f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
-                               "changed or damaged after it was written)", path=source / "model.safetensors")
+                               "changed or damaged after it was written)", path=source / weights)
         self.copy_to_model()
 
 

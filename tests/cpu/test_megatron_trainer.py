@@ -127,8 +127,10 @@ def no_rank_starts(monkeypatch):
     ({"train__megatron": {"attention_backend": "flash"}},
      "attention_backend: expected AttnBackend (an enum, which a TOML table cannot give), got 'flash'"),
     ({"train__megatron": {"bf16": True}}, "train.megatron.bf16: expected false on the CPU, got True: the megatron "
-                                          "trainer trains in model.dtype (float32 or float64) there (megatron-core's "
-                                          "bf16 runs on a GPU)"),
+                                          "trainer trains in model.dtype (float32, float64, or bfloat16 over fp32 "
+                                          "masters) there (megatron-core's bf16 flag is its GPU path)"),
+    ({"model__dtype": "bfloat16", "train__megatron": {"bf16": False}},
+     "train.megatron.bf16: set by model.dtype = \"bfloat16\", not here"),
     ({"train__megatron": {"fp16": True}}, "train.megatron.fp16: expected false on the CPU"),
     ({"train__megatron": {"fp8": "e4m3"}}, "train.megatron.fp8: expected unset on the CPU, got 'e4m3'"),
     ({"train__megatron": {"num_attention_heads": 3}}, "num_attention_heads: set from the model's config.json"),

@@ -138,20 +138,37 @@ class Watched(dist.Store):
         self._lock = threading.Lock()
         self._waiting: list[list[str]] = []
         self.error: RankDied | None = None
+        self.closed = False  # rank 0 ends the workers itself: their exits are no news
+        self._stopped = threading.Event()  # `stop` has woken every wait: rank 0 may go on (and exit)
+
+    def close(self) -> None:
+        """Rank 0 is about to stop the workers itself: a watcher that wakes at their exits touches nothing
+        (the process may be exiting, its stores going)."""
+        with self._lock:
+            self.closed = True
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing more to report: closed, or a worker's exit already reported."""
+        return self.closed or self.error is not None
 
     def stop(self, error: RankDied) -> None:
         with self._lock:
-            if self.error is not None:
+            if self.quiet:
                 return
             self.error = error
             keys = [key for keys in self._waiting for key in keys]
-        if keys:
-            kill(self.workers)
-            for key in keys:
-                self.side.set(key, b"")
+        try:
+            if keys:
+                kill(self.workers)
+                for key in keys:
+                    self.side.set(key, b"")
+        finally:
+            self._stopped.set()
 
     def _raise_error(self) -> None:
         if self.error is not None:
+            self._stopped.wait()  # the watcher's store calls are done before rank 0 goes on to exit
             raise self.error
 
     def wait(self, keys, timeout=None) -> None:
@@ -211,7 +228,7 @@ def _watch_exit(watched: Watched, rank: int, world: int, proc) -> None:
         exit_()
         code = proc.wait()  # it has exited: at once (poll() says None while another thread reaps it)
         code = proc.poll() if code is None else code  # a rank actor's code comes from poll()
-        if code == PEER_LOST:
+        if code == PEER_LOST or watched.quiet:  # another's exit, or rank 0's own doing: nothing to report
             return
         try:
             doing = _doing(watched.side, rank)
@@ -277,8 +294,11 @@ def _doing(store, rank: int) -> str:
     return "while the ranks set up their process groups; nothing was trained"
 
 
-def kill(workers: list) -> None:
-    """Stop workers that were never joined or cannot be told to stop."""
+def kill(workers: list, watched: Watched | None = None) -> None:
+    """Stop workers that were never joined or cannot be told to stop (`watched`, rank 0's store over them: told
+    first, so that their watchers report nothing)."""
+    if watched is not None:
+        watched.close()
     for proc in workers:
         if proc.poll() is None:
             proc.kill()
@@ -389,6 +409,8 @@ def _how(code: int) -> str:
 
 def stop(ranks: Ranks, timeout: float = 60) -> None:
     """Rank 0, after the workers were told to stop: wait for them, then leave the group."""
+    if ranks.watched is not None:
+        ranks.watched.close()
     for proc in ranks.workers:
         try:
             proc.wait(timeout=timeout)

@@ -83,7 +83,8 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
                        dtype: str = "float32"):
     """The rank's TransformerConfig: the model's fields and rlbench's (OWNED), then `overrides` (the
     `[train.megatron]` table), checked first by settings.check_table. `dtype`: the run's model.dtype,
-    its parameters' dtype (float32, or float64 on the CPU: config.py allows no other here)."""
+    its parameters' dtype (float32, bfloat16, or float64 on the CPU: config.py allows no other here); bfloat16
+    sets megatron-core's `bf16` too, as Megatron's mixed precision does (the trainer keeps fp32 masters)."""
     with quiet():
         from megatron.core.transformer.transformer_config import TransformerConfig
     fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
@@ -101,6 +102,10 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
                  # deterministic kernels (an embedding backward without atomics) where --deterministic
                  # asks for them: on a GPU; the CPU is deterministic either way
                  deterministic_mode=deterministic and device.startswith("cuda"))
+    if dtype == "bfloat16":
+        if "bf16" in overrides:
+            raise BadInput("set by model.dtype = \"bfloat16\", not here", field="train.megatron.bf16")
+        owned["bf16"] = True
     try:
         with quiet():
             return TransformerConfig(**owned, **overrides)

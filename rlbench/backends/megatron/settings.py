@@ -9,7 +9,8 @@ after the processes started, is one line of bad input instead:
   passed as it is. A field whose type no TOML value has (a callable, a torch dtype, an enum, a
   class) is refused by name;
 - the precision the chosen device can run: on the CPU the trainer trains in the model's dtype,
-  float32 or float64 (`model.dtype`; fp16, bf16, fp8 and fp4 are megatron-core's GPU paths); on a
+  float32, float64 or bfloat16 (`model.dtype`; the table's fp16, bf16, fp8 and fp4 are megatron-core's GPU
+  paths); on a
   GPU, bf16 needs a device that has it, fp8 and fp4 need Transformer Engine and a device of their
   generation.
 
@@ -64,8 +65,8 @@ def check_precision(table: dict, device: str) -> None:
     for key, need, te in asked:
         if not device.startswith("cuda"):
             raise BadInput(f"expected {'false' if key in ('fp16', 'bf16') else 'unset'} on the CPU, got "
-                           f"{_shown(table[key])}: the megatron trainer trains in model.dtype (float32 or float64) "
-                           f"there (megatron-core's {key} runs on a GPU)", field=f"{FIELD}.{key}")
+                           f"{_shown(table[key])}: the megatron trainer trains in model.dtype (float32, float64, or "
+                           f"bfloat16 over fp32 masters) there (megatron-core's {key} flag is its GPU path)", field=f"{FIELD}.{key}")
         import torch
 
         have = torch.cuda.get_device_capability(torch.device(device if ":" in device else "cuda:0"))

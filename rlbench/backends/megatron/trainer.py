@@ -45,6 +45,7 @@ from rlbench.config import RunConfig
 from rlbench.core import algo
 from rlbench.core.model import load_model_config, load_named_, named_weights
 from rlbench.errors import BadInput
+from rlbench.rundir.digest import tensors_digest
 
 LAYOUT = "rlbench.megatron-checkpoint/1"
 
@@ -88,7 +89,10 @@ class RankTrainer(TorchTrainer):
         self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
                                                  config.device, config.train.megatron, config.model.dtype)
         self.gpt = self._shard(initial, device)
-        ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(), self.gpt)
+        # bf16: gradients reduced and kept in fp32 buffers (main_grad), the masters' gradients (Megatron's mixed
+        # precision: --accumulate-allreduce-grads-in-fp32)
+        ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=config.model.dtype == "bfloat16"), self.gpt)
         reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
         super().__init__(ddp, config.train, config.algo, config.rollout.temperature, config.seed, device, reference)
 
@@ -98,6 +102,9 @@ class RankTrainer(TorchTrainer):
         return gpt
 
     # -- where it differs from TorchTrainer --
+
+    def _master_source(self) -> tuple[torch.nn.Module, bool]:
+        return self.gpt, False  # megatron-core's DDP holds each gradient in a fp32 buffer (`main_grad`)
 
     def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         # GPTModel computes every position's logits; the loss reads the last `keep`.
@@ -118,11 +125,14 @@ class RankTrainer(TorchTrainer):
             self.model.finish_grad_sync()  # the data-parallel all-reduce only
         else:
             finalize_model_grads([self.model])
-        for p in self.gpt.parameters():  # what megatron-core's own optimizer does for fp32 params
-            p.grad = p.main_grad
+        for name, p in self.gpt.named_parameters():  # what megatron-core's own optimizers do
+            if self.masters:  # mixed precision: the fp32 buffer is the fp32 master's gradient
+                self.masters.params[name].grad = p.main_grad
+            else:
+                p.grad = p.main_grad
 
     def _named_grads(self):  # gathered on the device: their checksums are computed there
-        return self._full_hf({name: p.grad for name, p in self.gpt.named_parameters()}, cpu=False).items()
+        return self._full_hf({name: p.main_grad for name, p in self.gpt.named_parameters()}, cpu=False).items()
 
     def _param_names(self) -> list[str]:
         return hf_names(self.dims)
@@ -133,12 +143,12 @@ class RankTrainer(TorchTrainer):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.gpt.parameters():
             if param_is_not_tensor_parallel_duplicate(p):  # replicated params count once
-                total += p.grad.double().square().sum()
+                total += p.main_grad.double().square().sum()
         dist.all_reduce(total, group=self.tp_group)
         norm = float(total) ** 0.5
         coef = min(self.train_config.grad_clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
         for p in self.gpt.parameters():
-            p.grad.mul_(coef)
+            p.main_grad.mul_(coef)
         return norm
 
     def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
@@ -176,11 +186,16 @@ class RankTrainer(TorchTrainer):
     def checkpoint_files(self) -> dict[str, bytes]:
         from safetensors.torch import save
 
-        opt_tensors, meta = optimizer_state(self.optimizer, dict(self.gpt.named_parameters()))
+        named = self.masters.params if self.masters else dict(self.gpt.named_parameters())
+        opt_tensors, meta = optimizer_state(self.optimizer, named)
+        if self.masters:  # mixed precision: the fp32 masters, shard by shard
+            opt_tensors.update({f"master/{name}": p.detach().cpu().contiguous() for name, p in named.items()})
         model_shards = self._tp_shards(self._megatron_state())
         opt_shards = self._tp_shards(opt_tensors)
         if not self.ranks.is_main:  # it took part in the gathers; only rank 0 writes
             return {}
+        # each shard's optimizer tensors checksummed: a flipped bit in one is refused on load
+        meta["shard_checksums"] = [tensors_digest(sorted(shard.items())) for shard in opt_shards]
         layout = {"format": LAYOUT, "tp": self.tp, "dp": self.dp, "dims": self.dims.to_json(),
                   "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
                   "optimizer": meta}
@@ -200,7 +215,12 @@ class RankTrainer(TorchTrainer):
         layout = read_json(directory / "layout.json")
         opt = directory / f"optimizer-tp{self.tp_rank:02d}.safetensors"
         scalars = (layout.get("optimizer") or {}).get("scalars") if isinstance(layout, dict) else None
-        load_optimizer_state(self.optimizer, dict(self.gpt.named_parameters()), load_safetensors(opt), scalars, self.device, opt)
+        tensors = load_safetensors(opt)
+        if self.masters:
+            self.masters.load({k: v.to(self.device) for k, v in tensors.items()}, shard.parent, shard.name)
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("master/")}
+        named = self.masters.params if self.masters else dict(self.gpt.named_parameters())
+        load_optimizer_state(self.optimizer, named, tensors, scalars, self.device, opt)
 
     def close(self) -> None:
         ps = _import_megatron()
@@ -223,6 +243,33 @@ def check_layout(directory: Path, tp: int, dims: Dims) -> None:
         for kind in ("model", "optimizer"):
             if not (directory / f"{kind}-tp{r:02d}.safetensors").is_file():
                 raise BadInput(f"missing {kind}-tp{r:02d}.safetensors", path=directory)
+    sums = (layout.get("optimizer") or {}).get("shard_checksums")  # written since issue 24: older ones have none
+    if sums is not None:
+        from rlbench.core.model import load_safetensors
+
+        for r in range(tp):
+            shard = directory / f"optimizer-tp{r:02d}.safetensors"
+            tensors = load_safetensors(shard)
+            if not isinstance(sums, list) or len(sums) != tp or sums[r] != tensors_digest(sorted(tensors.items())):
+                raise BadInput("its tensors do not match the checksum layout.json holds for them "
+                               "(optimizer.shard_checksums): the checkpoint was changed or damaged after it was "
+                               "written", path=shard)
+            _check_rounded(tensors, directory / f"model-tp{r:02d}.safetensors")
+
+
+def _check_rounded(optimizer: dict[str, torch.Tensor], path: Path) -> None:
+    """In mixed precision (`master/NAME` in an optimizer shard) the model shard at `path` must be those masters
+    rounded to its dtype: checked on rank 0 for every shard, so a damaged one is named before any rank loads."""
+    from rlbench.core.model import load_safetensors
+
+    masters = {k.removeprefix("master/"): v for k, v in optimizer.items() if k.startswith("master/")}
+    if not masters:
+        return
+    weights = load_safetensors(path)
+    for name, master in masters.items():
+        if name not in weights or not torch.equal(master.to(weights[name].dtype), weights[name]):
+            raise BadInput(f"'{name}' is not its fp32 master weight rounded to the model's dtype (the checkpoint "
+                           "was changed or damaged after it was written)", path=path)
 
 
 # -- commands: the same call on every rank --
@@ -260,7 +307,7 @@ class MegatronTrainer:
         self.dims = mmodel.dims_of(load_model_config(config.model.path), config.tp, config.model.path, config.device)
         _import_megatron()
         self._pending = launch.spawn(config.tp * config.dp, config.device, workers)
-        weakref.finalize(self, launch.kill, self._pending.workers)
+        weakref.finalize(self, launch.kill, self._pending.workers, self._pending.watched)
         self._checkpoint: Path | None = None
         self._broken = False
         self._ranks: launch.Ranks | None = None
@@ -330,9 +377,11 @@ class MegatronTrainer:
 
     def close(self) -> None:
         if self._ranks is None:  # never joined: nothing to tell them
-            launch.kill(self._pending.workers)
+            launch.kill(self._pending.workers, self._pending.watched)
             return
         ranks, self._ranks = self._ranks, None
+        if ranks.watched is not None:  # the workers' exits from here on are this close's doing
+            ranks.watched.close()
         if self._broken:
             launch.kill(ranks.workers)
         else:
