@@ -3,10 +3,12 @@ and rlbench's SGLang client (and anyone's) can talk to it as to an SGLang server
 SGLang workers; on a laptop it stands in for a GPU fleet. What it cannot do is refused in SGLang's own
 error shape and listed in docs/sglang-ray.md.
 
-    request.py  what /generate accepts, checked in SGLang's order, refused in its three error shapes
-    worker.py   the scheduler: one engine thread, batches decoded a token at a time in turns, abort/pause
-    answer.py   the /generate answer: meta_info, finish reasons, log-prob layouts, stream chunks
-    weights.py  weight loads (all or nothing) and SGLang's /weights_checker
-    app.py      the routes, request bodies (bounded, JSON), the error handlers
-    server.py   ServeConfig, the model and engine it loads, binding (127.0.0.1 by default) and uvicorn
+    request_gates.py  /generate's first two checks (pydantic's lax envelope, the strict API contract) and
+                      the three error shapes every check answers in
+    request.py        its third check (values, limits, what rlbench serve cannot do) and the checked call
+    worker.py         the scheduler: one engine thread, batches decoded a token at a time in turns, abort/pause
+    answer.py         the /generate answer: meta_info, finish reasons, log-prob layouts, stream chunks
+    weights.py        weight loads (all or nothing) and SGLang's /weights_checker
+    app.py            the routes, request bodies (bounded, JSON), the error handlers
+    server.py         ServeConfig, the model and engine it loads, binding (127.0.0.1 by default) and uvicorn
 """

@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from rlbench.rundir.failpoints import hit
 from rlbench.serve import request as rq
+from rlbench.serve import request_gates as gates
 from rlbench.serve.answer import Answers, prompt_logprobs
 from rlbench.serve.weights import LoadFailed
 from rlbench.serve.worker import Job
@@ -67,7 +68,7 @@ def build_app(state) -> Starlette:
     key = state.config.api_key
     return Starlette(routes=routes, lifespan=h.lifespan,
                      middleware=[Middleware(ApiKey, key=key)] if key else [],
-                     exception_handlers={rq.RequestError: refused, HTTPException: http_error, Exception: internal})
+                     exception_handlers={gates.RequestError: refused, HTTPException: http_error, Exception: internal})
 
 
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang leaves probes and scrapes open
@@ -154,7 +155,7 @@ class Handlers:
         encode = state.encode if state.tokenizer is not None else _no_text
         try:
             call = await _maybe_off_loop(request, lambda: rq.parse_generate(body, state.vocab, encode))
-        except rq.RequestError as exc:  # SGLang checks values inside the stream: a stream gets them in-band
+        except gates.RequestError as exc:  # SGLang checks values inside the stream: a stream gets them in-band
             if isinstance(body, dict) and body.get("stream") is True and isinstance(exc.body.get("error"), dict):
                 return StreamingResponse(_error_events(exc), media_type="text/event-stream")
             raise
@@ -172,12 +173,12 @@ class Handlers:
         rq.limit_items(call, state.context_len, state.eos, 42)
         if state.tokenizer is None and any(item.sampling.stop for item in call.items):
             stops = next(item.sampling.stop for item in call.items if item.sampling.stop)
-            raise rq.value(f"stop={list(stops)!r} is unavailable when skip_tokenizer_init=True (requires tokenizer to "
+            raise gates.value(f"stop={list(stops)!r} is unavailable when skip_tokenizer_init=True (requires tokenizer to "
                            "decode tokens to text for matching).")
         live = state.worker.live_rids()
         for item in call.items:
             if item.rid in live:
-                raise rq.value(f"Duplicate request ID detected: {item.rid}")
+                raise gates.value(f"Duplicate request ID detected: {item.rid}")
         await state.worker.unpaused()
         hit("serve.generate")
         prompts = []
@@ -204,7 +205,7 @@ class Handlers:
         comes in-band, under HTTP 200."""
         try:
             jobs, prompts = await self._start(call)
-        except rq.RequestError as exc:
+        except gates.RequestError as exc:
             async for event in _error_events(exc):
                 yield event
             return
@@ -244,7 +245,7 @@ class Handlers:
         body = _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"mode": str})
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise rq.pydantic_error("mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode)
+            raise gates.pydantic_error("mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode)
         self.state.worker.pause(mode)
         return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -259,10 +260,10 @@ class Handlers:
         try:
             timeout = float(request.query_params.get("timeout", 0.0))
         except ValueError:
-            raise rq.pydantic_error("timeout", "float_parsing", "Input should be a valid number",
+            raise gates.pydantic_error("timeout", "float_parsing", "Input should be a valid number",
                                     request.query_params.get("timeout")) from None
         if not timeout >= 0:
-            raise rq.pydantic_error("timeout", "greater_than_equal", "Input should be greater than or equal to 0",
+            raise gates.pydantic_error("timeout", "greater_than_equal", "Input should be greater than or equal to 0",
                                     timeout)
         worker, deadline = self.state.worker, time.monotonic() + timeout
         while worker.busy(count_waiting=worker.paused is None) and time.monotonic() < deadline:
@@ -329,10 +330,10 @@ class Handlers:
             "action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str})
         selector = body.get("selector", "all")
         if selector not in ("target", "draft", "all"):
-            raise rq.pydantic_error("selector", "literal_error", "Input should be 'target', 'draft' or 'all'", selector)
+            raise gates.pydantic_error("selector", "literal_error", "Input should be 'target', 'draft' or 'all'", selector)
         skip = body.get("skip_tensor_list")
         if skip is not None and not all(isinstance(s, str) for s in skip):
-            raise rq.pydantic_error("skip_tensor_list", "string_type", "Input should be a valid string", skip)
+            raise gates.pydantic_error("skip_tensor_list", "string_type", "Input should be a valid string", skip)
         action = body.get("action", "checksum")
         if selector == "draft":  # no draft model: nothing to check, as SGLang answers without a draft runner
             return _json_response({"success": True, "message": "Success."})
@@ -358,11 +359,11 @@ class Handlers:
 
         values = await self.state.worker.call(read)
         if values is None:
-            raise rq.value("Get parameter by name failed")
+            raise gates.value("Get parameter by name failed")
         return _json_response(values)
 
 
-async def _error_events(exc: rq.RequestError):
+async def _error_events(exc: gates.RequestError):
     """A ValueError after a stream began, as SGLang sends it: in-band, then [DONE]."""
     message = exc.body["error"]["message"] if isinstance(exc.body.get("error"), dict) else str(exc.body)
     yield _event({"error": {"message": message, "type": "invalid_request_error", "code": exc.status,
@@ -371,7 +372,7 @@ async def _error_events(exc: rq.RequestError):
 
 
 def _no_text(_text: str) -> list[int]:
-    raise rq.value("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
+    raise gates.value("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
                    "input_ids or re-initialize the engine with skip_tokenizer_init=False.")
 
 
@@ -396,15 +397,15 @@ def _fields(body: Any, kinds: dict[str, Any], required: tuple[str, ...] = ()) ->
     """A control request's body as its SGLang struct takes it: an object, the fields it declares of their
     types (unknown fields ignored), the required ones present; else the pydantic envelope."""
     if not isinstance(body, dict):
-        raise rq.pydantic_error("", "model_type", "Input should be an object", body)
+        raise gates.pydantic_error("", "model_type", "Input should be an object", body)
     for name in required:
         if name not in body:
-            raise rq.pydantic_error(name, "missing", "Field required", body)
+            raise gates.pydantic_error(name, "missing", "Field required", body)
     for name, kind in kinds.items():
         if name in body:
             ok = isinstance(body[name], kind) and not (isinstance(body[name], bool) and kind is int)
             if not ok:
-                raise rq.pydantic_error(name, "type_error", f"Input should be {_kind_name(kind)}", body[name])
+                raise gates.pydantic_error(name, "type_error", f"Input should be {_kind_name(kind)}", body[name])
     return body
 
 
@@ -415,7 +416,7 @@ def _kind_name(kind: Any) -> str:
     return " or ".join(names.get(k, "null") for k in kinds)
 
 
-async def refused(_request: Request, exc: rq.RequestError) -> Response:
+async def refused(_request: Request, exc: gates.RequestError) -> Response:
     """A refused request (request.py): SGLang's answer for it."""
     return _json_response(exc.body, status_code=exc.status)
 
@@ -437,25 +438,25 @@ async def _json(request: Request, limit: int, required: bool = True) -> Any:
     answers). A missing body is None when not `required`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise rq.http_error(413, f"Request body of {declared} bytes is larger than this server reads ({limit}).")
+        raise gates.http_error(413, f"Request body of {declared} bytes is larger than this server reads ({limit}).")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise rq.http_error(413, f"Request body is larger than this server reads ({limit} bytes).")
+                raise gates.http_error(413, f"Request body is larger than this server reads ({limit} bytes).")
             chunks.append(chunk)
     except ClientDisconnect:
-        raise rq.envelope("the client went away before its body was read") from None
+        raise gates.envelope("the client went away before its body was read") from None
     raw = b"".join(chunks)
     if not raw:
         if required:
-            raise rq.pydantic_error("", "missing", "Field required", None)
+            raise gates.pydantic_error("", "missing", "Field required", None)
         return None
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type != "application/json" and not (content_type.startswith("application/")
                                                    and content_type.endswith("+json")):
-        raise rq.pydantic_error("", "model_attributes_type",
+        raise gates.pydantic_error("", "model_attributes_type",
                                 "Input should be a valid dictionary or object to extract fields from", raw[:200])
     if len(raw) > PARSE_OFF_LOOP:
         return await asyncio.to_thread(_loads, raw)
@@ -474,7 +475,7 @@ def _loads(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise rq.pydantic_error("", "json_invalid", f"JSON decode error: {str(exc)[:100]}", {}) from None
+        raise gates.pydantic_error("", "json_invalid", f"JSON decode error: {str(exc)[:100]}", {}) from None
 
 
 async def _maybe_off_loop(request: Request, parse):

@@ -9,6 +9,7 @@ import pytest
 from rlbench.backends.sglang import wire
 from rlbench.config import load_config
 from rlbench.serve import request as rq
+from rlbench.serve import request_gates as gates
 from rlbench.core.types import GenerateRequest
 from rlbench.errors import BadInput
 from tests.conftest import cli
@@ -118,7 +119,7 @@ def _parse(body, context_len=136):
      {"error": {"message": "does not implement sampling_params.frequency_penalty"}}),
 ])
 def test_a_refused_body_gets_sglangs_answer(body, answer):
-    with pytest.raises(rq.RequestError) as info:
+    with pytest.raises(gates.RequestError) as info:
         _parse(body)
     assert info.value.status == 400
     for key, value in answer.items():
