@@ -2,7 +2,9 @@
 
 Importing it pins the portable CPU numerics before anything imports torch (numerics.py).
 
-    config.py     the run configuration: one frozen dataclass per component, TOML loading, validation
+    config.py     the run configuration: RunConfig, read from TOML and overrides, validated
+    config_sections.py  its components, one frozen dataclass each (model, data, rollout, placement, reward,
+                  algorithm, trainer), and `setting`, the field with its help
     validate.py   the value checks every config shares: a failing value is BadInput naming its key
     errors.py     BadInput and the other typed errors, each with its exit code
     numerics.py   portable CPU numerics: pinned before torch initialises, read back for the manifest

@@ -332,14 +332,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer,
     """AdamW's state as safetensors tensors (`field/param name`) and JSON (param groups, scalars); `named`:
     the optimizer's parameters by name."""
     names = {id(p): name for name, p in named.items()}
-    tensors, scalars = {}, {}
-    for param, state in optimizer.state.items():
-        name = names[id(param)]
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                tensors[f"{key}/{name}"] = value.detach().cpu().contiguous()
-            else:
-                scalars[f"{key}/{name}"] = float(value)
+    tensors = {key: value.cpu().contiguous() for key, value in optimizer_tensors(optimizer, named).items()}
+    scalars = {f"{key}/{names[id(param)]}": float(value) for param, state in optimizer.state.items()
+               for key, value in state.items() if not (torch.is_tensor(value) and value.dim() > 0)}
     meta = {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                    for g in optimizer.param_groups], "scalars": scalars}
     return tensors, meta

@@ -105,7 +105,7 @@ def _render_summary(summary: dict) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config.py); CLI options override it.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config_sections.py); CLI options override it.")] = None,
     seed: Annotated[Optional[int], config_option("seed", min=0)] = None,
     steps: Annotated[Optional[int], config_option("steps", min=1)] = None,
     out: Annotated[Optional[Path], config_option("out", default_text="runs/run-<time>")] = None,

@@ -9,17 +9,13 @@ the rest is read) as JSON (application/json, as FastAPI takes them) and parsed o
 large; a refused request gets SGLang's answer for it (request.py), never a 5xx, and never stops the
 server: an error nobody foresaw is a 400 in SGLang's ValueError shape, naming it.
 
-With an api key (ServeConfig.api_key) every request but OPTIONS and paths starting /health, /ready or
-/metrics must carry `Authorization: Bearer KEY` (compared in constant time), else 401
-{"error": "Unauthorized"}, before its body is read: SGLang 0.5.23's add_api_key_middleware
-(srt/utils/auth.py, its NORMAL level; rlbench serve has no admin key).
+With an api key (ServeConfig.api_key) auth.py's gate answers a request without it before any route.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from pathlib import Path
 from contextlib import asynccontextmanager
@@ -33,6 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from rlbench.rundir.failpoints import hit
+from rlbench.serve.auth import ApiKey
 from rlbench.serve import request as rq
 from rlbench.serve import request_gates as gates
 from rlbench.serve.answer import Answers, prompt_logprobs
@@ -69,33 +66,6 @@ def build_app(state) -> Starlette:
     return Starlette(routes=routes, lifespan=h.lifespan,
                      middleware=[Middleware(ApiKey, key=key)] if key else [],
                      exception_handlers={gates.RequestError: refused, HTTPException: http_error, Exception: internal})
-
-
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang leaves probes and scrapes open
-
-
-def authorized(method: str, path: str, header: str | None, key: str) -> bool:
-    """SGLang's decide_request_auth for a server with an api key and no admin key."""
-    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
-        return True
-    scheme, _, token = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and bool(token) and secrets.compare_digest(token.encode(), key.encode())
-
-
-class ApiKey:
-    """ASGI middleware: a request without the key gets SGLang's 401 and reaches no route."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization")
-            header = header.decode("latin-1") if header is not None else None
-            if not authorized(scope["method"], scope["path"], header, self.key):
-                await _json_response({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class Handlers:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from rlbench.config import FIXTURES, setting
+from rlbench.config_sections import FIXTURES, setting
 from rlbench.errors import BadInput
 from rlbench.validate import check, number, text
 

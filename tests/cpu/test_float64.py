@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from rlbench.config import FIXTURES, load_config
+from rlbench.config import load_config
+from rlbench.config_sections import FIXTURES
 from rlbench.errors import BadInput
 from rlbench.replay.diff import NOISE_GAP, Difference, layout_advice
 

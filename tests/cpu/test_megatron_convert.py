@@ -9,7 +9,7 @@ import torch
 
 from rlbench.backends.megatron import convert, faults
 from rlbench.backends.megatron import model as mmodel
-from rlbench.config import FIXTURES
+from rlbench.config_sections import FIXTURES
 from rlbench.core.model import build_model, load_model_config, named_weights
 
 MODEL = FIXTURES / "models" / "tiny-qwen3"

@@ -56,6 +56,14 @@ def test_gradients_add_up_in_fp32_across_micro_batches():
     for name, grad in grads[0].items():
         assert grad.dtype == torch.float32
         assert float((grad - grads[1][name]).norm() / grads[1][name].norm()) < 2e-2, name  # bf16 forwards
+    # The sum itself is fp32: 1 + 2**-10 is exact there and rounds back to 1 in bf16 (8 significant bits).
+    from rlbench.backends.torch_trainer import MasterWeights
+
+    layer = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    masters = MasterWeights(layer)
+    for scale in (1.0, 2.0 ** -10):  # two micro-batches: d(scale * w * 1)/dw = scale, each exact in bf16
+        (layer(torch.ones(1, 1, dtype=torch.bfloat16)) * scale).sum().backward()
+    assert masters.params["weight"].grad.item() == 1.0 + 2.0 ** -10 and layer.weight.grad is None
 
 
 def test_a_mixed_precision_checkpoint_resumes_exactly_and_refuses_a_flipped_bit(tmp_path):

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from rlbench.backends.sglang.client import Client
-from rlbench.config import FIXTURES, load_config
+from rlbench.config import load_config
+from rlbench.config_sections import FIXTURES
 from rlbench.errors import BadInput
-from rlbench.serve.app import authorized
+from rlbench.serve.auth import authorized
 from rlbench.serve.server import ServeConfig, serve_in_thread
 from tests.conftest import cli, small_toml
 

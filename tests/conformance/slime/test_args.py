@@ -127,7 +127,7 @@ def test_without_slime_arguments_rlbench_keeps_its_own_defaults():
 def test_slimes_quick_start_grpo_runs_on_the_fixture(tmp_path):
     """slime's quick-start ROLLOUT, GRPO and OPTIMIZER arguments (docs/en/get_started/quick_start.md), with
     the fixture's data, a parity reward (slime's deepscaler is not rlbench's) and this machine's sizes."""
-    from rlbench.config import FIXTURES
+    from rlbench.config_sections import FIXTURES
 
     argv = EXPECTED["cases"]["quick_start_grpo"]["argv"]
     argv = [str(FIXTURES / "data" / "parity.jsonl") if a == "data.jsonl" else a for a in argv]
