@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import subprocess
 import sys
 import types
 from argparse import Namespace
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
 
 REPO = Path(__file__).resolve().parents[3]
 SCHEMA = "rlbench.conformance.slime-dumps/1"
@@ -78,16 +78,6 @@ def _slime(path: Path) -> Namespace:
     loss.mpu = Namespace(get_context_parallel_world_size=lambda: 1, get_context_parallel_rank=lambda: 0,
                          get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_group=lambda: None)
     return Namespace(Sample=slime_types.Sample, save=rollout_data_utils.save_debug_rollout_data, loss=loss)
-
-
-def _commit(path: Path, given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], check=True, capture_output=True,
-                              text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sys.exit(f"{path} is not a git checkout: give its commit with --commit SHA")
 
 
 class Maker:
@@ -290,7 +280,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="the directory to write the dumps and cases.json to")
     parser.add_argument("--commit", help="slime's commit, where --slime is not a git checkout")
     args = parser.parse_args()
-    doc = build(args.slime.resolve(), args.out, _commit(args.slime, args.commit))
+    doc = build(args.slime.resolve(), args.out, commit_of(args.slime, args.commit))
     for name, case in doc["cases"].items():
         print(f"{name}: {case['file']} ({case['samples']} samples)")
     return 0

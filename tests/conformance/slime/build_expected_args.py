@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import subprocess
 import sys
 import tempfile
 import types
 from pathlib import Path
+
+from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
 
 OUT = Path(__file__).resolve().parent / "expected_args.json"
 
@@ -119,8 +120,7 @@ def main() -> None:
     parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
     parser.add_argument("--commit", help="its commit (default: read from a git repository at --slime)")
     given = parser.parse_args()
-    commit = given.commit or subprocess.run(["git", "-C", str(given.slime), "rev-parse", "HEAD"],
-                                            capture_output=True, text=True).stdout.strip()
+    commit = commit_of(given.slime, given.commit)
     arguments = _import_arguments(given.slime)
     cases = {name: {"argv": argv, "slime": resolve(arguments, argv)} for name, argv in CASES.items()}
     OUT.write_text(json.dumps({"slime_commit": commit, "megatron_defaults": {k: v[1] for k, v in MEGATRON.items()},

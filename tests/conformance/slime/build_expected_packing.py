@@ -15,8 +15,9 @@ import argparse
 import importlib.util
 import json
 import random
-import subprocess
 from pathlib import Path
+
+from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
 
 OUT = Path(__file__).resolve().parent / "expected_packing.json"
 
@@ -35,10 +36,9 @@ def cases() -> list[tuple[list[int], int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
-    parser.add_argument("--commit", help="its commit (default: read from a git repository at --slime)")
+    parser.add_argument("--commit", help="slime's commit, where --slime is not a git checkout")
     given = parser.parse_args()
-    commit = given.commit or subprocess.run(["git", "-C", str(given.slime), "rev-parse", "HEAD"],
-                                            capture_output=True, text=True).stdout.strip()
+    commit = commit_of(given.slime, given.commit)
     spec = importlib.util.spec_from_file_location("seqlen_balancing",
                                                   given.slime / "slime" / "utils" / "seqlen_balancing.py")
     module = importlib.util.module_from_spec(spec)
