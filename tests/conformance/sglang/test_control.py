@@ -74,7 +74,7 @@ def test_abort_one_request_by_rid(server):
         victim = pool.submit(_long, server, 1, rid="abort-me")
         other = pool.submit(server.post, "/generate", {"input_ids": [3, 4], "sampling_params": {
             "max_new_tokens": 40, "ignore_eos": True}})
-        _running(server)
+        _running(server, in_flight=2)  # both in: the rid aborted must be the server's already
         assert server.post("/abort_request", {"rid": "abort-me"}).status_code == 200
         assert victim.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
         assert other.result().json()["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
@@ -144,7 +144,7 @@ def test_update_weights_abort_all_requests(server, tmp_path):
     new = str(write_checkpoint(tmp_path / "new", seed=6))
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_long, server, i) for i in range(6)]
-        _running(server)
+        _running(server, in_flight=6)  # all six in (running or waiting): one still on its way would not be aborted
         answer = server.post("/update_weights_from_disk", {"model_path": new, "abort_all_requests": True})
         assert answer.json()["success"] is True
         for future in as_completed(futures):
