@@ -11,9 +11,9 @@ For each shape, in one process (deterministic mode, bf16 over fp32 master weight
 2. generation of the step's 64 requests by the embedded engine (CUDA graphs on, then off) against transformers'
    own `generate` on the same prompts (sampling, the same number of new tokens, no early stop), as tokens/s,
    alternating, and whether the engine's bits are the same with and without its graphs;
-3. the train stage against a bare torch training step over the same batch: the same model, the same fused
-   AdamW over fp32 masters, the same micro-batches and a PPO-clip loss, without rlbench around it (no
-   checksums, no metrics, no recording);
+3. the train stage against a bare torch training step over the same batch, alternating: the same model, the
+   trainer's own fused AdamW over its fp32 masters, the same micro-batches and a PPO-clip loss, without rlbench
+   around it (no checksums, no metrics, no recording);
 4. one checkpoint (model, masters and AdamW state), which is not part of a step: a run writes one every
    `checkpoint_every` steps.
 Prints each figure and the ratios the issue names (checksums+recording share <= 3%, generation >= 5x
@@ -31,9 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+# Run as a script, this file's folder is on sys.path, where bench/megatron.py would hide the megatron package
+# (a namespace package: a module anywhere on the path wins over it): the folder is there only to import stages.py.
+BENCH = Path(__file__).resolve().parent
+sys.path[:] = [str(BENCH)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 from stages import STAGES, sync_device  # noqa: E402
+
+sys.path.pop(0)
 
 import torch  # noqa: E402
 
@@ -162,48 +166,59 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
             "engine_tokens": engine_tokens}
 
 
-def bare_train_step(ctx, state, repeats: int = 2) -> float:
-    """The same batch through the same model, the same micro-batches and PPO-clip loss and the same optimizer as
-    the trainer (fused AdamW; for a bf16 model over fp32 master weights, its gradients added into fp32 master
-    gradients after each micro-batch), nothing else: no checksums, no metrics, no recording."""
+def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, float]:
+    """The train stage (`loop.train`: the trainer's step with its checksums) and a bare torch step over the same
+    batch, alternating, `repeats` rounds after a warm-up one: (median train stage s, median bare s, median of the
+    per-round ratios). The bare step uses the same model, the same micro-batches and PPO-clip loss and the trainer's
+    own optimizer (fused AdamW; for a bf16 model over the trainer's fp32 master weights, its gradients added into
+    their fp32 gradients after each micro-batch, the masters copied back after the step), nothing else: no
+    checksums, no metrics, no recording, no trimming of the batch to its loss tokens."""
     from rlbench.core import algo
 
-    model, batch = ctx.trainer.model, state.batch
-    for hook in getattr(ctx.trainer.masters, "hooks", ()):  # the trainer's own mixed precision: off from here on
-        hook.remove()
+    trainer, batch, device = ctx.trainer, state.batch, ctx.config.device
+    model, optimizer, masters = trainer.model, trainer.optimizer, trainer.masters
     params = list(model.parameters())
-    mixed = params[0].dtype != torch.float32
-    masters = [p.detach().float().clone().requires_grad_(True) for p in params] if mixed else params
-    optimizer = torch.optim.AdamW(masters, lr=ctx.config.train.lr, fused=True)
+    fp32 = list(masters.params.values()) if masters else params
     n, micro = batch.tokens.shape[0], ctx.config.train.micro_batch_size
     per_minibatch = n // ctx.config.train.minibatches
-    times = []
-    for _ in range(repeats + 1):
-        sync_device(ctx.config.device)
-        start = time.perf_counter()
+
+    def bare() -> None:
+        model.train()
         for lo in range(0, n, per_minibatch):
             optimizer.zero_grad(set_to_none=True)
             for m in range(lo, lo + per_minibatch, micro):
                 index = slice(m, min(m + micro, lo + per_minibatch))
-                tokens = batch.tokens[index].to(ctx.config.device)
+                tokens = batch.tokens[index].to(device)
                 logp = algo.token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens, 1.0)
-                mask = batch.loss_mask[index].to(ctx.config.device)
-                ratio = torch.exp(logp - batch.old_logprobs[index].to(ctx.config.device))
-                adv = batch.advantages[index].to(ctx.config.device)[:, None]
+                mask = batch.loss_mask[index].to(device)
+                ratio = torch.exp(logp - batch.old_logprobs[index].to(device))
+                adv = batch.advantages[index].to(device)[:, None]
                 loss = (torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * mask).sum() / mask.sum()
                 (loss * (index.stop - index.start) / per_minibatch).backward()
-                if mixed:
-                    for p, master in zip(params, masters):
+                if masters:
+                    for p, master in zip(params, fp32):
                         master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
                         p.grad = None
-            torch.nn.utils.clip_grad_norm_(masters, 1.0)
+            torch.nn.utils.clip_grad_norm_(fp32, 1.0)
             optimizer.step()
-            if mixed:
+            if masters:
                 with torch.no_grad():
-                    torch._foreach_copy_(params, masters)
-        sync_device(ctx.config.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+                    torch._foreach_copy_(params, fp32)
+
+    times = {"train": [], "bare": []}
+    for _ in range(repeats + 1):
+        for key in ("train", "bare"):
+            if masters and key == "bare":
+                masters.detach()  # the trainer's hooks off: the bare step adds the gradients itself
+            sync_device(device)
+            start = time.perf_counter()
+            loop.train(ctx, state) if key == "train" else bare()
+            sync_device(device)
+            times[key].append(time.perf_counter() - start)
+            if masters and key == "bare":
+                masters.attach()
+    ratios = [t / b for t, b in zip(times["train"][1:], times["bare"][1:])]
+    return statistics.median(times["train"][1:]), statistics.median(times["bare"][1:]), statistics.median(ratios)
 
 
 def main() -> None:
@@ -212,8 +227,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=2, help="timed generations and bare steps (after a warm-up)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed generations and train/bare rounds (after a warm-up)")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)")
+    parser.add_argument("--trainer", choices=("torch", "megatron"), default="torch",
+                        help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
+                             "by stage and checkpoint only (the engine's figures are the torch runs'; the bare step "
+                             "is a transformers model)")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {gpu}; torch {torch.__version__}")
@@ -223,17 +242,20 @@ def main() -> None:
                                  model__dtype="bfloat16", device=args.device, deterministic=True,
                                  steps=args.steps + 10, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
                                  rollout__n_samples_per_prompt=8, rollout__max_new_tokens=args.new_tokens,
-                                 train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6)
+                                 train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6,
+                                 train__backend=args.trainer)
             ctx = build(config)
+            torch_trainer = args.trainer == "torch"
             clock = Clock(args.device)
             stages = step_by_stage(ctx, args.steps, clock)
             step = sum(v for k, v in stages.items() if k != "checksums")
             share = (stages["checksums"] + stages["record"]) / step
-            gen = generation(ctx, args.new_tokens, args.repeats)
-            state = loop.StepState(args.steps + 1)
-            for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
-                stage(ctx, state)
-            bare = bare_train_step(ctx, state, args.repeats)
+            if torch_trainer:
+                gen = generation(ctx, args.new_tokens, args.repeats)
+                state = loop.StepState(args.steps + 1)
+                for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
+                    stage(ctx, state)
+                trained, bare, train_ratio = train_against_bare(ctx, state, args.repeats)
             checkpoint_s = float("nan")
             if not args.no_checkpoint:
                 sync_device(args.device)
@@ -242,15 +264,20 @@ def main() -> None:
                 ctx.writer.flush()
                 sync_device(args.device)
                 checkpoint_s = time.perf_counter() - start
-            print(f"{shape}: step {step:.2f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
+            print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
+                  ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
             print(f"  checksums + recording: {share * 100:.1f}% of the step (issue: <= 3%)")
             print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint_s:.2f} s")
+            if not torch_trainer:
+                ctx.writer.close()
+                ctx.trainer.close()
+                continue
             print(f"  generation: engine {gen['engine_tok_s']:.0f} tok/s, transformers generate "
                   f"{gen['generate_tok_s']:.0f} tok/s: x{gen['engine_tok_s'] / gen['generate_tok_s']:.2f} "
                   f"(issue: >= 5); without CUDA graphs {gen['eager_tok_s']:.0f} tok/s; graphs and eager the same "
                   f"bits: {gen['graphs_same_bits']}")
-            print(f"  train stage {stages['train']:.3f} s vs a bare torch step {bare:.3f} s: "
-                  f"x{stages['train'] / bare:.2f} (issue: <= 1.2)")
+            print(f"  train stage {trained:.3f} s vs a bare torch step {bare:.3f} s over the same batch, alternating "
+                  f"{args.repeats} rounds: x{train_ratio:.2f} (median of the rounds' ratios; issue: <= 1.2)")
             ctx.writer.close()
             del ctx
             torch.cuda.empty_cache() if args.device.startswith("cuda") else None

@@ -221,6 +221,34 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None
 
 
+def _fusable_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Give the model's RMSNorms (transformers' `*RMSNorm` modules) a fused path, off until `fused` is set on each:
+    `torch.rms_norm` in one call (float32 inside, one rounding to the model's dtype) instead of transformers' eight
+    kernels (widen, square, mean, add, rsqrt, multiply, round, weight), four norms a layer. In a captured decode
+    step of a small model most of the GPU's time is kernels' fixed cost. The batched path turns it on around its
+    forwards on a GPU (each row is normalised alone, at the bucket's fixed shapes: batch invariance holds as
+    before); the per-sample path (the reference) and rescoring keep the model's own norms. The module's class is
+    swapped for a subclass, so a copy of the model (a weight load in `rlbench serve`) keeps the path. Returns them."""
+    norms = []
+    for module in model.modules():
+        kind = type(module)
+        if kind.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and hasattr(module, "weight"):
+            if kind not in _FUSED_KINDS.values():
+                module.__class__ = _FUSED_KINDS.setdefault(kind, type(kind.__name__, (kind,), {"forward": _norm}))
+            module.fused = getattr(module, "fused", False)
+            norms.append(module)
+    return norms
+
+
+def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
+    if not self.fused:
+        return super(type(self), self).forward(hidden)
+    return torch.rms_norm(hidden, (hidden.shape[-1],), self.weight, self.variance_epsilon)
+
+
+_FUSED_KINDS: dict[type, type] = {}  # transformers' RMSNorm class -> its subclass with a fused path
+
+
 def _register_grouped() -> None:
     from transformers import AttentionInterface
 
@@ -258,6 +286,7 @@ class HFEngine:
         if self.grouped:
             _register_grouped()
         self.own_attention = self.model.config._attn_implementation
+        self._norms: tuple[torch.nn.Module, list] | None = None  # (model, its fusable norms): `_fused`
         self.graphs: dict[tuple[int, int], list[GraphDecode]] = {}  # (rows, length) -> captured decodes, kept
 
     @torch.no_grad()
@@ -287,16 +316,28 @@ class HFEngine:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole
         batch for padding). A None mask is causal for a prefill and all-visible for one token (the
-        per-sample path); a mask given is the batched path's, which attends with `grouped_attention` on a GPU."""
-        if self.grouped and mask is not None:
+        per-sample path); a mask given is the batched path's, which attends with `grouped_attention` and fused
+        RMSNorms (`_fusable_norms`) on a GPU."""
+        fuse = self.grouped and mask is not None
+        if fuse:
             self.model.config._attn_implementation = GROUPED
+            self._fused(True)
         try:
             out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
                              past_key_values=kv, attention_mask={"full_attention": mask}, use_cache=True,
                              logits_to_keep=1)
         finally:
             self.model.config._attn_implementation = self.own_attention
+            if fuse:
+                self._fused(False)
         return out.logits[:, -1].float()
+
+    def _fused(self, on: bool) -> None:
+        """Turn the model's fused RMSNorms on or off (`_fusable_norms`; found again if the model was replaced)."""
+        if self._norms is None or self._norms[0] is not self.model:
+            self._norms = (self.model, _fusable_norms(self.model))
+        for norm in self._norms[1]:
+            norm.fused = on
 
     def _alone_steps(self, requests: Sequence[GenerateRequest], decoding: Decoding) -> Generator[None, None, list]:
         """The reference path: each request alone, one prefill per distinct prompt of the call."""

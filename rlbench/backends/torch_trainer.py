@@ -135,9 +135,10 @@ class TorchTrainer:
     def _param_names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]
 
-    def _clip_grads(self) -> float:
+    def _clip_grads(self) -> torch.Tensor | float:
+        """Clip the gradients; their norm before clipping (a device tensor: read at the step's end)."""
         params = self.masters.params.values() if self.masters else self.model.parameters()
-        return float(torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip))
+        return torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip)
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
@@ -192,7 +193,7 @@ class TorchTrainer:
         losses, sums = self._reduce_stats(torch.stack(losses).cpu(), sums)
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
         metrics["train/loss"] = float(losses.mean())
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["train/grad_norm"] = sum(float(norm) for norm in grad_norms) / len(grad_norms)
         param_grads = grads.hexdigests()
         return algo.TrainStats(metrics=metrics, losses=losses.float(), grads_digest=param_grads.pop(None),
                                param_grads=param_grads)
@@ -287,21 +288,35 @@ class MasterWeights:
     def __init__(self, model: torch.nn.Module, hooks: bool = True):
         self.model = model
         self.params = {name: p.detach().float().clone().requires_grad_(True) for name, p in model.named_parameters()}
+        self.hooks: list = []
+        if hooks:
+            self.attach()
+
+    def attach(self) -> None:
+        """Hook every parameter: its gradient goes into its master's after each backward (see the class)."""
+        self.detach()
         self.hooks = [param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
-                      for name, param in model.named_parameters()] if hooks else []
+                      for name, param in self.model.named_parameters()]
+
+    def detach(self) -> None:
+        """Remove the hooks: gradients stay on the model's parameters (bench/scale.py's bare step)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
     @staticmethod
     def _accumulate(master: torch.Tensor):
         def hook(param: torch.Tensor) -> None:
-            grad = param.grad.float()
-            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            # fp32 += bf16 widens each element exactly before the fp32 add: the bits of adding grad.float()
+            master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
             param.grad = None
         return hook
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        for name, param in self.model.named_parameters():
-            param.copy_(self.params[name])
+        """Round the masters into the model's parameters (one multi-tensor copy)."""
+        params = dict(self.model.named_parameters())
+        torch._foreach_copy_([params[name] for name in self.params], list(self.params.values()))
 
     def load(self, tensors: dict[str, torch.Tensor], source: Path, weights: str = "model.safetensors") -> None:
         """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`); the model's

@@ -198,3 +198,36 @@ def test_an_engine_keeps_a_bounded_number_of_captured_decodes(setup, monkeypatch
         assert sum(len(graphs) for graphs in kept.graphs.values()) <= 2
         assert any(length == 32 + new for _, length in kept.graphs)
     assert made == [(ROWS, 34), (ROWS, 35), (ROWS, 36), (ROWS, 34), (ROWS, 37)]  # 34 let go, then captured again
+
+
+def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path(setup):
+    """The batched path's RMSNorms on a GPU (`torch.rms_norm`, fused) against transformers' own, on the CPU: equal
+    to float32 rounding when on, the model's own bits when off (the per-sample path and the trainer keep them), and
+    a copy of the engine's model (what `rlbench serve` loads new weights into) keeps the fused path."""
+    import copy
+
+    import torch
+
+    from rlbench.backends import hf_engine
+
+    engines, _, _, model = setup
+    engine = HFEngine(model, batch_size=ROWS)
+    norms = hf_engine._fusable_norms(engine.model)
+    layers = model.config.num_hidden_layers
+    assert len(norms) == 4 * layers + 1  # input, post-attention, q and k norms per layer; the final norm
+    own = dict(model.named_modules())
+    names = {id(m): name for name, m in engine.model.named_modules()}
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for norm in norms:
+        reference = own[names[id(norm)]]
+        assert type(reference).__name__ == type(norm).__name__ and type(norm) is not type(reference)
+        h = x[..., : norm.weight.shape[0]]
+        assert torch.equal(norm(h), reference(h))  # off: the model's own forward, bit for bit
+        norm.fused = True
+        fused = norm(h)
+        norm.fused = False
+        assert torch.allclose(fused, reference(h), rtol=1e-6, atol=1e-6)
+    copied = copy.deepcopy(engine.model)
+    assert all(type(m) in hf_engine._FUSED_KINDS.values() for m in hf_engine._fusable_norms(copied))
+    assert not any(m.fused for m in hf_engine._fusable_norms(copied))
+    assert not any(type(m) in hf_engine._FUSED_KINDS.values() for m in model.modules())  # the trainer's: untouched
