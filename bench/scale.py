@@ -59,7 +59,7 @@ SHAPES = {
 # Every entry into rlbench's checksum code (rlbench/rundir/digest.py), under the names its callers imported it by:
 # nested calls count once (the outermost).
 CHECKSUM_FUNCTIONS = ("lanes", "_fetch", "tensors_digest", "tensor_digests", "weights_digest", "weights_digests")
-CHECKSUM_METHODS = ("add", "hexdigests")  # digest.Digests: the trainer's gradient checksums
+CHECKSUM_METHODS = ("add", "add_all", "hexdigests")  # digest.Digests: the trainer's gradient checksums
 
 
 def model_dir(root: Path, shape: str) -> Path:
@@ -166,13 +166,12 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
             "engine_tokens": engine_tokens}
 
 
-def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, float]:
-    """The train stage (`loop.train`: the trainer's step with its checksums) and a bare torch step over the same
-    batch, alternating, `repeats` rounds after a warm-up one: (median train stage s, median bare s, median of the
-    per-round ratios). The bare step uses the same model, the same micro-batches and PPO-clip loss and the trainer's
-    own optimizer (fused AdamW; for a bf16 model over the trainer's fp32 master weights, its gradients added into
-    their fp32 gradients after each micro-batch, the masters copied back after the step), nothing else: no
-    checksums, no metrics, no recording, no trimming of the batch to its loss tokens."""
+def bare_step(ctx, state):
+    """A bare torch training step over `state`'s batch, as a function: the same model, the same micro-batches and
+    PPO-clip loss and the trainer's own optimizer (fused AdamW; for a bf16 model over the trainer's fp32 master
+    weights, its gradients added into their fp32 gradients after each micro-batch, the masters copied back after
+    the step), nothing else: no checksums, no metrics, no recording, no trimming of the batch to its loss tokens.
+    Call it with the trainer's hooks off (`masters.detach()`)."""
     from rlbench.core import algo
 
     trainer, batch, device = ctx.trainer, state.batch, ctx.config.device
@@ -205,6 +204,14 @@ def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, floa
                 with torch.no_grad():
                     torch._foreach_copy_(params, fp32)
 
+    return bare
+
+
+def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, float]:
+    """The train stage (`loop.train`: the trainer's step with its checksums) and `bare_step` over the same batch,
+    alternating, `repeats` rounds after a warm-up one: (median train stage s, median bare s, median of the
+    per-round ratios)."""
+    device, masters, bare = ctx.config.device, ctx.trainer.masters, bare_step(ctx, state)
     times = {"train": [], "bare": []}
     for _ in range(repeats + 1):
         for key in ("train", "bare"):

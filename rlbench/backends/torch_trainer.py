@@ -11,13 +11,16 @@ A model in bf16 (or fp16) trains in mixed precision as Megatron's optimizer does
 and backward run in the model's dtype, each micro-batch's gradients are added into fp32 gradients of
 fp32 master weights, AdamW's state and update are fp32, and after each optimizer step the model's
 parameters are the masters rounded to its dtype (`MasterWeights`). A float32 model trains as it is.
+
+Weight decay follows Megatron's rule, which slime trains with: biases and 1-D parameters (norms) take
+none, every other parameter takes `train.weight_decay` (`decay_groups`: two AdamW param groups).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -56,8 +59,8 @@ class TorchTrainer:
             self.reference = reference.eval().requires_grad_(False)
         # fused: its sqrt is the exact vector instruction; the for-loop AdamW calls torch.sqrt, which on
         # the CPU is MKL's VML and rounds differently on AMD and Intel (rlbench/numerics.py).
-        params = self.masters.params.values() if self.masters else model.parameters()
-        self.optimizer = torch.optim.AdamW(params, lr=train.lr, betas=train.betas,
+        named = self.masters.params if self.masters else dict(model.named_parameters())
+        self.optimizer = torch.optim.AdamW(decay_groups(named, train.weight_decay), lr=train.lr, betas=train.betas,
                                            eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
 
     def _master_source(self) -> tuple[torch.nn.Module, bool]:
@@ -255,8 +258,10 @@ class TorchTrainer:
         from rlbench.core.model import load_safetensors
         from rlbench.rundir.jsonio import read_json
 
-        load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
         meta = read_json(directory / "optimizer.json")
+        check_weight_decays(meta, [group["weight_decay"] for group in self.optimizer.param_groups],
+                            directory / "optimizer.json")
+        load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
         scalars = meta.get("scalars") if isinstance(meta, dict) else None
         tensors = load_safetensors(directory / "optimizer.safetensors")
         expected = meta.get("tensors_checksum") if isinstance(meta, dict) else None
@@ -333,6 +338,42 @@ class MasterWeights:
                 raise BadInput(f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
                                "changed or damaged after it was written)", path=source / weights)
         self.copy_to_model()
+
+
+def decays(name: str, shape: Sequence[int]) -> bool:
+    """Whether a parameter takes weight decay, by Megatron's rule (megatron-core's `get_standard_config_overrides`,
+    which slime's optimizer runs with): a bias (the name ends in ".bias") or a 1-D tensor (a norm's weight) does not.
+    slime's `--apply-wd-to-qk-layernorm` (decay on q/k norms too) is not modelled: slime_args.py refuses it."""
+    return not (name.endswith(".bias") or len(shape) == 1)
+
+
+def decay_groups(named: Mapping[str, torch.Tensor], weight_decay: float) -> list[dict]:
+    """AdamW's param groups for the parameters `named` (by name, in the model's order), as megatron-core orders
+    them: those that decay (`weight_decay`), then those that do not (0.0). A group with no parameter is left out,
+    as megatron-core makes none."""
+    split: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for name, param in named.items():
+        split[decays(name, param.shape)].append(param)
+    groups = [{"params": split[True], "weight_decay": weight_decay}, {"params": split[False], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def check_weight_decays(meta: object, have: Sequence[float], path: Path, field: str = "param_groups") -> None:
+    """Refuse (BadInput naming `path` and `field`) a saved optimizer whose param groups' weight decays (`meta`'s
+    `param_groups`) are not `have`, this run's, in order: resuming it would change the run. A state of one group
+    (rlbench before Megatron's rule: every parameter decayed alike) resumes where every group here has its weight
+    decay: at weight decay 0, every default-config checkpoint resumes bit for bit."""
+    groups = meta.get("param_groups") if isinstance(meta, dict) else None
+    saved = [group.get("weight_decay") if isinstance(group, dict) else None
+             for group in groups] if isinstance(groups, list) else []
+    if not saved or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in saved):
+        raise BadInput('expected a list of {"weight_decay": number, ...}, one per AdamW param group',
+                       path=path, field=field)
+    have = list(have)
+    if saved == have or (len(saved) == 1 and all(w == saved[0] for w in have)):
+        return
+    raise BadInput(f"the saved optimizer's param groups have weight decays {saved}, this run's {have} (Megatron's "
+                   "rule: none on biases and 1-D parameters): resuming it would change the run", path=path, field=field)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,13 +17,14 @@ lowest bit set, and B_k[0] = 1: every multiplier is odd.
 Why it is exact and order-independent: the sum runs in the ring of integers modulo 2**64, where addition is
 associative and commutative, so any reduction order, any split into chunks, any thread count and any device give
 the same value. The CPU path computes it with numpy's unsigned 64-bit dot product (unsigned arithmetic wraps by
-definition); a CUDA path with torch's int64 multiply and sum, which wrap modulo 2**64 in two's complement (the
-same bits): tests/cpu/test_digest.py pins that on the CPU with known values, tests/gpu/test_digest_cuda.py holds
-the devices equal.
+definition); a CUDA path with int64 multiplies and sums (a Triton kernel's, or torch's), which wrap modulo 2**64
+in two's complement (the same bits): tests/cpu/test_digest.py pins that on the CPU with known values,
+tests/gpu/test_digest_cuda.py holds the devices and the two CUDA paths equal.
 
-Memory: A's table is 256 KiB (kept per device), B's 16 bytes per chunk of the largest tensor seen; the device
-path multiplies at most GROUP chunks at a time (a 16 MiB temporary). A non-contiguous tensor is copied once to
-its row-major bytes; a contiguous one is read in place.
+Memory: A's table is 256 KiB (kept per device), B's 16 bytes per chunk of the largest tensor seen. On a GPU a
+Triton kernel reads each word once and writes 16 bytes per chunk; without Triton, torch's ops multiply at most
+GROUP chunks at a time (a 16 MiB temporary). A non-contiguous tensor is copied once to its row-major bytes; a
+contiguous one is read in place.
 
 What it catches: flipping bit b of word i changes w_i by +-2**b, so lane k changes by +-2**b * m_k(i) mod 2**64,
 which is never 0 since m_k(i) is odd and b < 64: a single flipped bit changes both lanes, with certainty. Other
@@ -46,7 +47,7 @@ from rlbench.rundir.algorithm import CHECKSUM as ALGORITHM
 
 CHUNK = 1 << 14  # words per chunk: A's table (2 x 128 KiB) stays in the CPU's cache
 GROUP = 64  # chunks per device kernel: bounds the device's temporary product to 16 MiB
-BATCH_BYTES = 256 << 20  # `Digests.add_all` concatenates smaller device tensors into batches of about this size
+BATCH_BYTES = 4 << 20  # `Digests.add_all` concatenates smaller device tensors into batches of about this size
 _PREFIX = f"rlbench checksum {ALGORITHM}\0".encode()  # a checksum of another algorithm never equals one of these
 _MASK = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -130,9 +131,14 @@ def _host_lanes(data: np.ndarray) -> tuple[int, int]:
     return lanes[0] & _MASK, lanes[1] & _MASK
 
 
-def _device_lanes(data: torch.Tensor) -> torch.Tensor:
-    """The two lanes of `data` (uint8, any device) with torch's int64 multiply and sum, which wrap modulo
-    2**64: a [2] int64 tensor on that device, computed without a synchronisation."""
+def _device_lanes(data: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """The two lanes of `data` (uint8, any device) with int64 multiplies and sums, which wrap modulo 2**64: a [2]
+    int64 tensor on that device, computed without a synchronisation. On a GPU with Triton one kernel reads each
+    word once (`_fused_lanes`); else torch's ops, which make a temporary product per group of chunks. `fused`
+    True or False picks the kernel or torch's ops on any device (the tests hold the two equal; Triton's interpreter
+    runs the kernel on the CPU)."""
+    if _use_kernel(data.device, fused):
+        return _fused_lanes([data])[0]
     full = data.numel() // 8 * 8
     body = data[:full]
     if body.storage_offset() % 8:  # an int64 view needs aligned bytes
@@ -154,6 +160,95 @@ def _device_lanes(data: torch.Tensor) -> torch.Tensor:
     if not parts:
         return torch.zeros(2, dtype=torch.int64, device=data.device)
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
+
+
+_BLOCK = 1024  # words a Triton program multiplies at a time (CHUNK is a whole number of them)
+_KERNEL: list = []  # [the Triton kernel, or None where Triton cannot be imported], filled on first use
+
+
+def _chunk_kernel():
+    """The Triton kernel behind `_fused_lanes`, or None where Triton cannot be imported (a CPU-only install: the
+    CPU's path is numpy's). One program per chunk g of all the tensors together: tensor t = owner[g], its chunk
+    c = place[g]; it reads the chunk's words w_j (j < CHUNK; words past the tensor's count read as 0) at `base`
+    + offsets[t] (every tensor addressed from the first one's words: one pointer argument for any number of
+    tensors) and writes out[g] = (sum_j w_j * A_k[j]) * B_k[c] for k = 0, 1, in int64 arithmetic, which wraps
+    modulo 2**64 as the definition does."""
+    if not _KERNEL:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL.append(None)
+            return None
+
+        @triton.jit
+        def chunk_sums(base, offsets, counts, owner, place, a, b, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+            g = tl.program_id(0).to(tl.int64)
+            t = tl.load(owner + g)
+            c = tl.load(place + g)
+            words = base + tl.load(offsets + t)
+            n = tl.load(counts + t)
+            lanes = tl.arange(0, BLOCK)
+            first = tl.zeros([BLOCK], dtype=tl.int64)
+            second = tl.zeros([BLOCK], dtype=tl.int64)
+            for start in range(0, CHUNK, BLOCK):
+                j = start + lanes
+                i = c * CHUNK + j
+                w = tl.load(words + i, mask=i < n, other=0)
+                first += w * tl.load(a + j)
+                second += w * tl.load(a + CHUNK + j)
+            tl.store(out + 2 * g, tl.sum(first, axis=0) * tl.load(b + 2 * c))
+            tl.store(out + 2 * g + 1, tl.sum(second, axis=0) * tl.load(b + 2 * c + 1))
+
+        _KERNEL.append(chunk_sums)
+    return _KERNEL[0]
+
+
+def _use_kernel(device: torch.device, fused: bool | None) -> bool:
+    """Whether lanes on `device` come from the Triton kernel: on a GPU where Triton imports, or when asked."""
+    return bool(fused or fused is None and device.type == "cuda") and _chunk_kernel() is not None
+
+
+def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
+    """[len(datas), 2] int64: the lanes of each uint8 tensor (all on one device) from one launch of the Triton
+    kernel over all their chunks, each word read once where it lies (no concatenation, no temporary product).
+    Per-chunk products are totalled per tensor as differences of a running sum, which wraps like every other sum
+    here; a tensor's last nbytes % 8 bytes (its zero-padded last word) are added apart."""
+    device = datas[0].device
+    words, tails = [], []
+    for data in datas:
+        full = data.numel() // 8 * 8
+        body = data[:full]
+        if body.storage_offset() % 8 or not body.numel():  # an int64 view needs aligned bytes (and an address)
+            body = body.clone() if body.numel() else torch.zeros(1, dtype=torch.uint8, device=device)[:0]
+        words.append(body.view(torch.int64))
+        tails.append(full < data.numel())
+    counts = np.array([w.numel() for w in words], dtype=np.int64)
+    chunks = -(-counts // CHUNK)
+    first = words[0] if words[0].numel() else next((w for w in words if w.numel()), words[0])
+    addresses = np.array([w.data_ptr() if w.numel() else first.data_ptr() for w in words], dtype=np.int64)
+    offsets = (addresses - first.data_ptr()) // 8  # every address is 8-byte aligned: whole words apart
+    owner = np.repeat(np.arange(len(words), dtype=np.int64), chunks)
+    place = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    # one copy to the device; each part starts 16 bytes aligned (Triton compiles a variant per pointer alignment)
+    parts = [np.pad(part, (0, part.size % 2)) for part in (offsets, counts, owner, place)]
+    starts = np.cumsum([0] + [part.size for part in parts])
+    table = torch.from_numpy(np.concatenate(parts)).to(device)
+    offsets_, counts_, owner_, place_ = (table[lo:hi] for lo, hi in zip(starts[:-1], starts[1:]))
+    total = int(chunks.sum())
+    a = _on_device("A", 0, device)
+    b = _on_device("B", int(max(chunks.max(initial=0), (counts // CHUNK).max(initial=0))) + 1, device)
+    out = torch.empty(total, 2, dtype=torch.int64, device=device)
+    if total:
+        _chunk_kernel()[(total,)](first, offsets_, counts_, owner_, place_, a, b, out, CHUNK=CHUNK, BLOCK=_BLOCK)
+    running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), out.cumsum(dim=0)])
+    ends = torch.from_numpy(np.cumsum(chunks)).to(device)
+    result = running[ends] - running[ends - torch.from_numpy(chunks).to(device)]
+    for row, (data, tail) in enumerate(zip(datas, tails)):
+        if tail:  # the last word, zero-padded, at position n
+            chunk, rest = divmod(int(counts[row]), CHUNK)
+            result[row] += _tail_word(data, data.numel() // 8 * 8) * a[:, rest] * b[chunk]
+    return result
 
 
 def _device_lanes_many(datas: list[torch.Tensor]) -> torch.Tensor:
@@ -216,8 +311,9 @@ class Digests:
         self._entries.append((keys, header, lanes(tensor)))
 
     def add_all(self, items: Iterable[tuple[str, torch.Tensor, tuple[Hashable, ...]]]) -> None:
-        """`add(name, tensor, *keys)` for each item, in order; tensors on a GPU smaller than BATCH_BYTES are
-        reduced together in batches (`_device_lanes_many`: the same lanes, a few kernels a batch)."""
+        """`add(name, tensor, *keys)` for each item, in order. On a GPU with Triton every tensor of a device is
+        reduced in one kernel launch (`_fused_lanes`); without, tensors smaller than BATCH_BYTES are reduced together
+        in batches (`_device_lanes_many`). The same lanes either way."""
         batch: list[int] = []
         size = 0
 
@@ -230,8 +326,14 @@ class Digests:
             batch.clear()
             size = 0
 
+        fused: dict[torch.device, list[int]] = {}  # devices with the Triton kernel: every tensor in one launch
         for name, tensor, keys in items:
             nbytes = tensor.numel() * tensor.element_size()
+            if not tensor.is_cpu and _use_kernel(tensor.device, None):
+                self._keys.update(dict.fromkeys(keys))
+                self._entries.append((keys, _header(name, tensor.dtype, tuple(tensor.shape), nbytes), tensor))
+                fused.setdefault(tensor.device, []).append(len(self._entries) - 1)
+                continue
             if tensor.is_cpu or nbytes >= BATCH_BYTES:
                 self.add(name, tensor, *keys)
                 continue
@@ -242,6 +344,10 @@ class Digests:
             batch.append(len(self._entries) - 1)
             size += nbytes
         flush()
+        for indices in fused.values():
+            rows = _fused_lanes([_byte_view(self._entries[i][2]) for i in indices])
+            for row, i in enumerate(indices):
+                self._entries[i] = (*self._entries[i][:2], rows[row])
 
     def hexdigests(self) -> dict[Hashable, str]:
         """Each key's checksum: sha256 over the prefix and, for each tensor added to it in order, its header

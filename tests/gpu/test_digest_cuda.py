@@ -1,7 +1,8 @@
 """Checksums on a GPU (rlbench/rundir/digest.py, wordsum/1): the same bytes give the same lanes and the same
 checksum on the CUDA device as on the CPU, in every dtype and at sizes that span chunks and device groups; a
-single flipped bit is caught there too; CUDA's int64 multiply and sum wrap modulo 2**64 as the CPU's do
-(tests/cpu/test_digest.py pins them there); and only the lanes cross to the host (no tensor is copied back)."""
+single flipped bit is caught there too; the Triton kernel and torch's ops agree; CUDA's int64 multiply and sum wrap
+modulo 2**64 as the CPU's do (tests/cpu/test_digest.py pins them there); and only the lanes cross to the host (no
+tensor is copied back)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,27 @@ def test_cuda_int64_multiply_and_sum_wrap_modulo_2_64():
     expected = (big.cpu() * factor.cpu()).sum().item()
     assert (big * factor).sum().item() == expected
     assert torch.tensor([2**62 + 1], device="cuda").mul(4).item() == 4
+
+
+def test_the_triton_kernel_and_torchs_ops_give_the_definitions_lanes():
+    """On a GPU the lanes come from one Triton kernel (`_chunk_kernel`: each word read once, any number of tensors
+    in one launch); torch's int64 ops are the path without Triton. Both equal the CPU's numpy definition, at sizes
+    within a chunk, over many chunks, with a tail of fewer than 8 bytes, unaligned, and many tensors at once."""
+    assert digest._chunk_kernel() is not None, "Triton is missing: GPU checksums would take torch's slower ops"
+    for nbytes in (1, 8, 8 * C - 3, 8 * C, 8 * C + 5, 8 * (3 * C + 17) + 3, 8 * (digest.GROUP + 3) * C + 11):
+        t = _random(torch.uint8, nbytes, seed=nbytes)
+        host = digest.lanes(t)
+        for fused in (True, False):
+            assert digest.to_unsigned(digest._device_lanes(t.cuda(), fused=fused).cpu()) == host, (nbytes, fused)
+    shifted = _random(torch.uint8, 8 * C + 21, seed=5).cuda()[3:]
+    assert digest.to_unsigned(digest._device_lanes(shifted, fused=True).cpu()) == digest.lanes(shifted.cpu())
+    # many tensors in one launch (what Digests.add_all does on a GPU), and torch's batched path beside it
+    many = [_random(torch.uint8, n, seed=n + 1) for n in (0, 3, 8, 8 * C + 5, 8 * (2 * C), 8 * (3 * C + 1) + 7, 24)]
+    many.append(_random(torch.uint8, 8 * C + 40, seed=6)[3:])
+    host = [digest.lanes(t) for t in many]
+    on_gpu = [t.cuda() for t in many]
+    assert [digest.to_unsigned(r) for r in digest._fused_lanes(on_gpu).cpu()] == host
+    assert [digest.to_unsigned(r) for r in digest._device_lanes_many(on_gpu).cpu()] == host
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -78,3 +78,95 @@ def test_tp2_rank_actors_under_ray_placement_match_in_process_tp2(tmp_path, monk
     local, ray = _run(tmp_path, "local", "--tp", "2"), _run(tmp_path, "ray", "--tp", "2", "--placement", "ray")
     assert (ray / "checksums.jsonl").read_bytes() == (local / "checksums.jsonl").read_bytes()
     assert _metrics(ray) == _metrics(local)
+
+
+@pytest.mark.parametrize("clip", [1e6, 1e-3], ids=["no-clipping", "clipping"])
+def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp_path, clip):
+    """rlbench's megatron trainer in bf16 held to megatron-core's own optimizer as slime builds it
+    (`get_megatron_optimizer`, bf16: Float16OptimizerWithFloat16Params over a DDP's fp32 gradient buffers, its param
+    groups, whose weight decays its OptimizerParamScheduler sets, its clipping), side by side: a twin of the model from the same initial weights takes, every minibatch,
+    the gradients rlbench's trainer computed, and steps with megatron-core's optimizer. With torch's AdamW inside
+    both (megatron-core's choice without Transformer Engine or Apex; fused, as rlbench's), the fp32 masters and the
+    bf16 parameters are the same bits after every update when no gradient is clipped. When every update clips,
+    megatron-core's fp32 norm and rlbench's float64 one differ in the last bits: the norms agree to 1e-6 relative and
+    the masters to a few float32 ulps of an update."""
+    pytest.importorskip("megatron.core")
+    import megatron.core.optimizer as moptim
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from rlbench.config import load_config
+    from rlbench.core import loop
+    from rlbench.core.context import build
+    from rlbench.core.model import named_weights
+
+    if not moptim.USING_PYTORCH_OPTIMIZER:
+        pytest.skip("megatron-core steps with Transformer Engine's or Apex's FusedAdam here, not torch's AdamW")
+    config = load_config(steps=3, seed=3, device="cuda", deterministic=True, model__dtype="bfloat16",
+                         train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-3,
+                         data__prompts_per_step=2, rollout__n_samples_per_prompt=4, train__minibatches=2,
+                         train__micro_batch_size=4, out=str(tmp_path / "run"))
+    ctx = build(config)
+    try:
+        ctx.trainer._start()
+        rank = ctx.trainer._local
+        twin = rank._shard({n: t.detach().cpu() for n, t in named_weights(ctx.trainer.hf_model).items()}, "cuda")
+        ddp = DistributedDataParallel(rank.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True), twin)
+        train = config.train
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=train.lr, weight_decay=train.weight_decay, adam_beta1=train.betas[0],
+            adam_beta2=train.betas[1], adam_eps=train.adam_eps, clip_grad=train.grad_clip, bf16=True,
+            use_distributed_optimizer=False), [ddp])
+        # Megatron's training loop sets each group's lr and weight decay (times its wd_mult) through its scheduler
+        schedule = OptimizerParamScheduler(optimizer, init_lr=train.lr, max_lr=train.lr, min_lr=0.0, lr_warmup_steps=0,
+                                           lr_decay_steps=1, lr_decay_style="constant", start_wd=train.weight_decay,
+                                           end_wd=train.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+        for group in inner.optimizer.param_groups:  # torch's AdamW, fused as rlbench's
+            group["fused"], group["foreach"] = True, False
+        assert sorted(g["weight_decay"] for g in inner.optimizer.param_groups) == sorted(
+            g["weight_decay"] for g in rank.optimizer.param_groups) == [0.0, 0.1]
+        mine, theirs = dict(rank.gpt.named_parameters()), dict(twin.named_parameters())
+        assert mine.keys() == theirs.keys()
+        grads, norms, updates = {}, [], []
+        real_clip, real_step = rank._clip_grads, rank._optimizer_step
+
+        def clip_grads():
+            grads.update({name: p.main_grad.detach().clone() for name, p in mine.items()})
+            norm = real_clip()
+            norms.append([float(norm)])
+            return norm
+
+        def optimizer_step():
+            real_step()
+            for name, p in theirs.items():
+                p.main_grad.copy_(grads[name])
+            done, norm, _ = optimizer.step()
+            assert done
+            schedule.step(increment=1)
+            norms[-1].append(float(norm))
+            masters = [(rank.masters.params[name], theirs[name].main_param) for name in mine]
+            params = [(mine[name], theirs[name]) for name in mine]
+            updates.append((all(torch.equal(a, b) for a, b in masters), all(torch.equal(a, b) for a, b in params),
+                            max(float((a - b).abs().max()) for a, b in masters)))
+            optimizer.zero_grad()
+
+        rank._clip_grads, rank._optimizer_step = clip_grads, optimizer_step
+        loop.first_sync(ctx, 0)
+        for step in range(config.steps):
+            state = loop.StepState(step)
+            for stage in (loop.data, loop.rollout, loop.reward, loop.advantage, loop.logprob, loop.train, loop.sync):
+                stage(ctx, state)
+    finally:
+        ctx.writer.close()
+        ctx.trainer.close()
+    assert len(updates) == config.steps * train.minibatches
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in norms), norms
+    clipped = [a > clip for a, _ in norms]
+    if clip > 1:
+        assert not any(clipped) and all(same_masters and same_params for same_masters, same_params, _ in updates), (
+            updates)
+    else:
+        assert all(clipped)
+        assert max(gap for _, _, gap in updates) < 1e-7, updates  # lr 1e-3: a few float32 ulps of an update

@@ -23,8 +23,9 @@ DistributedDataParallel, AdamW over the shard, and the torch trainer's own loss 
 
 Checkpoints: per TP rank `model-tpNN.safetensors` and `optimizer-tpNN.safetensors` (Megatron
 names, that rank's shard; data-parallel replicas are equal), `layout.json` (TP, DP, the model's
-dims, the optimizer's settings and step counts), and `model.safetensors`, the full weights under
-Hugging Face names that diff, train-only runs and `check logprobs --recompute` read.
+dims, the optimizer's settings, weight decay by param group included, and step counts), and
+`model.safetensors`, the full weights under Hugging Face names that diff, train-only runs and
+`check logprobs --recompute` read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch.distributed as dist
 from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
-from rlbench.backends.torch_trainer import TorchTrainer, load_optimizer_state, optimizer_state
+from rlbench.backends.torch_trainer import (TorchTrainer, check_weight_decays, decay_groups, load_optimizer_state,
+                                            optimizer_state)
 from rlbench.config import RunConfig
 from rlbench.core import algo
 from rlbench.core.model import load_model_config, load_named_, named_weights
@@ -181,7 +183,9 @@ class RankTrainer(TorchTrainer):
         return to_hf(self._tp_shards(tensors, cpu), self.dims)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        return self._full_hf(self._megatron_state())
+        """Full Hugging Face weights on this rank's device (a GPU run's checksums run there, and the engine copies
+        them device to device; `--placement ray` packs them to the host itself)."""
+        return self._full_hf(self._megatron_state(), cpu=False)
 
     def checkpoint_files(self) -> dict[str, bytes]:
         from safetensors.torch import save
@@ -255,6 +259,24 @@ def check_layout(directory: Path, tp: int, dims: Dims) -> None:
                                "(optimizer.shard_checksums): the checkpoint was changed or damaged after it was "
                                "written", path=shard)
             _check_rounded(tensors, directory / f"model-tp{r:02d}.safetensors")
+
+
+def check_layout_weight_decays(directory: Path, weight_decay: float) -> None:
+    """Refuse (BadInput naming layout.json) a checkpoint whose optimizer's param groups decay otherwise than this
+    run's: Megatron's rule (torch_trainer.decay_groups) on the names and shapes of model-tp00.safetensors (its
+    header only), checked on rank 0 before any rank loads."""
+    from safetensors import SafetensorError, safe_open
+
+    shard = directory / "model-tp00.safetensors"
+    try:
+        with safe_open(shard, "pt") as f:
+            named = {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BadInput(f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})",
+                       path=shard) from None
+    have = [group["weight_decay"] for group in decay_groups(named, weight_decay)]
+    layout = json.loads((directory / "layout.json").read_text())  # check_layout read it already
+    check_weight_decays(layout.get("optimizer"), have, directory / "layout.json", field="optimizer.param_groups")
 
 
 def _check_rounded(optimizer: dict[str, torch.Tensor], path: Path) -> None:
@@ -370,6 +392,7 @@ class MegatronTrainer:
     def load_checkpoint(self, directory: Path) -> None:
         """Checked now; loaded when the ranks start (or at once, when they run)."""
         check_layout(Path(directory), self.config.tp, self.dims)
+        check_layout_weight_decays(Path(directory), self.config.train.weight_decay)
         if self._local is None:
             self._checkpoint = Path(directory)
         else:
