@@ -80,16 +80,17 @@ def test_tp2_rank_actors_under_ray_placement_match_in_process_tp2(tmp_path, monk
     assert _metrics(ray) == _metrics(local)
 
 
-@pytest.mark.parametrize("clip", [1e6, 1e-3], ids=["no-clipping", "clipping"])
+@pytest.mark.parametrize("clip", [1e6, 1e-6], ids=["no-clipping", "clipping"])
 def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp_path, clip):
     """rlbench's megatron trainer in bf16 held to megatron-core's own optimizer as slime builds it
     (`get_megatron_optimizer`, bf16: Float16OptimizerWithFloat16Params over a DDP's fp32 gradient buffers, its param
     groups, whose weight decays its OptimizerParamScheduler sets, its clipping), side by side: a twin of the model from the same initial weights takes, every minibatch,
     the gradients rlbench's trainer computed, and steps with megatron-core's optimizer. With torch's AdamW inside
     both (megatron-core's choice without Transformer Engine or Apex; fused, as rlbench's), the fp32 masters and the
-    bf16 parameters are the same bits after every update when no gradient is clipped. When every update clips,
-    megatron-core's fp32 norm and rlbench's float64 one differ in the last bits: the norms agree to 1e-6 relative and
-    the masters to a few float32 ulps of an update."""
+    bf16 parameters are the same bits after every update when no gradient is clipped. When every update with a
+    gradient clips, megatron-core's fp32 norm and rlbench's float64 one differ in the last bits: the norms agree to
+    1e-6 relative and the masters to a few float32 ulps of an update. Most updates must have a gradient (a batch
+    whose samples all score alike has none), or the comparison would have nothing to compare."""
     pytest.importorskip("megatron.core")
     import megatron.core.optimizer as moptim
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -104,9 +105,9 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
     if not moptim.USING_PYTORCH_OPTIMIZER:
         pytest.skip("megatron-core steps with Transformer Engine's or Apex's FusedAdam here, not torch's AdamW")
     config = load_config(steps=3, seed=3, device="cuda", deterministic=True, model__dtype="bfloat16",
-                         train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-3,
-                         data__prompts_per_step=2, rollout__n_samples_per_prompt=4, train__minibatches=2,
-                         train__micro_batch_size=4, out=str(tmp_path / "run"))
+                         train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-4,
+                         data__prompts_per_step=8, rollout__n_samples_per_prompt=8, train__minibatches=2,
+                         train__micro_batch_size=8, out=str(tmp_path / "run"))
     ctx = build(config)
     try:
         ctx.trainer._start()
@@ -146,8 +147,8 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
             assert done
             schedule.step(increment=1)
             norms[-1].append(float(norm))
-            masters = [(rank.masters.params[name], theirs[name].main_param) for name in mine]
-            params = [(mine[name], theirs[name]) for name in mine]
+            masters = [(rank.masters.params[name].detach(), theirs[name].main_param.detach()) for name in mine]
+            params = [(mine[name].detach(), theirs[name].detach()) for name in mine]
             updates.append((all(torch.equal(a, b) for a, b in masters), all(torch.equal(a, b) for a, b in params),
                             max(float((a - b).abs().max()) for a, b in masters)))
             optimizer.zero_grad()
@@ -163,10 +164,11 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
         ctx.trainer.close()
     assert len(updates) == config.steps * train.minibatches
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in norms), norms
-    clipped = [a > clip for a, _ in norms]
+    with_gradient = [a > 0 for a, _ in norms]
+    assert sum(with_gradient) >= len(norms) // 2, norms
     if clip > 1:
-        assert not any(clipped) and all(same_masters and same_params for same_masters, same_params, _ in updates), (
-            updates)
+        assert all(a < clip for a, _ in norms)
+        assert all(same_masters and same_params for same_masters, same_params, _ in updates), (updates, norms)
     else:
-        assert all(clipped)
+        assert all(a > clip for a, _ in norms if a > 0)  # every update with a gradient clipped
         assert max(gap for _, _, gap in updates) < 1e-7, updates  # lr 1e-3: a few float32 ulps of an update
