@@ -215,28 +215,34 @@ def _use_kernel(device: torch.device, fused: bool | None) -> bool:
 
 
 def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
-    """[len(datas), 2] int64: the lanes of each uint8 tensor (all on one device) from the Triton kernel over all
-    their chunks, each word read once where it lies (no concatenation, no temporary product): one launch for the
-    whole chunks of every tensor, one for the last partial chunks. Per-chunk products are totalled per tensor as
-    differences of a running sum, which wraps like every other sum here; a tensor's last nbytes % 8 bytes (its
-    zero-padded last word) are added apart."""
-    device = datas[0].device
-    words, tails = [], []
-    for data in datas:
-        full = data.numel() // 8 * 8
-        body = data[:full]
-        if body.storage_offset() % 8 or not body.numel():  # an int64 view needs aligned bytes (and an address)
-            body = body.clone() if body.numel() else torch.zeros(1, dtype=torch.uint8, device=device)[:0]
-        words.append(body.view(torch.int64))
-        tails.append(full < data.numel())
-    counts = np.array([w.numel() for w in words], dtype=np.int64)
+    """[len(datas), 2] int64: the lanes of each tensor's bytes (any dtype; all on one device) from the Triton kernel
+    over all their chunks, each word read once where it lies (no concatenation, no temporary product): one launch
+    for the whole chunks of every tensor, one for the last partial chunks. Per-chunk products are totalled per
+    tensor as differences of a running sum, which wraps like every other sum here; a tensor's last nbytes % 8 bytes
+    (its zero-padded last word) are added apart."""
+    device, originals, datas = datas[0].device, datas, list(datas)
+    sizes, addresses, base = [], [], None  # bytes, word addresses, the first's 8 bytes (the kernel's `base`)
+    for i, data in enumerate(datas):
+        data = datas[i] = data if data.is_contiguous() else data.contiguous()
+        nbytes = data.numel() * data.element_size()
+        address = data.data_ptr()
+        if nbytes >= 8:
+            if address % 8:  # an unaligned view: its whole words copied to aligned memory (kept alive in `datas`)
+                data = datas[i] = _byte_view(data)[:nbytes // 8 * 8].clone()
+                address = data.data_ptr()
+            if base is None:
+                base = _byte_view(data)[:8].view(torch.int64)
+        sizes.append(nbytes)
+        addresses.append(address if nbytes >= 8 else 0)
+    sizes = np.array(sizes, dtype=np.int64)
+    counts, tails = sizes // 8, sizes % 8 > 0
+    first = base.data_ptr() if base is not None else 0
+    addresses = np.array([a or first for a in addresses], dtype=np.int64)
     chunks = -(-counts // CHUNK)
     whole = counts // CHUNK
-    first = next((w for w in words if w.numel()), words[0])
-    addresses = np.array([w.data_ptr() if w.numel() else first.data_ptr() for w in words], dtype=np.int64)
-    offsets = (addresses - first.data_ptr()) // 8  # every address is 8-byte aligned: whole words apart
+    offsets = (addresses - first) // 8  # every address is 8-byte aligned: whole words apart
     starts = np.cumsum(chunks) - chunks  # each tensor's first row of `out`
-    owner = np.repeat(np.arange(len(words), dtype=np.int64), whole)  # the whole chunks' programs
+    owner = np.repeat(np.arange(len(datas), dtype=np.int64), whole)  # the whole chunks' programs
     place = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(whole) - whole, whole)
     partial = np.flatnonzero(chunks > whole)  # the tensors with a last, partial chunk
     tables = [offsets, counts, owner, place, starts[owner] + place, partial, whole[partial],
@@ -252,15 +258,14 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(total, 2, dtype=torch.int64, device=device)
     for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:], True)):
         if owner_.numel():
-            _chunk_kernel()[(owner_.numel(),)](first, offsets_, counts_, owner_, place_, slot_, a, b, out,
+            _chunk_kernel()[(owner_.numel(),)](base, offsets_, counts_, owner_, place_, slot_, a, b, out,
                                                CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=masked, num_warps=_WARPS)
     running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), out.cumsum(dim=0)])
     ends = torch.from_numpy(np.cumsum(chunks)).to(device)
     result = running[ends] - running[ends - torch.from_numpy(chunks).to(device)]
-    for row, (data, tail) in enumerate(zip(datas, tails)):
-        if tail:  # the last word, zero-padded, at position n
-            chunk, rest = divmod(int(counts[row]), CHUNK)
-            result[row] += _tail_word(data, data.numel() // 8 * 8) * a[:, rest] * b[chunk]
+    for row in np.flatnonzero(tails):  # the last word, zero-padded, at position n
+        chunk, rest = divmod(int(counts[row]), CHUNK)
+        result[row] += _tail_word(_byte_view(originals[row]), int(counts[row]) * 8) * a[:, rest] * b[chunk]
     return result
 
 
@@ -358,18 +363,27 @@ class Digests:
             size += nbytes
         flush()
         for indices in fused.values():
-            rows = _fused_lanes([_byte_view(self._entries[i][2]) for i in indices])
+            rows = _fused_lanes([self._entries[i][2].detach() for i in indices])
             for row, i in enumerate(indices):
-                self._entries[i] = (*self._entries[i][:2], rows[row])
+                self._entries[i] = (*self._entries[i][:2], (rows, row))  # fetched with its batch by hexdigests
 
     def hexdigests(self) -> dict[Hashable, str]:
         """Each key's checksum: sha256 over the prefix and, for each tensor added to it in order, its header
         and its lanes (two little-endian uint64)."""
         pending = [value for _, _, value in self._entries if isinstance(value, torch.Tensor)]
         fetched = iter(_fetch(pending))
+        batches: dict[int, list] = {}  # rows of a batch reduced together (`add_all` on a GPU): one copy each
+        for _, _, value in self._entries:
+            if isinstance(value, tuple) and isinstance(value[0], torch.Tensor) and id(value[0]) not in batches:
+                batches[id(value[0])] = value[0].cpu().numpy().view(np.uint64).tolist()
         digests = {key: hashlib.sha256(_PREFIX) for key in self._keys}
         for keys, header, value in self._entries:
-            pair = next(fetched) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                pair = next(fetched)
+            elif isinstance(value[0], torch.Tensor):
+                pair = batches[id(value[0])][value[1]]
+            else:
+                pair = value
             record = header + pair[0].to_bytes(8, "little") + pair[1].to_bytes(8, "little")
             for key in keys:
                 digests[key].update(record)
