@@ -245,24 +245,28 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     owner = np.repeat(np.arange(len(datas), dtype=np.int64), whole)  # the whole chunks' programs
     place = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(whole) - whole, whole)
     partial = np.flatnonzero(chunks > whole)  # the tensors with a last, partial chunk
+    ends = np.cumsum(chunks)
     tables = [offsets, counts, owner, place, starts[owner] + place, partial, whole[partial],
-              starts[partial] + whole[partial]]
-    # one copy to the device; each part starts 16 bytes aligned (Triton compiles a variant per pointer alignment)
-    parts = [np.pad(part.astype(np.int64), (0, part.size % 2)) for part in tables]
+              starts[partial] + whole[partial], ends, ends - chunks]
+    # One copy to the device, from pinned memory and not waited for (a blocking copy would wait for all the work
+    # queued before it: a trainer's backward). Each part starts 16 bytes aligned (Triton compiles a variant per
+    # pointer alignment).
+    parts = [part.astype(np.int64) if part.size % 2 == 0 else np.append(part, 0).astype(np.int64) for part in tables]
     bounds = np.cumsum([0] + [part.size for part in parts])
-    table = torch.from_numpy(np.concatenate(parts)).to(device)
-    offsets_, counts_, *programs = (table[lo:lo + part.size] for lo, part in zip(bounds[:-1], tables))
+    host = torch.from_numpy(np.concatenate(parts))
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    offsets_, counts_, *programs, ends_, begins_ = (table[lo:lo + part.size]
+                                                    for lo, part in zip(bounds[:-1], tables))
     total = int(chunks.sum())
     a = _on_device("A", 0, device)
     b = _on_device("B", int(max(chunks.max(initial=0), whole.max(initial=0))) + 1, device)
     out = torch.empty(total, 2, dtype=torch.int64, device=device)
-    for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:], True)):
+    for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:6], True)):
         if owner_.numel():
             _chunk_kernel()[(owner_.numel(),)](base, offsets_, counts_, owner_, place_, slot_, a, b, out,
                                                CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=masked, num_warps=_WARPS)
     running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), out.cumsum(dim=0)])
-    ends = torch.from_numpy(np.cumsum(chunks)).to(device)
-    result = running[ends] - running[ends - torch.from_numpy(chunks).to(device)]
+    result = running[ends_] - running[begins_]
     for row in np.flatnonzero(tails):  # the last word, zero-padded, at position n
         chunk, rest = divmod(int(counts[row]), CHUNK)
         result[row] += _tail_word(_byte_view(originals[row]), int(counts[row]) * 8) * a[:, rest] * b[chunk]
@@ -372,19 +376,19 @@ class Digests:
         and its lanes (two little-endian uint64)."""
         pending = [value for _, _, value in self._entries if isinstance(value, torch.Tensor)]
         fetched = iter(_fetch(pending))
-        batches: dict[int, list] = {}  # rows of a batch reduced together (`add_all` on a GPU): one copy each
-        for _, _, value in self._entries:
-            if isinstance(value, tuple) and isinstance(value[0], torch.Tensor) and id(value[0]) not in batches:
-                batches[id(value[0])] = value[0].cpu().numpy().view(np.uint64).tolist()
+        batches: dict[int, bytes] = {}  # rows of a batch reduced together (`add_all` on a GPU): one copy each,
+        for _, _, value in self._entries:  # as the little-endian bytes of its int64 (= uint64) lanes
+            if type(value) is tuple and isinstance(value[0], torch.Tensor) and id(value[0]) not in batches:
+                batches[id(value[0])] = value[0].cpu().numpy().astype("<i8").tobytes()
         digests = {key: hashlib.sha256(_PREFIX) for key in self._keys}
         for keys, header, value in self._entries:
             if isinstance(value, torch.Tensor):
                 pair = next(fetched)
+                record = header + pair[0].to_bytes(8, "little") + pair[1].to_bytes(8, "little")
             elif isinstance(value[0], torch.Tensor):
-                pair = batches[id(value[0])][value[1]]
+                record = header + batches[id(value[0])][16 * value[1]: 16 * value[1] + 16]
             else:
-                pair = value
-            record = header + pair[0].to_bytes(8, "little") + pair[1].to_bytes(8, "little")
+                record = header + value[0].to_bytes(8, "little") + value[1].to_bytes(8, "little")
             for key in keys:
                 digests[key].update(record)
         return {key: digest.hexdigest() for key, digest in digests.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +265,21 @@ def test_run_dir_catches_a_flipped_bit_in_checkpoint_0_in_a_train_only_run(small
     _flip_checkpoint(run, 0)
     res = run_cli("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(tmp_path / "t"))
     assert res.returncode == 2 and "are not the recording's" in res.stderr, res.stderr
+
+
+def test_the_gpu_kernel_under_tritons_interpreter():
+    """The Triton kernel a GPU computes lanes with (`_fused_lanes`), run by Triton's interpreter on the CPU where
+    Triton is installed (tests/gpu runs it on the device), in a process of its own (Triton reads TRITON_INTERPRET when
+    it is imported, and its native library is best kept out of the suite's processes):
+    tests/cpu/digest_interpreted.py's checks."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (a CPU-only install has no use for it)")
+    script = Path(__file__).with_name("digest_interpreted.py")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
