@@ -8,8 +8,8 @@ For each shape, in one process (deterministic mode, bf16 over fp32 master weight
 1. a step of the loop by stage (data .. record), median over `--steps` steps after one warm-up, with the time
    spent inside rlbench's checksum functions (rlbench.rundir.digest, wherever the loop and trainer call them,
    synchronised around each call: an upper bound) and in the record stage, as shares of the step; then what the
-   checksums cost a step as it runs: whole steps with checksums and with their lane computations left out,
-   alternating `--repeats` rounds;
+   device checksums cost as a step runs them: the train and sync stages over one batch with checksums and with
+   their lane computations left out, alternating `--repeats` rounds;
 2. generation of the step's 64 requests by the embedded engine (CUDA graphs on, then off) against transformers'
    own `generate` on the same prompts (sampling, the same number of new tokens, no early stop), as tokens/s,
    alternating, and whether the engine's bits are the same with and without its graphs;
@@ -150,26 +150,24 @@ def checksums_off():
         digest.Digests.add, digest.Digests.add_all = saved
 
 
-def checksum_cost(ctx, first: int, rounds: int) -> tuple[float, float, float]:
-    """Steps `first`.. of the loop, alternating with checksums and with `checksums_off` (the order flipping every
-    round), `rounds` rounds after a warm-up one: (median step s with checksums, median without, median of the
-    rounds' (with - without) / with). What checksums cost a step as it runs (their work overlapping the GPU's as it
-    does), where the checksum clock's synchronised sum is an upper bound."""
+def checksum_cost(ctx, state, rounds: int) -> tuple[float, float, float]:
+    """The train and sync stages (where a step's device checksums are: every minibatch's gradients, the exported
+    weights, the engine's weights) over `state`'s batch, alternating with checksums and with `checksums_off` (the
+    order flipping every round), `rounds` rounds after a warm-up one: (median s with checksums, median without,
+    median of the rounds' differences). What those checksums cost as a step runs them, their work overlapping the
+    GPU's as it does; the checksum clock's synchronised sum over the whole step is an upper bound."""
     times: dict[bool, list[float]] = {True: [], False: []}
-    step = first
     for r in range(rounds + 1):
         for on in ((True, False) if r % 2 else (False, True)):
-            state = loop.StepState(step)
-            step += 1
             with contextlib.nullcontext() if on else checksums_off():
                 sync_device(ctx.config.device)
                 start = time.perf_counter()
-                for _, stage in STAGES:
-                    stage(ctx, state)
+                loop.train(ctx, state)
+                loop.sync(ctx, state)
                 sync_device(ctx.config.device)
             times[on].append(time.perf_counter() - start)
-    shares = [(a - b) / a for a, b in zip(times[True][1:], times[False][1:])]
-    return statistics.median(times[True][1:]), statistics.median(times[False][1:]), statistics.median(shares)
+    differences = [a - b for a, b in zip(times[True][1:], times[False][1:])]
+    return statistics.median(times[True][1:]), statistics.median(times[False][1:]), statistics.median(differences)
 
 
 def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
@@ -294,7 +292,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             config = load_config(model__path=str(model_dir(Path(tmp), shape)), model__init="random",
                                  model__dtype="bfloat16", device=args.device, deterministic=True,
-                                 steps=args.steps + 2 * args.repeats + 12, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
+                                 steps=args.steps + 10, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
                                  rollout__n_samples_per_prompt=8, rollout__max_new_tokens=args.new_tokens,
                                  train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6,
                                  train__backend=args.trainer)
@@ -304,19 +302,18 @@ def main() -> None:
             stages = step_by_stage(ctx, args.steps, clock)
             step = sum(v for k, v in stages.items() if k != "checksums")
             share = (stages["checksums"] + stages["record"]) / step
-            with_sums, without, cost = checksum_cost(ctx, args.steps + 1, args.repeats)
+            gen = generation(ctx, args.new_tokens, args.repeats) if torch_trainer else None
+            state = loop.StepState(args.steps + 1)
+            for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
+                stage(ctx, state)
+            with_sums, without, cost = checksum_cost(ctx, state, args.repeats)
             if torch_trainer:
-                gen = generation(ctx, args.new_tokens, args.repeats)
-                state = loop.StepState(args.steps + 2 + 2 * (args.repeats + 1))
-                for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
-                    stage(ctx, state)
                 trained, bare, train_ratio = train_against_bare(ctx, state, args.repeats)
             checkpoint_s = float("nan")
             if not args.no_checkpoint:
                 sync_device(args.device)
                 start = time.perf_counter()
-                # not a stage of every step: written every checkpoint_every steps (here after the steps committed so far)
-                loop.checkpoint(ctx, args.steps + 1 + 2 * (args.repeats + 1))
+                loop.checkpoint(ctx, args.steps + 1)  # not a stage of every step: written every checkpoint_every steps
                 ctx.writer.flush()
                 sync_device(args.device)
                 checkpoint_s = time.perf_counter() - start
@@ -324,9 +321,10 @@ def main() -> None:
                   ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
             print(f"  checksums + recording: {share * 100:.1f}% of the step (the time inside the checksum functions, "
                   f"synchronised around each call: an upper bound; issue: <= 3%)")
-            print(f"  a step with checksums {with_sums:.3f} s, with their lane computations left out {without:.3f} s, "
-                  f"alternating {args.repeats} rounds: checksums cost {cost * 100:.1f}% of a step (median of the rounds), "
-                  f"with the record stage {(cost + stages['record'] / with_sums) * 100:.1f}% (issue: <= 3%)")
+            print(f"  train + sync stages over one batch with checksums {with_sums:.3f} s, with their lane computations "
+                  f"left out {without:.3f} s, alternating {args.repeats} rounds: the device checksums cost "
+                  f"{cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step (median of the rounds' differences); with the "
+                  f"record stage {(cost + stages['record']) / step * 100:.1f}% (issue: <= 3%)")
             print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint_s:.2f} s")
             if not torch_trainer:
                 ctx.writer.close()
