@@ -35,6 +35,7 @@ for it. It is a checksum against accidents and bugs, not a cryptographic hash: n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -261,10 +262,12 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     a = _on_device("A", 0, device)
     b = _on_device("B", int(max(chunks.max(initial=0), whole.max(initial=0))) + 1, device)
     out = torch.empty(total, 2, dtype=torch.int64, device=device)
-    for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:6], True)):
-        if owner_.numel():
-            _chunk_kernel()[(owner_.numel(),)](base, offsets_, counts_, owner_, place_, slot_, a, b, out,
-                                               CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=masked, num_warps=_WARPS)
+    # Triton launches on the current device: make it the tensors' (a run on "cuda:1" keeps cuda:0 current)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:6], True)):
+            if owner_.numel():
+                _chunk_kernel()[(owner_.numel(),)](base, offsets_, counts_, owner_, place_, slot_, a, b, out,
+                                                   CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=masked, num_warps=_WARPS)
     running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), out.cumsum(dim=0)])
     result = running[ends_] - running[begins_]
     for row in np.flatnonzero(tails):  # the last word, zero-padded, at position n
