@@ -139,20 +139,20 @@ def test_grouped_attention_is_sdpa_to_rounding_and_keeps_the_property(setup):
     with it is still batch-invariant and agrees with the per-sample path."""
     import torch
 
-    from rlbench.backends import hf_engine
+    from rlbench.backends import batched_forward
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 4, 5, 8), (3, 2, 7, 8), (3, 2, 7, 8)))
     mask = torch.rand(3, 1, 5, 7, generator=g) > 0.3
     mask[..., 0] = True  # no row without a visible key
-    got, _ = hf_engine.grouped_attention(None, q, k, v, mask, scaling=0.125)
+    got, _ = batched_forward.grouped_attention(None, q, k, v, mask, scaling=0.125)
     want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                             attn_mask=mask, scale=0.125).transpose(1, 2)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
     engines, prompts, eos, model = setup
     grouped = HFEngine(model, batch_size=ROWS)
     grouped.grouped = True
-    hf_engine._register_grouped()
+    batched_forward.register_grouped()
     batch = [_request(prompts, eos, (i % 13, 300 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 4)) for i in range(7)]
     others = [_request(prompts, eos, (12, 9, 1.0, -1, 1.0, 4))]
     assert _moved(grouped, batch, others, 3) == []
@@ -208,11 +208,11 @@ def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path
 
     import torch
 
-    from rlbench.backends import hf_engine
+    from rlbench.backends import batched_forward
 
     engines, _, _, model = setup
     engine = HFEngine(model, batch_size=ROWS)
-    norms = hf_engine._fusable_norms(engine.model)
+    norms = batched_forward.fusable_norms(engine.model)
     layers = model.config.num_hidden_layers
     assert len(norms) == 4 * layers + 1  # input, post-attention, q and k norms per layer; the final norm
     own = dict(model.named_modules())
@@ -228,6 +228,6 @@ def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path
         norm.fused = False
         assert torch.allclose(fused, reference(h), rtol=1e-6, atol=1e-6)
     copied = copy.deepcopy(engine.model)
-    assert all(type(m) in hf_engine._FUSED_KINDS.values() for m in hf_engine._fusable_norms(copied))
-    assert not any(m.fused for m in hf_engine._fusable_norms(copied))
-    assert not any(type(m) in hf_engine._FUSED_KINDS.values() for m in model.modules())  # the trainer's: untouched
+    assert all(type(m) in batched_forward.FUSED_KINDS.values() for m in batched_forward.fusable_norms(copied))
+    assert not any(m.fused for m in batched_forward.fusable_norms(copied))
+    assert not any(type(m) in batched_forward.FUSED_KINDS.values() for m in model.modules())  # the trainer's: untouched
