@@ -33,7 +33,6 @@ answers as the one rank of every group.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import json
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
+from build_expected import commit_of, slime_parser  # a sibling script (these run as scripts)
 
 REPO = Path(__file__).resolve().parents[3]
 SCHEMA = "rlbench.conformance.slime-dumps/1"
@@ -275,10 +274,8 @@ def build(slime_path: Path, out: Path, commit: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
+    parser = slime_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the directory to write the dumps and cases.json to")
-    parser.add_argument("--commit", help="slime's commit, where --slime is not a git checkout")
     args = parser.parse_args()
     doc = build(args.slime.resolve(), args.out, commit_of(args.slime, args.commit))
     for name, case in doc["cases"].items():

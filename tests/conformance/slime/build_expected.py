@@ -346,11 +346,18 @@ def commit_of(slime: Path, given: str | None) -> str:
     raise SystemExit(f"{slime} is not a git checkout of slime: give its commit with --commit")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def slime_parser(description: str) -> argparse.ArgumentParser:
+    """The generator scripts' command line: --slime (a checkout of THUDM/slime) and --commit (its commit, where it
+    is not a git checkout; `commit_of` reads it otherwise)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--slime", required=True, type=Path, help="a checkout of THUDM/slime")
-    parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--commit", help="slime's commit, where --slime is not a git checkout")
+    return parser
+
+
+def main() -> int:
+    parser = slime_parser(__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     commit = commit_of(args.slime, args.commit)
     install_shims(args.slime.resolve())

@@ -24,7 +24,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
+from build_expected import commit_of, slime_parser  # a sibling script (these run as scripts)
 
 OUT = Path(__file__).resolve().parent / "expected_args.json"
 
@@ -116,10 +116,7 @@ def resolve(arguments, argv: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
-    parser.add_argument("--commit", help="its commit (default: read from a git repository at --slime)")
-    given = parser.parse_args()
+    given = slime_parser(__doc__.splitlines()[0]).parse_args()
     commit = commit_of(given.slime, given.commit)
     arguments = _import_arguments(given.slime)
     cases = {name: {"argv": argv, "slime": resolve(arguments, argv)} for name, argv in CASES.items()}

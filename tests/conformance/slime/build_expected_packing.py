@@ -11,13 +11,12 @@ committed and tests/conformance/slime/test_packing.py reads only it.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import random
 from pathlib import Path
 
-from build_expected import commit_of  # a sibling script: these run as `python tests/conformance/slime/...`
+from build_expected import commit_of, slime_parser  # a sibling script (these run as scripts)
 
 OUT = Path(__file__).resolve().parent / "expected_packing.json"
 
@@ -34,10 +33,7 @@ def cases() -> list[tuple[list[int], int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slime", type=Path, required=True, help="a checkout of THUDM/slime")
-    parser.add_argument("--commit", help="slime's commit, where --slime is not a git checkout")
-    given = parser.parse_args()
+    given = slime_parser(__doc__.splitlines()[0]).parse_args()
     commit = commit_of(given.slime, given.commit)
     spec = importlib.util.spec_from_file_location("seqlen_balancing",
                                                   given.slime / "slime" / "utils" / "seqlen_balancing.py")
