@@ -293,6 +293,7 @@ class MasterWeights:
     def __init__(self, model: torch.nn.Module, hooks: bool = True):
         self.model = model
         self.params = {name: p.detach().float().clone().requires_grad_(True) for name, p in model.named_parameters()}
+        self._pairs = ([p for _, p in model.named_parameters()], list(self.params.values()))  # (model's, masters)
         self.hooks: list = []
         if hooks:
             self.attach()
@@ -320,8 +321,7 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Round the masters into the model's parameters (one multi-tensor copy)."""
-        params = dict(self.model.named_parameters())
-        torch._foreach_copy_([params[name] for name in self.params], list(self.params.values()))
+        torch._foreach_copy_(*self._pairs)
 
     def load(self, tensors: dict[str, torch.Tensor], source: Path, weights: str = "model.safetensors") -> None:
         """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`); the model's

@@ -345,9 +345,7 @@ class Digests:
         def flush() -> None:
             nonlocal size
             if batch:
-                rows = _device_lanes_many([_byte_view(self._entries[i][2]) for i in batch])
-                for row, i in enumerate(batch):
-                    self._entries[i] = (*self._entries[i][:2], rows[row])
+                self._fill(batch, _device_lanes_many([_byte_view(self._entries[i][2]) for i in batch]))
             batch.clear()
             size = 0
 
@@ -355,31 +353,36 @@ class Digests:
         for name, tensor, keys in items:
             nbytes = tensor.numel() * tensor.element_size()
             if not tensor.is_cpu and _use_kernel(tensor.device, None):
-                self._keys.update(dict.fromkeys(keys))
-                self._entries.append((keys, _header(name, tensor.dtype, tuple(tensor.shape), nbytes), tensor))
-                fused.setdefault(tensor.device, []).append(len(self._entries) - 1)
+                fused.setdefault(tensor.device, []).append(self._hold(name, tensor, keys, nbytes))
                 continue
             if tensor.is_cpu or nbytes >= BATCH_BYTES:
                 self.add(name, tensor, *keys)
                 continue
             if size + nbytes > BATCH_BYTES or (batch and self._entries[batch[0]][2].device != tensor.device):
                 flush()
-            self._keys.update(dict.fromkeys(keys))
-            self._entries.append((keys, _header(name, tensor.dtype, tuple(tensor.shape), nbytes), tensor))
-            batch.append(len(self._entries) - 1)
+            batch.append(self._hold(name, tensor, keys, nbytes))
             size += nbytes
         flush()
         for indices in fused.values():
-            rows = _fused_lanes([self._entries[i][2].detach() for i in indices])
-            for row, i in enumerate(indices):
-                self._entries[i] = (*self._entries[i][:2], (rows, row))  # fetched with its batch by hexdigests
+            self._fill(indices, _fused_lanes([self._entries[i][2].detach() for i in indices]))
+
+    def _hold(self, name: str, tensor: torch.Tensor, keys: tuple[Hashable, ...], nbytes: int) -> int:
+        """An entry whose lanes its batch computes later (`_fill`), holding the tensor until then; its index."""
+        self._keys.update(dict.fromkeys(keys))
+        self._entries.append((keys, _header(name, tensor.dtype, tuple(tensor.shape), nbytes), tensor))
+        return len(self._entries) - 1
+
+    def _fill(self, indices: list[int], rows: torch.Tensor) -> None:
+        """The held entries `indices` take their batch's lanes: (rows, row), fetched with the batch by hexdigests."""
+        for row, i in enumerate(indices):
+            self._entries[i] = (*self._entries[i][:2], (rows, row))
 
     def hexdigests(self) -> dict[Hashable, str]:
         """Each key's checksum: sha256 over the prefix and, for each tensor added to it in order, its header
         and its lanes (two little-endian uint64)."""
         pending = [value for _, _, value in self._entries if isinstance(value, torch.Tensor)]
         fetched = iter(_fetch(pending))
-        batches: dict[int, bytes] = {}  # rows of a batch reduced together (`add_all` on a GPU): one copy each,
+        batches: dict[int, bytes] = {}  # rows of a batch reduced together (`add_all` on a device): one copy each,
         for _, _, value in self._entries:  # as the little-endian bytes of its int64 (= uint64) lanes
             if type(value) is tuple and isinstance(value[0], torch.Tensor) and id(value[0]) not in batches:
                 batches[id(value[0])] = value[0].cpu().numpy().astype("<i8").tobytes()

@@ -100,11 +100,14 @@ def test_a_trainer_step_checksums_gradients_on_the_device_as_on_the_cpu():
     assert out["w"] == digest.tensors_digest([("w", mb["w"].cpu()) for mb in grads])
 
 
-def test_tensors_reduced_in_batches_on_the_gpu_keep_their_checksums(monkeypatch):
-    """`Digests.add_all` reduces small GPU tensors together (batches of BATCH_BYTES, here made small so a step's
-    worth of tensors spans several); every checksum equals the CPU's, and a flipped bit in one tensor changes that
-    tensor's checksum and the whole's, no other."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch-batches"])
+def test_tensors_reduced_in_batches_on_the_gpu_keep_their_checksums(monkeypatch, kernel):
+    """`Digests.add_all` reduces GPU tensors together: all in one launch of the Triton kernel, or without Triton in
+    torch's batches of BATCH_BYTES (here made small so a step's worth of tensors spans several); every checksum
+    equals the CPU's, and a flipped bit in one tensor changes that tensor's checksum and the whole's, no other."""
     monkeypatch.setattr(digest, "BATCH_BYTES", 3 * C * 8)
+    if not kernel:
+        monkeypatch.setattr(digest, "_use_kernel", lambda device, fused: False)
     weights = {f"layer{i}.w": _random(DTYPES[i % len(DTYPES)], 1000 * i + 5, seed=i) for i in range(12)}
     weights["big"] = _random(torch.float32, 4 * C * 2 + 1, seed=99)  # over BATCH_BYTES: reduced alone
     on_gpu = {name: t.cuda() for name, t in weights.items()}
