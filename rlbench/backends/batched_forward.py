@@ -5,12 +5,19 @@ forwards take on a GPU: grouped attention (each key/value head read once) and fu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rlbench.backends.hf_engine import HFEngine
+
+class Engine(Protocol):
+    """What a decode needs of its engine (hf_engine.HFEngine): its model, its device, its forward."""
+
+    model: torch.nn.Module
+    device: str
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                 mask: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class KVStore:
@@ -64,7 +71,7 @@ class KVStore:
 class EagerDecode:
     """A chunk's decode forwards launched as they come, over a fixed store of `rows` x `length` columns."""
 
-    def __init__(self, engine: HFEngine, rows: int, length: int):
+    def __init__(self, engine: Engine, rows: int, length: int):
         self.engine = engine
         config = engine.model.config
         self.kv = KVStore.fixed(config, rows, length, engine.model.dtype, engine.device)
@@ -83,7 +90,7 @@ class GraphDecode(EagerDecode):
     zeroes its store (a store's unwritten columns are zeros, as a fresh one's) and marks it taken until
     `release`, so two interleaved generations never share one."""
 
-    def __init__(self, engine: HFEngine, rows: int, length: int):
+    def __init__(self, engine: Engine, rows: int, length: int):
         super().__init__(engine, rows, length)
         device = engine.device
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
