@@ -1,7 +1,7 @@
 """rlbench at real model sizes on one GPU: Qwen3 shapes with random weights and the fixture tokenizer.
 
     python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
-                          [--no-checkpoint]
+                          [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron]
 
 For each shape, in one process (deterministic mode, bf16 over fp32 master weights, 8 prompts x 8 samples,
 `--new-tokens` new tokens, 4 minibatches):
@@ -9,7 +9,7 @@ For each shape, in one process (deterministic mode, bf16 over fp32 master weight
    spent inside rlbench's checksum functions (rlbench.rundir.digest, wherever the loop and trainer call them,
    synchronised around each call: an upper bound) and in the record stage, as shares of the step; then what the
    device checksums cost as a step runs them: the train and sync stages over one batch with checksums and with
-   their lane computations left out, alternating `--repeats` rounds;
+   their lane computations left out, alternating `--cost-rounds` rounds;
 2. generation of the step's 64 requests by the embedded engine (CUDA graphs on, then off) against transformers'
    own `generate` on the same prompts (sampling, the same number of new tokens, no early stop), as tokens/s,
    alternating, and whether the engine's bits are the same with and without its graphs;
@@ -154,7 +154,7 @@ def checksum_cost(ctx, state, rounds: int) -> tuple[float, float, float]:
     """The train and sync stages (where a step's device checksums are: every minibatch's gradients, the exported
     weights, the engine's weights) over `state`'s batch, alternating with checksums and with `checksums_off` (the
     order flipping every round), `rounds` rounds after a warm-up one: (median s with checksums, median without,
-    median of the rounds' differences). What those checksums cost as a step runs them, their work overlapping the
+    the rounds' differences, sorted). What those checksums cost as a step runs them, their work overlapping the
     GPU's as it does; the checksum clock's synchronised sum over the whole step is an upper bound."""
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(rounds + 1):
@@ -166,8 +166,8 @@ def checksum_cost(ctx, state, rounds: int) -> tuple[float, float, float]:
                 loop.sync(ctx, state)
                 sync_device(ctx.config.device)
             times[on].append(time.perf_counter() - start)
-    differences = [a - b for a, b in zip(times[True][1:], times[False][1:])]
-    return statistics.median(times[True][1:]), statistics.median(times[False][1:]), statistics.median(differences)
+    differences = sorted(a - b for a, b in zip(times[True][1:], times[False][1:]))
+    return statistics.median(times[True][1:]), statistics.median(times[False][1:]), differences
 
 
 def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
@@ -280,6 +280,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=2, help="timed generations and train/bare rounds (after a warm-up)")
+    parser.add_argument("--cost-rounds", type=int, default=9,
+                        help="rounds of train + sync with and without the device checksums (after a warm-up): their "
+                             "difference is tens of ms in a second's stage, so it needs more rounds than the rest")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)")
     parser.add_argument("--trainer", choices=("torch", "megatron"), default="torch",
                         help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
@@ -306,26 +309,29 @@ def main() -> None:
             state = loop.StepState(args.steps + 1)
             for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
                 stage(ctx, state)
-            with_sums, without, cost = checksum_cost(ctx, state, args.repeats)
+            with_sums, without, differences = checksum_cost(ctx, state, args.cost_rounds)
+            cost = statistics.median(differences)
+            quartiles = statistics.quantiles(differences, n=4) if len(differences) > 1 else differences * 3
             if torch_trainer:
                 trained, bare, train_ratio = train_against_bare(ctx, state, args.repeats)
-            checkpoint_s = float("nan")
+            checkpoint = "not timed (--no-checkpoint)"
             if not args.no_checkpoint:
                 sync_device(args.device)
                 start = time.perf_counter()
                 loop.checkpoint(ctx, args.steps + 1)  # not a stage of every step: written every checkpoint_every steps
                 ctx.writer.flush()
                 sync_device(args.device)
-                checkpoint_s = time.perf_counter() - start
+                checkpoint = f"{time.perf_counter() - start:.2f} s"
             print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
                   ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
             print(f"  checksums + recording: {share * 100:.1f}% of the step (the time inside the checksum functions, "
                   f"synchronised around each call: an upper bound; issue: <= 3%)")
             print(f"  train + sync stages over one batch with checksums {with_sums:.3f} s, with their lane computations "
-                  f"left out {without:.3f} s, alternating {args.repeats} rounds: the device checksums cost "
-                  f"{cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step (median of the rounds' differences); with the "
+                  f"left out {without:.3f} s, alternating {args.cost_rounds} rounds: the device checksums cost "
+                  f"{cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step (median of the rounds' differences; "
+                  f"quartiles {quartiles[0] * 1000:.1f} .. {quartiles[2] * 1000:.1f} ms); with the "
                   f"record stage {(cost + stages['record']) / step * 100:.1f}% (issue: <= 3%)")
-            print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint_s:.2f} s")
+            print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint}")
             if not torch_trainer:
                 ctx.writer.close()
                 ctx.trainer.close()
