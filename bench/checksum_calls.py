@@ -11,14 +11,13 @@ warm-up):
 - the exported weights' checksums (`weights_digests`) and the engine's (`tensor_digests`), what the train and
   sync stages checksum once a step;
 and their sum per step (one gradient set per minibatch), against the train and sync stages over one batch run with
-and without the checksums' lane computations (bench/scale.py's `checksums_off`), alternating `--rounds` rounds.
+and without the checksums' lane computations (bench/scale.py's `checksum_cost`), alternating `--rounds` rounds.
 The per-call figures are the checksums' own time with nothing to overlap them; the rounds show what a step sees.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # see 
 
 import torch  # noqa: E402
 
-from rlbench.config import load_config  # noqa: E402
 from rlbench.core import loop  # noqa: E402
 from rlbench.core.context import build  # noqa: E402
 from rlbench.core.model import named_weights  # noqa: E402
@@ -64,11 +62,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {gpu}; torch {torch.__version__}; shape {args.shape}")
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_config(model__path=str(scale.model_dir(Path(tmp), args.shape)), model__init="random",
-                             model__dtype="bfloat16", device=args.device, deterministic=True, steps=20,
-                             out=str(Path(tmp) / "run"), data__prompts_per_step=8, rollout__n_samples_per_prompt=8,
-                             rollout__max_new_tokens=256, train__minibatches=4, train__micro_batch_size=16,
-                             checkpoint_every=10**6)
+        config = scale.shape_config(Path(tmp), args.shape, args.device, steps=20)
         ctx = build(config)
         state = loop.StepState(0)
         for _, stage in STAGES:
@@ -108,19 +102,9 @@ def main() -> None:
         print(f"per step ({config.train.minibatches} minibatches' gradients, the weights, the engine's): "
               f"{per_step * 1000:.1f} ms")
 
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(args.rounds + 1):
-            for on in ((True, False) if r % 2 else (False, True)):
-                with contextlib.nullcontext() if on else scale.checksums_off():
-                    sync_device(args.device)
-                    start = time.perf_counter()
-                    loop.train(ctx, state)
-                    loop.sync(ctx, state)
-                    sync_device(args.device)
-                times[on].append(time.perf_counter() - start)
-        differences = sorted(a - b for a, b in zip(times[True][1:], times[False][1:]))
+        with_sums, without, differences = scale.checksum_cost(ctx, state, args.rounds)
         print(f"train + sync over one batch, alternating {args.rounds} rounds after a warm-up: with checksums "
-              f"{statistics.median(times[True][1:]):.3f} s, without {statistics.median(times[False][1:]):.3f} s; "
+              f"{with_sums:.3f} s, without {without:.3f} s; "
               f"the rounds' differences median {statistics.median(differences) * 1000:.1f} ms, from "
               f"{differences[0] * 1000:.1f} to {differences[-1] * 1000:.1f} ms")
         ctx.writer.close()

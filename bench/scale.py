@@ -77,6 +77,16 @@ def model_dir(root: Path, shape: str) -> Path:
     return directory
 
 
+def shape_config(root: Path, shape: str, device: str, steps: int, new_tokens: int = 256, trainer: str = "torch"):
+    """The run every figure here is taken on: `shape` (its config.json written under `root`) with random weights,
+    bf16 over fp32 masters, deterministic, 8 prompts x 8 samples x `new_tokens` new tokens, 4 minibatches in
+    micro-batches of 16, its run directory under `root`, no checkpoint within `steps`."""
+    return load_config(model__path=str(model_dir(root, shape)), model__init="random", model__dtype="bfloat16",
+                       device=device, deterministic=True, steps=steps, out=str(root / "run"),
+                       data__prompts_per_step=8, rollout__n_samples_per_prompt=8, rollout__max_new_tokens=new_tokens,
+                       train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6, train__backend=trainer)
+
+
 class Clock:
     """Seconds spent inside rlbench's checksum functions, wherever they are called from."""
 
@@ -296,12 +306,7 @@ def main() -> None:
     print(f"device: {gpu}; torch {torch.__version__}")
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            config = load_config(model__path=str(model_dir(Path(tmp), shape)), model__init="random",
-                                 model__dtype="bfloat16", device=args.device, deterministic=True,
-                                 steps=args.steps + 10, out=str(Path(tmp) / "run"), data__prompts_per_step=8,
-                                 rollout__n_samples_per_prompt=8, rollout__max_new_tokens=args.new_tokens,
-                                 train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6,
-                                 train__backend=args.trainer)
+            config = shape_config(Path(tmp), shape, args.device, args.steps + 10, args.new_tokens, args.trainer)
             ctx = build(config)
             torch_trainer = args.trainer == "torch"
             clock = Clock(args.device)
