@@ -24,7 +24,12 @@ every sampled token, with the tokens so far in a `Decoding` its driver reads (`r
 streams them) and where the driver ends requests early (an abort, a stop string): an ended row
 draws no more noise and its tokens are no longer kept, which changes nothing in the other rows,
 whose arithmetic never depended on it. A driver may also ask for each token's top log-probs
-(SGLang's `top_logprobs_num`), read from the same log-softmax the sampler's log-prob comes from.
+(SGLang's `top_logprobs_num`) or the log-probs of given ids (`token_ids_logprob`), read from the same
+log-softmax the sampler's log-prob comes from, and add a request's logit bias (`logit_bias`) to its row's
+logits before each choice (a row without one keeps its logits' bytes).
+
+With a `prompt_cache` (prompt_cache.py; `rlbench serve` gives it one) a prompt prefilled before is taken from
+it instead of computed: a prefill depends on its prompt and width alone, so the bytes are the same.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 
 from rlbench.backends.batched_forward import (GROUPED, EagerDecode, GraphDecode, KVStore, fusable_norms,
                                               register_grouped)
+from rlbench.backends.prompt_cache import PromptCache
 from rlbench.backends.sampling import RequestNoise, SamplingRows, choose
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.types import GenerateRequest, GenerateResult
@@ -63,12 +69,40 @@ class Decoding:
     ended: dict[int, str] = field(default_factory=dict)
     top_n: dict[int, int] = field(default_factory=dict)
     top: dict[int, list[list[tuple[float, int]]]] = field(default_factory=dict)
+    # request index -> {token id: bias} added to its logits before each token is chosen (SGLang's logit_bias:
+    # its log-probs are of the biased logits, as SGLang's); -> token ids whose log-probs `probed` keeps per
+    # token (SGLang's token_ids_logprob); -> prompt tokens whose prefill it did not compute (cached_tokens).
+    bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    probe: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    probed: dict[int, list[list[tuple[float, int]]]] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def fresh(cls, count: int, top_n: dict[int, int] | None = None) -> Decoding:
+    def fresh(cls, count: int, top_n: dict[int, int] | None = None, bias: dict[int, dict[int, float]] | None = None,
+              probe: dict[int, tuple[int, ...]] | None = None) -> Decoding:
         top_n = {i: n for i, n in (top_n or {}).items() if n > 0}
+        bias = {i: b for i, b in (bias or {}).items() if b}
+        probe = {i: tuple(p) for i, p in (probe or {}).items() if p}
         return cls([[] for _ in range(count)], [[] for _ in range(count)], top_n=top_n,
-                   top={i: [] for i in top_n})
+                   top={i: [] for i in top_n}, bias=bias, probe=probe, probed={i: [] for i in probe})
+
+    def biases(self, indices: Sequence[int], rows: int, vocab: int, device: str) -> torch.Tensor | None:
+        """[rows, vocab] float32: the logit biases of the requests `indices` (row r is request indices[r]),
+        zeros elsewhere; None when none of them has one."""
+        if not any(i in self.bias for i in indices):
+            return None
+        table = torch.zeros(rows, vocab)
+        for row, i in enumerate(indices):
+            for token, value in self.bias.get(i, {}).items():
+                table[row, token] = value
+        return table.to(device)
+
+    def note(self, index: int, logits: torch.Tensor, rows: SamplingRows, row: int) -> None:
+        """Keep request `index`'s top log-probs and probed ids' log-probs of this token, where it asked."""
+        if index in self.top_n:
+            self.top[index].append(_top(logits, rows, row, self.top_n[index]))
+        if index in self.probe:
+            self.probed[index].append(_probed(logits, rows, row, self.probe[index]))
 
 
 def _run(steps: Generator) -> list:
@@ -80,13 +114,30 @@ def _run(steps: Generator) -> list:
             return done.value
 
 
-def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
-    """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob, from the log-softmax
-    `choose` reports its log-probs from (the same expression over the same rows: the same bits)."""
+def _logp(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The log-softmax `choose` reports its log-probs from (the same expression over the same rows: the
+    same bits)."""
     greedy = rows.temperature == 0
-    logp = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
+    return torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
+
+
+def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
+    """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob."""
+    logp = _logp(logits, rows)
     values, ids = torch.topk(logp[row], min(n, logp.shape[-1]))
     return list(zip(values.tolist(), ids.tolist()))
+
+
+def _probed(logits: torch.Tensor, rows: SamplingRows, row: int, ids: tuple[int, ...]) -> list[tuple[float, int]]:
+    """Row `row`'s log-probs of the tokens `ids`, (log-prob, id) in their order."""
+    return list(zip(_logp(logits, rows)[row, list(ids)].tolist(), ids))
+
+
+def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Logits plus the rows' logit biases; a row without one keeps its logits untouched (the same bits)."""
+    if bias is None:
+        return logits
+    return torch.where((bias != 0).any(-1, keepdim=True), logits + bias, logits)
 
 
 class HFEngine:
@@ -118,6 +169,7 @@ class HFEngine:
         self.own_attention = self.model.config._attn_implementation
         self._norms: tuple[torch.nn.Module, list] | None = None  # (model, its fusable norms): `_fused`
         self.graphs: dict[tuple[int, int], list[GraphDecode]] = {}  # (rows, length) -> captured decodes, kept
+        self.prompt_cache: PromptCache | None = None  # prefills kept between generations (`rlbench serve`)
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -181,19 +233,29 @@ class HFEngine:
                       index: int) -> Generator[None, None, GenerateResult]:
         """The reference path: batch size 1, a cache growing by one column per token; one prefill
         per distinct prompt of the call, at the prompt's own length."""
+        key = ("per-sample", req.prompt_ids)
+        reused = req.prompt_ids in prefills or (self.prompt_cache is not None and key in self.prompt_cache)
         if req.prompt_ids not in prefills:
-            kv = KVStore()
-            logits = self._forward(torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None], kv, None)
-            prefills[req.prompt_ids] = (kv, logits[0])
+            found = self.prompt_cache.get(key) if self.prompt_cache is not None else None
+            if found is None:
+                kv = KVStore()
+                logits = self._forward(torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None], kv,
+                                       None)
+                found = (kv, logits[0])
+                if self.prompt_cache is not None:
+                    self.prompt_cache.put(key, found, [*kv.keys, *kv.values, logits])
+            prefills[req.prompt_ids] = found
+        decoding.cached[index] = len(req.prompt_ids) - 1 if reused else 0  # SGLang's count (it redoes the last)
         prefill, logits = prefills[req.prompt_ids]
         kv, rows, noise = prefill.extended(), SamplingRows([req], 1, self.device), RequestNoise(req, self.vocab)
+        bias = decoding.biases([index], 1, self.vocab, self.device)
         output, logprobs, finish = decoding.outputs[index], decoding.logprobs[index], "length"
         for step in range(req.max_new_tokens):
+            logits = _biased(logits[None], bias)[0]
             token, logprob = choose(logits[None], noise.draw()[None], rows)
             output.append(int(token[0]))
             logprobs.append(float(logprob[0]))
-            if index in decoding.top_n:
-                decoding.top[index].append(_top(logits[None], rows, 0, decoding.top_n[index]))
+            decoding.note(index, logits[None], rows, 0)
             if output[-1] in req.stop_token_ids:
                 finish = "stop"
                 break
@@ -250,6 +312,34 @@ class HFEngine:
                     results[i] = result
         return results
 
+    def _prefills(self, prompts: list[tuple[int, ...]], width: int) -> tuple[KVStore, torch.Tensor, torch.Tensor, set]:
+        """`_prefill_rows` of distinct prompts, those `prompt_cache` keeps taken from it (the same bytes: a row's
+        prefill depends on its prompt and width alone) and the others computed and kept; also the prompts
+        that were kept."""
+        if self.prompt_cache is None:
+            return (*self._prefill_rows(prompts, width), set())
+        keys = {p: ("batched", width, p) for p in prompts}
+        found = {p: self.prompt_cache.get(keys[p]) for p in prompts}
+        kept = {p for p, entry in found.items() if entry is not None}
+        missing = [p for p in prompts if p not in kept]
+        if missing:
+            kv, logits, visible = self._prefill_rows(missing, width)
+            for row, p in enumerate(missing):  # clones: a row of the forward's tensors would hold all of them
+                entry = ([k[row].clone() for k in kv.keys], [v[row].clone() for v in kv.values], logits[row].clone(),
+                         visible[row].clone())
+                found[p] = entry
+                self.prompt_cache.put(keys[p], entry, [*entry[0], *entry[1], entry[2], entry[3]])
+        layers = len(found[prompts[0]][0])
+        merged = KVStore([torch.stack([found[p][0][layer] for p in prompts]) for layer in range(layers)],
+                         [torch.stack([found[p][1][layer] for p in prompts]) for layer in range(layers)])
+        return (merged, torch.stack([found[p][2] for p in prompts]), torch.stack([found[p][3] for p in prompts]),
+                kept)
+
+    def forget_prompts(self) -> None:
+        """Empty `prompt_cache` (the weights changed: its prefills are the old model's)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
+
     def _prefill_rows(self, prompts: list[tuple[int, ...]], width: int) -> tuple[KVStore, torch.Tensor, torch.Tensor]:
         """Distinct prompts, left-padded to `width`, in forwards of PREFILL_ROWS rows: keys/values
         [rows, heads, width, head_dim] per layer, last logits [rows, vocab], visible columns."""
@@ -285,12 +375,17 @@ class HFEngine:
         requests' places in `decoding`."""
         rows, count = self.batch_size, len(reqs)
         distinct = list(dict.fromkeys(r.prompt_ids for r in reqs))  # one prefill per prompt, first-seen order
-        prefill, first_logits, prompt_visible = self._prefill_rows(distinct, width)
+        prefill, first_logits, prompt_visible, kept = self._prefills(distinct, width)
         which = torch.tensor([distinct.index(r.prompt_ids) for r in reqs])
+        seen = set(kept)  # a prompt kept, or prefilled for an earlier row, was not computed for this one
+        for row, req in enumerate(reqs):
+            decoding.cached[indices[row]] = len(req.prompt_ids) - 1 if req.prompt_ids in seen else 0  # as SGLang counts
+            seen.add(req.prompt_ids)
         logits = torch.zeros(rows, self.vocab, device=self.device)
         logits[:count] = first_logits[which.to(self.device)]
         decoder = visible = starts = None  # the decode and its store, made once a second token is needed
         sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
+        bias = decoding.biases(indices, rows, self.vocab, self.device)
         outputs = [decoding.outputs[i] for i in indices]
         logprobs = [decoding.logprobs[i] for i in indices]
         finish = ["length"] * count
@@ -300,6 +395,7 @@ class HFEngine:
             for step in range(new):
                 uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)]
                                       + [quiet] * (rows - count))
+                logits = _biased(logits, bias)
                 tokens, chosen = choose(logits, uniform, sampling)
                 # one copy to the host a step: ids and float32 log-probs are both exact in float64
                 picked = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
@@ -309,8 +405,7 @@ class HFEngine:
                         continue
                     outputs[row].append(token)
                     logprobs[row].append(logprob)
-                    if indices[row] in decoding.top_n:
-                        decoding.top[indices[row]].append(_top(logits, sampling, row, decoding.top_n[indices[row]]))
+                    decoding.note(indices[row], logits, sampling, row)
                     if token in reqs[row].stop_token_ids:
                         finish[row], done[row] = "stop", True
                     done[row] = done[row] or len(outputs[row]) == new
@@ -354,6 +449,7 @@ class HFEngine:
         return replace(result, logprobs=tuple(float(x) for x in scores))
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.forget_prompts()
         load_named_(self.model, dict(weights), source=f"engine {self.engine_id} weight update")
         self.weight_version = version
 

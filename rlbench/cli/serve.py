@@ -46,12 +46,15 @@ def serve(
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,
     skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)] = False,
+    incremental_streaming_output: Annotated[bool, _option("incremental_streaming_output",
+                                                          "--incremental-streaming-output", "--stream-output",
+                                                          flag_value=True)] = False,
     max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
     api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=API_KEY_ENV, show_envvar=True,
                                               default_text="none")] = None,
     allow_unauthenticated: Annotated[bool, _option("allow_unauthenticated", "--allow-unauthenticated",
                                                    flag_value=True)] = False,
-    weights_dir: Annotated[Optional[Path], _option("weights_dir", default_text="the --model-path directory")] = None,
+    weights_dir: Annotated[Optional[Path], _option("weights_dir", default_text="any readable path (loopback or keyed)")] = None,
     debug: Debug = False,
 ) -> None:
     """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, /health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.

@@ -92,7 +92,7 @@ class TrainerActor:
                             init=config.model.init)
         load_named_(model, unpack(weights), source="the driver's initial weights")
         self.trainer = registry.make_trainer(config, model, RankActors())
-        self.checkpoints = tempfile.TemporaryDirectory(prefix="rlbench-ray-checkpoint-")
+        self.checkpoints: Path | None = None  # made by the first load; the placement removes it (remove_checkpoints)
 
     def logprobs(self, tensors, reference: bool, per_sample: bool):
         given = unpack(tensors)
@@ -114,11 +114,22 @@ class TrainerActor:
         return self.trainer.save_checkpoint()
 
     def load_checkpoint(self, files: dict[str, bytes]) -> None:
-        directory = Path(tempfile.mkdtemp(dir=self.checkpoints.name))
+        """The driver's files in a directory on this node (megatron's ranks may read them only when they start): it
+        stays until the placement, before killing this actor (no finalizer runs), has it removed (Placement.close)."""
+        if self.checkpoints is None:
+            self.checkpoints = Path(tempfile.mkdtemp(prefix="rlbench-ray-checkpoint-"))
+        directory = Path(tempfile.mkdtemp(dir=self.checkpoints))
         for name, data in files.items():
             (directory / name).parent.mkdir(parents=True, exist_ok=True)
             (directory / name).write_bytes(data)
         self.trainer.load_checkpoint(directory)
+
+    def remove_checkpoints(self) -> None:
+        import shutil
+
+        if self.checkpoints is not None:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+            self.checkpoints = None
 
     def close(self) -> None:
         self.trainer.close()
@@ -237,7 +248,7 @@ class ServerActor:
         import ray
 
         from rlbench.backends.sglang.client import Client
-        from rlbench.backends.sglang.fleet import answers, launch_server, make_logs, wait_server
+        from rlbench.backends.sglang.fleet import launch_server, make_logs, not_ready, wait_server
 
         config = _config(config_json)
         host = ray.util.get_node_ip_address()
@@ -245,7 +256,7 @@ class ServerActor:
         self.proc = launch_server(config, self.logs, index, host=host, key=key)
         client = Client(4, 30)
         try:
-            return wait_server(self.proc, lambda url: client.run(answers(client, url)))
+            return wait_server(self.proc, lambda url: client.run(not_ready(client, url)))
         finally:
             client.close()
 
@@ -377,6 +388,7 @@ class Placement:
                 start_local(local_cpus(config, bundles))
                 self.started_ray = True
         self.actors: list = []
+        self.before_kill: list = []  # calls that make an actor remove what it wrote (each gives an ObjectRef)
         self.group = None
         self.users = 0
 
@@ -414,6 +426,7 @@ class Placement:
 
     def close(self) -> None:
         try:
+            self._clean_actors()
             for handle in self.actors:
                 self.ray.kill(handle)
             if self.group is not None:
@@ -424,6 +437,16 @@ class Placement:
             self.actors, self.group = [], None
             if self.started_ray:
                 self.ray.shutdown()
+
+    def _clean_actors(self) -> None:
+        """Have the actors remove what they wrote before they are killed; one dead or slow (10 s) is not waited for."""
+        cleanups, self.before_kill = self.before_kill, []
+        try:
+            pending = [cleanup() for cleanup in cleanups]
+            if pending:
+                self.ray.wait(pending, num_returns=len(pending), timeout=10)
+        except Exception:  # noqa: BLE001 - the actors go anyway; a failure here must not hide the run's own
+            pass
 
 
 def place(config, model, start: int, init_checkpoint: Path | None):
@@ -464,6 +487,7 @@ def _place(placement: Placement, config, model, start: int, init_checkpoint: Pat
     trainer = engine = None
     if ranks:
         trainer = RayTrainer(placement.actor(TrainerActor, 0, bundle, config_json, weights), placement)
+        placement.before_kill.append(trainer.actor.remove_checkpoints.remote)
         if init_checkpoint is not None:
             trainer.load_checkpoint(init_checkpoint)
     if registry.rolls_out(config) and config.rollout.backend == "hf":

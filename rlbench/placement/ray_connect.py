@@ -25,7 +25,9 @@ from contextlib import contextmanager, nullcontext
 # An HTTP/2 client's first bytes: the connection preface, then an empty SETTINGS frame (RFC 9113, 3.4).
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's nodes on 127.0.0.1 (ray_constants reads it)
-QUIET = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
+# Ray's own warnings stay off stderr (its "Token authentication is enabled" notice among them): a failure is one
+# line, rlbench's; the workers' output stays in Ray's session logs (log_to_driver false).
+QUIET = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
 
 
 @contextmanager
@@ -108,7 +110,7 @@ def init_within(address: str, seconds: float, timeout: float) -> None:
 
     def attempt() -> None:
         try:
-            ray.init(address=address, **{**QUIET, "logging_level": logging.ERROR})
+            ray.init(address=address, **QUIET)
             outcome.append(None)
         except Exception as exc:  # noqa: BLE001 - Ray refuses in many ways; each is reported in one line
             outcome.append(exc)

@@ -441,6 +441,9 @@ def read_run(root: str | Path) -> RunDir:
         if not isinstance(manifest.get(key), kind):
             raise BadInput(f"expected {kind.__name__ if kind is not dict else 'an object'}, got "
                            f"{type(manifest.get(key)).__name__}", path=path, field=key)
+    from rlbench.rundir.manifest import check_sections  # manifest.py reads this module's SCHEMA
+
+    check_sections(manifest, path)
     metrics, notes = _read_jsonl(root / "metrics.jsonl")
     checksums, more = _read_jsonl(root / "checksums.jsonl")
     notes += more

@@ -14,8 +14,13 @@ _handle_batch_output, _handle_abort_req, add_logprob_to_meta_info; detokenizer_m
 - Log-prob entries are [logprob, token_id, text|null] (text with return_text_in_logprobs).
   input_token_logprobs cover the prompt from logprob_start_len on, the first entry's logprob null;
   input_top_logprobs likewise (first entry null); output_top_logprobs one list per output token.
-- cached_tokens is 0: rlbench serve keeps no prefix cache between requests (docs/sglang-ray.md).
-- While streaming, every chunk is cumulative, finish_reason null until the last.
+- cached_tokens: the prompt tokens whose prefill the engine reused (a whole prompt it prefilled before, or
+  another row's of the same batch; prompt_tokens - 1, SGLang's count), 0 when the prompt's log-probs were
+  asked (`prompt_logprobs` computes the whole prompt again).
+- token_ids_logprob: input_token_ids_logprobs (None first) and output_token_ids_logprobs, one list per
+  position of [logprob, token_id, text|null] for the asked ids, in their order.
+- While streaming, every chunk is cumulative (or, with --incremental-streaming-output, only what is new:
+  `delta`), finish_reason null until the last.
 """
 
 from __future__ import annotations
@@ -36,25 +41,30 @@ class Prompt:
 
     tokens: list[tuple[float | None, int]]
     top: list[list[tuple[float, int]] | None]
+    probed: list[list[tuple[float, int]] | None]  # token_ids_logprob: the asked ids' log-probs (None first)
 
 
 @torch.no_grad()
-def prompt_logprobs(model, ids: tuple[int, ...], start: int, temperature: float, top_n: int, device: str) -> Prompt:
+def prompt_logprobs(model, ids: tuple[int, ...], start: int, temperature: float, top_n: int, device: str,
+                    probe: tuple[int, ...] = ()) -> Prompt:
     """The prompt's log-probs under the model (one teacher-forced forward of the prompt alone, at the
     request's temperature; greedy at 1): token p's is log_softmax(logits[p - 1])[ids[p]]; the first
-    returned token's is None, as in SGLang (its prefix is not scored)."""
+    returned token's is None, as in SGLang (its prefix is not scored); likewise the top and probed ones."""
     if start >= len(ids):
-        return Prompt([], [])
+        return Prompt([], [], [])
     logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()
     logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
     tokens: list[tuple[float | None, int]] = [(None, ids[start])]
     top: list[list[tuple[float, int]] | None] = [None]
+    probed: list[list[tuple[float, int]] | None] = [None]
     for p in range(start + 1, len(ids)):
         tokens.append((float(logp[p - 1, ids[p]]), ids[p]))
         if top_n > 0:
             values, order = torch.topk(logp[p - 1], min(top_n, logp.shape[-1]))
             top.append(list(zip(values.tolist(), order.tolist())))
-    return Prompt(tokens, top if top_n > 0 else [])
+        if probe:
+            probed.append(list(zip(logp[p - 1, list(probe)].tolist(), probe)))
+    return Prompt(tokens, top if top_n > 0 else [], probed if probe else [])
 
 
 class Answers:
@@ -97,7 +107,8 @@ class Answers:
                 "weight_version": self.weight_version(), "num_retractions": job.retractions}
         if item.return_logprob:
             self._logprobs(meta, item, job, prompt, with_text)
-        meta.update({"reasoning_tokens": 0, "completion_tokens": len(job.output_ids), "cached_tokens": 0})
+        meta.update({"reasoning_tokens": 0, "completion_tokens": len(job.output_ids),
+                     "cached_tokens": 0 if prompt is not None else job.cached})
         if final:
             meta["weight_versions"] = _spans(job, self.weight_version(), len(job.output_ids))
             meta["e2e_latency"] = time.perf_counter() - job.arrived
@@ -124,6 +135,31 @@ class Answers:
             meta["input_top_logprobs"] = [None if t is None else self.entries(t, with_text)
                                           for t in (prompt.top if prompt else [])]
             meta["output_top_logprobs"] = [self.entries(t, with_text) for t in job.top]
+        if item.probe:
+            meta["input_token_ids_logprobs"] = [None if t is None else self.entries(t, with_text)
+                                                for t in (prompt.probed if prompt else [])]
+            meta["output_token_ids_logprobs"] = [self.entries(t, with_text) for t in job.probed]
+
+
+OUTPUT_SIDE = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")  # one entry per new token
+
+
+def delta(chunk: dict, ids_sent: int, text_sent: str, final: bool) -> tuple[dict, str]:
+    """A cumulative stream chunk cut to what is new (SGLang's --incremental-streaming-output,
+    tokenizer_manager._slice_streaming_output_meta_info): the output ids, the output-side log-prob lists
+    and the text past what earlier chunks carried; the rest of meta_info as it is. Also the text shown so
+    far: a chunk before the last holds back a trailing partial character (U+FFFD), as SGLang's
+    detokenizer does, so the texts of the chunks concatenate to the answer's."""
+    meta = dict(chunk["meta_info"])
+    for key in OUTPUT_SIDE:
+        if key in meta:
+            meta[key] = meta[key][ids_sent:]
+    out = {"output_ids": chunk["output_ids"][ids_sent:], "meta_info": meta}
+    if "text" not in chunk:
+        return out, text_sent
+    text = chunk["text"] if final else chunk["text"].rstrip("\ufffd")
+    new = text[len(text_sent):] if text.startswith(text_sent) else ""
+    return {"text": new, **out}, text_sent + new
 
 
 def _finish_reason(finish: Finish | None, item: Item) -> dict | None:

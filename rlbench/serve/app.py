@@ -32,7 +32,7 @@ from rlbench.rundir.failpoints import hit
 from rlbench.serve.auth import ApiKey
 from rlbench.serve import request as rq
 from rlbench.serve import request_gates as gates
-from rlbench.serve.answer import Answers, prompt_logprobs
+from rlbench.serve.answer import Answers, delta, prompt_logprobs
 from rlbench.serve.weights import LoadFailed
 from rlbench.serve.worker import Job
 
@@ -156,8 +156,9 @@ class Handlers:
             start = item.logprob_start_len if item.return_logprob else -1
             prompts.append(None if start < 0 else await state.worker.call(
                 lambda i=item, s=start: prompt_logprobs(state.engine.model, i.prompt_ids, s, i.request.temperature,
-                                                        i.top_logprobs_num, state.config.device)))
+                                                        i.top_logprobs_num, state.config.device, i.probe)))
         jobs = [Job(item.request, item.rid, top_n=item.top_logprobs_num if item.return_logprob else 0,
+                    bias=dict(item.sampling.logit_bias), probe=item.probe if item.return_logprob else (),
                     stop_strings=item.sampling.stop, text_of=self._text_of(item), stream=call.stream)
                 for item in call.items]
         state.worker.submit(jobs)
@@ -170,16 +171,19 @@ class Handlers:
         return lambda ids: self.state.tokenizer.decode(ids, skip_special_tokens=skip)
 
     async def _stream(self, call: rq.GenerateCall):
-        """SGLang's server-sent events: a cumulative chunk every stream_interval new tokens of an item (batch
-        chunks carry "index"), its last with the finish reason, then [DONE]; an error after the stream began
-        comes in-band, under HTTP 200."""
+        """SGLang's server-sent events: a chunk every stream_interval new tokens of an item (batch chunks carry
+        "index"), its last with the finish reason, then [DONE]; an error after the stream began comes in-band,
+        under HTTP 200. Chunks are cumulative, or with --incremental-streaming-output only what is new since
+        the item's last chunk (answer.py `delta`)."""
         try:
             jobs, prompts = await self._start(call)
         except gates.RequestError as exc:
             async for event in _error_events(exc):
                 yield event
             return
+        incremental = self.state.config.incremental_streaming_output
         sent = [0] * len(jobs)  # tokens each item's chunks have shown (a retracted item restarts below it)
+        shown = [""] * len(jobs)  # the text an item's incremental chunks have carried
         pending = set(range(len(jobs)))
         while pending:
             waits = [asyncio.ensure_future(jobs[i].progressed.wait()) for i in pending]
@@ -194,6 +198,8 @@ class Handlers:
                 if not job.done and len(job.output_ids) < sent[i] + call.items[i].sampling.stream_interval:
                     continue
                 chunk = self.answers.build(call.items[i], job, prompts[i], call.return_text_in_logprobs, job.done)
+                if incremental:
+                    chunk, shown[i] = delta(chunk, sent[i], shown[i], job.done)
                 if call.batched:
                     chunk["index"] = i
                 sent[i] = len(job.output_ids)
@@ -225,8 +231,8 @@ class Handlers:
         return _json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: Request) -> Response:
-        """There is no cache between requests; it answers as SGLang does: refused (400) while requests run
-        (or wait, unless generation is paused), after waiting up to ?timeout= seconds for them."""
+        """Empty the engine's prompt cache, as SGLang its radix cache: refused (400) while requests run (or
+        wait, unless generation is paused), after waiting up to ?timeout= seconds for them."""
         try:
             timeout = float(request.query_params.get("timeout", 0.0))
         except ValueError:
@@ -240,6 +246,7 @@ class Handlers:
             await asyncio.sleep(0.05)
         if worker.busy(count_waiting=worker.paused is None):
             return Response(content="Flush cache failed.\n", status_code=400)
+        await worker.call(self.state.engine.forget_prompts)
         return Response(content=FLUSHED, status_code=200)
 
     async def update_weights_from_disk(self, request: Request) -> Response:
@@ -307,8 +314,16 @@ class Handlers:
         action = body.get("action", "checksum")
         if selector == "draft":  # no draft model: nothing to check, as SGLang answers without a draft runner
             return _json_response({"success": True, "message": "Success."})
-        answer = await self.state.worker.call(self.state.checker.handle, self.state.engine.model, action, skip)
+        answer = await self.state.worker.call(self._check, action, skip)
         return _json_response(answer, status_code=200 if answer["success"] else 400)
+
+    def _check(self, action: str, skip: list[str] | None) -> dict:
+        """The checker's action (the engine's thread); reset_tensors rewrites the weights in place, so the
+        prompts the engine keeps are forgotten in the same call (no request between sees them)."""
+        answer = self.state.checker.handle(self.state.engine.model, action, skip)
+        if action == "reset_tensors":
+            self.state.engine.forget_prompts()
+        return answer
 
     async def get_weights_by_name(self, request: Request) -> Response:
         """The first `truncate_size` rows of the named parameter (a tied lm_head reads the embeddings), as
@@ -346,8 +361,11 @@ def _no_text(_text: str) -> list[int]:
                    "input_ids or re-initialize the engine with skip_tokenizer_init=False.")
 
 
-def outside_root(path: str, root: Path) -> str | None:
-    """Why `path` may not be read (it is not below `root`, symbolic links followed), or None."""
+def outside_root(path: str, root: Path | None) -> str | None:
+    """Why `path` may not be read (it is not below `root`, symbolic links followed), or None; a server
+    without a root (ServeConfig.weights_root) reads any path, as SGLang's does."""
+    if root is None:
+        return None
     try:
         resolved = Path(path).resolve()
     except (OSError, RuntimeError, ValueError) as exc:
@@ -428,24 +446,22 @@ async def _json(request: Request, limit: int, required: bool = True) -> Any:
                                                    and content_type.endswith("+json")):
         raise gates.pydantic_error("", "model_attributes_type",
                                 "Input should be a valid dictionary or object to extract fields from", raw[:200])
+    route = f"{request.method} {request.url.path}"
     if len(raw) > PARSE_OFF_LOOP:
-        return await asyncio.to_thread(_loads, raw)
-    return _loads(raw)
+        return await asyncio.to_thread(_loads, raw, route)
+    return _loads(raw, route)
 
 
-def _loads(raw: bytes) -> Any:
-    """JSON as FastAPI reads it (Python's json: integers of any size, NaN and Infinity); orjson first, for
-    speed, where it can."""
+def _loads(raw: bytes, route: str) -> Any:
+    """JSON as SGLang 0.5.23 reads every body (its ORJSONRequest): orjson, which refuses what Python's json
+    would take (a UTF-8 byte-order mark, NaN, Infinity; an integer past 64 bits becomes a float), with
+    FastAPI's 400 for it."""
     import orjson
 
     try:
         return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise gates.pydantic_error("", "json_invalid", f"JSON decode error: {str(exc)[:100]}", {}) from None
+    except orjson.JSONDecodeError as exc:
+        raise gates.json_invalid(exc.pos, exc.msg, route) from None
 
 
 async def _maybe_off_loop(request: Request, parse):

@@ -3,8 +3,9 @@ shape of the layer that refuses it there (srt/entrypoints/http_server.py): the p
 contract gate (request_gates.py), then here the third:
 
 3. The tokenizer manager and the scheduler (normalize_batch_and_arguments, the context-length checks,
-   SamplingParams.verify, the prompt and logprob_start_len checks): `value` (400 `{"error":
-   {"message"}}`). What rlbench serve cannot do is refused here too, by name, never ignored.
+   SamplingParams.verify with logit_bias's ids, token_ids_logprob's, the prompt and logprob_start_len
+   checks): `value` (400 `{"error": {"message"}}`). What rlbench serve cannot do is refused here too, by
+   name, never ignored.
 
 The result, a `GenerateCall`, holds one `Item` per engine request (n > 1 expands an item n times).
 """
@@ -41,6 +42,7 @@ class Sampling:
     no_stop_trim: bool
     n: int
     stream_interval: int  # tokens per stream chunk
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), added to the logits before each choice
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Item:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    probe: tuple[int, ...] = ()  # token_ids_logprob: ids whose log-probs each position reports
     request: GenerateRequest | None = None  # made once the context length is known (`finish`)
     index: int = 0
 
@@ -68,7 +71,7 @@ class GenerateCall:
     extra: dict = field(default_factory=dict)
 
 
-def _sampling(params: dict) -> Sampling:
+def _sampling(params: dict, vocab: int) -> Sampling:
     """SamplingParams(**params) and its verify (srt/sampling/sampling_params.py), with its texts."""
     get = params.get
     temperature = 1.0 if get("temperature") is None else float(get("temperature"))
@@ -110,7 +113,48 @@ def _sampling(params: dict) -> Sampling:
 
     return Sampling(max_new, 0.0 if greedy else temperature, top_p, top_k, seed, stops, stop, flag("ignore_eos", False),
                     flag("skip_special_tokens", True), flag("spaces_between_special_tokens", True),
-                    flag("no_stop_trim", False), n, interval)
+                    flag("no_stop_trim", False), n, interval, _logit_bias(get("logit_bias") or {}, vocab))
+
+
+def _logit_bias(bias: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.verify's check of logit_bias (its keys are token ids as strings, int() of them in the
+    vocabulary; "1" and "01" are one id, the last given wins, as in SamplingBatchInfo)."""
+    ids = {}
+    for key, bias_value in bias.items():
+        try:
+            token = int(key)
+        except ValueError as exc:
+            raise value(str(exc)) from None
+        if not 0 <= token < vocab:
+            raise value(f"logit_bias must has keys in [0, {vocab - 1}], got {key}.")
+        ids[token] = float(bias_value)
+    return tuple(ids.items())
+
+
+def _probes(body: dict, count: int, n: int, batched: bool, vocab: int) -> list[tuple[int, ...]]:
+    """token_ids_logprob per prompt, as normalize_batch_and_arguments splits it (one flat list for every
+    item, or one list per item) and _validate_token_ids_logprob checks each."""
+    probe = body.get("token_ids_logprob") or None
+    if probe is None:
+        return [()] * count
+    if isinstance(probe[0], list):
+        if n > 1:
+            raise value("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        if not batched:
+            raise value("token_ids_logprob must be a flat list of integers.")
+        if len(probe) != count:
+            raise value(f"token_ids_logprob holds {len(probe)} lists; give one per batch item ({count}).")
+        rows = probe
+    else:
+        rows = [probe] * count
+    for row in rows:
+        for token in row:
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise value("token_ids_logprob must be a flat list of integers.")
+            if not 0 <= token < vocab:
+                raise value(f"token_ids_logprob contains out-of-vocabulary token id {token}; valid range is "
+                            f"[0, {vocab}).")
+    return [tuple(row) for row in rows]
 
 
 def _pick(values: Any, i: int, default: Any) -> Any:
@@ -170,6 +214,7 @@ def parse_generate(body: Any, vocab: int, encode: Callable[[str], list[int]],
             if isinstance(body.get(key), list):
                 raise value(f"Cannot use list {key} with parallel_sample_num > 1")
     rids = _rids(body.get("rid"), len(prompts), n, batched or n > 1, new_rid)
+    probes = _probes(body, len(prompts), n, batched, vocab)
     items = []
     for i, ids in enumerate(prompts):
         if not ids:
@@ -177,12 +222,12 @@ def parse_generate(body: Any, vocab: int, encode: Callable[[str], list[int]],
         outside = [t for t in ids if not 0 <= t < vocab]
         if outside:
             raise value(f"The input_ids {outside[:4]} are outside the vocabulary [0, {vocab - 1}].")
-        sampling = _sampling(params_of(i) or {})
+        sampling = _sampling(params_of(i) or {}, vocab)
         for copy in range(n):
             items.append(Item(rids[i * n + copy] if n > 1 else rids[i], tuple(ids), sampling,
                               bool(_pick(body.get("return_logprob"), i, False)),
                               int(_pick(body.get("logprob_start_len"), i, -1)),
-                              int(_pick(body.get("top_logprobs_num"), i, 0))))
+                              int(_pick(body.get("top_logprobs_num"), i, 0)), probes[i]))
     for index, item in enumerate(items):
         item.index = index
     return GenerateCall(items, batched or n > 1, bool(body.get("stream", False)),

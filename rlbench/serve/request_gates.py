@@ -34,11 +34,11 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "te
 # Sampling fields the embedded engine does not implement: accepted at SGLang's default (or its "unset") only.
 UNSUPPORTED_SAMPLING = {"stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                         "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None,
-                        "ebnf": None, "structural_tag": None, "logit_bias": None, "beam_width": None,
+                        "ebnf": None, "structural_tag": None, "beam_width": None,
                         "watermark": None, "choice": None}
 # Top-level fields rlbench serve does not implement: accepted at their default (or null) only.
 UNSUPPORTED_FIELDS = {"input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-                      "token_ids_logprob": None, "return_hidden_states": False, "return_routed_experts": False,
+                      "return_hidden_states": False, "return_routed_experts": False,
                       "return_indexer_topk": False, "lora_path": None, "session_params": None, "session_id": None,
                       "custom_logit_processor": None, "return_sampling_mask": None, "bootstrap_host": None,
                       "max_thinking_tokens": None, "return_flat_raw_top_logprobs": False,
@@ -75,7 +75,19 @@ def http_error(status: int, message: str) -> RequestError:
 def pydantic_error(loc: str, kind: str, msg: str, got: Any) -> RequestError:
     """One pydantic error in FastAPI's text, as SGLang's handler joins it."""
     error = {"type": kind, "loc": ("body", *loc.split(".")) if loc else ("body",), "msg": msg, "input": _cut(got)}
-    return envelope(f"1 validation error:\n  {error}\n\n  Endpoint: POST /generate [{error}]")
+    return _validation(error, "POST /generate")
+
+
+def json_invalid(position: int, why: str, route: str) -> RequestError:
+    """A body orjson cannot parse (SGLang 0.5.23's ORJSONRequest: a UTF-8 byte-order mark, NaN, Infinity, bad
+    UTF-8, broken JSON), as FastAPI reports it on any route that takes a body: `json_invalid` at the offset."""
+    error = {"type": "json_invalid", "loc": ("body", position), "msg": "JSON decode error", "input": {},
+             "ctx": {"error": why}}
+    return _validation(error, route)
+
+
+def _validation(error: dict, route: str) -> RequestError:
+    return envelope(f"1 validation error:\n  {error}\n\n  Endpoint: {route} [{error}]")
 
 
 def _cut(got: Any) -> Any:

@@ -4,7 +4,8 @@ the server's own state (model path, weight version, load format), and uvicorn on
 It binds 127.0.0.1 unless told otherwise. With `--api-key` (or RLBENCH_SERVE_API_KEY) every route but
 /health*, /ready* and /metrics* asks for `Authorization: Bearer KEY`, as SGLang's server does (app.py);
 bound beyond loopback without a key it refuses to start unless `--allow-unauthenticated`. Weight
-updates read only below `--weights-dir` (default: the model directory it started with). Port 0 takes a free port; either way the
+updates read any directory the process can read, as SGLang's do, where only trusted callers reach the
+server (loopback, or a key); `--weights-dir` narrows them, and is required beyond loopback without a key. Port 0 takes a free port; either way the
 first line on standard output is `rlbench serve: listening on http://HOST:PORT ...`, printed once
 the model is loaded and the socket is bound, so a launcher can read where it is. `serve_in_thread`
 runs the same server on a thread of the calling process (tests, notebooks).
@@ -65,6 +66,12 @@ class ServeConfig:
         "which it may not exceed).")
     skip_tokenizer_init: bool = setting(False,
         "SGLang's --skip-tokenizer-init: no tokenizer; requests send input_ids, answers carry no text.")
+    prefix_cache_mb: int = setting(1024,
+        "Memory for the prompt prefills kept between requests (0: none kept): a prompt prefilled before is not "
+        "computed again, bit for bit the same answer (docs/sglang-ray.md).")
+    incremental_streaming_output: bool = setting(False,
+        "SGLang's --incremental-streaming-output (--stream-output before it): each stream chunk carries only what "
+        "is new since the last (output ids, text, output log-probs); without it chunks are cumulative.")
     max_request_bytes: int = setting(16 << 20,
         "Largest request body read (a larger one is answered 413 before it is read). SGLang sets none: this "
         "bounds what one client can make the server parse.")
@@ -75,7 +82,8 @@ class ServeConfig:
         "Serve beyond loopback without --api-key: anyone who reaches the port can generate, read the weights and "
         "load new ones.")
     weights_dir: str | None = setting(None,
-        "/update_weights_from_disk reads only below this directory (default: the model directory served at start).")
+        "/update_weights_from_disk reads only below this directory (default: any directory this process can read, "
+        "as SGLang's server; required with --host beyond loopback and no --api-key).")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting("warning",
         "uvicorn's log level.")
 
@@ -98,6 +106,9 @@ class ServeConfig:
             number(self.context_length, "--context-length", 8, 1 << 24, integer=True)
         check(isinstance(self.skip_tokenizer_init, bool), "--skip-tokenizer-init", "true or false",
               self.skip_tokenizer_init)
+        number(self.prefix_cache_mb, "prefix_cache_mb", 0, 1 << 30, integer=True)
+        check(isinstance(self.incremental_streaming_output, bool), "--incremental-streaming-output", "true or false",
+              self.incremental_streaming_output)
         number(self.max_request_bytes, "--max-request-bytes", 1024, 1 << 34, integer=True)
         if self.api_key is not None:
             if not isinstance(self.api_key, str) or not self.api_key.strip():  # the value is never echoed
@@ -106,17 +117,29 @@ class ServeConfig:
               self.allow_unauthenticated)
         if self.weights_dir is not None:
             text(self.weights_dir, "--weights-dir")
-        if self.host not in LOOPBACK and self.api_key is None and not self.allow_unauthenticated:
-            raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {API_KEY_ENV}), "
-                           f"bind 127.0.0.1, or pass --allow-unauthenticated", field="--host")
+        if self.host not in LOOPBACK and self.api_key is None:
+            if not self.allow_unauthenticated:
+                raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {API_KEY_ENV}), "
+                               f"bind 127.0.0.1, or pass --allow-unauthenticated", field="--host")
+            if self.weights_dir is None:
+                raise BadInput(f"refusing to serve on {self.host} without a key and without --weights-dir: anyone "
+                               f"who reaches the port could make it load any file it can read; give --weights-dir "
+                               f"DIR (updates read only below it) or --api-key", field="--weights-dir")
 
     def __repr__(self) -> str:  # the key stays out of every repr, log and error
         shown = {k: v for k, v in asdict(self).items() if k != "api_key"}
         return f"ServeConfig({shown}, api_key={'set' if self.api_key else None})"
 
-    def weights_root(self) -> Path:
-        """The directory weight updates may read below."""
-        return Path(self.weights_dir or self.model_path).resolve()
+    def weights_root(self) -> Path | None:
+        """The directory weight updates may read below, or None: any directory this process can read.
+
+        SGLang's server loads whatever path /update_weights_from_disk names; rlbench serve does the same where
+        only trusted callers reach it (bound to loopback, or every request carrying the api key), so a run's
+        weights in its own temporary directory load as on a real fleet. --weights-dir narrows it always, and a
+        server anyone can reach without a key reads no path outside it (it does not start without one)."""
+        if self.weights_dir is not None:
+            return Path(self.weights_dir).resolve()
+        return None
 
 
 class ServerState:
@@ -140,6 +163,10 @@ class ServerState:
         self.engine = HFEngine(model, device=config.device, engine_id="serve", decode=config.decode,
                                batch_size=config.decode_batch_size)
         del model
+        if config.prefix_cache_mb:
+            from rlbench.backends.prompt_cache import PromptCache
+
+            self.engine.prompt_cache = PromptCache(config.prefix_cache_mb << 20)
         self.vocab = self.engine.vocab
         positions = int(getattr(self.engine.model.config, "max_position_embeddings", None) or 1 << 30)
         if config.context_length is not None and config.context_length > positions:
@@ -165,6 +192,7 @@ class ServerState:
         from rlbench.serve.weights import read_candidate
 
         candidate = read_candidate(self.engine.model, model_path, load_format, self.config.random_seed)
+        self.engine.forget_prompts()
         self.engine.model = candidate
         self.model_path = self.served_model_name = model_path
         self.load_format = load_format

@@ -54,6 +54,8 @@ class Job:
     request: GenerateRequest
     rid: str
     top_n: int = 0
+    bias: dict[int, float] = field(default_factory=dict)  # logit_bias: token id -> bias
+    probe: tuple[int, ...] = ()  # token_ids_logprob
     stop_strings: tuple[str, ...] = ()
     text_of: Callable[[list[int]], str] | None = None  # decodes its tokens, for stop strings
     stream: bool = False
@@ -67,6 +69,8 @@ class Job:
     output_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     top: tuple = ()
+    probed: tuple = ()
+    cached: int = 0  # prompt tokens whose prefill the engine did not compute for it (SGLang's count)
     finish: Finish | None = None
     batch: "Batch | None" = None
     row: int = -1
@@ -266,8 +270,9 @@ class EngineWorker:
                 jobs.append(job)
         if not jobs:
             return
-        top_n = {i: job.top_n for i, job in enumerate(jobs)}
-        decoding = Decoding.fresh(len(jobs), top_n)
+        decoding = Decoding.fresh(len(jobs), {i: job.top_n for i, job in enumerate(jobs)},
+                                  {i: job.bias for i, job in enumerate(jobs)},
+                                  {i: job.probe for i, job in enumerate(jobs)})
         batch = Batch(jobs, decoding, self.engine.steps([job.request for job in jobs], decoding))
         for row, job in enumerate(jobs):
             job.batch, job.row = batch, row
@@ -324,6 +329,8 @@ class EngineWorker:
         job.output_ids = tuple(decoding.outputs[row])
         job.logprobs = tuple(decoding.logprobs[row])
         job.top = tuple(tuple(t) for t in decoding.top.get(row, ()))
+        job.probed = tuple(tuple(t) for t in decoding.probed.get(row, ()))
+        job.cached = decoding.cached.get(row, 0)
 
     @staticmethod
     def _stop_string(job: Job) -> str | None:
@@ -354,7 +361,7 @@ class EngineWorker:
             batch.steps.close()
             for job in batch.jobs:
                 if not job.done:
-                    job.batch, job.row, job.output_ids, job.logprobs, job.top = None, -1, (), (), ()
+                    job.batch, job.row, job.output_ids, job.logprobs, job.top, job.probed = None, -1, (), (), (), ()
                     job.retractions += 1
                     retracted.append(job)
         self._active = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -231,3 +232,70 @@ def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path
     assert all(type(m) in batched_forward.FUSED_KINDS.values() for m in batched_forward.fusable_norms(copied))
     assert not any(m.fused for m in batched_forward.fusable_norms(copied))
     assert not any(type(m) in batched_forward.FUSED_KINDS.values() for m in model.modules())  # the trainer's: untouched
+
+
+def _prefills_counted(engine, monkeypatch) -> list:
+    """The shapes of the prompt forwards `engine` runs from now on (a decode step's ids are one column)."""
+    shapes, forward = [], engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *rest: (
+        shapes.append(tuple(ids.shape)) if ids.shape[1] > 1 else None, forward(ids, *rest))[1])
+    return shapes
+
+
+@pytest.mark.parametrize("decode", ["batched", "per-sample"])
+def test_a_kept_prefill_gives_the_same_bits(setup, decode, monkeypatch):
+    """The prompt cache (`rlbench serve`'s prefix reuse, prompt_cache.py): a prompt prefilled in an earlier
+    generation is not computed again, and every request's tokens and log-probs, greedy and sampled, are the
+    bytes of an engine without a cache, in whatever batch and order it comes; a change of weights empties
+    it. Counted as SGLang counts (prompt - 1) for a prompt kept or prefilled for an earlier row."""
+    from rlbench.backends.hf_engine import Decoding, _run
+    from rlbench.backends.prompt_cache import PromptCache
+
+    engines, prompts, eos, model = setup
+    requests = [_request(prompts, eos, (i % 4, 50 + i, [0.0, 1.0][i % 2], -1, 1.0, 4)) for i in range(8)]
+    want = engines[decode].generate(requests)
+    engine = HFEngine(model, decode=decode, batch_size=ROWS)
+    engine.prompt_cache = PromptCache(1 << 30)
+    prefills = _prefills_counted(engine, monkeypatch)
+    assert engine.generate(requests) == want and prefills and len(engine.prompt_cache) == 4
+    prefills.clear()
+    decoding = Decoding.fresh(len(requests))
+    with torch.no_grad():
+        assert _run(engine.steps(requests[::-1], decoding))[::-1] == want and prefills == []
+    assert [decoding.cached[i] for i in range(8)] == [len(r.prompt_ids) - 1 for r in requests[::-1]]
+    assert [engine.generate([r])[0] for r in requests] == want and prefills == []
+    from rlbench.core.model import named_weights
+
+    engine.update_weights(named_weights(model), 0)
+    assert len(engine.prompt_cache) == 0 and engine.generate(requests[:1]) == want[:1] and prefills
+
+
+def test_a_prompt_cache_keeps_its_bound():
+    """Past its bytes the cache drops the prompts used longest ago; one larger than it is not kept."""
+    from rlbench.backends.prompt_cache import PromptCache
+
+    cache, block = PromptCache(3 * 400), torch.zeros(100)  # 400 bytes an entry
+    for key in "abc":
+        cache.put((key,), key, [block])
+    assert cache.get(("a",)) == "a"  # now the most recently used
+    cache.put(("d",), "d", [block])
+    assert [k for k in "abcd" if (k,) in cache] == ["a", "c", "d"] and cache.bytes == 1200
+    cache.put(("big",), "big", [torch.zeros(1000)])
+    assert ("big",) not in cache and len(cache) == 3
+
+
+@pytest.mark.parametrize("decode", ["batched", "per-sample"])
+def test_a_logit_bias_is_its_rows_own(setup, decode):
+    """SGLang's logit_bias (Decoding.bias): +100 on a token makes a sampled row choose it every time, its
+    log-prob that of the biased logits; the rows beside it keep the bytes they have without it."""
+    from rlbench.backends.hf_engine import Decoding, _run
+
+    engines, prompts, eos, _ = setup
+    engine, target = engines[decode], 60
+    requests = [_request(prompts, eos, (i, 70 + i, 1.0, -1, 1.0, 5)) for i in range(3)]
+    plain = engine.generate(requests)
+    with torch.no_grad():
+        biased = _run(engine.steps(requests, Decoding.fresh(3, bias={1: {target: 100.0}})))
+    assert biased[1].output_ids == (target,) * 5 and all(lp > -1e-3 for lp in biased[1].logprobs)
+    assert plain[1].output_ids != biased[1].output_ids
+    assert [biased[0], biased[2]] == [plain[0], plain[2]]

@@ -54,7 +54,7 @@ class _InProcess:
     """Placement without Ray: an "actor" is its class, instantiated here; a method's `.remote()` calls it."""
 
     def __init__(self, config, bundles):
-        self.users, self.bundles = 0, None
+        self.users, self.bundles, self.before_kill = 0, None, []
 
     def make_group(self, bundles):
         self.bundles = bundles
@@ -259,6 +259,57 @@ def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
     with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray refused the connection \(ConnectionError: "
                                        r"Could not find any running Ray instance.\)$"):
         init_within("auto", 5, 5)
+
+
+def test_a_failing_ray_run_is_one_line_and_leaves_no_directory_of_its_own(tmp_path, monkeypatch):
+    """A Ray instance rlbench starts, as a user's shell has it (no RAY_AUTH_MODE: Ray's token authentication on,
+    and its start-up warning about it), and a run that fails once its trainer actor is placed (the SGLang server
+    it names does not answer): stderr is rlbench's one line, Ray's own warnings left out, and the temporary
+    directory (the run's own TMPDIR) holds no rlbench-ray-checkpoint-* directory afterwards."""
+    from rlbench.backends.sglang.fleet import free_port
+    from tests.conftest import run_cli, small_toml
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+    (tmp_path / "s.toml").write_text(small_toml(1).replace("[rollout]\n", "[rollout]\nrequest_attempts = 1\n"))
+    closed = f"http://127.0.0.1:{free_port()}"
+    try:
+        res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--placement", "ray", "--rollout", "sglang",
+                      "--rollout-external-engine-addrs", closed, "--out", str(tmp_path / "o"), process=True)
+        assert res.returncode == 2 and res.stderr.splitlines() == [
+            f"rlbench: error: /server_info failed once, the last: GET {closed}/server_info: ClientConnectorError: "
+            f"Cannot connect to host 127.0.0.1:{closed.rsplit(':', 1)[1]} ssl:default [Connect call failed "
+            f"('127.0.0.1', {closed.rsplit(':', 1)[1]})]"], res.stderr
+        assert sorted(p.name for p in tmp.glob("rlbench-*")) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_trainer_actor_removes_its_checkpoint_directory_before_the_placement_kills_it(small_config, tmp_path,
+                                                                                          monkeypatch):
+    """The trainer actor writes a checkpoint the driver hands it into a directory of its own, which must outlive
+    the load (megatron's ranks read it when they start); Ray kills actors without running finalizers, so the
+    placement has the actor remove it first, whether the run ended well or not."""
+    from types import SimpleNamespace
+
+    from rlbench.core.model import build_model, named_weights
+    from rlbench.placement.ray import Placement, TrainerActor, pack
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = small_config
+    model = build_model(config.model.path, config.seed, config.model.dtype, config.device, init=config.model.init)
+    actor = TrainerActor(json.dumps(config.to_dict()), pack(named_weights(model)))
+    actor.load_checkpoint(actor.save_checkpoint())
+    assert [p.name[:len("rlbench-ray-checkpoint-")] for p in tmp_path.iterdir()] == ["rlbench-ray-checkpoint-"]
+    placement = Placement.__new__(Placement)
+    killed = []
+    placement.ray = SimpleNamespace(wait=lambda refs, **_: (refs, []), kill=killed.append, shutdown=None)
+    placement.actors, placement.group, placement.started_ray = ["trainer"], None, False
+    placement.before_kill = [actor.remove_checkpoints]
+    placement.close()
+    assert killed == ["trainer"] and list(tmp_path.iterdir()) == []
 
 
 def test_loopback_holds_only_while_ray_starts():

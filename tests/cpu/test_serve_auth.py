@@ -1,7 +1,7 @@
 """`rlbench serve --api-key` as SGLang's server does it: a request without the key gets 401
 {"error": "Unauthorized"} and changes nothing, /health* stays open; beyond loopback without a key the
-server refuses to start unless --allow-unauthenticated; weight updates read only below --weights-dir
-(default: the model directory); the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere; with it
+server refuses to start unless --allow-unauthenticated (and then --weights-dir); weight updates read only
+below --weights-dir where it is given, anything readable on loopback or with a key, as SGLang; the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere; with it
 set, `rlbench run --rollout sglang` starts keyed workers behind sglang-router and writes the in-process run's
 checksums, byte for byte."""
 
@@ -42,7 +42,8 @@ def _call(url: str, path: str, body=None, key: str | None = None) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def keyed():
-    serving = serve_in_thread(ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0))
+    serving = serve_in_thread(ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0,
+                                          weights_dir=MODEL))
     try:
         yield serving
     finally:
@@ -81,6 +82,26 @@ def test_with_the_key_200_and_weights_only_from_below_the_allowed_directory(keye
     assert _call(keyed.url, "/server_info", key=KEY)[1]["weight_version"] == "v1"
 
 
+def test_where_weight_updates_may_read_from(tmp_path):
+    """SGLang's rule where only trusted callers reach the server (loopback, or a key): any readable path;
+    --weights-dir narrows it; beyond loopback without a key --weights-dir is required, so no unauthenticated
+    request can name an arbitrary file."""
+    from rlbench.serve.app import outside_root
+
+    assert ServeConfig().weights_root() is None and outside_root("/etc", None) is None
+    assert ServeConfig(host="0.0.0.0", api_key=KEY).weights_root() is None
+    narrowed = ServeConfig(weights_dir=str(tmp_path)).weights_root()
+    assert narrowed == tmp_path.resolve() and outside_root(str(tmp_path / "v1"), narrowed) is None
+    assert "outside" in outside_root("/etc", narrowed) and "outside" in outside_root(f"{tmp_path}/../x", narrowed)
+    with pytest.raises(BadInput, match="--weights-dir: refusing to serve on 0.0.0.0 without a key and without"):
+        ServeConfig(host="0.0.0.0", allow_unauthenticated=True)
+    exposed = ServeConfig(host="0.0.0.0", allow_unauthenticated=True, weights_dir=str(tmp_path))
+    assert exposed.weights_root() == tmp_path.resolve()
+    res = cli("serve", "--host", "0.0.0.0", "--port", "0", "--allow-unauthenticated")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--weights-dir" in lines[0], res.stderr
+
+
 def test_the_client_sends_the_key_from_the_environment(keyed, monkeypatch):
     monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
     client = Client(2, 30)
@@ -108,7 +129,7 @@ def test_beyond_loopback_needs_a_key_or_to_be_told(tmp_path):
     res = cli("serve", "--host", "0.0.0.0", "--port", "0")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "--allow-unauthenticated" in lines[0], res.stderr
-    assert ServeConfig(host="0.0.0.0", allow_unauthenticated=True).host == "0.0.0.0"
+    assert ServeConfig(host="0.0.0.0", allow_unauthenticated=True, weights_dir="/srv/w").host == "0.0.0.0"
     assert ServeConfig(host="0.0.0.0", api_key=KEY).api_key == KEY
     with pytest.raises(BadInput, match="--api-key: expected a non-empty string"):
         ServeConfig(api_key=" ")

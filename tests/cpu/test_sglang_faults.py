@@ -115,11 +115,24 @@ WRONG = {  # answers no SGLang should give, each with the field the run must nam
 }
 
 
+GARBAGE = {  # a 200 answer no SGLang gives, per endpoint the client reads: text where JSON belongs, or another shape
+    "/generate": "<html>upstream hiccup</html>",
+    "/update_weights_from_disk": "<html>upstream hiccup</html>",
+    "/weights_checker": '{"success": true, "ranks": "all fine"}',
+    "/get_weights_by_name": '{"values": "elided"}',
+    "/server_info": "[1, 2, 3]",
+    "/workers": '{"workers": 5}',
+}
+
+
 class SGLangShaped(ThreadedApp):
     """`rlbench serve` (on a thread, the run's model and seed) behind an aiohttp proxy (on a thread) that
     answers /generate as SGLang 0.5.23 does: every answer with extra meta_info keys and a null text, and the
     n-th answer rewritten by `plan(n, answer, request body)` (an abort, a wrong answer, or itself). The other
-    routes pass through."""
+    routes pass through, unless `faults` names their path: "500" (SGLang's internal error), "garbage" (200 with
+    GARBAGE's answer), "nothing" (the connection closed unanswered), "gone" (from then on every connection
+    closed unanswered: a dead server), "lie" (/weights_checker: one tensor's hash changed, so the client
+    fetches it with /get_weights_by_name)."""
 
     def __init__(self, config, plan: Callable[[int, dict, dict], dict] = lambda n, answer, body: answer):
         from aiohttp import web
@@ -132,6 +145,8 @@ class SGLangShaped(ThreadedApp):
             decode_batch_size=config.rollout.decode_batch_size,
             weights_dir=tempfile.gettempdir()))  # where the run's engine writes its weight versions
         self.plan, self.count, self.rewritten = plan, 0, 0
+        self.faults: dict[str, str] = {}
+        self.gone = False
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._proxy)
         super().__init__(app)
@@ -140,14 +155,29 @@ class SGLangShaped(ThreadedApp):
         import aiohttp
         from aiohttp import web
 
+        fault = self.faults.get(request.path)
+        self.gone = self.gone or fault == "gone"
+        if fault == "nothing" or self.gone:
+            request.transport.close()
+            return web.Response()  # never sent: the connection is closed
+        if fault == "500":
+            return web.Response(status=500, text="Internal Server Error")
+        if fault == "garbage":
+            return web.Response(status=200, text=GARBAGE[request.path], content_type="application/json")
         body = await request.read()
         async with aiohttp.ClientSession() as session:
             async with session.request(request.method, self.backend.url + request.path, data=body,
                                        headers={"Content-Type": "application/json"}) as answer:
                 raw, status = await answer.read(), answer.status
+        import json
+
+        if fault == "lie":
+            lied = json.loads(raw)
+            name = next(iter(lied["ranks"][0]["checksums"]))
+            lied["ranks"][0]["checksums"][name] = "0" * 16
+            return web.json_response(lied)
         if request.path != "/generate" or status != 200:
             return web.Response(body=raw, status=status, content_type="application/json")
-        import json
 
         answer = json.loads(raw)
         answer["meta_info"]["response_sent_to_client_ts"] = time.time()  # what a finished 0.5.23 answer adds
@@ -241,3 +271,115 @@ def test_a_step_whose_answers_all_abort_stops_the_run_and_resume_finishes_it(sma
     finally:
         server.close()
     assert _checksums(out) == _checksums(reference)
+
+
+# ---- every endpoint the client calls fails cleanly ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shaped(small_config):
+    """One SGLang-shaped server for the endpoint faults below; each test sets its `faults` (reset after)."""
+    server = SGLangShaped(small_config)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def faulty(shaped, monkeypatch):
+    monkeypatch.setattr("rlbench.backends.sglang.engine.BACKOFF_S", 0.001)  # retries, without the waits
+    shaped.faults, shaped.gone = {}, False
+    yield shaped
+    shaped.faults, shaped.gone = {}, False
+
+
+SAID = {  # what the line quotes of each fault's answer
+    "500": "500 Internal Server Error",
+    "nothing": "ServerDisconnectedError: Server disconnected",
+    "garbage": {"/generate": "got <html>upstream hiccup</html>", "/update_weights_from_disk": "upstream hiccup",
+                "/weights_checker": "ranks: expected a non-empty list", "/get_weights_by_name": "'elided'",
+                "/server_info": "got [1, 2, 3]", "/workers": "workers: expected a list of workers, got 5"},
+}
+ENDPOINTS = {  # each endpoint a run calls, in the order it first calls them, with what gets the run there
+    "/server_info": {}, "/generate": {}, "/update_weights_from_disk": {}, "/flush_cache": {},
+    "/weights_checker": {}, "/get_weights_by_name": {"/weights_checker": "lie"},
+}
+CASES = [(endpoint, fault) for endpoint in ENDPOINTS for fault in SAID
+         if (endpoint, fault) != ("/flush_cache", "garbage")]  # SGLang's /flush_cache answers text: any 200 is its
+
+
+def _cli_run(tmp_path: Path, *where: str):
+    toml = small_toml(1).replace("[rollout]\n", "[rollout]\nrequest_attempts = 2\nuse_router = false\n")
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "s.toml").write_text(toml)
+    return cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", *where, "--out", str(tmp_path / "run"))
+
+
+def _one_line(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rlbench: error: ") and "internal error" not in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("endpoint, fault", CASES)
+def test_every_endpoint_answering_500_garbage_or_nothing_stops_the_run_with_one_line(faulty, tmp_path, endpoint,
+                                                                                     fault):
+    """A server answering 500, a garbled 200 (text where JSON belongs, or JSON of another shape) or nothing (the
+    connection closed) on one endpoint, every time: the call is tried again (rollout.request_attempts), then the
+    run stops with exit 2 and one line naming the server, the endpoint and the answer; never an internal error."""
+    faulty.faults = {**ENDPOINTS[endpoint], endpoint: fault}
+    line = _one_line(_cli_run(tmp_path, "--rollout-external-engine-addrs", faulty.url))
+    said = SAID[fault] if isinstance(SAID[fault], str) else SAID[fault][endpoint]
+    assert f"{endpoint} failed 2 times, the last: " in line and f"{faulty.url}{endpoint}" in line and said in line, line
+
+
+@pytest.mark.parametrize("fault", sorted(SAID))
+def test_a_router_whose_workers_list_fails_stops_the_run_with_one_line(faulty, tmp_path, fault):
+    """sglang-router named by the run (rollout.sglang_router_url): its GET /workers answering 500, garbage or
+    nothing is the same one line, naming the router and the endpoint."""
+    faulty.faults = {"/workers": fault}
+    line = _one_line(_cli_run(tmp_path, "--sglang-router-url", faulty.url))
+    said = SAID[fault] if isinstance(SAID[fault], str) else SAID[fault]["/workers"]
+    assert f"/workers failed 2 times, the last: GET {faulty.url}/workers: " in line and said in line, line
+
+
+def test_a_server_that_refuses_connections_or_dies_at_a_weight_sync_is_named_with_the_endpoint(faulty, tmp_path):
+    """Nothing listening at the address: the first call (/server_info) is refused, one line naming it. A server
+    that dies at the weight sync (every connection dropped from then on, /model_info too): it is dropped, and with
+    none left the line names it and the call that found it gone."""
+    from rlbench.backends.sglang.fleet import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    line = _one_line(_cli_run(tmp_path / "refused", "--rollout-external-engine-addrs", closed))
+    assert f"/server_info failed 2 times, the last: GET {closed}/server_info: ClientConnectorError" in line, line
+
+    faulty.faults = {"/update_weights_from_disk": "gone"}
+    line = _one_line(_cli_run(tmp_path / "gone", "--rollout-external-engine-addrs", faulty.url))
+    assert line.startswith(f"rlbench: error: no SGLang server answers: {faulty.url} is gone (the last failure: POST "
+                           f"{faulty.url}/update_weights_from_disk: ServerDisconnectedError"), line
+
+
+def test_the_probes_name_what_they_got(faulty, small_config):
+    """/health_generate (has a server rlbench started come up?) answering 500 until the wait ends: the line
+    quotes its last answer. A router's /workers answering garbage while the client removes a dead server from
+    it: the removal is given up (the router's own retries go elsewhere), no error of its own."""
+    import subprocess
+
+    from rlbench.backends.sglang.client import Client
+    from rlbench.backends.sglang.engine import SGLangEngine
+    from rlbench.backends.sglang.fleet import Fleet, Process, not_ready, wait_server
+
+    faulty.faults = {"/health_generate": "500", "/workers": "garbage"}
+    client = Client(4, 10)
+    engine = SGLangEngine(_through(small_config, faulty, Path("unused")),
+                          Fleet(route=[faulty.url], workers=[faulty.url], router=faulty.url), client)
+    proc = Process("server-0", subprocess.Popen(["sleep", "30"]), Path("/nonexistent.log"), url=faulty.url)
+    try:
+        with pytest.raises(EngineUnavailable, match=rf"the last answer: GET {faulty.url}/health_generate: 500 "
+                                                    r"Internal Server Error"):
+            wait_server(proc, lambda url: client.run(not_ready(client, url)), timeout_s=0.5)
+        client.run(engine._unregister([faulty.url]))
+    finally:
+        proc.popen.kill()
+        proc.popen.wait()
+        engine.close()

@@ -381,3 +381,29 @@ def test_import_of_a_dump_that_is_no_torch_file(base, tmp_path_factory, cut, gar
     path = work / "rollout_0.pt"
     path.write_bytes({"empty": b"", "cut": raw[: int(len(raw) * cut)], "garbage": garbage}[kind])
     _run_all([["import", "slime", str(path), "--out", str(work / "out")]], [base, path], owned=[work / "out"])
+
+
+WRONG_SECTIONS = [  # a manifest section (a table) holding a value of another type, as a hand or another tool may write
+    (("config", "model"), "qwen-tiny"), (("config", "rollout"), [1, 2]), (("config", "rollout", "sglang"), "x"),
+    (("config", "train"), None), (("hashes",), "abc"), (("versions",), 3), (("numerics",), []),
+]
+
+
+@pytest.mark.parametrize("where, value", WRONG_SECTIONS, ids=lambda v: ".".join(v) if isinstance(v, tuple) else None)
+def test_every_command_refuses_a_manifest_section_of_the_wrong_type_by_name(base, tmp_path, where, value):
+    """`config.model` a string (and every other section of the wrong type): each command that reads the run
+    directory answers exit 2 with one line naming manifest.json, the field and what was expected."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "good", run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps(_mutate_json(manifest, list(where), value)))
+    commands = [["check", "tito", str(run)], ["check", "golden", str(run), str(base / "golden.json")],
+                ["check", "logprobs", str(run)], ["replay", str(run), "--out", str(tmp_path / "replay")],
+                ["diff", str(base / "good"), str(run)], ["report", str(run), "--out", str(tmp_path / "r.html")],
+                ["golden", "update", str(run), str(tmp_path / "g.json"), "--reason", "sweep"],
+                ["run", "--resume", str(run)]]
+    for command in commands:
+        res = cli(*command)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, (command, res.returncode, res.stderr)
+        assert f"manifest.json: {'.'.join(where)}: expected an object" in lines[0], (command, lines[0])

@@ -14,6 +14,13 @@
   and the field) before anything of the step is recorded.
 - Every answer must carry the weight version the run pushed last: a server that missed an update
   (restarted, say) stops the run (WeightMismatch) instead of sampling from stale weights.
+- Every other endpoint the client calls fails the same way (`_call`): /server_info (the first call to
+  each server), /update_weights_from_disk, /flush_cache, /weights_checker, /get_weights_by_name and a
+  router's GET /workers are each safe to repeat, so a 408/429/5xx, a dropped connection or a garbled
+  answer (wire.py holds each to its shape) is tried again, then the run stops with EngineUnavailable
+  (exit 2, one line: the server, the endpoint, the last answer); a server gone altogether is dropped as
+  for /generate. A 4xx is the server refusing: exit 2 at once. /model_info (is it alive?) and
+  /health_generate (has a server rlbench started come up?) are probes, whose failure is an answer.
 - update_weights: the trainer's export as a Hugging Face-format directory (model.safetensors and
   the model's config.json; the previous version's directory is removed), then on every server
   POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache.
@@ -38,17 +45,44 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlbench.backends.sglang import wire
 from rlbench.backends.sglang.client import Client, Retryable
 from rlbench.backends.sglang.wire import BadAnswer
-from rlbench.backends.sglang.fleet import (Fleet, answers, launch_server, make_logs, registered, start_router,
+from rlbench.backends.sglang.fleet import (Fleet, launch_server, make_logs, not_ready, registered, start_router,
                                            wait_server)
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
 from rlbench.rundir.digest import tensor_digests
+
+BACKOFF_S = 0.25  # the wait before a request's second attempt, doubled before each next one (at most 4 s)
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait after failed attempt number `attempt` (0-based)."""
+    return min(BACKOFF_S * 2 ** attempt, 4.0)
+
+
+class _Gone(Exception):
+    """A server that no longer answers at all (its connection refused or dropped, its /model_info too):
+    dropped from the fleet rather than retried."""
+
+
+def _as_is(data: Any, _source: str) -> Any:
+    """An answer whose body says nothing more than its 2xx status (SGLang's /flush_cache answers text)."""
+    return data
+
+
+def _loaded(data: Any, source: str) -> dict:
+    """/update_weights_from_disk's answer: `success: true`; `false` is the server refusing the update (BadInput,
+    its message quoted), an answer of another shape a failed attempt (ValueError)."""
+    answer = wire.parse_update(data, source)
+    if not answer["success"]:
+        raise BadInput(f"refused: {answer.get('message')}", path=source.split(" ", 1)[-1])
+    return answer
 
 
 class SGLangEngine:
@@ -90,9 +124,9 @@ class SGLangEngine:
             except (Retryable, BadAnswer) as exc:
                 last = exc
                 if isinstance(exc, Retryable):
-                    await self._drop_dead()
+                    await self._drop_dead(exc)
                 if attempt + 1 < self.attempts:
-                    await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
+                    await asyncio.sleep(backoff(attempt))
                 continue
             if self.version is not None and answer.weight_version != self.version:
                 raise WeightMismatch(f"{url} answered with weight version {answer.weight_version!r}; the run pushed "
@@ -100,11 +134,12 @@ class SGLangEngine:
             results[index] = GenerateResult(answer.output_ids, answer.logprobs, answer.finish_reason, self.engine_id,
                                             int(self.version) if self.version is not None else 0)
             return
-        raise EngineUnavailable(f"/generate failed {self.attempts} times, the last: {last}")
+        raise EngineUnavailable(f"/generate failed {self._times()}, the last: {last}")
 
-    async def _drop_dead(self) -> None:
+    async def _drop_dead(self, cause: Exception | None = None) -> None:
         """Ask every server whether it still answers; drop the dead ones (from the router too). When
-        none is left, stop: EngineUnavailable. One probe at a time; concurrent failures share it."""
+        none is left, stop: EngineUnavailable, quoting `cause` (the failure that made the client ask).
+        One probe at a time; concurrent failures share it."""
         if self._probe_lock is None:
             self._probe_lock = asyncio.Lock()
         async with self._probe_lock:
@@ -118,18 +153,48 @@ class SGLangEngine:
             else:
                 await self._unregister(dead)
             if not self.fleet.workers:
+                said = f" (the last failure: {cause})" if cause is not None else ""
                 raise EngineUnavailable(f"no SGLang server answers: {', '.join(dead)} "
-                                        f"{'is' if len(dead) == 1 else 'are'} gone")
+                                        f"{'is' if len(dead) == 1 else 'are'} gone{said}")
 
     async def _unregister(self, dead: list[str]) -> None:
+        """Remove the dead servers from the router (GET /workers, DELETE /workers/{id}), as best it can."""
         router = self.fleet.router
         try:
-            listed = (await self.client.ok("GET", f"{router}/workers", timeout_s=10)).get("workers", [])
+            listed = wire.parse_workers(await self.client.ok("GET", f"{router}/workers", timeout_s=10),
+                                        f"GET {router}/workers")
             for worker in listed:
-                if worker.get("url") in dead:
+                if worker["url"] in dead and isinstance(worker.get("id"), str):
                     await self.client.call("DELETE", f"{router}/workers/{worker['id']}", timeout_s=10)
-        except (Retryable, BadInput, AttributeError):
+        except (Retryable, BadInput, ValueError):
             pass  # the router keeps trying it and its retries go elsewhere; the answers are checked anyway
+
+    async def _call(self, method: str, server: str, endpoint: str, body: Any = None,
+                    read: Callable[[Any, str], Any] = _as_is, timeout_s: float | None = None,
+                    gone: bool = False) -> Any:
+        """`method server+endpoint`, attempted as a /generate is (each call here is safe to repeat: a load of
+        the same path and version, a flush, a read): a failure another attempt may mend (no connection, a
+        timeout, 408, 429, 5xx) or an answer `read(answer, source)` refuses (ValueError naming the source
+        and the field: garbled, or not of SGLang's shape) is tried again after a backoff; once the attempts
+        are spent, EngineUnavailable (exit 2) naming the server, the endpoint and the last answer. A 4xx is
+        the server refusing: BadInput at once (Client.ok). `gone`: a server that no longer answers at all
+        (connection refused or dropped, /model_info neither) is `_Gone` at once, for the caller to drop."""
+        url, last = f"{server}{endpoint}", None
+        for attempt in range(self.attempts):
+            try:
+                return read(await self.client.ok(method, url, body, timeout_s), f"{method} {url}")
+            except Retryable as exc:
+                if gone and exc.unreachable and not await self.client.alive(server):
+                    raise _Gone(exc) from None
+                last = exc
+            except ValueError as exc:
+                last = exc
+            if attempt + 1 < self.attempts:
+                await asyncio.sleep(backoff(attempt))
+        raise EngineUnavailable(f"{endpoint} failed {self._times()}, the last: {last}")
+
+    def _times(self) -> str:
+        return "once" if self.attempts == 1 else f"{self.attempts} times"
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -158,29 +223,24 @@ class SGLangEngine:
         return path
 
     async def _push(self, path: Path, version: str) -> None:
-        await self._each("POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": version})
+        await self._each("POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": version},
+                         _loaded)
         await self._each("POST", "/flush_cache", None)
 
-    async def _each(self, method: str, path: str, body) -> list:
-        """Call every live server; a dead one is dropped (EngineUnavailable when none is left)."""
-        async def one(url: str):
-            for attempt in range(self.attempts):
-                try:
-                    data = await self.client.ok(method, f"{url}{path}", body)
-                except Retryable as exc:
-                    if exc.unreachable:
-                        return None
-                    await asyncio.sleep(min(0.25 * 2 ** attempt, 4.0))
-                    continue
-                if isinstance(data, dict) and data.get("success") is False:
-                    raise BadInput(f"refused: {data.get('message')}", path=f"{url}{path}")
-                return data
-            raise EngineUnavailable(f"{url}{path} failed {self.attempts} times")
+    async def _each(self, method: str, endpoint: str, body, read: Callable[[Any, str], Any] = _as_is) -> None:
+        """`_call` every live server; one that no longer answers at all is dropped (EngineUnavailable when
+        none is left)."""
+        gone: list[_Gone] = []
 
-        replies = await asyncio.gather(*(one(url) for url in self.fleet.workers))
-        if any(reply is None for reply in replies):
-            await self._drop_dead()
-        return [reply for reply in replies if reply is not None]
+        async def one(server: str) -> None:
+            try:
+                await self._call(method, server, endpoint, body, read, gone=True)
+            except _Gone as exc:
+                gone.append(exc)
+
+        await asyncio.gather(*(one(server) for server in self.fleet.workers))
+        if gone:
+            await self._drop_dead(gone[0])
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         if not self.verify:
@@ -196,11 +256,7 @@ class SGLangEngine:
         digests = tensor_digests(pushed)
         out = {}
         for url in list(self.fleet.workers):
-            source = f"{url}/weights_checker"
-            try:
-                got = wire.parse_checksums(await self.client.ok("POST", source, {"action": "checksum"}), source)
-            except ValueError as exc:
-                raise BadInput(f"not SGLang's /weights_checker answer: {exc}", path=source) from None
+            got = await self._call("POST", url, "/weights_checker", {"action": "checksum"}, wire.parse_checksums)
             self._comparable(url, got, want)
             out[url] = {name: digests[name] if got.checksums[name] == want[name] else f"sglang:{got.checksums[name]}"
                         for name in want}
@@ -227,15 +283,28 @@ class SGLangEngine:
                            "rollout.verify_engine_weights = false to run without the weight-update check",
                            path=f"{url}/weights_checker")
 
+    async def server_infos(self) -> dict[str, dict]:
+        """Each server's /server_info (its arguments, for the manifest): the run's first call to each server,
+        so one that never answers, or not as SGLang, stops the run here (EngineUnavailable) before set-up."""
+        def info(data: Any, source: str) -> dict:
+            return wire.parse_object(data, source, "the server's arguments")
+
+        workers = list(self.fleet.workers)
+        replies = await asyncio.gather(*(self._call("GET", url, "/server_info", read=info, timeout_s=30)
+                                         for url in workers))
+        return dict(zip(workers, replies))
+
     def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        async def fetch(name: str) -> torch.Tensor:
-            source = f"{holder}/get_weights_by_name"
-            values = await self.client.ok("POST", source, {"name": name, "truncate_size": 2**31 - 1})
+        def values(data: Any, source: str) -> torch.Tensor:
             try:
-                return torch.tensor(values, dtype=torch.float32).to(self.dtype)
+                return torch.tensor(data, dtype=torch.float32).to(self.dtype)
             except (TypeError, ValueError, RuntimeError, OverflowError):
-                raise BadInput(f"expected the values of {name} as a (nested) list of numbers, got {str(values)[:80]}",
-                               path=source) from None
+                raise ValueError(f"{source}: (answer): expected the values of the tensor as a (nested) list of "
+                                 f"numbers, got {str(data)[:80]}") from None
+
+        async def fetch(name: str) -> torch.Tensor:
+            return await self._call("POST", holder, "/get_weights_by_name", {"name": name, "truncate_size": 2**31 - 1},
+                                    values)
 
         async def all_of() -> dict[str, torch.Tensor]:
             return {name: await fetch(name) for name in names}
@@ -263,9 +332,11 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
         if rollout.sglang_router_url:
             router = wire.normalize_url(rollout.sglang_router_url, "rollout.sglang_router_url")
             fleet.router, fleet.route = router, [router]
-            fleet.workers = sorted(client.run(registered(client, router)))
+            listed = client.run(engine._call("GET", router, "/workers", read=wire.parse_workers, timeout_s=10))
+            fleet.workers = sorted(wire.healthy(listed))
             if not fleet.workers:
                 raise EngineUnavailable(f"sglang-router {router} lists no healthy server (GET /workers)")
+            engine.server_info = client.run(engine.server_infos())
         else:
             if rollout.external_engine_addrs:
                 fleet.workers = [wire.normalize_url(a) for a in rollout.external_engine_addrs]
@@ -274,12 +345,13 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
             else:
                 procs = [launch_server(config, fleet.logs, i) for i in range(rollout.num_engines)]
                 fleet.processes.extend(procs)
-                fleet.workers = [wait_server(p, lambda url: client.run(answers(client, url))) for p in procs]
+                fleet.workers = [wait_server(p, lambda url: client.run(not_ready(client, url))) for p in procs]
+            # before a router goes in front: a server that does not answer is named now, not after the router's wait
+            engine.server_info = client.run(engine.server_infos())
             if rollout.use_router:
                 start_router(fleet, lambda url: client.run(registered(client, url)))
             else:
                 fleet.route = list(fleet.workers)
-        engine.server_info = client.run(_server_info(client, fleet.workers))
     except BaseException:
         engine.close()
         raise
@@ -291,15 +363,3 @@ def _vocab(model_path: str) -> int:
     from rlbench.core.model import load_model_config
 
     return int(load_model_config(model_path).vocab_size)
-
-
-async def _server_info(client: Client, workers: list[str]) -> dict[str, dict]:
-    """Each server's /server_info (for the manifest); a server that does not answer is EngineUnavailable."""
-    async def one(url: str) -> dict:
-        try:
-            return await client.ok("GET", f"{url}/server_info", timeout_s=30)
-        except Retryable as exc:
-            raise EngineUnavailable(f"SGLang server {url} does not answer: {exc}") from None
-
-    replies = await asyncio.gather(*(one(url) for url in workers))
-    return dict(zip(workers, replies))

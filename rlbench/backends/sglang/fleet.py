@@ -180,12 +180,13 @@ def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1",
     return proc
 
 
-def wait_server(proc: Process, probe: Callable[[str], bool], timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-    """The server's URL once `probe(url)` holds (its /health_generate answers 200)."""
+def wait_server(proc: Process, not_ready: Callable[[str], str | None], timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """The server's URL once `not_ready(url)` says None (its /health_generate answers 200); until then it
+    says what the server answered, which the timeout's line quotes."""
     import select
 
     deadline = time.monotonic() + timeout_s
-    url = proc.url
+    url, why = proc.url, None
     while time.monotonic() < deadline:
         if not proc.alive():
             raise EngineUnavailable(f"SGLang {proc.name} exited with code {proc.popen.returncode} before it answered "
@@ -196,10 +197,12 @@ def wait_server(proc: Process, probe: Callable[[str], bool], timeout_s: float = 
             if line.startswith(LISTENING):
                 url = line[len(LISTENING):].split()[0]
             continue
-        if probe(url):
+        why = not_ready(url)
+        if why is None:
             return url
         time.sleep(0.2)
-    raise EngineUnavailable(f"SGLang {proc.name} did not answer within {timeout_s:.0f} s "
+    said = f"; the last answer: {why}" if why else ""
+    raise EngineUnavailable(f"SGLang {proc.name} did not answer within {timeout_s:.0f} s{said} "
                             f"(its last lines: {proc.tail() or 'none'})")
 
 
@@ -256,24 +259,27 @@ def start_router(fleet: Fleet, listed: Callable[[str], set[str]]) -> None:
                             f"(its last lines: {proc.tail() or 'none'})")
 
 
-async def answers(client, url: str) -> bool:
-    """Does the server at `url` generate (GET /health_generate answers 200)?"""
+async def not_ready(client, url: str) -> str | None:
+    """None once the server at `url` generates (GET /health_generate answers 200, whatever its body: SGLang's
+    is empty); else what it answered (SGLang answers 503 while it loads), or that it did not."""
     from rlbench.backends.sglang.client import Retryable
 
+    probe = f"{url}/health_generate"
     try:
-        status, _ = await client.call("GET", f"{url}/health_generate", timeout_s=30)
-    except Retryable:
-        return False
-    return status == 200
+        status, data = await client.call("GET", probe, timeout_s=30)
+    except Retryable as exc:
+        return str(exc)
+    return None if status == 200 else f"GET {probe}: {status} {str(data)[:200]}"
 
 
 async def registered(client, router: str) -> set[str]:
-    """The servers `router` lists as healthy (GET /workers)."""
+    """The servers `router` lists as healthy (GET /workers); none while it does not answer, or not as a router."""
+    from rlbench.backends.sglang import wire
     from rlbench.backends.sglang.client import Retryable
 
+    source = f"{router}/workers"
     try:
-        status, data = await client.call("GET", f"{router}/workers", timeout_s=10)
-    except Retryable:
+        status, data = await client.call("GET", source, timeout_s=10)
+        return wire.healthy(wire.parse_workers(data, f"GET {source}")) if status == 200 else set()
+    except (Retryable, ValueError):
         return set()
-    workers = data.get("workers", []) if status == 200 and isinstance(data, dict) else []
-    return {w["url"] for w in workers if isinstance(w, dict) and w.get("is_healthy", True) and "url" in w}

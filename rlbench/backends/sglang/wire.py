@@ -15,6 +15,9 @@ io_struct.py, tokenizer_manager.py, schedule_batch.py; /work/shared/sglang-api.m
   what SGLang sends for /abort_request, a pause or a timeout, with the partial output) is never kept.
   Either is `BadAnswer`: a failed attempt, which the engine sends again (same seed, same tokens).
   Extra meta_info keys, a null `text`, a string `matched` are SGLang's and read as such.
+- Every other answer the client reads is held to its shape too (/weights_checker, /update_weights_from_disk,
+  /server_info, the router's /workers): a garbled one is ValueError naming the server, the endpoint and the
+  field, which the engine treats as a failed attempt, as it does a wrong /generate answer.
 """
 
 from __future__ import annotations
@@ -164,6 +167,43 @@ def parse_checksums(body: Any, source: str) -> Checksums:
             raise bad(f"ranks[{i}].checksums", "an object of tensor name -> hex string", checksums)
         merged.update(checksums)
     return Checksums(merged, len(ranks))
+
+
+# ---- the other answers the client reads ------------------------------------------------------------
+
+
+def parse_object(body: Any, source: str, what: str) -> dict:
+    """An answer that must be a JSON object (/server_info's server arguments, say); ValueError naming `source`."""
+    if not isinstance(body, dict):
+        raise ValueError(f"{source}: (answer): expected {what} (a JSON object), got {_show(body)}")
+    return body
+
+
+def parse_update(body: Any, source: str) -> dict:
+    """/update_weights_from_disk's answer, SGLang 0.5.23's {success, message, num_paused_requests}
+    (http_server.py); ValueError naming `source` when it is not that shape. Whether it succeeded is the
+    caller's to judge: `success: false` is the server refusing, not a garbled answer."""
+    body = parse_object(body, source, "{success, message, num_paused_requests}")
+    if not isinstance(body.get("success"), bool):
+        raise ValueError(f"{source}: success: expected true or false, got {_show(body.get('success'))}")
+    return body
+
+
+def parse_workers(body: Any, source: str) -> list[dict]:
+    """sglang-router's GET /workers answer, {"workers": [{"id", "url", "is_healthy", ...}], ...}: the
+    workers, each an object with a string url; ValueError naming `source` and the field otherwise."""
+    workers = parse_object(body, source, '{"workers": [...]}').get("workers")
+    if not isinstance(workers, list):
+        raise ValueError(f"{source}: workers: expected a list of workers, got {_show(workers)}")
+    for i, worker in enumerate(workers):
+        if not isinstance(worker, dict) or not isinstance(worker.get("url"), str):
+            raise ValueError(f"{source}: workers[{i}]: expected an object with a string url, got {_show(worker)}")
+    return workers
+
+
+def healthy(workers: list[dict]) -> set[str]:
+    """The URLs of the workers a router lists as healthy (no `is_healthy` key: healthy, as older routers say)."""
+    return {w["url"] for w in workers if w.get("is_healthy", True)}
 
 
 def tensor_hash(tensor: "torch.Tensor") -> str:

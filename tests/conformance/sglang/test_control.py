@@ -21,6 +21,8 @@ from tests.conformance.sglang.conftest import write_checkpoint
 pytestmark = pytest.mark.xdist_group("sglang-conformance-control")
 
 
+# Started as SGLang's tests start theirs: no --weights-dir (loopback without a key reads any path, as SGLang).
+SERVE = {"weights_dir": None}
 LONG = 200  # new tokens of a request that is still running when the test acts on it
 
 
@@ -167,3 +169,29 @@ def test_pause_abort_then_continue(server):
         assert not waiting.done()
         server.post("/continue_generation", {})
         assert waiting.result().status_code == 200
+
+
+def test_update_weights_right_after_abort_all(server, tmp_path):
+    """TestServerUpdateWeightsFromDiskAbortAllRequests.test_update_weights_abort_all_requests as a client that
+    ends its round does it (slime's abort then update): requests with ignore_eos false in flight,
+    /abort_request {"abort_all": true}, at once /update_weights_from_disk of a checkpoint in a directory of its
+    own: every request ends aborted, the update succeeds and /get_model_info names the new model. (It once
+    left model_path unchanged: a server started as SGLang's tests start it read updates only below its model
+    directory, issue 33.)"""
+    server.needs_local("it writes a second model directory the server reads")
+    origin = server.get("/get_model_info").json()["model_path"]
+    new = str(write_checkpoint(tmp_path / "new", seed=8))
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(server.post, "/generate", {"text": f"Question {i}: the capital of France is",
+                                                          "sampling_params": {"temperature": 0, "max_new_tokens": LONG,
+                                                                              "ignore_eos": False}})
+                   for i in range(6)]
+        _running(server, in_flight=6)
+        assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+        answer = server.post("/update_weights_from_disk", {"model_path": new})
+        assert answer.status_code == 200 and answer.json()["success"] is True, answer.text
+        for future in as_completed(futures):
+            assert future.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    moved = server.get("/get_model_info").json()["model_path"]
+    assert moved == new and moved != origin
+    server.post("/update_weights_from_disk", {"model_path": origin})

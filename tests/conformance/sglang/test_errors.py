@@ -12,6 +12,7 @@ slow or huge request never stalls another client.
 
 from __future__ import annotations
 
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,6 +74,16 @@ def test_the_contract_gate(server, body, text):
      "smaller logprob_start_len."),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**6}},
      "Requested token count exceeds the model's maximum context length"),
+    # SamplingParams.verify and TokenizerManager._validate_token_ids_logprob (0.5.23); the vocabulary is 314
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"314": 1.0}}},
+     "logit_bias must has keys in [0, 313], got 314."),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"a": 1.0}}},
+     "invalid literal for int() with base 10: 'a'"),
+    ({"input_ids": [1], "token_ids_logprob": [3, 314]},
+     "token_ids_logprob contains out-of-vocabulary token id 314; valid range is [0, 314)."),
+    ({"input_ids": [1], "token_ids_logprob": [[3]]}, "token_ids_logprob must be a flat list of integers."),
+    ({"input_ids": [1], "token_ids_logprob": [[3]], "sampling_params": {"n": 2}},
+     "Cannot use list token_ids_logprob with parallel_sample_num > 1"),
 ])
 def test_the_value_errors(server, body, text):
     assert _refused(server, body)["error"]["message"].startswith(text)
@@ -86,12 +97,49 @@ def test_a_stream_gets_its_value_error_in_band(server):
 
 
 def test_what_rlbench_serve_cannot_do_is_refused_by_name(server):
+    """What a CPU engine cannot run of SGLang's native API is refused by name (docs/sglang-ray.md lists it);
+    logit_bias and token_ids_logprob, once refused here, are answered (test_generate.py)."""
     server.needs_local("the refusals are rlbench serve's (docs/sglang-ray.md)")
-    for params in ({"frequency_penalty": 0.5}, {"min_p": 0.1}, {"regex": "a+"}, {"logit_bias": {"5": 1.0}}):
+    for params in ({"frequency_penalty": 0.5}, {"min_p": 0.1}, {"regex": "a+"}, {"min_new_tokens": 2}):
         message = _refused(server, {"input_ids": [1], "sampling_params": params})["error"]["message"]
         assert message.startswith(f"rlbench serve does not implement sampling_params.{next(iter(params))}")
-    message = _refused(server, {"input_ids": [1], "token_ids_logprob": [3]})["error"]["message"]
-    assert message.startswith("rlbench serve does not implement token_ids_logprob")
+    for field, given in (("return_hidden_states", True), ("custom_logit_processor", "x"), ("lora_path", "a")):
+        message = _refused(server, {"input_ids": [1], field: given})["error"]["message"]
+        assert message.startswith(f"rlbench serve does not implement {field}")
+    for body in ({"input_ids": [1], "sampling_params": {"logit_bias": {"5": 1.0}, "max_new_tokens": 1}},
+                 {"input_ids": [1], "token_ids_logprob": [3], "sampling_params": {"max_new_tokens": 1}}):
+        assert server.post("/generate", body).status_code == 200, body
+
+
+BODY_ROUTES = {"/generate": {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
+               "/abort_request": {"rid": "nobody"}, "/pause_generation": {"mode": "in_place"},
+               "/continue_generation": {}, "/update_weight_version": {"new_version": "default"},
+               "/weights_checker": {"action": "checksum"}, "/get_weights_by_name": {"name": "lm_head.weight",
+                                                                                  "truncate_size": 1},
+               "/update_weights_from_disk": {"model_path": "/nonexistent-rlbench-model"}}
+
+
+@pytest.mark.parametrize("path", sorted(BODY_ROUTES))
+def test_a_body_with_a_byte_order_mark_is_refused(server, path):
+    """SGLang 0.5.23 reads every body with orjson (http_server.ORJSONRequest), which refuses a UTF-8 byte-order
+    mark: FastAPI's json_invalid at offset 0, in SGLang's 400 envelope, on every route that reads a body. The
+    same body without the mark is taken (answered without a 5xx, not the envelope's json_invalid)."""
+    raw = json.dumps(BODY_ROUTES[path]).encode()
+    refused = server.post(path, data=b"\xef\xbb\xbf" + raw, headers={"Content-Type": "application/json"})
+    answer = refused.json()
+    assert refused.status_code == 400 and {k: answer[k] for k in ENVELOPE} == ENVELOPE, refused.text
+    assert "'type': 'json_invalid', 'loc': ('body', 0), 'msg': 'JSON decode error'" in answer["message"]
+    assert "UTF-8 byte order mark (BOM) is not supported" in answer["message"]
+    taken = server.post(path, data=raw, headers={"Content-Type": "application/json"})
+    assert taken.status_code < 500 and "json_invalid" not in taken.text, taken.text
+    server.post("/continue_generation", {})
+
+
+def test_json_that_orjson_refuses_is_refused(server):
+    """NaN and Infinity, which Python's json would take, are refused as SGLang's orjson refuses them."""
+    for raw in (b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', b'{"input_ids": [1], "x": Infinity}'):
+        answer = _refused(server, None, data=raw, headers={"Content-Type": "application/json"})
+        assert answer["object"] == "error" and "json_invalid" in answer["message"]
 
 
 def test_sglang_admits_what_it_admits(server):

@@ -149,16 +149,6 @@ def test_run_logprob_check(server, input_len, output_len, start, return_logprob,
                 rank += 1
 
 
-def test_cache_tokens_after_flush(server):
-    """test_srt_endpoint.py test_cache_tokens, its first step: /flush_cache answers 200 twice, then a
-    request's cached_tokens is 0. (Its later steps expect a prefix cache: rlbench serve keeps none,
-    docs/sglang-ray.md.)"""
-    for _ in range(2):
-        assert server.post("/flush_cache").status_code == 200
-    answer = server.generate({"input_ids": list(range(0, 100)), "sampling_params": {"max_new_tokens": 1}})
-    assert _meta(answer)["cached_tokens"] == 0
-
-
 def test_duplicate_rids(server):
     """test_abort.py TestAbortAll: the same rid twice in a row is fine (200, no error); a rid given to two
     concurrent requests gets one of them a 400 naming "Duplicate request ID"; a batch with a repeated rid is
@@ -251,3 +241,131 @@ def test_stream(server):
     sizes = [len(json.loads(line[6:])["output_ids"]) for line in response.iter_lines()
              if line.startswith(b"data: {")]
     assert sizes[-1] == 8 and all(b - a >= 3 for a, b in zip([0] + sizes[:-2], sizes[:-1]))
+
+
+def test_logit_bias(server):
+    """test_srt_endpoint.py test_logit_bias: a bias of +100 on one token (its id a string key) at temperature
+    1 makes every sampled token that one."""
+    target = 60
+    answer = server.generate({"text": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 4,
+                                                                  "logit_bias": {str(target): 100.0}},
+                              "return_logprob": True})
+    assert [x[1] for x in _meta(answer)["output_token_logprobs"]] == [target] * 4
+
+
+def test_forbidden_token(server):
+    """test_srt_endpoint.py test_forbidden_token: a bias of -100 on a token keeps it out of 50 sampled tokens
+    (here the token the unbiased answer samples most, so the bias is what keeps it out)."""
+    body = {"text": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 50, "ignore_eos": True,
+                                                "sampling_seed": 3}, "return_logprob": True}
+    free = [x[1] for x in _meta(server.generate(body))["output_token_logprobs"]]
+    forbidden = max(set(free), key=free.count)
+    body["sampling_params"]["logit_bias"] = {str(forbidden): -100.0}
+    biased = [x[1] for x in _meta(server.generate(body))["output_token_logprobs"]]
+    assert forbidden in free and forbidden not in biased and len(biased) == 50
+
+
+def test_logit_bias_isolation(server):
+    """test_srt_endpoint.py test_logit_bias_isolation, its two requests as one batch (one engine batch): the
+    biased one samples only its token, the other does not; and (rlbench's batch invariance) the other's
+    tokens and log-probs are those it gets alone."""
+    target = 60
+    plain = {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 11}
+    both = server.generate({"text": [PROMPT, PROMPT], "sampling_params": [
+        {**plain, "logit_bias": {str(target): 100.0}}, plain], "return_logprob": True})
+    alone = server.generate({"text": PROMPT, "sampling_params": plain, "return_logprob": True})
+    assert [x[1] for x in _meta(both[0])["output_token_logprobs"]] == [target] * 4
+    assert any(x[1] != target for x in _meta(both[1])["output_token_logprobs"])
+    assert _meta(both[1])["output_token_logprobs"] == _meta(alone)["output_token_logprobs"]
+
+
+def test_logprob_token_ids(server):
+    """test_srt_endpoint.py test_logprob_token_ids_chunked (a prompt the tiny model's context takes): one
+    input_token_ids_logprobs entry per input_token_logprobs entry (None first), and where the probed id is
+    the prompt's next token its log-prob is that token's; one output_token_ids_logprobs entry per new token,
+    the sampled id's equal to its output log-prob (logits_processor / sampler, 0.5.23)."""
+    prompt, probes = list(range(5, 205)), list(range(5, 205, 37))
+    meta = _meta(server.generate({"input_ids": prompt, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 4, "ignore_eos": True}, "return_logprob": True, "logprob_start_len": 0,
+        "token_ids_logprob": probes}))
+    assert len(meta["input_token_ids_logprobs"]) == len(meta["input_token_logprobs"])
+    checked = 0
+    for (logprob, token_id, *_), probed in zip(meta["input_token_logprobs"], meta["input_token_ids_logprobs"]):
+        if logprob is None or token_id not in probes:
+            continue
+        assert {tid: lp for lp, tid, *_ in probed}[token_id] == pytest.approx(logprob, abs=1e-4)
+        checked += 1
+    assert checked > 4
+    assert len(meta["output_token_ids_logprobs"]) == 4
+    for (logprob, token_id, _), probed in zip(meta["output_token_logprobs"], meta["output_token_ids_logprobs"]):
+        assert [tid for _, tid, _ in probed] == probes
+        if token_id in probes:
+            assert {tid: lp for lp, tid, _ in probed}[token_id] == logprob
+
+
+def test_cache_tokens(server):
+    """test_srt_endpoint.py test_cache_tokens, the steps an exact-bits cache can take (docs/sglang-ray.md):
+    after /flush_cache a prompt computes every token (0); sent again, all but its last are reused (SGLang's
+    count: 99 of 100), and /flush_cache empties it again. A prompt that only shares a prefix with a kept one
+    is computed whole (SGLang would reuse the prefix): 0."""
+    def cached(ids):
+        return _meta(server.generate({"input_ids": list(ids), "sampling_params": {"max_new_tokens": 1}}))[
+            "cached_tokens"]
+
+    for _ in range(2):
+        assert server.post("/flush_cache").status_code == 200
+    assert cached(range(0, 100)) == 0
+    assert cached(range(0, 100)) == 99
+    assert cached(range(0, 120)) == 0
+    assert cached(range(0, 120)) == 119
+    assert server.post("/flush_cache").status_code == 200
+    assert cached(range(0, 100)) == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_reused_prompt_gives_the_same_bits(server, temperature):
+    """rlbench's own (issue 33): the samples of a prompt, sent as separate requests (as slime sends a group),
+    reuse its prefill (cached_tokens prompt_tokens - 1, SGLang's count), and every sample's tokens and
+    log-probs are those of the same request on an emptied cache; n copies in one request reuse it too."""
+    prompt = list(range(30, 75))
+
+    def sample(seed):
+        answer = server.generate({"input_ids": prompt, "return_logprob": True, "sampling_params": {
+            "temperature": temperature, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": seed}})
+        return _meta(answer)["output_token_logprobs"], _meta(answer)["cached_tokens"]
+
+    fresh = []
+    for seed in range(3):
+        assert server.post("/flush_cache").status_code == 200
+        fresh.append(sample(seed))
+    reused = [sample(seed) for seed in range(3)]
+    assert [c for _, c in fresh] == [0, 0, 0] and [c for _, c in reused] == [len(prompt) - 1] * 3
+    assert [x for x, _ in reused] == [x for x, _ in fresh]
+    copies = server.generate({"input_ids": prompt, "sampling_params": {"temperature": temperature, "n": 3,
+                                                                      "max_new_tokens": 6, "ignore_eos": True}})
+    assert sorted(_meta(c)["cached_tokens"] for c in copies) == [len(prompt) - 1] * 3
+
+
+def test_incremental_streaming_output(server):
+    """SGLang 0.5.23's --incremental-streaming-output (tokenizer_manager._handle_batch_output): each chunk
+    carries only the new output ids, text and output log-probs; concatenated they are the answer sent
+    without streaming (test_skip_tokenizer_init.py run_decode_stream's check, here with text too)."""
+    from dataclasses import replace
+
+    server.needs_local("it switches the local server's --incremental-streaming-output")
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True,
+                                                "stream_interval": 2}, "return_logprob": True}
+    whole = server.generate(body)
+    state = server.local.state
+    config = state.config
+    state.config = replace(config, incremental_streaming_output=True)
+    try:
+        response = server.post("/generate", {**body, "stream": True}, stream=True)
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: {")]
+    finally:
+        state.config = config
+    assert len(chunks) == 5 and all(len(c["output_ids"]) <= 2 for c in chunks)
+    assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [x for c in chunks for x in _meta(c)["output_token_logprobs"]] == _meta(whole)["output_token_logprobs"]
+    assert _meta(chunks[-1])["completion_tokens"] == 9 and _meta(chunks[-1])["finish_reason"]["type"] == "length"

@@ -1,9 +1,10 @@
 """A server started with --skip-tokenizer-init, as SGLang's own test holds it.
 
 Source: test/registered/.../test_skip_tokenizer_init.py (TestSkipTokenizerInit, read against SGLang 0.5.23:
-its run_decode checks, test_parallel_sample, test_logprob, test_eos_behavior, run_decode_stream; the stream
-compared in SGLang's default, cumulative mode) and the 0.5.23 tokenizer manager's refusal of a text prompt
-without a tokenizer.
+its run_decode checks, test_parallel_sample, test_logprob, test_eos_behavior, run_decode_stream, whose
+concatenated stream chunks hold for a server that streams increments: SGLang's --stream-output, in 0.5.23
+--incremental-streaming-output, as this module's server is started) and the 0.5.23 tokenizer manager's
+refusal of a text prompt without a tokenizer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.xdist_group("sglang-conformance-skip_tokenizer_init")
 
 
-SERVE = {"skip_tokenizer_init": True}
+SERVE = {"skip_tokenizer_init": True, "incremental_streaming_output": True}
 INPUT_IDS = [40, 41, 42, 43, 44, 45]
 EOS = 2  # the fixture model's eos_token_id
 
@@ -71,14 +72,22 @@ def test_eos_behavior(server):
     _check_item(_decode(server, max_new_tokens=200), 200, False)
 
 
-def test_simple_decode_stream(server):
-    whole = _decode(server)
+@pytest.mark.parametrize("return_logprob", [False, True])
+def test_simple_decode_stream(server, return_logprob):
+    """run_decode_stream: the output ids of the stream's chunks, concatenated, are the answer sent without
+    streaming (and so are their output log-probs, each chunk holding its own tokens')."""
+    if not server.get("/server_info").json().get("incremental_streaming_output"):
+        pytest.skip("the server at RLBENCH_SGLANG_URL does not stream increments (--incremental-streaming-output)")
+    whole = _decode(server, return_logprob=return_logprob)
     response = server.post("/generate", {"input_ids": INPUT_IDS, "sampling_params": {
         "temperature": 0, "max_new_tokens": 32, "stop_token_ids": [EOS]}, "stream": True,
-        "logprob_start_len": 0}, stream=True)
+        "return_logprob": return_logprob, "logprob_start_len": 0}, stream=True)
     chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")
               and line[6:] != b"[DONE]"]
-    assert chunks and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert len(chunks) > 1 and [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    if return_logprob:
+        assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == \
+            whole["meta_info"]["output_token_logprobs"]
 
 
 def test_a_text_prompt_is_refused(server):

@@ -1,0 +1,184 @@
+"""The docs' journeys as a user types them: every block between `<!-- journey:NAME -->` and
+`<!-- /journey -->` in docs/*.md runs here, each line its own process (`bash -c LINE`), in order, in a
+fresh directory laid out like the repository, with the exit code its comment gives (`(exit N)`, else 0).
+
+A line ending in `&` starts a server in the background, as in a shell, and the next line waits for it
+the way a user does, on an event rather than a clock: `rlbench serve` until it prints where it listens,
+sglang-router until it lists every worker it was given. Background processes run until the block's
+test ends, then get Ctrl-C (SIGINT) and must exit by themselves. The one change from the docs: the
+ports 30000-30009 that a block names become free ports the OS gives, the same one wherever a block
+repeats it. Nothing else is passed, no environment variable set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BLOCK = re.compile(r"<!-- journey:([\w-]+) -->\n```bash\n(.*?)```\n<!-- /journey -->", re.S)
+LISTENING = "rlbench serve: listening on "
+PORT = re.compile(r"\b3000\d\b")
+READY_TIMEOUT_S = 120  # a bound on a wait for an event, not the event itself
+
+
+def journeys() -> dict[str, tuple[Path, list[tuple[str, int]]]]:
+    """Every journey block of docs/: name -> (file, [(line as written, expected exit code)])."""
+    found = {}
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        for name, body in BLOCK.findall(doc.read_text()):
+            assert name not in found, f"journey {name} appears twice"
+            lines = []
+            for raw in body.splitlines():
+                command, _, comment = raw.partition("  #")
+                if command.strip():
+                    code = re.search(r"\(exit (\d)\)", comment)
+                    lines.append((command.strip(), int(code.group(1)) if code else 0))
+            found[name] = (doc, lines)
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Shell:
+    """One user's terminal: a working directory, the block's ports, its background servers."""
+
+    cwd: Path
+    ports: dict[str, str] = field(default_factory=dict)
+    background: list[subprocess.Popen] = field(default_factory=list)
+    logs: dict[int, list[str]] = field(default_factory=dict)
+
+    def line(self, text: str) -> str:
+        return PORT.sub(lambda m: self.ports.setdefault(m.group(0), str(_free_port())), text)
+
+    def run(self, command: str, expected: int) -> str:
+        if command.endswith("&"):
+            self._start(self.line(command[:-1].strip()))
+            return ""
+        res = subprocess.run(["bash", "-c", self.line(command)], cwd=self.cwd, capture_output=True, text=True,
+                             timeout=600, stdin=subprocess.DEVNULL)
+        output = res.stdout + res.stderr
+        assert res.returncode == expected, f"`{command}` exited {res.returncode}, the docs say {expected}:\n" \
+                                           f"{output[-3000:]}"
+        assert "Traceback" not in output, f"`{command}`:\n{output[-3000:]}"
+        return output
+
+    def _start(self, command: str) -> None:
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        self.background.append(proc)
+        seen = self.logs[proc.pid] = []
+        listening = threading.Event()
+
+        def drain():  # read everything it prints, so that a full pipe never stalls it
+            for out in proc.stdout:
+                seen.append(out)
+                if out.startswith(LISTENING):
+                    listening.set()
+            listening.set()  # it exited
+
+        threading.Thread(target=drain, daemon=True).start()
+        argv = shlex.split(command)
+        if argv[:2] == ["rlbench", "serve"]:
+            listening.wait(READY_TIMEOUT_S)  # set when the server says where it listens, or exits
+            assert any(out.startswith(LISTENING) for out in seen), \
+                f"`{command}` did not listen (exit {proc.poll()}):\n{''.join(seen)[-3000:]}"
+            return
+        if "sglang_router.launch_router" in argv:
+            self._router_ready(proc, argv, command)
+            return
+        raise AssertionError(f"no way to tell when `{command}` is ready: teach test_doc_journeys.py")
+
+    def _router_ready(self, proc: subprocess.Popen, argv: list[str], command: str) -> None:
+        port = argv[argv.index("--port") + 1]
+        workers = [a for a in argv[argv.index("--worker-urls") + 1:] if not a.startswith("--")]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"`{command}` exited {proc.returncode}:\n{''.join(self.logs[proc.pid])[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=5) as answer:
+                    listed = json.dumps(json.load(answer))
+                if all(w in listed for w in workers):
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.1)
+        raise AssertionError(f"`{command}` did not list {workers} within {READY_TIMEOUT_S} s")
+
+    def close(self) -> list[int]:
+        codes = []
+        for proc in self.background:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+            try:
+                codes.append(proc.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes.append(proc.wait())
+        return codes
+
+
+@pytest.fixture
+def shell(tmp_path):
+    for name in ("examples", "configs", "golden", "rlbench", "tests", "pyproject.toml"):
+        (tmp_path / name).symlink_to(REPO / name)
+    shell = Shell(tmp_path)
+    yield shell
+    shell.close()
+
+
+def _walk(shell: Shell, name: str) -> list[str]:
+    doc, lines = journeys()[name]
+    return [shell.run(command, expected) for command, expected in lines]
+
+
+def test_the_docs_journeys_are_all_tested():
+    assert set(journeys()) == {"served", "routed", "started", "conformance"}
+
+
+@pytest.mark.slow
+def test_a_run_against_servers_the_user_started_is_the_embedded_run(shell):
+    """`rlbench serve` started by hand, then a run against it; then sglang-router in front of two: both
+    runs write the embedded run's checksums.jsonl byte for byte."""
+    outputs = _walk(shell, "served")
+    assert "no difference (bit for bit)" in outputs[-1], outputs[-1]
+    outputs = _walk(shell, "routed")
+    assert "no difference (bit for bit)" in outputs[-1], outputs[-1]
+    runs = shell.cwd / "runs"
+    embedded = (runs / "embedded" / "checksums.jsonl").read_bytes()
+    assert embedded.count(b"\n") == 4
+    assert (runs / "served" / "checksums.jsonl").read_bytes() == embedded
+    assert (runs / "routed" / "checksums.jsonl").read_bytes() == embedded
+    assert shell.close()[:3] == [130, 130, 130]  # Ctrl-C stops each rlbench serve, with Ctrl-C's code
+
+
+@pytest.mark.slow
+def test_servers_rlbench_starts(shell):
+    outputs = _walk(shell, "started")
+    assert "the sglang package is not installed here" in outputs[0] and len(outputs[0].strip().splitlines()) == 1
+    assert (shell.cwd / "runs" / "started" / "checksums.jsonl").read_text().count("\n") == 4
+
+
+@pytest.mark.slow
+def test_the_conformance_suite_against_a_server_the_user_started(shell):
+    outputs = _walk(shell, "conformance")
+    assert re.search(r"\d+ passed", outputs[-1]) and " failed" not in outputs[-1], outputs[-1][-2000:]
