@@ -12,11 +12,11 @@ never imports megatron-core, SGLang or Ray unless its config names them.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
+from rlbench.extras import SERVE_EXTRA, SERVE_MODULES, require
 
 if TYPE_CHECKING:
     import torch
@@ -73,9 +73,11 @@ def check_installed(config: RunConfig) -> None:
             from rlbench.backends.sglang.fleet import check_key
 
             check_key(config)  # before the package: a key it cannot take is refused wherever sglang is installed
-            needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = "rlbench" '
-                          "(--sglang-server rlbench) starts rlbench serve instead") if rollout.sglang_server == "sglang"
-                         else ("starlette", "rollout.sglang_server", "pip install '.[serve]'"))
+            if rollout.sglang_server == "sglang":
+                needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = '
+                              '"rlbench" (--sglang-server rlbench) starts rlbench serve instead'))
+            else:
+                needs += [(m, "rollout.sglang_server", SERVE_EXTRA) for m in SERVE_MODULES]
     if config.train.backend == "megatron" and trains(config):
         needs.append(("megatron.core", "train.backend", "pip install '.[megatron]'"))
     if config.placement.backend == "ray":
@@ -84,8 +86,7 @@ def check_installed(config: RunConfig) -> None:
             needs.append(("grpc", "placement.ray_address",
                           "a ray:// address is Ray's client: pip install 'ray[client]'"))
     for module, field, how in needs:
-        if importlib.util.find_spec(module) is None:
-            raise BadInput(f"the {module} package is not installed here ({how})", field=field)
+        require(module, how, field)
 
 
 def check_trainer(config: RunConfig) -> None:

@@ -61,8 +61,10 @@ def serve(
 
     sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop it with Ctrl-C.
     """
+    from rlbench.extras import SERVE_EXTRA, SERVE_MODULES, require
     from rlbench.serve.server import serve as run_server
 
+    require(SERVE_MODULES, SERVE_EXTRA, "rlbench serve")  # before the model loads or anything listens
     given = overrides(serve, {name: value for name, value in locals().items() if name != "debug"})
     if "load_format" not in given and "model_path" in given:
         given["load_format"] = "auto"  # a model directory given means its weights; random weights only when asked

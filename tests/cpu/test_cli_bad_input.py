@@ -312,3 +312,53 @@ def test_debug_shows_traceback_dataset_error(tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("rlbench: error:") and "not found" in last, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+HIDER = '''import os, sys
+HIDDEN = set(os.environ["RLBENCH_TEST_HIDE"].split(","))
+
+
+class Hide:  # as if the package were not installed: importing it (or a module under it) fails
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+'''
+
+
+@pytest.mark.parametrize("hidden, args, needle", [
+    ("uvicorn", ["serve", "--port", "0"], "rlbench serve: the uvicorn package is not installed here (pip install '.[serve]')"),
+    ("starlette", ["serve", "--port", "0"], "the starlette package is not installed here (pip install '.[serve]')"),
+    ("megatron", ["run", "--trainer", "megatron", "--steps", "1"],
+     "train.backend: the megatron.core package is not installed here (pip install '.[megatron]')"),
+    ("ray", ["run", "--placement", "ray", "--steps", "1"], "the ray package is not installed here (pip install '.[ray]')"),
+    ("aiohttp", ["run", "--rollout", "sglang", "--sglang-server", "rlbench", "--steps", "1"],
+     "the aiohttp package is not installed here (pip install '.[router]')"),
+    ("matplotlib", ["check", "golden", "RUN", "golden/default.json", "--plot", "p.png"], "--plot needs matplotlib"),
+])
+def test_a_missing_extra_is_one_line_with_its_pip_line_before_anything_starts(tmp_path, hidden, args, needle):
+    """Each extra missing (its import fails, as where it was never installed): exit 2, one line naming the
+    package and the pip line, nothing printed on stdout (rlbench serve never says it listens), no run written."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text(HIDER)
+    args = [str(REPO / "golden" / "default.json") if a == "golden/default.json" else a for a in args]
+    if "RUN" in args:
+        assert run_cli("run", "--steps", "1", "--out", str(tmp_path / "run")).returncode == 0
+        args[args.index("RUN")] = str(tmp_path / "run")
+    else:
+        args += ["--out", str(tmp_path / "out")] if args[0] == "run" else []
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "hide"), "RLBENCH_TEST_HIDE": hidden}
+    res = subprocess.run([sys.executable, "-m", "rlbench.cli", *args], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stdout + res.stderr
+    assert "listening" not in res.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
