@@ -41,13 +41,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.names or suite:
             run_dir = Path(tmp) / name
-            subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO, check=True,
-                           stdout=subprocess.DEVNULL)
+            code = subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO,
+                                  stdout=subprocess.DEVNULL).returncode
+            if code:  # rlbench said why on stderr (one line): no golden file is written from a failed run
+                print(f"regenerate.py: {name}: `rlbench run {' '.join(suite[name])}` exited {code}; no golden file "
+                      f"written for it or after it", file=sys.stderr)
+                return code
             manifest = json.loads((run_dir / "manifest.json").read_text())
             golden = suite_file.parent / golden_file_name(name, manifest)  # a CUDA run's: keyed to GPU and versions
             golden.parent.mkdir(exist_ok=True)
-            subprocess.run([*rlbench, "golden", "update", str(run_dir), str(golden.relative_to(REPO)),
-                            "--reason", args.reason], cwd=REPO, check=True)
+            code = subprocess.run([*rlbench, "golden", "update", str(run_dir), str(golden.relative_to(REPO)),
+                                   "--reason", args.reason], cwd=REPO).returncode
+            if code:
+                return code
     return 0
 
 

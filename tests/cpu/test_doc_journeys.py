@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -152,7 +153,7 @@ def _walk(shell: Shell, name: str) -> list[str]:
 
 
 def test_the_docs_journeys_are_all_tested():
-    assert set(journeys()) == {"served", "routed", "started", "conformance"}
+    assert set(journeys()) == {"served", "routed", "started", "conformance", "regenerate"}
 
 
 @pytest.mark.slow
@@ -182,3 +183,20 @@ def test_servers_rlbench_starts(shell):
 def test_the_conformance_suite_against_a_server_the_user_started(shell):
     outputs = _walk(shell, "conformance")
     assert re.search(r"\d+ passed", outputs[-1]) and " failed" not in outputs[-1], outputs[-1][-2000:]
+
+
+@pytest.mark.slow
+def test_regenerating_the_golden_files_writes_what_is_committed(shell):
+    """The golden page's block, on a copy of golden/: each CPU file is remade with the same series and the
+    reason kept; the GPU suite's line, without CUDA, stops in rlbench's one line and writes nothing."""
+    (shell.cwd / "golden").unlink()
+    copy = shutil.copytree(REPO / "golden", shell.cwd / "golden")
+    outputs = _walk(shell, "regenerate")
+    assert "device: no CUDA device" in outputs[1] and "Traceback" not in outputs[1], outputs[1]
+    for name in json.loads((REPO / "golden" / "suite.json").read_text()):
+        committed, remade = (json.loads((d / f"{name}.json").read_text()) for d in (REPO / "golden", copy))
+        timed = {k for k in committed["metrics"] if k.startswith("perf/")}  # timings: never compared exactly
+        assert set(remade["metrics"]) == set(committed["metrics"]) and timed, name
+        assert {k: v for k, v in remade["metrics"].items() if k not in timed} == \
+            {k: v for k, v in committed["metrics"].items() if k not in timed}, name
+        assert "GRPO: population std, as in the paper" in json.dumps(remade), name
