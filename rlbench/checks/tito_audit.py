@@ -20,6 +20,11 @@ Stages, each named in a finding's `where`:
 After a broken prefix or generation prompt the shape goes on from the template's own rendering, so what
 follows is still audited and nothing is reported twice.
 
+The reasoning shape probes reasoning templates only (renders_reasoning): one that renders no turn's
+reasoning_content in any position, even as the last turn (plain ChatML), serves a model that samples no reasoning,
+and the shape is not audited ("not a reasoning template: probe skipped"); one that keeps the last turn's reasoning
+and strips it from the history is probed, and that is mode 4.
+
 Findings and hazards. A finding (strict, exit 1): the template, under the chosen builder and kwargs,
 gives the engine and the trainer other ids than it renders for the same conversation. A hazard (reported,
 exit 1 only with strict=True, `--strict`): what only a naive pipeline breaks, which trains on a re-render or
@@ -255,6 +260,39 @@ def _with_reasoning(body: str, message: dict, prompt: str) -> tuple[str, bool]:
     return body, True
 
 
+NOT_REASONING = ("not a reasoning template: probe skipped (the template renders a turn's reasoning_content "
+                 "nowhere, not even in the last turn)")
+
+
+def _reasoning_probe(messages: list[dict]) -> bool:
+    """Whether a shape is the reasoning probe: an assistant turn carries reasoning_content."""
+    return any(m["role"] == "assistant" and str(m.get("reasoning_content") or "").strip() for m in messages)
+
+
+def renders_reasoning(builder, messages: list[dict], tools) -> bool:
+    """Whether the template renders reasoning in some position: each assistant turn with reasoning, rendered as the
+    last turn (where every reasoning template keeps it) and in the whole conversation, holds its reasoning or a think
+    block for it. A template that never does (plain ChatML) is not a reasoning template: the model it serves samples
+    no reasoning, and the probe's reasoning_content, which it ignores, is no drift. One that does is probed, and a
+    turn whose reasoning is kept last but stripped from the history stays mode 4. A template that cannot render the
+    probe is probed, so that its error is the shape's finding."""
+    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant" and m.get("reasoning_content")]
+    try:
+        whole = builder.render(messages, tools, False)
+        for j in turns:
+            prompt, turn = builder.render(messages[:j], tools, True), builder.render(messages[: j + 1], tools, False)
+            body = turn[len(prompt):] if turn.startswith(prompt) else turn
+            if not _with_reasoning(body, messages[j], prompt)[1] or _reasoning_in(whole, messages[j]):
+                return True
+    except template_errors():
+        return True
+    return False
+
+
+def _reasoning_in(text: str, message: dict) -> bool:
+    return str(message.get("reasoning_content") or "").strip() in text
+
+
 def _lost_reasoning(shape: str, j: int) -> Finding:
     return Finding(shape, "reasoning", MODES["reasoning"][0], True, -1, [], [], [], "", "", "",
                    f"turn {j}: its reasoning is not in the template's rendering of the turn, even as the last turn")
@@ -321,8 +359,11 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None, family: st
         messages, tools = known[name]
         extra = _appended_roles(messages) - set(builder.roles) if builder.roles is not None else set()
         if extra:
-            report.skipped[name] = (f"appends {', '.join(sorted(extra))} after an assistant turn, which the "
+            report.skipped[name] = (f"it appends {', '.join(sorted(extra))} after an assistant turn, which the "
                                     f"{builder.name} builder is not allowed to (--tito-allowed-append-roles)")
+            continue
+        if _reasoning_probe(messages) and not renders_reasoning(builder, messages, tools):
+            report.skipped[name] = NOT_REASONING
             continue
         report.shapes.append(name)
         report.findings += audit_shape(tok, name, messages, tools, builder, stops, compare)

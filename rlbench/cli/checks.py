@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from rlbench.cli.app import AsJson, Debug, app, stderr, stdout
+from rlbench.cli.app import AsJson, Debug, app, render_table, stderr, stdout
 from rlbench.errors import BadInput
 
 
@@ -58,7 +58,7 @@ def check_logprobs(
             limit = report.thresholds.get(name)
             table.add_row(name, f"{value:.6g}", "" if limit is None else f"<= {limit:g}",
                           style="bold red" if limit is not None and not value <= limit else None)
-        stdout.print(table)
+        render_table(table)
         if report.worst:
             worst = Table(title="worst tokens")
             for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):
@@ -66,7 +66,7 @@ def check_logprobs(
             for w in report.worst:
                 worst.add_row(str(w.step), str(w.sample), str(w.response_token), repr(w.text), repr(w.context[-30:]),
                               f"{w.trainer:.6g}", f"{w.rollout:.6g}", f"{w.delta:+.3g}")
-            stdout.print(worst)
+            render_table(worst)
         for failure in report.failures:
             stdout.print(f"[bold red]gate failed[/]: {failure}")
     if report.failures:
@@ -180,7 +180,7 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
     for note in getattr(report, "notes", []):
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     for shape, why in getattr(report, "skipped", {}).items():
-        stderr.print(f"note: shape {shape} not audited: it {why}", markup=False, highlight=False, soft_wrap=True)
+        stderr.print(f"note: shape {shape} not audited: {why}", markup=False, highlight=False, soft_wrap=True)
     if getattr(report, "kwargs", None):
         stdout.print(f"chat template kwargs: {json.dumps(report.kwargs, sort_keys=True)}", markup=False,
                      highlight=False, soft_wrap=True)
@@ -196,7 +196,7 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
             table.add_row(label or f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (hazard)"),
                           f.category, str(f.index), repr(f.context_text), f"{f.expected} {f.expected_text!r}",
                           f"{f.got} {f.got_text!r}")
-        stdout.print(table)
+        render_table(table)
         if len(findings) > 50:
             stdout.print(f"... and {len(findings) - 50} more (--json lists all)")
         counts = report.modes if audit else {m: r for m, r in report.rates.items()}
@@ -288,7 +288,7 @@ def _render_golden(report, plot: Path | None) -> None:
             summary.add_column(col, overflow="fold")
         for m in report.failed:
             summary.add_row(m.name, m.kind, m.message, style="bold red")
-        stdout.print(summary)
+        render_table(summary)
         rows = [(m, f) for m in report.failed for f in m.failures]
         if rows:
             table = Table(title="failing steps")
@@ -299,7 +299,7 @@ def _render_golden(report, plot: Path | None) -> None:
                 table.add_row(m.name, f"{f.step} ({f.step + offset})" if offset else str(f.step), _fmt(f.expected),
                               _fmt(f.got), f"{f.delta:+.3g}",
                               "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
-            stdout.print(table)
+            render_table(table)
             if len(rows) > 40:
                 stdout.print(f"... and {len(rows) - 40} more failing steps (--json lists all)")
         passed = [m.name for m in report.metrics if m.status == "pass"]

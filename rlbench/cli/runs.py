@@ -6,7 +6,6 @@ import json
 import shlex
 import statistics
 import sys
-from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from rlbench.cli.app import AsJson, Debug, app, stderr, stdout
+from rlbench.cli.app import AsJson, Debug, app, progress, render_table, stderr, stdout
 from rlbench.cli.options import config_option, option_fields, overrides
 from rlbench.config import RunConfig
 from rlbench.errors import BadInput
@@ -99,7 +98,7 @@ def _render_summary(summary: dict) -> None:
     rows.append(("wall time", f"{summary['wall_time']:.1f} s"))
     for row in rows:
         table.add_row(*row)
-    stdout.print(table)
+    render_table(table)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -129,7 +128,7 @@ def run(
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
     print_config: Annotated[bool, typer.Option("--print-config", help="Print the configuration the command line resolves to (each slime argument with the rlbench settings it sets) and exit without running.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document, no progress bar.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document; no progress on stderr.")] = False,
     debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
@@ -165,7 +164,7 @@ def run(
         result = run_loop(cfg, command=command)
         stdout.print_json(json.dumps({**_summary(result), "notes": notes}))
         return
-    with _progress(cfg.steps) as on_step:
+    with progress(cfg.steps) as on_step:
         result = run_loop(cfg, on_step=on_step, command=command)
     for note in notes:  # after the run: bad input stays one line
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -248,41 +247,8 @@ def _print_config(cfg: RunConfig, slime_fields: list, as_json: bool) -> None:
         for row in slime:
             table.add_row(row["argument"], str(row["value"]),
                           ", ".join(f"{path} = {value!r}" for path, value in row["sets"].items()) or "-")
-        stdout.print(table)
+        render_table(table)
     stdout.print_json(json.dumps(cfg.to_dict(), default=list))
-
-
-@contextmanager
-def _progress(total: int, start: int = 0):
-    """A step progress bar on stderr, handed out as an on_step callback. Started at the first
-    step, not before: inputs are validated while a run is built, and a bad one must leave one
-    error line on stderr, not a progress line above it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), console=stderr)
-    task = progress.add_task("run", total=total, completed=start, info="")
-
-    def on_step(state) -> None:
-        info = f"reward {state.metrics['rollout/raw_reward']:.3f}"
-        if "train/loss" in state.metrics:
-            info += f"  loss {state.metrics['train/loss']:+.4f}"
-        progress.start()
-        progress.update(task, completed=state.step + 1, info=info)
-
-    try:
-        yield on_step
-    except BaseException:  # an error is reported in one line of its own, which names the step it stopped at
-        if progress.live.is_started:
-            stderr.quiet = True  # stop the bar without printing its last state
-            try:
-                progress.stop()
-            finally:
-                stderr.quiet = False
-        raise
-    finally:
-        if progress.live.is_started:  # stopping one never started would print an empty line
-            progress.stop()
 
 
 def _resume(run_dir: Path, as_json: bool) -> None:
@@ -295,7 +261,7 @@ def _resume(run_dir: Path, as_json: bool) -> None:
     if as_json:
         res = resume_run(run_dir)
     else:
-        with _progress(total) as on_step:
+        with progress(total) as on_step:
             res = resume_run(run_dir, on_step=on_step)
     doc = {"run_dir": res.run_dir, "committed_before": res.committed, "restarted_from_checkpoint": res.checkpoint,
            "recomputed_and_verified": max(res.committed - res.checkpoint, 0), "discarded": res.discarded,
@@ -333,28 +299,39 @@ def replay(
         res = replay_run(run_dir, out, steps)
     else:
         first, last = parse_range(steps, len(read_run(run_dir).steps))
-        with _progress(last, first) as on_step:
+        with progress(last, first) as on_step:
             res = replay_run(run_dir, out, steps, on_step=on_step)
     first, last = res.steps
     doc = {"source": res.source, "out": res.out, "steps": [first, last], "reproduced": res.reproduced,
            "ok": res.ok, "compared_stages": res.compared_stages, "checksums_compared": res.comparisons,
-           "first_difference": None}
+           "checkpoints_verified": res.checkpoints_verified, "notes": res.notes, "first_difference": None}
     if res.diverged is not None:
         d = res.diverged
         doc["first_difference"] = {"step": d.step, "stage": d.stage, "expected": d.expected, "got": d.got}
     if as_json:
         stdout.print_json(json.dumps(doc))
-    elif res.ok:
-        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
-                     f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
-                     f"({', '.join(res.compared_stages)})", markup=False, highlight=False, soft_wrap=True)
     else:
-        d = res.diverged
-        stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
-                     f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)")
-        stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
+        _render_replay(res)
     if not res.ok:
         raise typer.Exit(1)
+
+
+def _render_replay(res) -> None:
+    from rlbench.replay.checkpoints import counted
+
+    first, last = res.steps
+    for note in res.notes:
+        stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if res.ok:
+        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
+                     f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
+                     f"({', '.join(res.compared_stages)}); checkpoints verified: "
+                     f"{counted(len(res.checkpoints_verified))}", markup=False, highlight=False, soft_wrap=True)
+        return
+    d = res.diverged
+    stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
+                 f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)")
+    stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
 
 
 @app.command()
@@ -393,10 +370,13 @@ def _render_diff(res) -> None:
             stderr.print(f"note: stages only {side} records (not compared): {', '.join(stages)}", markup=False,
                          highlight=False)
     if res.first is None:
+        from rlbench.replay.checkpoints import describe
+
         verified = ", ".join(f"{side} {n} steps" for side, n in res.recordings_verified.items())
+        checkpoints = describe({side: len(done) for side, done in res.checkpoints_verified.items()})
         stdout.print(f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
                      f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); recordings verified: "
-                     f"{verified}", markup=False, highlight=False, soft_wrap=True)
+                     f"{verified}; {checkpoints}", markup=False, highlight=False, soft_wrap=True)
         return
     d = res.first
     stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")
@@ -413,7 +393,7 @@ def _render_diff(res) -> None:
         table.add_row("values differing", str(d.count))
     for note in d.notes:
         table.add_row("", note)
-    stdout.print(table)
+    render_table(table)
     if res.metrics_around:
         around = Table(title=f"metrics around step {d.step}")
         for col in ("step", "metric", "A", "B"):
@@ -421,7 +401,7 @@ def _render_diff(res) -> None:
         for row in res.metrics_around:
             style = "bold" if row["a"] != row["b"] else None
             around.add_row(str(row["step"]), row["metric"], f"{row['a']:.6g}", f"{row['b']:.6g}", style=style)
-        stdout.print(around)
+        render_table(around)
     if res.advice:
         stdout.print(f"advice: {res.advice}", markup=False, highlight=False, soft_wrap=True)
 

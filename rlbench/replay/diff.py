@@ -11,7 +11,8 @@ stages without recorded values (grads, weights) fall back to the metrics that su
 "No difference" speaks for everything: both sides must have a checksum for every stage of every
 committed step, every recording is read and verified against its own digest and its run's
 checksums before anything is compared (a corrupt or edited file is bad input, exit 2, never a
-verdict), and both sides must have committed the same steps. The result counts what was compared.
+verdict), every committed checkpoint is held to the checksums its run recorded for it (checkpoints.py),
+and both sides must have committed the same steps. The result counts what was compared and verified.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import math
 
 from rlbench.errors import BadInput
+from rlbench.replay.checkpoints import verify_checkpoints
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
@@ -61,6 +63,7 @@ class DiffResult:
     comparisons: int = 0  # (step, stage) pairs compared before the verdict
     stages_only: dict[str, list[str]] = field(default_factory=dict)  # {"A": [...], "B": [...]}: not comparable
     recordings_verified: dict[str, int] = field(default_factory=dict)  # {"A": steps, "B": steps}
+    checkpoints_verified: dict[str, list[int]] = field(default_factory=dict)  # {"A": [steps done, ...], "B": ...}
     advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
 
 
@@ -249,6 +252,9 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
         run.require_checksums()
     if not run_a.steps and not run_b.steps:
         raise BadInput("neither run has a committed step: nothing to compare", path=run_a.root / "metrics.jsonl")
+    # Before --steps narrows the checksums: every checkpoint is held to its run's own. A damaged one is bad input
+    # (exit 2), not a difference (exit 1): its own run's checksums expose it, whatever the other run holds.
+    checkpoints = {"A": verify_checkpoints(run_a), "B": verify_checkpoints(run_b)}
     if steps is not None:
         span = _span(steps, run_a, run_b)
         for run in (run_a, run_b):
@@ -261,7 +267,7 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
     stages = [k for k in CHECKSUM_KEYS if k in keys_a and k in keys_b]
     only = {"A": [k for k in keys_a if k not in keys_b], "B": [k for k in keys_b if k not in keys_a]}
     steps = sorted(set(sums_a) & set(sums_b))
-    notes = run_a.notes + run_b.notes
+    notes = run_a.notes + run_b.notes + checkpoints["A"].notes + checkpoints["B"].notes
     notes += [f"{side} recorded no values (--no-record): its checksums were compared, not verified against "
               "recordings" for side, count in verified.items() if count == 0]
     if not stages:
@@ -290,7 +296,8 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
                            f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree")
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
     return DiffResult(str(run_a.root), str(run_b.root), steps, stages, tol, first, around, notes, comparisons, only,
-                      verified, layout_advice(run_a.manifest, run_b.manifest, first))
+                      verified, {side: v.steps_done for side, v in checkpoints.items()},
+                      layout_advice(run_a.manifest, run_b.manifest, first))
 
 
 def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:

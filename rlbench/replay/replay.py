@@ -5,19 +5,21 @@ recording (so an edited recording shows at the stage it edits), then advantage, 
 train from the recorded initial weights (or from a checkpoint, for a step range), and compares
 each step's checksums with RUN's as it goes. The first stage that differs ends the replay: it is
 reported as (step, stage), and the replay's own run directory keeps that step for `rlbench diff`.
-`engine_weights` is not compared: a replay starts no engine.
+`engine_weights` is not compared: a replay starts no engine. RUN's committed checkpoints are first held to
+the checksums RUN recorded for them (checkpoints.py): a damaged one is bad input, before anything is replayed.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.config import RunConfig, config_from_dict
 from rlbench.core.loop import Diverged, RunResult, StepState, run
 from rlbench.errors import BadInput
+from rlbench.replay.checkpoints import verify_checkpoints
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
 
@@ -31,6 +33,8 @@ class ReplayResult:
     compared_stages: list[str]  # the stages compared at every replayed step
     result: RunResult | None
     comparisons: int = 0  # (step, stage) checksums compared
+    checkpoints_verified: list[int] = field(default_factory=list)  # the source's checkpoints (steps done) verified
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +75,7 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
     first, last = parse_range(steps, len(source.steps))
     if source.steps[:last] != list(range(last)):
         raise BadInput(f"committed steps are not 0..{last - 1} in order", path=source.root / "metrics.jsonl")
+    checkpoints = verify_checkpoints(source)
     init = None
     if first > 0:
         init = source.root / "checkpoints" / step_name(first)
@@ -102,11 +107,11 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
         result = run(config, step_done, start=first, init_checkpoint=init, expect=expect)
     except Diverged as diverged:
         return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, common(), None,
-                            sum(map(len, compared)))
+                            sum(map(len, compared)), checkpoints.steps_done, checkpoints.notes)
     if done != list(range(first, last)):  # every step of the range compared, or no verdict
         raise AssertionError(f"replay compared steps {done}, expected {first}..{last - 1}")
     return ReplayResult(str(source.root), str(out), (first, last), len(done), None, common(), result,
-                        sum(map(len, compared)))
+                        sum(map(len, compared)), checkpoints.steps_done, checkpoints.notes)
 
 
 def recorded_overrides(config: RunConfig, recorded: RunConfig) -> list[str]:

@@ -6,7 +6,8 @@ fields and any attribute set on the sample, the status as its string value). Eva
 to the same path template with the id `eval_<i>`: such a file is recognised by that name and refused,
 its samples are not training data. Each file is loaded with `torch.load(weights_only=True)`, which
 unpickles only plain containers, numbers, strings and tensors; a file that needs anything more is
-refused, never unpickled. Rollout ids become steps 0..N-1 in id order.
+refused, never unpickled, and named by the classes its pickle's opcodes refer to (pickled.py: images, a
+multimodal dump; anything else by name). Rollout ids become steps 0..N-1 in id order.
 
 Every field of slime's Sample (slime/utils/types.py) is used, kept or refused (FIELDS):
 - used: ids, spans, reward and status. `remove_sample`: the loss mask is all 0, as slime's
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,13 +59,13 @@ def load_dump(path: Path) -> dict:
     if path.stat().st_size == 0:
         raise BadInput("empty file (0 bytes): not a torch.save file", path=path)
     try:
-        dump = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle: rlbench loads it or names what it holds
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            dump = torch.load(path, map_location="cpu", weights_only=True)
     except (Exception, RecursionError) as exc:  # pickle.UnpicklingError for what weights_only refuses
         lines = str(exc).splitlines() or [""]
         if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
-            reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])[:160]
-            raise BadInput(f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles "
-                           f"nothing else ({reason})", path=path) from None
+            raise BadInput(_refusal(path, lines), path=path) from None
         raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {lines[0][:120]})", path=path) from None
     if not isinstance(dump, dict) or not isinstance(dump.get("rollout_id"), int) or \
             not isinstance(dump.get("samples"), list):
@@ -73,6 +75,21 @@ def load_dump(path: Path) -> dict:
                        "template for its eval rollouts): not training data; import the training dumps only",
                        path=path)
     return dump
+
+
+def _refusal(path: Path, lines: list[str]) -> str:
+    """Why a dump that torch.load(weights_only=True) refused is refused: what it holds, read from its pickle's
+    opcodes, none run (pickled.py). torch's own text invites the user to allowlist the class, which would run it:
+    where the opcodes cannot be read, only its first sentence is kept."""
+    from rlbench.replay.pickled import refused_globals, what_it_holds
+
+    names = refused_globals(path)
+    if names:
+        return f"refused: the dump {what_it_holds(names)}"
+    reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])
+    reason = reason.split(" Please use", 1)[0].removeprefix("WeightsUnpickler error: ")[:160]
+    return f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles nothing else " \
+           f"({reason})"
 
 
 def is_eval_dump(path: Path, rollout_id: int) -> bool:

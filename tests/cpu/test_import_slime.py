@@ -95,8 +95,109 @@ def test_a_dump_that_needs_unpickling_is_refused(tmp_path):
     torch.save(dump, path)
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"))
     assert proc.returncode == 2, proc.stderr
-    assert "refused" in proc.stderr and "weights_only=True" in proc.stderr and "Traceback" not in proc.stderr
+    assert "refused: the dump holds tests.cpu.test_import_slime.Status objects, which rlbench does not load" \
+        in proc.stderr and "weights_only=True" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "imp").exists()
+
+
+class Tripwire:
+    """Unpickling one writes its file: the proof that a dump holding one was never unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __setstate__(self, state):
+        from pathlib import Path
+
+        Path(state["path"]).write_text("unpickled")
+
+
+class Reducer:
+    """Pickled as a call of _write_marker(path), which unpickling would make."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return _write_marker, (self.path,)
+
+
+def _write_marker(path):
+    from pathlib import Path
+
+    Path(path).write_text("called")
+
+
+def _one_line_refusal(proc, path) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and str(path) in lines[0], proc.stderr
+    assert "add_safe_globals" not in proc.stderr and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("protocol, zipped", [(2, True), (4, True), (2, False)])
+def test_a_multimodal_dump_is_named_from_its_opcodes(tmp_path, protocol, zipped):
+    """A dump whose samples hold PIL images (a multimodal slime rollout): named as such, from the pickle's GLOBAL
+    (protocol 2, torch's default) or STACK_GLOBAL (protocol 4) opcodes, in torch's zip or legacy format, instead
+    of torch's text that invites allowlisting the class."""
+    from PIL import Image
+
+    (path,) = write_dumps(tmp_path, rollout_ids=(0,))
+    dump = torch.load(path, weights_only=True)
+    dump["samples"][0]["multimodal_inputs"] = {"images": [Image.new("RGB", (2, 2), (255, 0, 0))]}
+    torch.save(dump, path, pickle_protocol=protocol, _use_new_zipfile_serialization=zipped)
+    # protocol 4 in a process of its own: torch warns of the protocol on stderr, which must stay one line
+    proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"), process=protocol == 4)
+    line = _one_line_refusal(proc, path)
+    assert line.endswith("refused: the dump holds PIL.Image.Image objects (a multimodal dump; rlbench reads text "
+                         "rollouts)"), line
+    assert not (tmp_path / "imp").exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_a_dump_holding_objects_is_named_and_nothing_in_it_runs(tmp_path, protocol):
+    """Objects whose unpickling writes a file (through __setstate__, or a __reduce__ call): the refusal names what
+    the pickle refers to, and neither file appears. The tripwires do fire when unpickled (checked on a pickle of
+    their own, never the dump)."""
+    import pickle
+
+    fired = tmp_path / "fired"
+    pickle.loads(pickle.dumps([Tripwire(fired), Reducer(tmp_path / "called")]))
+    assert fired.read_text() == "unpickled" and (tmp_path / "called").read_text() == "called"
+    (path,) = write_dumps(tmp_path, rollout_ids=(0,))
+    dump = torch.load(path, weights_only=True)
+    dump["samples"][0]["metadata"] = {"state": Tripwire(tmp_path / "setstate"), "call": Reducer(tmp_path / "reduce")}
+    torch.save(dump, path, pickle_protocol=protocol)
+    line = _one_line_refusal(run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp")), path)
+    assert ("refused: the dump holds tests.cpu.test_import_slime.Tripwire, tests.cpu.test_import_slime._write_marker "
+            "objects, which rlbench does not load") in line, line
+    assert not (tmp_path / "setstate").exists() and not (tmp_path / "reduce").exists()
+    assert not (tmp_path / "imp").exists()
+
+
+def test_where_the_opcodes_name_nothing_torchs_advice_to_allowlist_is_left_out(tmp_path, monkeypatch):
+    from rlbench.replay import pickled
+
+    (path,) = write_dumps(tmp_path, rollout_ids=(0,))
+    dump = torch.load(path, weights_only=True)
+    dump["samples"][0]["status"] = Status.COMPLETED
+    torch.save(dump, path)
+    monkeypatch.setattr(pickled, "refused_globals", lambda path: [])
+    line = _one_line_refusal(run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp")), path)
+    assert line.endswith("rlbench unpickles nothing else (Unsupported global: GLOBAL "
+                         "tests.cpu.test_import_slime.Status was not an allowed global by default.)"), line
+
+
+def test_the_opcode_reader_names_globals_and_runs_nothing(tmp_path):
+    from rlbench.replay.pickled import pickle_globals, refused_globals
+
+    path = tmp_path / "x.pt"
+    torch.save({"t": torch.zeros(2), "w": Tripwire(tmp_path / "fired")}, path)
+    assert "tests.cpu.test_import_slime.Tripwire" in pickle_globals(path)
+    assert refused_globals(path) == ["tests.cpu.test_import_slime.Tripwire"]  # torch's own types are allowed
+    assert not (tmp_path / "fired").exists()
+    (tmp_path / "junk").write_bytes(b"not a pickle")
+    assert pickle_globals(tmp_path / "junk") == []
 
 
 @pytest.mark.parametrize("mutate, message", [

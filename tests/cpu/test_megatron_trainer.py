@@ -53,8 +53,25 @@ def test_reruns_are_bit_identical(runs):
     res = run_cli("diff", str(runs / "a"), str(runs / "b"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "no difference (bit for bit): 3 steps x 10 stages" in res.stdout
+    assert "checkpoints verified: A 3, B 3" in res.stdout  # 0, 2 and the last, 3: layout.json's kind
     manifest = json.loads((runs / "a" / "manifest.json").read_text())
     assert manifest["versions"]["megatron-core"] is not None
+
+
+@pytest.mark.parametrize("name", ["model-tp00.safetensors", "optimizer-tp00.safetensors"])
+def test_diff_refuses_a_megatron_checkpoint_with_a_flipped_bit(runs, tmp_path, name):
+    """A model shard is held to the verified model.safetensors (rank 0's part of it), an optimizer shard to
+    layout.json's shard checksums: one flipped bit is bad input naming the file, not "no difference"."""
+    import shutil
+
+    copy = tmp_path / "b"
+    shutil.copytree(runs / "b", copy)
+    path = copy / "checkpoints" / "000003" / name
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    res = run_cli("diff", str(runs / "a"), str(copy))
+    assert res.returncode == 2 and str(path) in res.stderr and "Traceback" not in res.stderr, res.stdout + res.stderr
 
 
 def test_step0_losses_match_the_torch_trainer_and_diff_names_where_they_part(runs):

@@ -54,9 +54,30 @@ def test_replay_reproduces_every_checksum(original, tmp_path):
     assert same.returncode == 0 and "no difference (bit for bit): 5 steps x 9 stages" in same.stdout, same.stdout + same.stderr
 
 
+def test_diff_and_replay_verify_every_checkpoint(original, tmp_path):
+    """One flipped bit in the last checkpoint's optimizer.safetensors, which no checksum of checksums.jsonl covers:
+    diff is not "no difference" and replay does not start; both name the file. The intact run verifies all."""
+    from rlbench.errors import BadInput
+
+    done = sorted(int(p.name) for p in (original / "checkpoints").iterdir())
+    assert done == [0, 2, 4, 5] and diff(original, original).checkpoints_verified == {"A": done, "B": done}
+    assert replay(original, tmp_path / "rep").checkpoints_verified == done
+    flipped = copy_run(original, tmp_path / "flipped")
+    path = flipped / "checkpoints" / "000005" / "optimizer.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x80  # the sign of the last value
+    path.write_bytes(bytes(raw))
+    for call in (lambda: diff(original, flipped), lambda: replay(flipped, tmp_path / "rep2")):
+        with pytest.raises(BadInput, match="tensors_checksum") as info:
+            call()
+        assert str(path) in str(info.value)
+
+
 def test_replay_of_a_step_range_starts_from_a_checkpoint(original, tmp_path):
     res = replay(original, tmp_path / "rep", steps="2:4")
     assert res.ok and res.reproduced == 2 and res.steps == (2, 4)
+    # the replay committed steps 2 and 3 only: its checkpoint after 4 steps is held to step 3's weights
+    assert diff(original, tmp_path / "rep", steps="2:4").checkpoints_verified == {"A": [0, 2, 4, 5], "B": [4]}
 
 
 def test_replay_names_the_perturbed_reward(original, tmp_path):

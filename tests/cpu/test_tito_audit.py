@@ -150,13 +150,76 @@ def test_bare_tool_calls_are_read_by_a_template_that_takes_both_shapes_only():
 
 
 def test_qwen_style_template_drifts_as_qwen_does():
-    """The default fixture renders <|im_end|>\\n after every message, like Qwen2.5/Qwen3 (trl 5317),
-    cannot mark a truncated turn, and renders no reasoning at all: what a model reasoned is lost even in the last
-    turn (like Kimi K2.5's original template)."""
+    """The default fixture renders <|im_end|>\\n after every message, like Qwen2.5/Qwen3 (trl 5317), and
+    cannot mark a truncated turn. It renders no reasoning at all: not a reasoning template, so the reasoning probe
+    does not apply to it (no mode 4)."""
     report = audit(TOKENIZERS / "qwen-tiny")
-    assert set(report.modes) == {"separator", "truncated", "reasoning"}
-    assert [f.where for f in report.findings if f.mode == "reasoning"] == [
-        f"turn {j}: its reasoning is not in the template's rendering of the turn, even as the last turn" for j in (1, 3)]
+    assert set(report.modes) == {"separator", "truncated"}
+    assert report.skipped == {"reasoning": tito_audit.NOT_REASONING} and "reasoning" not in report.shapes
+
+
+# Plain ChatML with a default system prompt (Qwen2.5's shape), made from tito-clean's template: one renders no
+# reasoning anywhere, the other keeps the last turn's reasoning and strips it from the history.
+_CLEAN_REASONING = ("{%- if message.get('reasoning_content') %}{{- '<think>\\n' + message['reasoning_content'] + "
+                    "'\\n</think>\\n\\n' }}{%- endif %}")
+_DEFAULT_SYSTEM = ("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful "
+                   "assistant.<|im_end|>' }}{%- endif %}")
+
+
+def _chatml_with_default_system(tmp_path, reasoning: str):
+    """tito-clean's tokenizer with a default system prompt and `reasoning` in place of its reasoning block."""
+    config = json.loads((TOKENIZERS / "tito-clean" / "tokenizer_config.json").read_text())
+    template = config["chat_template"]
+    assert template.count(_CLEAN_REASONING) == 1 and template.count("{%- if not loop.first or tools %}") == 1
+    template = template.replace(_CLEAN_REASONING, reasoning).replace(
+        "{%- if not loop.first or tools %}", "{%- if not loop.first or tools or messages[0]['role'] != 'system' %}")
+    config["chat_template"] = _DEFAULT_SYSTEM + template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
+    return tmp_path
+
+
+def test_a_template_that_renders_no_reasoning_anywhere_is_not_probed(tmp_path):
+    """Plain ChatML with a default system prompt: the reasoning_content the probe adds is rendered in no position,
+    so the reasoning shape is not audited ("not a reasoning template: probe skipped", in text and --json) and the
+    audit passes over the other shapes, saying how many."""
+    tokenizer = _chatml_with_default_system(tmp_path, "")
+    report = audit(tokenizer)
+    assert report.findings == [] and report.skipped == {"reasoning": tito_audit.NOT_REASONING}
+    assert report.shapes == _all_but("reasoning")
+    doc = run_cli("check", "tito", "--tokenizer", str(tokenizer), "--audit", "--json")
+    assert doc.returncode == 0, doc.stderr
+    assert json.loads(doc.stdout)["skipped"]["reasoning"].startswith("not a reasoning template: probe skipped")
+    text = run_cli("check", "tito", "--tokenizer", str(tokenizer), "--audit")
+    assert text.returncode == 0 and "7 shapes intact" in " ".join(text.stdout.split()), text.stdout
+    assert "note: shape reasoning not audited: not a reasoning template: probe skipped" in text.stderr
+
+
+def test_a_template_that_strips_reasoning_from_the_history_is_still_mode_4(tmp_path):
+    """The same ChatML, rendering a turn's reasoning only after the last user message: a reasoning template, probed;
+    the first turn's reasoning, sampled, is gone from the history."""
+    kept_last = _CLEAN_REASONING.replace("message.get('reasoning_content') %}",
+                                         "message.get('reasoning_content') and loop.index0 > ns.last_user %}")
+    tokenizer = _chatml_with_default_system(tmp_path, kept_last)
+    report = audit(tokenizer)
+    assert report.skipped == {} and report.shapes == list(conversation_shapes())
+    assert [(f.shape, f.mode, f.strict, f.where) for f in report.findings] == [
+        ("reasoning", "reasoning", True, "prefix after turn 1")]
+    res = run_cli("check", "tito", "--tokenizer", str(tokenizer), "--audit", "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["modes"] == {"reasoning": 1}, res.stdout
+
+
+def test_a_reasoning_template_that_loses_a_turns_reasoning_even_last_is_mode_4():
+    """The probe asks whether the template renders reasoning somewhere; where it does, a turn whose reasoning has no
+    place even as the last turn is still lost (here: the template renders the second turn's reasoning only)."""
+    tok = load_tokenizer(TOKENIZERS / "tito-clean")
+    tok.chat_template = tok.chat_template.replace("message.get('reasoning_content') %}",
+                                                  "message.get('reasoning_content') and loop.index0 > 1 %}")
+    messages = conversation_shapes()["reasoning"][0]
+    assert tito_audit.renders_reasoning(tito_audit.PlainBuilder(tok, {}), messages, None)
+    lost = [f for f in audit_shape(tok, "reasoning", messages, None) if f.where.startswith("turn ")]
+    assert [(f.mode, f.where) for f in lost] == [
+        ("reasoning", "turn 1: its reasoning is not in the template's rendering of the turn, even as the last turn")]
 
 
 def test_cli_audit_exit_codes():

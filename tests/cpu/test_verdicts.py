@@ -55,10 +55,10 @@ def test_replay_and_diff_say_what_they_compared(runs, tmp_path):
     a, rep = runs
     res = run_cli("replay", str(a), "--out", str(tmp_path / "r"))
     _one_line(res, 0, f"reproduced {STEPS} steps (0..{STEPS - 1})", f"{STEPS * 9} checksums compared",
-              "9 stages at every step", "old_logprobs, loss, grads, weights")
+              "9 stages at every step", "old_logprobs, loss, grads, weights", "checkpoints verified: 3")
     res = run_cli("diff", str(a), str(rep))
     _one_line(res, 0, "no difference (bit for bit)", f"{STEPS} steps x 9 stages", f"{STEPS * 9} checksums compared",
-              f"recordings verified: A {STEPS} steps, B {STEPS} steps")
+              f"recordings verified: A {STEPS} steps, B {STEPS} steps", "checkpoints verified: A 3, B 3")
     assert "stages only A records (not compared): engine_weights" in res.stderr
     doc = json.loads(run_cli("diff", str(a), str(a), "--json").stdout)
     assert doc["first"] is None and doc["comparisons"] == STEPS * 10 and doc["steps_compared"] == list(range(STEPS))
@@ -120,6 +120,63 @@ def test_diff_refuses_a_recording_edited_behind_its_checksums(runs, tmp_path):
     c = copy_run(a, tmp_path / "c")
     edit_step(c, 1, lambda t, m: t["rewards"].add_(0.25))
     _one_line(run_cli("diff", str(a), str(c)), 2, "000001.safetensors", "does not match checksums.jsonl at rewards")
+
+
+def _flip_a_bit(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01  # inside the last tensor's values: the file still reads
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("name,why", [
+    ("000004/optimizer.safetensors", "do not match optimizer.json's tensors_checksum"),
+    ("000004/model.safetensors", f"do not match checksums.jsonl's weights at step {STEPS - 1}"),
+    ("000000/model.safetensors", "do not match manifest.json's hashes.initial_weights")])
+def test_a_checkpoint_with_a_flipped_bit_is_bad_input(runs, tmp_path, name, why):
+    """The checksums, the recordings and the metrics agree; one bit of a checkpoint does not: diff and replay hold
+    every checkpoint to the checksums its run recorded for it, and name the file (exit 2: a damaged input, which
+    its own run's checksums expose, not a difference between the runs). The intact copy is no difference."""
+    a, _ = runs
+    c = copy_run(a, tmp_path / "c")
+    _one_line(run_cli("diff", str(a), str(c)), 0, "no difference (bit for bit)", "checkpoints verified: A 3, B 3")
+    _flip_a_bit(c / "checkpoints" / name)
+    _one_line(run_cli("diff", str(a), str(c)), 2, f"checkpoints/{name}", why)
+    _one_line(run_cli("diff", str(c), str(a), "--json"), 2, f"checkpoints/{name}")
+    _one_line(run_cli("replay", str(c), "--out", str(tmp_path / "r")), 2, f"checkpoints/{name}", why)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_checkpoint_that_is_not_whole_is_bad_input(runs, tmp_path):
+    a, _ = runs
+    c = copy_run(a, tmp_path / "c")
+    (c / "checkpoints" / "000002" / "state.json").unlink()
+    _one_line(run_cli("diff", str(a), str(c)), 2, "checkpoints/000002", "no state.json")
+
+
+def test_a_run_without_checkpoints_says_they_were_not_compared(runs, tmp_path):
+    import shutil
+
+    a, _ = runs
+    c = copy_run(a, tmp_path / "c")
+    shutil.rmtree(c / "checkpoints")
+    _one_line(run_cli("diff", str(a), str(c)), 0, "no difference (bit for bit)",
+              "checkpoints verified: A 3, B none (no checkpoint: not compared)")
+    _one_line(run_cli("replay", str(c), "--out", str(tmp_path / "r")), 0,
+              "checkpoints verified: none (no checkpoint: not compared)")
+    doc = json.loads(run_cli("diff", str(a), str(c), "--json").stdout)
+    assert doc["checkpoints_verified"] == {"A": [0, 2, 4], "B": []}
+
+
+def test_a_checkpoint_past_the_last_committed_step_is_ignored_and_said(runs, tmp_path):
+    """Cut back to 2 committed steps, checkpoint 000004 is past the commit: not read (a note), and not counted."""
+    a, _ = runs
+    short = copy_run(a, tmp_path / "short")
+    for log in ("metrics.jsonl", "checksums.jsonl"):
+        _cut_lines(short / log, 2)
+    _flip_a_bit(short / "checkpoints" / "000004" / "optimizer.safetensors")
+    res = run_cli("diff", str(a), str(short), "--steps", "0:2")
+    _one_line(res, 0, "no difference (bit for bit): 2 steps", "checkpoints verified: A 3, B 2")
+    assert "checkpoints/000004: ignored (after 4 steps, past the last committed step 1)" in res.stderr
 
 
 def test_a_truncated_recording_at_the_first_difference_is_bad_input(runs, tmp_path):

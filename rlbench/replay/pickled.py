@@ -1,0 +1,104 @@
+"""What a torch.save file's pickle would build, named from its opcodes without running any of it.
+
+When `torch.load(weights_only=True)` refuses a file, its message names the first class it met and invites the
+user to allowlist it (`torch.serialization.add_safe_globals`), which would execute what the file says. rlbench
+says instead what the file holds: `pickletools.genops` only parses the opcode stream (it imports nothing and
+calls nothing), and the classes and functions a pickle uses are the arguments of its GLOBAL opcodes
+("module name") and of its STACK_GLOBAL opcodes (the two strings pushed before it, given directly or from the
+memo). The pickle is torch's zip archive's `*/data.pkl`, or in torch's legacy format the pickles at the file's
+start (magic number, protocol, system info, then the object), read until the first that does not parse.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import zipfile
+from pathlib import Path
+
+# Pickle's own machinery for building an object of a class: not what the file holds.
+MACHINERY = {"copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__", "builtins.object",
+             "__builtin__.object"}
+_STRINGS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_GETS = {"GET", "BINGET", "LONG_BINGET"}
+_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_LEGACY_PICKLES = 4  # magic number, protocol version, system info, the object
+
+
+def pickle_globals(path: Path) -> list[str]:
+    """The "module.name" of every class or function the file's pickle refers to, in first-seen order, none run.
+    [] where the file is not a pickle rlbench can parse (then nothing can be said of it)."""
+    try:
+        streams = _pickles(Path(path))
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return []
+    names: list[str] = []
+    for stream in streams:
+        try:
+            _scan(stream, names)
+        except (ValueError, EOFError, IndexError):  # a malformed or cut opcode stream: what was read so far stands
+            break
+    return list(dict.fromkeys(names))
+
+
+def _pickles(path: Path) -> list[io.BytesIO]:
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            return [io.BytesIO(archive.read(name))] if name is not None else []
+    stream = io.BytesIO(path.read_bytes())
+    return [stream] * _LEGACY_PICKLES  # one stream, read pickle after pickle
+
+
+def _scan(stream: io.BytesIO, names: list[str]) -> None:
+    """One pickle's opcodes, up to its STOP: the globals it names appended to `names`."""
+    recent: list[str | None] = []  # what the last opcodes pushed, where a string (None: anything else)
+    memo: dict[int, str | None] = {}
+    for op, arg, _ in pickletools.genops(stream):
+        kind = op.name
+        if kind == "GLOBAL":
+            names.append(".".join(str(arg).split(" ", 1)))
+            recent.append(None)
+        elif kind == "STACK_GLOBAL":
+            module, name = (recent[-2:] if len(recent) >= 2 else [None, None])
+            names.append(f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else "(unnamed)")
+            recent.append(None)
+        elif kind in _STRINGS:
+            recent.append(arg if isinstance(arg, str) else None)
+        elif kind in _GETS:
+            recent.append(memo.get(arg))
+        elif kind in _PUTS:
+            memo[arg] = recent[-1] if recent else None
+        elif kind == "MEMOIZE":
+            memo[len(memo)] = recent[-1] if recent else None
+        elif kind not in ("FRAME", "PROTO"):
+            recent.append(None)
+
+
+def refused_globals(path: Path) -> list[str]:
+    """The classes and functions in the file that torch.load(weights_only=True) does not load: what made it refuse
+    the file (pickle's own machinery and the types torch allows left out)."""
+    allowed = _torch_allowed()
+    return [n for n in pickle_globals(path) if n not in MACHINERY and not allowed(n)]
+
+
+def _torch_allowed():
+    """Whether torch's weights-only unpickler loads a global: its own list, or, where a torch lacks that private
+    function, torch's names and the two plain ones it has always allowed."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        names = set(_get_allowed_globals())
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without it
+        return lambda n: n.startswith("torch.") or n in ("collections.OrderedDict", "_codecs.encode")
+    return names.__contains__
+
+
+def what_it_holds(names: list[str]) -> str:
+    """The sentence saying what a refused dump holds: a multimodal dump's images, or the classes rlbench does not
+    load."""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    if any(n.split(".", 1)[0] == "PIL" for n in names):
+        return f"holds {shown} objects (a multimodal dump; rlbench reads text rollouts)"
+    return (f"holds {shown} objects, which rlbench does not load (it reads plain data and tensors only, with "
+            "torch.load(weights_only=True))")
