@@ -60,6 +60,39 @@ def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "mine.json").is_file() and (tmp_path / "runs" / "d.png").is_file()
 
 
+def test_the_readme_tour_runs_with_exit_0(tmp_path, monkeypatch):
+    """The README's tour, line by line: `rlbench` lines in-process as above, the server line (`... &`) as its
+    own process in the background, waited for by the line it prints (tests/cpu/test_doc_journeys.py's shell),
+    then asked for its model over HTTP."""
+    import json
+    import urllib.request
+
+    from tests.cpu.test_doc_journeys import Shell
+
+    text = re.search(r"<!-- readme:tour -->\n```bash\n(.*?)```\n<!-- /readme:tour -->",
+                     (REPO / "README.md").read_text(), re.S).group(1)
+    lines = [line.partition("  #")[0].strip() for line in text.splitlines() if line.strip()]
+    assert len(lines) >= 10 and any(line.endswith("&") for line in lines)
+    for name in ("examples", "configs", "golden", "rlbench"):
+        (tmp_path / name).symlink_to(REPO / name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    shell = Shell(tmp_path)
+    try:
+        for command in lines:
+            if command.endswith("&"):
+                shell.run(command, 0)
+                port = next(iter(shell.ports.values()))
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=60) as answer:
+                    assert json.load(answer)["model_path"]
+                continue
+            code, output = _run(command)
+            assert code == 0 and "Traceback" not in output, f"`{command}` exited {code}:\n{output[-3000:]}"
+    finally:
+        assert shell.close() == [130]  # Ctrl-C
+    assert (tmp_path / "d.html").is_file() and (tmp_path / "runs" / "s" / "metrics.jsonl").is_file()
+
+
 def test_the_example_dumps_are_what_examples_build_py_makes(tmp_path):
     import importlib.util
 
