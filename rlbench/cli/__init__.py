@@ -4,7 +4,8 @@ prints. Exit codes: 0 done / the check holds, 1 a check found a difference, 2 ba
 error, 130 Ctrl-C.
 
     __init__.py   main(): the one error boundary (errors -> exit codes)
-    app.py        the typer app, the consoles and the options every command shares, --version
+    app.py        the typer app, the consoles, the options every command shares, --version; tables,
+                  progress and --help as they read without a terminal
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff, import slime
     checks.py     check logprobs / tito / golden, golden update

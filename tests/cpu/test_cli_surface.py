@@ -6,6 +6,7 @@ remove an option, update the expected set here in the same change (and the docs)
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -214,3 +215,31 @@ def test_no_arguments_shows_help(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert _help(monkeypatch) == _help(monkeypatch, "--help")
     assert list(tmp_path.iterdir()) == [], "bare `rlbench` wrote files"
+
+
+# ---------------------------------------------------------------- --help where no terminal is, and at 80 columns
+
+def _no_terminal(fd):
+    raise OSError("not a terminal")
+
+
+@pytest.mark.parametrize("terminal", [_no_terminal, lambda fd: os.terminal_size((80, 24))],
+                         ids=["no terminal", "80-column terminal"])
+@pytest.mark.parametrize("argv, command", LEAVES + GROUPS, ids=[" ".join(a) or "rlbench" for a, _ in LEAVES + GROUPS])
+def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal, argv, command):
+    """`rlbench ... --help | cat` with COLUMNS unset: rich lays the help out in 80 columns there (and on an
+    80-column terminal), where it once cut `--rollout-external-engine-addrs` to `--rollout-external-en…`.
+    Every declared option name stands whole in the Options panel, and nothing is cut with an ellipsis."""
+    from typer.core import TyperOption
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", terminal)  # rich sizes its console from stdin/stdout/stderr's
+    res = cli(*argv, "--help")
+    assert res.returncode == 0, res.stderr
+    assert max(map(len, res.stdout.splitlines())) == 80 and "…" not in res.stdout, res.stdout
+    rows = _rows(_panels(res.stdout)["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None,
+                 _option_cells)
+    shown = {name for cells, _ in rows for cell in cells if cell.startswith("-") for name in cell.split(",")}
+    declared = {opt for p in command.params if isinstance(p, TyperOption) and not p.hidden
+                for opt in (*p.opts, *p.secondary_opts)}
+    assert shown == declared | {"--help", "-h"}, res.stdout
