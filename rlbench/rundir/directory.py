@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
-from rlbench.rundir.algorithm import CHECKSUM, older_checksums
+from rlbench.rundir.algorithm import CHECKSUM, SCHEMA, older_checksums
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.jsonio import parse_json, read_bytes, read_json
 from rlbench.rundir.lock import NAME as LOCK_NAME, RunLock
@@ -45,7 +45,6 @@ from rlbench.rundir.lock import NAME as LOCK_NAME, RunLock
 if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
 
-SCHEMA = "rlbench.run/1"
 # checksums.jsonl: the digests each stage of the loop adds to a step's line, in loop order.
 STAGE_CHECKSUMS = {"data": ("data",), "rollout": ("rollout_tokens", "rollout_logprobs"), "reward": ("rewards",),
                    "recorded": ("data", "rollout_tokens", "rollout_logprobs", "rewards"),
@@ -441,7 +440,7 @@ def read_run(root: str | Path) -> RunDir:
         if not isinstance(manifest.get(key), kind):
             raise BadInput(f"expected {kind.__name__ if kind is not dict else 'an object'}, got "
                            f"{type(manifest.get(key)).__name__}", path=path, field=key)
-    from rlbench.rundir.manifest import check_sections  # manifest.py reads this module's SCHEMA
+    from rlbench.rundir.sections import check_sections
 
     check_sections(manifest, path)
     metrics, notes = _read_jsonl(root / "metrics.jsonl")

@@ -42,11 +42,10 @@ from pathlib import Path
 import torch
 
 from rlbench.errors import BadInput
-from rlbench.rundir.algorithm import older_checksums
+from rlbench.rundir.algorithm import SCHEMA, older_checksums
 from rlbench.rundir.digest import ALGORITHM, tensors_digest
 from rlbench.rundir.jsonio import read_bytes, read_json
 
-SCHEMA = "rlbench.run/1"
 REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index", "loss_mask", "rollout_logprobs",
             "rewards")
 
