@@ -11,8 +11,10 @@ committed files are what it writes for the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import subprocess
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,12 +39,10 @@ def main() -> int:
     unknown = sorted(set(args.names) - set(suite))
     if unknown:
         parser.error(f"not in suite.json: {', '.join(unknown)} (entries: {', '.join(suite)})")
-    rlbench = [sys.executable, "-m", "rlbench.cli"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.names or suite:
             run_dir = Path(tmp) / name
-            code = subprocess.run([*rlbench, "run", *suite[name], "--out", str(run_dir), "--json"], cwd=REPO,
-                                  stdout=subprocess.DEVNULL).returncode
+            code = rlbench("run", *suite[name], "--out", str(run_dir), "--json", quiet=True)
             if code:  # rlbench said why on stderr (one line): no golden file is written from a failed run
                 print(f"regenerate.py: {name}: `rlbench run {' '.join(suite[name])}` exited {code}; no golden file "
                       f"written for it or after it", file=sys.stderr)
@@ -50,11 +50,29 @@ def main() -> int:
             manifest = json.loads((run_dir / "manifest.json").read_text())
             golden = suite_file.parent / golden_file_name(name, manifest)  # a CUDA run's: keyed to GPU and versions
             golden.parent.mkdir(exist_ok=True)
-            code = subprocess.run([*rlbench, "golden", "update", str(run_dir), str(golden.relative_to(REPO)),
-                                   "--reason", args.reason], cwd=REPO).returncode
+            code = rlbench("golden", "update", str(run_dir), str(golden.relative_to(REPO)), "--reason", args.reason)
             if code:
                 return code
     return 0
+
+
+def rlbench(*argv: str, quiet: bool = False) -> int:
+    """`rlbench ARGV` from the repository root, through the console entry point in this process (one
+    interpreter start for the whole suite, not two per entry); its exit code."""
+    from rlbench.cli import main
+
+    saved_argv, saved_cwd = sys.argv, os.getcwd()
+    sys.argv = ["rlbench", *argv]
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            main()
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
 
 
 if __name__ == "__main__":

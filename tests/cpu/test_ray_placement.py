@@ -148,11 +148,11 @@ def test_the_timeout_is_a_ray_setting():
 def test_a_ray_client_address_needs_the_client_extra(tmp_path, monkeypatch):
     import importlib.util
 
-    from rlbench.backends import registry
+    from rlbench import extras
     from tests.conftest import cli
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(registry.importlib.util, "find_spec",
+    monkeypatch.setattr(extras.importlib.util, "find_spec",
                         lambda name, *a: None if name == "grpc" else real(name, *a))
     res = cli("run", "--placement", "ray", "--ray-address", "ray://127.0.0.1:10001", "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and res.stderr.splitlines() == [
