@@ -20,6 +20,10 @@ trained tokens as 0 there, here it is left out); `token_mean_abs`, the mean over
 lengths); p99 and max |delta|; K3 KL E[exp(r) - r - 1] with r = delta; mean
 exp(|delta|) (NeMo-RL calls > 1.05 unhealthy); and the k worst tokens with their step, sample,
 position and the text around them. Thresholds make it a gate.
+
+Token ids are held to the run's vocabulary (core/vocab.py): an id the model has no logit for is bad
+input; a padded id (a logit the tokenizer has no text for) is judged like any other, shown as
+`<padded id N>`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlbench.core.vocab import Vocab, run_vocab
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
 from rlbench.rundir.directory import read_run, step_name
@@ -235,14 +240,14 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         tokenizer = load_tokenizer(config.model.tokenizer)
     except BadInput:
         tokenizer = None
+    vocab = run_vocab(run.manifest, run.root / "manifest.json", tokenizer)
     deltas, counts, candidates, rows, skipped, nonfinite = [], [], [], [], [], None
     left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
     wanted = run.steps if steps is None else [s for s in run.steps if s in set(steps)]
     for step in wanted:
         tensors, meta = recording.read_step(run.root, step)
-        if tokenizer is not None:
-            recording.check_ids(tensors, len(tokenizer), run.root / "rollouts" / f"{step_name(step)}.safetensors",
-                                "the run's tokenizer")
+        if vocab is not None:
+            vocab.check(tensors, run.root / "rollouts" / f"{step_name(step)}.safetensors")
         if recomputer is not None:
             trainer = recomputer.logprobs(step, tensors, meta["samples"])
         else:
@@ -281,7 +286,7 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
                        f"removed, {left_out['without_logprobs']} without engine log-probs)", path=run.root)
     all_counts = [c for step_counts in counts for c in step_counts]
     stats = statistics(everything, all_counts)
-    worst = _worst(candidates, top, tokenizer)
+    worst = _worst(candidates, top, tokenizer, vocab)
     first_nonfinite = _nonfinite(nonfinite, int((~everything.isfinite()).sum()))
     notes = [f"recomputed steps {[row['step'] for row in rows]}; no exact weights for steps {skipped}"] \
         if skipped else []
@@ -351,11 +356,13 @@ def _candidates(step: int, tensors: dict, index: torch.Tensor, trainer: torch.Te
     return out
 
 
-def _worst(candidates: list[tuple], top: int, tokenizer) -> list[WorstToken]:
-    """The `top` largest |delta| of the run, in step and token order among equals (NaN first, as argsort)."""
+def _worst(candidates: list[tuple], top: int, tokenizer, vocab: Vocab | None) -> list[WorstToken]:
+    """The `top` largest |delta| of the run, in step and token order among equals (NaN first, as argsort);
+    a padded id (no text: core/vocab.py) shows as `<padded id N>`."""
     order = torch.argsort(torch.tensor([c[0] for c in candidates], dtype=torch.float64), descending=True,
                           stable=True)[:top]
-    decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: str(ids))
+    # no vocabulary only without a tokenizer (run_vocab): the ids as they are
+    decode = (lambda ids: vocab.text(tokenizer, ids)) if vocab is not None else (lambda ids: str(ids))
     out = []
     for k in order.tolist():
         _, step, sample, token, token_id, context, trainer, rollout = candidates[k]

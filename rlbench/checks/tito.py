@@ -158,9 +158,11 @@ def _byte_table(tok) -> dict[int, bytes] | None:
 
 
 def decode(tok, ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of `ids`; a padded id (core/vocab.py: an id the tokenizer has none for) adds none, as in the
+    tokenizer's own decode."""
     table = None if skip_special_tokens else _byte_table(tok)
     if table is not None:
-        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        return b"".join([table.get(i, b"") for i in ids]).decode("utf-8", "replace")
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

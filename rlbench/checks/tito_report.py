@@ -25,6 +25,8 @@ class RunReport:
     compared: int = 0  # samples whose trained ids were held to the engine's, turn by turn
     non_canonical: int = 0  # samples with sampled ids that are not the canonical encoding of their text
     example: dict | None = None  # one such sample: where, the ids, the canonical ids, the text
+    padded_samples: int = 0  # samples that sampled padded ids (core/vocab.py: valid, no text)
+    padded_ids: int = 0  # how many padded ids they sampled
     # evidence lens: sampled / retokenised / undetermined (no model) / no_logprobs (undetermined: none recorded)
     evidence: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

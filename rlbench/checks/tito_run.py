@@ -8,6 +8,9 @@
   sampled as ids that are not the canonical encoding of their own text. A random policy does so all
   the time, and training on them is right; a pipeline that decoded and re-tokenised them would
   train on other ids (mode 1). The number says how exposed a run would be to such a pipeline.
+- Padded ids (every run, a note, never a finding): ids the model has a logit for and the tokenizer no
+  text (core/vocab.py). The engine samples them, rightly; no text re-tokenises to one, so a pipeline
+  that decoded and re-tokenised would lose them. An id the model has no logit for is bad input.
 - Evidence (a recording without engine ids: imported dumps): the importer already holds each sample
   to slime's invariant, response length = number of engine log-probs = loss-mask length. The lens
   applies to what the engine sampled: each run of loss-mask-1 tokens of the response is one sampled
@@ -31,6 +34,7 @@ from pathlib import Path
 from rlbench.checks.compare import first_divergence
 from rlbench.checks.tito import Finding, canonical, decode, finding
 from rlbench.checks.tito_report import RunReport, SampleFinding
+from rlbench.core.vocab import Vocab, run_vocab
 from rlbench.errors import BadInput
 
 # Log-probs of one id from two forwards of the same weights agree to ~1e-6 (fp32) or ~1e-1 (bf16 engine
@@ -129,13 +133,14 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
     tokenizer_dir = tokenizer_dir or (config.get("model") or {}).get("tokenizer")
     check_made_with(run, tokenizer=tokenizer_dir, model=model_dir)
     tok = load_tokenizer(tokenizer_dir)
+    vocab = run_vocab(run.manifest, run.root / "manifest.json", tok)
     evidence = None
     report = RunReport(str(run.root), "sampled")
     # recorded, not used: this lens compares the engine's own ids and renders nothing
     report.kwargs = dict(kwargs if kwargs is not None else (config.get("data") or {}).get("chat_template_kwargs") or {})
     for step in run.steps:
         tensors, meta = recording.read_step(run.root, step)
-        recording.check_ids(tensors, len(tok), run.root / "rollouts" / f"{step:06d}.safetensors", "the tokenizer")
+        vocab.check(tensors, run.root / "rollouts" / f"{step:06d}.safetensors")
         offsets, tokens = tensors["offsets"].tolist(), tensors["tokens"].tolist()  # once a step, not a sample
         mask = tensors["loss_mask"].tolist()
         for i, sample in enumerate(meta["samples"]):
@@ -160,6 +165,7 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
                 found = _check_turns(tok, turns, ids, label)
                 if found is not None:
                     report.findings.append(SampleFinding(step, i, found.where, found))
+            _count_padded(report, vocab, turns)
             odd = _non_canonical(tok, turns)
             if odd is not None:
                 report.non_canonical += 1
@@ -170,12 +176,23 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
     if report.lens == "evidence" and report.compared:
         report.notes.append(f"{report.compared} samples held engine ids and were compared exactly; the others "
                             "were judged by evidence")
+    if report.padded_ids:
+        report.notes.append(f"{report.padded_samples} samples sampled {report.padded_ids} padded ids (>= the "
+                            f"tokenizer's {vocab.tokenizer} ids, < the model's {vocab.model}): valid and trained as "
+                            "sampled, but no text decodes to them: a pipeline that decodes and re-tokenises loses them")
     if report.removed:
         report.notes.append(f"{report.removed} samples removed by slime (remove_sample): not trained, not judged")
     if report.evidence.get("no_logprobs"):
         report.notes.append(f"{report.evidence['no_logprobs']} non-canonical samples without engine log-probs: "
                             "undetermined (no log-prob to hold to the trainer's)")
     return report
+
+
+def _count_padded(report: RunReport, vocab: Vocab, turns: list[dict]) -> None:
+    """The padded ids (core/vocab.py) the engine sampled in one sample's turns, counted in `report`."""
+    count = sum(vocab.count_padded(turn["output_ids"]) for turn in turns)
+    report.padded_ids += count
+    report.padded_samples += bool(count)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from rlbench.core.protocols import RolloutEngine, Trainer
 from rlbench.core.reward import RewardInput, load_reward_fn
 from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import Prompt
+from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 from rlbench.rundir.digest import weights_digest
 from rlbench.rundir.directory import RunDir, RunWriter, read_run
@@ -110,7 +111,7 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     initial_digest = weights_digest(named_weights(model))
     model_weights = _first_sync_reference(config, model, start)
     trainer, engine = _local_backends(config, model, start, init_checkpoint)
-    made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source)
+    made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
     prompt_ids = _prompt_ids(config, tokenizer, dataset, model)
     cursor = None if source is not None else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step,
                                                            config.data.shuffle)
@@ -225,9 +226,9 @@ def _local_backends(config: RunConfig, model: PreTrainedModel, start: int,
 
 
 def _manifest(config: RunConfig, command: str | None, determinism: dict, reward_name: str, weights: dict | None,
-              initial_digest: str, source: RunDir | None) -> dict:
+              initial_digest: str, source: RunDir | None, tokenizer: PreTrainedTokenizerBase) -> dict:
     """The run's manifest (rundir/manifest.py lays it out), less the engines' server info, which `_start`
-    adds once they are up."""
+    adds once they are up. Its vocabulary: the model's and the tokenizer's sizes (core/vocab.py)."""
     stages = {"full": STAGES, "rollout-only": STAGES[:3], "train-only": ("recorded",) + STAGES[3:6]}[config.mode]
     hashes = {
         "model_config": file_digest(Path(config.model.path) / "config.json"),
@@ -237,7 +238,7 @@ def _manifest(config: RunConfig, command: str | None, determinism: dict, reward_
     }
     return manifest(config, command=command, stages=stages, reward_fn=reward_name, versions=versions(config),
                     device_name=_device_name(config.device), determinism=determinism, weights=weights, hashes=hashes,
-                    source=source)
+                    vocab=Vocab(model_vocab(config.model.path), len(tokenizer)).as_manifest(), source=source)
 
 
 def _prompt_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase, dataset: list[Prompt],

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rlbench.config import ModelConfig, RunConfig
+from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 
 STATUS_TO_FINISH = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "abort",
@@ -339,7 +340,7 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
                  model_given: bool = True) -> dict:
     """Write the dumps as a recording at `out`; return a summary. Token ids are held to the model's
     vocabulary when a model was given (`model_given`), else to the tokenizer's."""
-    from rlbench.core.model import load_model_config, load_tokenizer
+    from rlbench.core.model import load_tokenizer
 
     if not dumps:
         raise BadInput("no dump files given", field="DUMP")
@@ -349,13 +350,13 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
         raise BadInput(f"rollout ids repeat across the dumps: {ids}", field="DUMP")
     tokenizer = load_tokenizer(model.tokenizer)  # refuse a missing or broken tokenizer before anything is written
     if model_given:
-        vocab, vocabulary = load_model_config(model.path).vocab_size, f"the model's vocabulary ({model.path})"
+        vocab, vocabulary = model_vocab(model.path), f"the model's vocabulary ({model.path})"
     else:
         vocab, vocabulary = len(tokenizer), f"the tokenizer's vocabulary ({model.tokenizer})"
     steps = [(dump["rollout_id"], path, _read_step(dump, path, reward_key, vocab, vocabulary)) for dump, path in loaded]
     counts, notes = _notes(steps)
     sizes = [_group_sizes(rows) for _, _, rows in steps]
-    _write(steps, sizes, out, model, dumps)
+    _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)))
     flat = sorted({s for step_sizes in sizes for s in step_sizes})
     return {"out": str(out), "steps": len(steps), "rollout_ids": [rid for rid, _, _ in steps],
             "samples": sum(len(rows) for _, _, rows in steps), "samples_per_step": [len(rows) for _, _, rows in steps],
@@ -363,10 +364,11 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
 
 
 def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], out: Path, model: ModelConfig,
-           dumps: list[Path]) -> None:
-    """The recording: a rollout-only manifest and one committed step per dump. The dumps do not say
-    slime's batch settings: prompts per step and samples per prompt are the largest of the dumps'
-    (groups may differ in size), and one optimizer step per rollout id (train.minibatches 1)."""
+           dumps: list[Path], vocab: Vocab) -> None:
+    """The recording: a rollout-only manifest (its vocabulary: the one the ids were held to, core/vocab.py)
+    and one committed step per dump. The dumps do not say slime's batch settings: prompts per step and
+    samples per prompt are the largest of the dumps' (groups may differ in size), and one optimizer step
+    per rollout id (train.minibatches 1)."""
     import json
 
     from rlbench.core.context import versions
@@ -385,7 +387,8 @@ def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], ou
         "device": "cpu", "imported": {"from": "slime", "files": [str(p) for _, p, _ in steps],
                                       "rollout_ids": [rid for rid, _, _ in steps], "group_sizes": sizes},
         "hashes": {"model_config": file_digest(Path(model.path) / "config.json"),
-                   "tokenizer": file_digest(Path(model.tokenizer)), "initial_weights": None, "dataset": None}}))
+                   "tokenizer": file_digest(Path(model.tokenizer)), "initial_weights": None, "dataset": None},
+        "vocab": vocab.as_manifest()}))
     writer = RunWriter(out, manifest)
     try:
         for step, (rollout_id, _, rows) in enumerate(steps):

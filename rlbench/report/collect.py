@@ -23,7 +23,7 @@ STEP_BUDGET = 2_000  # the mismatch section reads at most about this many steps'
 TITO_SAMPLE_BUDGET = 20_000  # check tito on the page only up to this many samples (the command checks any number)
 WORST = 12
 MANIFEST_KEYS = ("created", "command", "mode", "seed", "device", "device_name", "stages", "reward_fn", "weights",
-                 "versions", "determinism", "numerics", "platform")
+                 "vocab", "versions", "determinism", "numerics", "platform")
 
 
 def collect(run_a: str | Path, run_b: str | Path | None = None, golden: str | Path | None = None,
@@ -180,7 +180,8 @@ def _two_samples(a: RunDir, b: RunDir, step: int, sample: int) -> dict:
 
 
 def _token_texts(run: RunDir, ids: list[int]) -> dict[int, str]:
-    """Each id's own text with the run's tokenizer ({} when it cannot be loaded: the ids still show)."""
+    """Each id's own text with the run's tokenizer ({} when it cannot be loaded: the ids still show); a padded
+    id (core/vocab.py: no text) as `<padded id N>`."""
     tokenizer_dir = ((run.manifest.get("config") or {}).get("model") or {}).get("tokenizer")
     try:
         from rlbench.core.model import load_tokenizer
@@ -188,7 +189,10 @@ def _token_texts(run: RunDir, ids: list[int]) -> dict[int, str]:
         tokenizer = load_tokenizer(tokenizer_dir)
     except (BadInput, TypeError):
         return {}
-    return {t: tokenizer.decode([t]) for t in set(ids)}
+    from rlbench.core.vocab import run_vocab
+
+    vocab = run_vocab(run.manifest, run.root / "manifest.json", tokenizer)
+    return {t: vocab.text(tokenizer, [t]) for t in set(ids)}
 
 
 def _golden(run: RunDir, path: str | Path, rename: dict[str, str] | None, tier: str, ignore: list[str],

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...], reward_fn: str,
              versions: dict[str, str | None], device_name: str | None, determinism: dict, weights: dict | None,
-             hashes: dict[str, str | None], source: RunDir | None = None) -> dict:
+             hashes: dict[str, str | None], vocab: dict[str, int] | None = None,
+             source: RunDir | None = None) -> dict:
     """The manifest of a run of `config`: `command` is the command line that asked for it, `stages` the
     loop's stages in its mode, `reward_fn` the verifier's name, `weights` where the initial weights came
     from (a checkpoint's files, or a seed), `hashes` the sha256 of its input files and the checksum (`checksum`,
-    the algorithm every tensor checksum of the run uses) of its initial weights, `source` the recording a
-    train-only run reads (None otherwise)."""
+    the algorithm every tensor checksum of the run uses) of its initial weights, `vocab` the model's and the
+    tokenizer's vocabulary sizes (core/vocab.py: which token ids are valid, which decode), `source` the
+    recording a train-only run reads (None otherwise)."""
     made = {
         "schema": SCHEMA,
         "checksum": CHECKSUM,
@@ -48,6 +50,7 @@ def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...],
         "weights": weights,
         "numerics": numerics.identity(),
         "hashes": hashes,
+        "vocab": vocab,
     }
     if source is not None:
         made["source"] = {"run": str(source.root), "steps": len(source.steps),

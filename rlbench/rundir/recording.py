@@ -231,11 +231,3 @@ def _check_nucleus(t: dict[str, torch.Tensor], total: int, path: Path) -> None:
             bool((offsets[1:] < offsets[:-1]).any()):
         raise BadInput(f"tensor 'top_p_offsets' is not a monotone split of 'top_p_ids' with one span per token "
                        f"({total} tokens)", path=path)
-
-
-def check_ids(tensors: dict[str, torch.Tensor], vocab: int, path: Path, what: str) -> None:
-    """Every token id inside a vocabulary of `vocab` ids (`what` names it), else BadInput naming the file."""
-    for key in ("tokens", "top_p_ids"):
-        ids = tensors.get(key)
-        if ids is not None and ids.numel() and int(ids.max()) >= vocab:
-            raise BadInput(f"token id {int(ids.max())} is outside {what} ({vocab} ids)", path=path)

@@ -12,7 +12,8 @@ from pathlib import Path
 from rlbench.errors import BadInput
 
 # The manifest's own sections that are objects when written; null is read as absent (a run without them).
-OBJECT_SECTIONS = ("versions", "platform", "determinism", "weights", "numerics", "hashes", "source", "engines")
+OBJECT_SECTIONS = ("versions", "platform", "determinism", "weights", "numerics", "hashes", "vocab", "source",
+                   "engines")
 
 
 def _config_tables() -> list[str]:

@@ -151,6 +151,7 @@ class ServerState:
         from rlbench.backends.hf_engine import HFEngine
         from rlbench.core.model import build_model, load_tokenizer
         from rlbench.core.seeding import configure_determinism
+        from rlbench.core.vocab import model_vocab
         from rlbench.serve.weights import Checker
         from rlbench.serve.worker import EngineWorker
 
@@ -167,7 +168,7 @@ class ServerState:
             from rlbench.backends.prompt_cache import PromptCache
 
             self.engine.prompt_cache = PromptCache(config.prefix_cache_mb << 20)
-        self.vocab = self.engine.vocab
+        self.vocab = model_vocab(config.model_path)  # core/vocab.py: the ids the engine samples and accepts
         positions = int(getattr(self.engine.model.config, "max_position_embeddings", None) or 1 << 30)
         if config.context_length is not None and config.context_length > positions:
             raise BadInput(f"expected at most the model's max_position_embeddings ({positions}), got "

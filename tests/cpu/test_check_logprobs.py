@@ -265,14 +265,20 @@ def test_a_run_is_read_with_the_tokenizer_and_model_it_was_made_with(tmp_path):
         check_logprobs(other_model, recompute=True)
 
 
-def test_token_ids_are_held_to_the_runs_tokenizer_which_shows_the_worst_tokens(tmp_path):
+def test_token_ids_are_held_to_the_runs_model_vocabulary_and_the_tokenizer_shows_the_worst_tokens(tmp_path):
+    """core/vocab.py: an id is valid below the model's vocabulary (the manifest's, else the model's config.json:
+    the fixture's 314); one the tokenizer has no text for (a padded id) shows as such."""
     steps = [([-1.0, -2.0, -1.0, -1.0], [-1.0, -2.5, -1.0, -1.0])]
     word_level_tokenizer().save_pretrained(tmp_path / "tok")
-    small = _recorded(tmp_path / "small", steps, config=_config(model={"tokenizer": str(tmp_path / "tok")}))
+    config = _config(model={"tokenizer": str(tmp_path / "tok")})
+    small = _recorded(tmp_path / "small", steps, config=config, vocab={"model": 63, "tokenizer": 4})
     with pytest.raises(BadInput) as info:
         check_logprobs(small)
-    assert str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: token id 63 is outside the run's " \
-                              "tokenizer (4 ids)"
+    assert str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: tokens: token id 63 is outside the " \
+                              "model's vocabulary (63 ids; the tokenizer has 4)"
+    [worst] = check_logprobs(_recorded(tmp_path / "padded", steps, config=config), top=1).worst
+    assert (worst.token_id, worst.text, worst.context) == (61, "<padded id 61>",
+                                                           "odd<padded id 50><padded id 51><padded id 60>")
     # a run whose tokenizer is gone: the ids themselves are shown
     gone = _recorded(tmp_path / "gone", steps, config=_config(model={"tokenizer": str(tmp_path / "gone-tokenizer")}))
     [worst] = check_logprobs(gone, top=1).worst

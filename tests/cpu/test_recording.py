@@ -178,13 +178,16 @@ def test_edge_values_of_the_layout_are_accepted(tmp_path):
     assert recording.read_step(tmp_path, 3)[0]["offsets"].tolist() == [0, 3, 3]
 
 
-def test_check_ids_holds_tokens_to_the_vocabulary(tmp_path):
+def test_check_ids_holds_tokens_to_the_models_vocabulary(tmp_path):
+    from rlbench.core.vocab import Vocab
+
     t = _packed()
-    recording.check_ids(t, 11, tmp_path / "x", "the tokenizer")  # max id 10 of 11 ids
-    with pytest.raises(BadInput, match=r"token id 10 is outside the tokenizer \(10 ids\)") as info:
-        recording.check_ids(t, 10, tmp_path / "x", "the tokenizer")
-    assert info.value.path == str(tmp_path / "x")
-    recording.check_ids({"tokens": torch.zeros(0, dtype=torch.long)}, 0, tmp_path, "none")
+    Vocab(11, 4).check(t, tmp_path / "x")  # max id 10 of the model's 11: valid, though the tokenizer has 4 ids
+    with pytest.raises(BadInput, match=r"token id 10 is outside the model's vocabulary \(10 ids; the tokenizer has "
+                                       r"4\)") as info:
+        Vocab(10, 4).check(t, tmp_path / "x")
+    assert info.value.path == str(tmp_path / "x") and info.value.field == "tokens"
+    Vocab(1, 1).check({"tokens": torch.zeros(0, dtype=torch.long)}, tmp_path)
 
 
 # ---------------------------------------------------------------- digests

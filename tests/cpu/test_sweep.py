@@ -385,7 +385,7 @@ def test_import_of_a_dump_that_is_no_torch_file(base, tmp_path_factory, cut, gar
 
 WRONG_SECTIONS = [  # a manifest section (a table) holding a value of another type, as a hand or another tool may write
     (("config", "model"), "qwen-tiny"), (("config", "rollout"), [1, 2]), (("config", "rollout", "sglang"), "x"),
-    (("config", "train"), None), (("hashes",), "abc"), (("versions",), 3), (("numerics",), []),
+    (("config", "train"), None), (("hashes",), "abc"), (("versions",), 3), (("numerics",), []), (("vocab",), 5),
 ]
 
 

@@ -359,7 +359,8 @@ def open_engine(config, start_servers: Callable[[Fleet, Client], None] | None = 
 
 
 def _vocab(model_path: str) -> int:
-    """The model's vocabulary (its config's vocab_size): every sampled id must be inside it."""
-    from rlbench.core.model import load_model_config
+    """The model's vocabulary (core/vocab.py: its config's vocab_size): every sampled id must be inside it,
+    padded ids (those the tokenizer has no text for) included, as SGLang samples them."""
+    from rlbench.core.vocab import model_vocab
 
-    return int(load_model_config(model_path).vocab_size)
+    return model_vocab(model_path)

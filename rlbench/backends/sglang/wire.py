@@ -9,8 +9,9 @@ io_struct.py, tokenizer_manager.py, schedule_batch.py; /work/shared/sglang-api.m
   top_k 0 ("off") is sent as -1, SGLang's off (SGLang refuses 0).
 - It reads the sampled ids and log-probs from `meta_info.output_token_logprobs` (as slime does) and
   holds the answer to what was asked before anything of it is kept (`parse_answer`): ids inside the
-  vocabulary and equal to `output_ids`, log-probs finite and <= 0, no more tokens than asked, and a
-  finish reason that agrees with them ("length": exactly max_new_tokens, none of them a stop token;
+  model's vocabulary (core/vocab.py: padded ids too, as SGLang samples them) and equal to `output_ids`,
+  log-probs finite and <= 0, no more tokens than asked, and a finish reason that agrees with them
+  ("length": exactly max_new_tokens, none of them a stop token;
   "stop": the last token, one the request listed). An aborted answer (HTTP 200, finish type "abort",
   what SGLang sends for /abort_request, a pause or a timeout, with the partial output) is never kept.
   Either is `BadAnswer`: a failed attempt, which the engine sends again (same seed, same tokens).
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlbench.core.types import GenerateRequest
+from rlbench.core.vocab import valid_id
 from rlbench.validate import normalize_url  # noqa: F401 - the client's and the fleet's, as the server's
 
 if TYPE_CHECKING:
@@ -104,7 +106,7 @@ def _entries(entries: Any, vocab: int, bad) -> tuple[tuple[int, ...], tuple[floa
         if not isinstance(entry, list) or len(entry) < 2:
             raise bad(f"{field}[{i}]", "[logprob, token_id, text]", entry)
         logprob, token = entry[0], entry[1]
-        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+        if not valid_id(token, vocab):
             raise bad(f"{field}[{i}] token id", f"an id in [0, {vocab}) (the model's vocabulary)", token)
         if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob) \
                 or logprob > 0:
