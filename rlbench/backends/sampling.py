@@ -1,11 +1,22 @@
 """Token choice for the embedded engine: per-request noise, temperature, top-k and top-p, batched.
 
-Gumbel-max sampling: with g = -log(-log(u)), u ~ U[0, 1) drawn from the request's own generator
-(seeded with its `seed`, one draw of a vocabulary's width per decoded token), the token is
-argmax(log_softmax(logits / T) + g) over the tokens top-k and top-p keep. That is a sample of
-the renormalised truncated distribution, and every quantity in it belongs to one row, so a
-request's choice depends on its own logits and its own noise, never on its neighbours (SGLang's
-deterministic mode samples the same way, with noise hashed from the seed and the position).
+Gumbel-max sampling: with g = -log(-log(u)), the token is argmax(log_softmax(logits / T) + g) over the
+tokens top-k and top-p keep. That is a sample of the renormalised truncated distribution, and every
+quantity in it belongs to one row, so a request's choice depends on its own logits and its own noise,
+never on its neighbours (SGLang's deterministic mode samples the same way, with noise hashed from the
+seed and the position).
+
+The noise is drawn from each request's own torch generator (`RequestNoise`), on the CPU, one draw of a
+vocabulary's width per token: at a real vocabulary on a GPU that is the rollout's bottleneck (issue 34).
+`uniforms` is its replacement, not yet switched on (it re-draws every sample, so every CPU bit and the
+default run's learning with them): u for vocabulary index v of a request's t-th new token is a hash of
+(its seed, t, v), computed with 32-bit integer operations held in int64 tensors that never
+overflow (multiplications split into 16-bit halves), then turned into a float32 by exact steps. So it
+is computed where the logits are, for the whole batch in a few tensor operations, with no host work
+and no copy per token, and its bits are the same on every device: the CPU's and a GPU's are equal by
+construction (tests/cpu/test_sampling.py holds the tensors to a pure-Python definition; tests/gpu, the
+GPU's to the CPU's). The hash is lowbias32 (C. Wellons' integer hash, a bijection of 32-bit words),
+applied in rounds: over the seed's two words and t for the row, then over the row's word and v.
 
 Filters follow SGLang's semantics (srt/layers/sampler.py, the pytorch sampler): probabilities are
 sorted descending (stable: ties keep index order); a token is kept if its rank is below top_k and
@@ -26,6 +37,25 @@ import torch
 from rlbench.core.types import GenerateRequest
 
 
+MASK32 = 0xFFFFFFFF
+_SALT = 0x243F6A88  # pi's first 32 fraction bits: the row hash's start (any constant would do; this one is named)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64 and a 32-bit constant c, with every product under
+    2^48: int64 never overflows, on any device."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32: a bijection of 32-bit words whose every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
 class RequestNoise:
     """A request's own noise stream: the t-th call gives the uniform draws for its t-th token."""
 
@@ -39,6 +69,23 @@ class RequestNoise:
         if self.generator is None:
             return torch.full((self.vocab,), 0.5)
         return torch.rand(self.vocab, generator=self.generator)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A request's seed (any i64, as SGLang's sampling_seed) as its two's-complement (low, high) 32-bit words."""
+    bits = seed & ((1 << 64) - 1)
+    return bits & MASK32, bits >> 32
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 in (0, 1): the noise of each row's token number `step` (0: its first new token),
+    rows given by their seeds' words ([B] int64 each, on the device the noise is wanted on). Exact: the
+    hash's top 23 bits h give u = (2h + 1) / 2^24, an odd multiple of 2^-24 (never 0 or 1), which float32
+    holds exactly."""
+    row = _mix32(_mix32(_mix32(seed_hi ^ _SALT) ^ seed_lo) ^ (step & MASK32))
+    index = _mix32(torch.arange(vocab, dtype=torch.int64, device=seed_lo.device))
+    word = _mix32(_mix32(row[:, None] ^ index[None, :]) ^ row[:, None])
+    return ((word >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
 class SamplingRows:
