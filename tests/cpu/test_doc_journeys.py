@@ -1,10 +1,14 @@
 """The docs' journeys as a user types them: every block between `<!-- journey:NAME -->` and
-`<!-- /journey -->` in docs/*.md runs here, each line its own process (`bash -c LINE`), in order, in a
-fresh directory laid out like the repository, with the exit code its comment gives (`(exit N)`, else 0).
+`<!-- /journey -->` in docs/*.md runs here, in order, in a fresh directory laid out like the repository,
+with the exit code its comment gives (`(exit N)`, else 0). A server is its own process, as the user starts
+it; a client line `rlbench ...` runs through the CLI's own entry point in this process (the same parsing,
+errors and exit codes, without an interpreter's start-up: tests/conftest.py `cli`); any other line is
+`bash -c LINE`.
 
-A line ending in `&` starts a server in the background, as in a shell, and the next line waits for it
-the way a user does, on an event rather than a clock: `rlbench serve` until it prints where it listens,
-sglang-router until it lists every worker it was given. Background processes run until the block's
+A line ending in `&` starts a server in the background, as in a shell, and the next command waits for it
+the way a user does, on an event rather than a clock: `rlbench serve` until it prints where it listens
+(servers started one after the other come up together), sglang-router until it lists every worker it was
+given. Background processes run until the block's
 test ends, then get Ctrl-C (SIGINT) and must exit by themselves. The one change from the docs: the
 ports 30000-30009 that a block names become free ports the OS gives, the same one wherever a block
 repeats it. Nothing else is passed, no environment variable set.
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, cli
 
 BLOCK = re.compile(r"<!-- journey:([\w-]+) -->\n```bash\n(.*?)```\n<!-- /journey -->", re.S)
 LISTENING = "rlbench serve: listening on "
@@ -66,16 +70,24 @@ class Shell:
     ports: dict[str, str] = field(default_factory=dict)
     background: list[subprocess.Popen] = field(default_factory=list)
     logs: dict[int, list[str]] = field(default_factory=dict)
+    pending: list[tuple[str, subprocess.Popen, threading.Event]] = field(default_factory=list)
 
     def line(self, text: str) -> str:
         return PORT.sub(lambda m: self.ports.setdefault(m.group(0), str(_free_port())), text)
 
     def run(self, command: str, expected: int) -> str:
+        serving = command.startswith("rlbench serve ")
+        if not (serving and command.endswith("&")):
+            self.wait_for_servers()  # a user starts the servers, then waits for them before the next command
         if command.endswith("&"):
             self._start(self.line(command[:-1].strip()))
             return ""
-        res = subprocess.run(["bash", "-c", self.line(command)], cwd=self.cwd, capture_output=True, text=True,
-                             timeout=600, stdin=subprocess.DEVNULL)
+        argv = shlex.split(self.line(command))
+        if argv[0] == "rlbench" and not set("*?$|;&<>`").intersection(command):
+            res = cli(*argv[1:], cwd=self.cwd)  # a client: the CLI's own entry point in this process
+        else:
+            res = subprocess.run(["bash", "-c", self.line(command)], cwd=self.cwd, capture_output=True, text=True,
+                                 timeout=600, stdin=subprocess.DEVNULL)
         output = res.stdout + res.stderr
         assert res.returncode == expected, f"`{command}` exited {res.returncode}, the docs say {expected}:\n" \
                                            f"{output[-3000:]}"
@@ -100,14 +112,20 @@ class Shell:
         threading.Thread(target=drain, daemon=True).start()
         argv = shlex.split(command)
         if argv[:2] == ["rlbench", "serve"]:
-            listening.wait(READY_TIMEOUT_S)  # set when the server says where it listens, or exits
-            assert any(out.startswith(LISTENING) for out in seen), \
-                f"`{command}` did not listen (exit {proc.poll()}):\n{''.join(seen)[-3000:]}"
+            self.pending.append((command, proc, listening))  # waited for before the next other command
             return
         if "sglang_router.launch_router" in argv:
             self._router_ready(proc, argv, command)
             return
         raise AssertionError(f"no way to tell when `{command}` is ready: teach test_doc_journeys.py")
+
+    def wait_for_servers(self) -> None:
+        for command, proc, listening in self.pending:
+            listening.wait(READY_TIMEOUT_S)  # set when the server says where it listens, or exits
+            seen = self.logs[proc.pid]
+            assert any(out.startswith(LISTENING) for out in seen), \
+                f"`{command}` did not listen (exit {proc.poll()}):\n{''.join(seen)[-3000:]}"
+        self.pending.clear()
 
     def _router_ready(self, proc: subprocess.Popen, argv: list[str], command: str) -> None:
         port = argv[argv.index("--port") + 1]

@@ -82,6 +82,7 @@ def test_the_readme_tour_runs_with_exit_0(tmp_path, monkeypatch):
         for command in lines:
             if command.endswith("&"):
                 shell.run(command, 0)
+                shell.wait_for_servers()  # until it prints where it listens
                 port = next(iter(shell.ports.values()))
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=60) as answer:
                     assert json.load(answer)["model_path"]
