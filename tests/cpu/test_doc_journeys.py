@@ -203,16 +203,29 @@ def test_the_conformance_suite_against_a_server_the_user_started(shell):
 
 @pytest.mark.slow
 def test_regenerating_the_golden_files_writes_what_is_committed(shell):
-    """The golden page's block, on a copy of golden/: each CPU file is remade with the same series and the
-    reason kept; the GPU suite's line, without CUDA, stops in rlbench's one line and writes nothing."""
+    """The golden page's block, on a copy of golden/: each CPU entry of golden/suite.json is run as a user runs
+    it and its file remade by `golden update`, which must give the committed file's identity and series (timings
+    aside) with the new reason kept: so the committed files are what the suite's runs give today, and not hand
+    edits. (`check golden` on a fresh run against them is a usage example: test_readme_examples.py.) The GPU
+    suite's line, without CUDA, stops in rlbench's one line and writes nothing."""
     (shell.cwd / "golden").unlink()
     copy = shutil.copytree(REPO / "golden", shell.cwd / "golden")
     outputs = _walk(shell, "regenerate")
     assert "device: no CUDA device" in outputs[1] and "Traceback" not in outputs[1], outputs[1]
-    for name in json.loads((REPO / "golden" / "suite.json").read_text()):
+    suite = json.loads((REPO / "golden" / "suite.json").read_text())
+    assert {p.stem for p in (REPO / "golden").glob("*.json") if p.name != "suite.json"} == set(suite)
+    for name in suite:  # the committed file is what `golden update` writes for this entry's run today
         committed, remade = (json.loads((d / f"{name}.json").read_text()) for d in (REPO / "golden", copy))
-        timed = {k for k in committed["metrics"] if k.startswith("perf/")}  # timings: never compared exactly
+        for key in ("platform", "device_name", "versions", "determinism", "mode", "config", "config_hash"):
+            assert committed["header"][key] == remade["header"][key], (name, key)
+        timed = {k for k in committed["metrics"] if k.startswith("perf/")}  # timings: the grid and tolerance only
         assert set(remade["metrics"]) == set(committed["metrics"]) and timed, name
-        assert {k: v for k, v in remade["metrics"].items() if k not in timed} == \
-            {k: v for k, v in committed["metrics"].items() if k not in timed}, name
-        assert "GRPO: population std, as in the paper" in json.dumps(remade), name
+        for metric, series in remade["metrics"].items():
+            if metric in timed:
+                series = {**series, "values": committed["metrics"][metric]["values"]}
+            assert committed["metrics"][metric] == series, (name, metric)
+        history = committed["header"]["history"]
+        assert history and all(entry["reason"] and entry["command"].startswith("rlbench golden update")
+                               for entry in history)
+        assert committed["header"]["reason"] == history[-1]["reason"]
+        assert remade["header"]["reason"] == "GRPO: population std, as in the paper", name
