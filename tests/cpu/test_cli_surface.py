@@ -243,3 +243,20 @@ def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal,
     declared = {opt for p in command.params if isinstance(p, TyperOption) and not p.hidden
                 for opt in (*p.opts, *p.secondary_opts)}
     assert shown == declared | {"--help", "-h"}, res.stdout
+
+
+def test_stream_output_is_sglangs_earlier_name_kept_out_of_help(monkeypatch):
+    """`--stream-output` (SGLang's name before 0.5.23) sets what `--incremental-streaming-output` sets; --help
+    lists only the current name (the pair left the help text no room at 80 columns)."""
+    import rlbench.serve.server as server
+    from tests.conftest import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda config, announce: seen.append(config.incremental_streaming_output))
+    for flags in (["--stream-output"], ["--incremental-streaming-output"], []):
+        assert cli("serve", "--port", "0", *flags).returncode == 0
+    assert seen == [True, True, False]
+    shown = cli("serve", "--help").stdout
+    names = re.findall(r"^│ (--[\w,-]+)", shown, re.M)  # each option row's names
+    assert "--incremental-streaming-output" in names and "--port" in names
+    assert not [n for n in names if "--stream-output" in n], names
