@@ -6,8 +6,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import typer
-
 from rlbench.cli.app import Debug, app, stdout
 from rlbench.cli.options import config_option, overrides
 from rlbench.backends.sglang.wire import LISTENING
@@ -50,8 +48,8 @@ def serve(
     skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)] = False,
     incremental_streaming_output: Annotated[bool, _option("incremental_streaming_output",
                                                           "--incremental-streaming-output", flag_value=True)] = False,
-    stream_output: Annotated[bool, typer.Option("--stream-output", hidden=True,
-                                                help="SGLang's earlier name of --incremental-streaming-output.")] = False,
+    stream_output: Annotated[bool, _option("incremental_streaming_output", "--stream-output", flag_value=True,
+                                           hidden=True)] = False,  # SGLang's earlier name, kept out of --help
     max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
     api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=API_KEY_ENV, show_envvar=True,
                                               default_text="none")] = None,
@@ -69,8 +67,6 @@ def serve(
 
     require(SERVE_MODULES, SERVE_EXTRA, "rlbench serve")  # before the model loads or anything listens
     given = overrides(serve, {name: value for name, value in locals().items() if name != "debug"})
-    if stream_output:  # its earlier name, kept out of --help: the pair left the help text no room at 80 columns
-        given["incremental_streaming_output"] = True
     if "load_format" not in given and "model_path" in given:
         given["load_format"] = "auto"  # a model directory given means its weights; random weights only when asked
     config = ServeConfig(**given)

@@ -94,7 +94,9 @@ def test_workers_rank_0_stops_itself_are_no_news_to_their_watchers():
 def test_a_worker_that_exits_before_it_signs_in_is_named(capfd):
     pending, died = _join(2, "raise SystemExit(3)")
     assert str(died) == "megatron rank 1 of 2 exited with code 3 before it joined the others; nothing was trained"
-    assert capfd.readouterr().err == ""
+    # Nothing of rlbench's. torch's TCPStore (this process hosts it) may log that it could not answer the dead
+    # rank, or not, as the kill and the store's write race: its line is torch's, its timing not ours.
+    assert [line for line in capfd.readouterr().err.splitlines() if "[c10d]" not in line] == []
 
 
 def test_a_worker_that_dies_in_the_rendezvous_is_named_and_the_others_stopped(capfd):
@@ -104,7 +106,9 @@ def test_a_worker_that_dies_in_the_rendezvous_is_named_and_the_others_stopped(ca
     assert str(died) == ("megatron rank 1 of 3 was killed (SIGKILL) while the ranks set up their process groups; "
                          "nothing was trained")
     assert [proc.poll() for proc in pending.workers] == [-signal.SIGKILL, -signal.SIGKILL]
-    assert capfd.readouterr().err == ""
+    # Nothing of rlbench's. torch's TCPStore (this process hosts it) may log that it could not answer the dead
+    # rank, or not, as the kill and the store's write race: its line is torch's, its timing not ours.
+    assert [line for line in capfd.readouterr().err.splitlines() if "[c10d]" not in line] == []
 
 
 def test_a_worker_that_never_signs_in_is_named_at_the_join_timeout(monkeypatch):
