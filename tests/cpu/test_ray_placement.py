@@ -295,7 +295,8 @@ def test_the_trainer_actor_removes_its_checkpoint_directory_before_the_placement
     from types import SimpleNamespace
 
     from rlbench.core.model import build_model, named_weights
-    from rlbench.placement.ray import Placement, TrainerActor, pack
+    from rlbench.placement.ray import Placement
+    from rlbench.placement.ray_actors import TrainerActor, pack
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     config = small_config

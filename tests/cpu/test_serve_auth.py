@@ -171,7 +171,7 @@ def test_a_ray_server_actor_gets_the_key_as_an_argument_not_from_its_environment
     starts listens on the node's address, beyond loopback, which it would refuse without a key; with the handed
     key it starts, and a request without the key gets 401, with it 200."""
     pytest.importorskip("ray")
-    from rlbench.placement.ray import ServerActor
+    from rlbench.placement.ray_actors import ServerActor
 
     monkeypatch.delenv("RLBENCH_SGLANG_API_KEY", raising=False)
     config = load_config(rollout__backend="sglang", rollout__sglang_server="rlbench")

@@ -6,7 +6,7 @@ workers, which only train. There is one worker main (worker.py's `work`) and two
 
 - `Processes` (in-process placement): `python -m rlbench.backends.megatron.worker` per rank, on
   this machine, joined through a TCP store on 127.0.0.1;
-- `rlbench.placement.ray.RankActors` (`--placement ray`): a Ray actor per rank, in the trainer's
+- `rlbench.placement.ray_actors.RankActors` (`--placement ray`): a Ray actor per rank, in the trainer's
   placement group, joined through a store on the trainer actor's node IP.
 
 This module names worker.py only by its module path on that command line, and imports neither it

@@ -4,7 +4,7 @@ launch.py starts ranks 1.. in one of two ways, and both end in `work`:
 
 - as processes of this machine (launch.Processes): `python -m rlbench.backends.megatron.worker`,
   whose `rank_main` reads the rank's place from the environment rank 0 gave it;
-- as Ray actors (rlbench.placement.ray.RankActors, `--placement ray`), which call `work` directly.
+- as Ray actors (rlbench.placement.ray_actors.RankActors, `--placement ray`), which call `work` directly.
 
 This module imports launch (the group, the commands) and trainer (each rank's shard), and neither
 imports it: launch names it only by its module path on the command line it starts, so the imports
