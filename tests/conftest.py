@@ -176,3 +176,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"hostile-input sweep: {totals.get('inputs', 0)} inputs, {totals.get('commands', 0)} "
                                     f"commands run, 0 tracebacks, {totals.get('outside_writes', 0)} writes outside "
                                     "the directories the commands own (any traceback or write fails its test)")
+
+
+def doc_commands(block: str) -> list[tuple[str, int]]:
+    """A docs command block's lines as (command, the exit code its comment gives as `(exit N)`, else 0)."""
+    import re
+
+    out = []
+    for line in block.splitlines():
+        command, _, comment = line.partition("  #")
+        if command.strip():
+            code = re.search(r"\(exit (\d)\)", comment)
+            out.append((command.strip(), int(code.group(1)) if code else 0))
+    return out

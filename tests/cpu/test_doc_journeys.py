@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, cli, doc_commands
 
 BLOCK = re.compile(r"<!-- journey:([\w-]+) -->\n```bash\n(.*?)```\n<!-- /journey -->", re.S)
 LISTENING = "rlbench serve: listening on "
@@ -46,13 +46,7 @@ def journeys() -> dict[str, tuple[Path, list[tuple[str, int]]]]:
     for doc in sorted((REPO / "docs").glob("*.md")):
         for name, body in BLOCK.findall(doc.read_text()):
             assert name not in found, f"journey {name} appears twice"
-            lines = []
-            for raw in body.splitlines():
-                command, _, comment = raw.partition("  #")
-                if command.strip():
-                    code = re.search(r"\(exit (\d)\)", comment)
-                    lines.append((command.strip(), int(code.group(1)) if code else 0))
-            found[name] = (doc, lines)
+            found[name] = (doc, doc_commands(body))
     return found
 
 

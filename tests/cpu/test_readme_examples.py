@@ -13,21 +13,14 @@ import shlex
 
 import pytest
 
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, cli, doc_commands
 
 USAGE = REPO / "docs" / "usage.md"
 BLOCK = re.compile(r"<!-- readme:examples -->\n```bash\n(.*?)```\n<!-- /readme:examples -->", re.S)
 
 
 def commands() -> list[tuple[str, int]]:
-    text = BLOCK.search(USAGE.read_text()).group(1)
-    out = []
-    for line in text.splitlines():
-        command, _, comment = line.partition("  #")
-        if command.strip():
-            code = re.search(r"\(exit (\d)\)", comment)
-            out.append((command.strip(), int(code.group(1)) if code else 0))
-    return out
+    return doc_commands(BLOCK.search(USAGE.read_text()).group(1))
 
 
 def _run(command: str) -> tuple[int, str]:
