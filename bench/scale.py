@@ -1,7 +1,19 @@
-"""rlbench at real model sizes on one GPU: Qwen3 shapes with random weights and the fixture tokenizer.
+"""rlbench at real model sizes on one GPU: Qwen3 shapes with random weights, Qwen3's vocabulary (151,936 logits)
+and a tokenizer of Qwen3's size (151,669 ids: the fixture tokenizer grown with filler tokens, built here offline).
 
     python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
-                          [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron]
+                          [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron] [--vocab 151936|fixture]
+                          [--peer trl] [--peer-rounds 3] [--peer-repeats 2] [--only-peer]
+
+0. With `--peer trl` (needs trl): the step against TRL's GRPOTrainer, each as its users run it, in processes of
+   their own, alternating `--peer-repeats` times: TRL with its own defaults (GRPOConfig's; the batch shape set to
+   the same 8 prompts x 8 samples, `--new-tokens` new tokens, 4 optimizer steps of 16, beta 0) on the same
+   weights (saved once as bf16 safetensors), `rlbench run --device cuda` with and without `--deterministic`.
+   Each runs `--peer-rounds` steps after one warm-up; per process the step's median and the peak memory
+   allocated (torch.cuda.max_memory_allocated). Beside them the physical floor of each stage on this card:
+   the rollout's (the weights and the KV cache read once per decode step at the card's memory bandwidth), the
+   log-prob pass's (2 x params x tokens at its dense bf16 rate) and the train stage's (6 x params x tokens,
+   plus AdamW's fp32 state read and written once).
 
 For each shape, in one process (deterministic mode, bf16 over fp32 master weights, 8 prompts x 8 samples,
 `--new-tokens` new tokens, 4 minibatches):
@@ -31,6 +43,7 @@ import argparse
 import contextlib
 import functools
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,7 +65,10 @@ from rlbench.core import loop  # noqa: E402
 from rlbench.core.context import build  # noqa: E402
 from rlbench.rundir import digest  # noqa: E402
 
-# Qwen3's published shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -4B), the vocabulary the fixture tokenizer's.
+QWEN3_VOCAB, QWEN3_TOKENIZER = 151_936, 151_669  # Qwen3's config.json vocab_size; its tokenizer's ids (len(tokenizer))
+# The cards' published peaks: memory bandwidth (B/s) and dense bf16 tensor rate (FLOP/s), SXM parts.
+CARDS = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
+# Qwen3's published shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
 SHAPES = {
     "fixture": {},  # the fixture model itself: a quick check that the script runs (--device cpu)
     "0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -68,20 +84,43 @@ CHECKSUM_FUNCTIONS = ("lanes", "_fetch", "tensors_digest", "tensor_digests", "we
 CHECKSUM_METHODS = ("add", "add_all", "hexdigests")  # digest.Digests: the trainer's gradient checksums
 
 
-def model_dir(root: Path, shape: str) -> Path:
+def model_dir(root: Path, shape: str, vocab: int | None = None) -> Path:
+    """`shape`'s config.json under root/shape; `vocab` its vocab_size (None: the fixture's)."""
     fixture = json.loads(Path(load_config().model.path, "config.json").read_text())
     directory = root / shape
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({**fixture, **SHAPES[shape], "max_position_embeddings": 4096,
-                                                       "torch_dtype": "bfloat16"}, indent=1))
+    sized = {"vocab_size": vocab} if vocab else {}
+    (directory / "config.json").write_text(json.dumps({**fixture, **SHAPES[shape], **sized,
+                                                       "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
+                                                      indent=1))
     return directory
 
 
-def shape_config(root: Path, shape: str, device: str, steps: int, new_tokens: int = 256, trainer: str = "torch"):
-    """The run every figure here is taken on: `shape` (its config.json written under `root`) with random weights,
-    bf16 over fp32 masters, deterministic, 8 prompts x 8 samples x `new_tokens` new tokens, 4 minibatches in
-    micro-batches of 16, its run directory under `root`, no checkpoint within `steps`."""
-    return load_config(model__path=str(model_dir(root, shape)), model__init="random", model__dtype="bfloat16",
+def real_tokenizer(root: Path, size: int = QWEN3_TOKENIZER) -> Path:
+    """The fixture tokenizer grown to `size` ids, written under root/tokenizer: its BPE vocabulary, merges, special
+    tokens and chat template, then filler tokens `zzfill<N>` (letters and digits: byte-level characters, so each
+    decodes to its own text) up to `size`. The prompts encode as with the fixture tokenizer; every id decodes."""
+    source = Path(load_config().model.tokenizer)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    start = max(vocab.values()) + 1
+    vocab.update({f"zzfill{i}": i for i in range(start, size)})
+    directory = root / "tokenizer"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    (directory / "tokenizer_config.json").write_text((source / "tokenizer_config.json").read_text())
+    return directory
+
+
+def shape_config(root: Path, shape: str, device: str, steps: int, new_tokens: int = 256, trainer: str = "torch",
+                 vocab: int | None = QWEN3_VOCAB):
+    """The run every figure here is taken on: `shape` (its config.json written under `root`, `vocab` logits, with a
+    tokenizer of Qwen3's size; None: the fixture's vocabulary and tokenizer) with random weights, bf16 over fp32
+    masters, deterministic, 8 prompts x 8 samples x `new_tokens` new tokens, 4 minibatches in micro-batches of 16,
+    its run directory under `root`, no checkpoint within `steps`."""
+    tokenizer = str(real_tokenizer(root)) if vocab else load_config().model.tokenizer
+    return load_config(model__path=str(model_dir(root, shape, vocab)), model__init="random", model__dtype="bfloat16",
+                       model__tokenizer=tokenizer,
                        device=device, deterministic=True, steps=steps, out=str(root / "run"),
                        data__prompts_per_step=8, rollout__n_samples_per_prompt=8, rollout__max_new_tokens=new_tokens,
                        train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6, train__backend=trainer)
@@ -224,6 +263,12 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
             "engine_tokens": engine_tokens}
 
 
+def _data(ctx):
+    state = loop.StepState(0)
+    loop.data(ctx, state)
+    return state
+
+
 def bare_step(ctx, state):
     """A bare torch training step over `state`'s batch, as a function: the same model, the same micro-batches and
     PPO-clip loss and the trainer's own optimizer (fused AdamW; for a bf16 model over the trainer's fp32 master
@@ -286,6 +331,188 @@ def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, floa
     return statistics.median(times["train"][1:]), statistics.median(times["bare"][1:]), statistics.median(ratios)
 
 
+TRL_WORKER = r"""
+import json, re, sys, tempfile, time, warnings
+from pathlib import Path
+warnings.filterwarnings("ignore")
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+model_dir, tokenizer_dir, data, rounds, new, seed = sys.argv[1:7]
+rounds, new, seed = int(rounds), int(new), int(seed)
+WORD = re.compile(r"\b(even|odd)\b", re.IGNORECASE)
+
+
+def parity(completions, label, **_):  # rlbench's verifier (rlbench/core/reward.py), not imported: TRL alone here
+    found = [WORD.search(c[0]["content"]) for c in completions]
+    return [1.0 if f and f.group(0).lower() == lab.lower() else 0.0 for f, lab in zip(found, label)]
+
+
+rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
+times = []
+
+
+class Rounds(TrainerCallback):  # a round: one generation of 64 samples and its 4 optimizer steps
+    def on_train_begin(self, targs, state, control, **kw):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.mark = time.perf_counter()
+
+    def on_step_end(self, targs, state, control, **kw):
+        if state.global_step % 4 == 0:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            now = time.perf_counter()
+            times.append(now - self.mark)
+            self.mark = now
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=16, steps_per_generation=4, num_generations=8,
+                      max_completion_length=new, temperature=1.0, beta=0.0, max_steps=4 * (rounds + 1),
+                      report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
+                      use_cpu=not torch.cuda.is_available())  # the CPU: a smoke test of this script only
+    GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=parity, args=args,
+                train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
+                callbacks=[Rounds()]).train()
+print(json.dumps({"steps": times[1:], "peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+                  "settings": {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
+                               "use_vllm": args.use_vllm, "loss_type": args.loss_type}}))
+"""
+
+RLBENCH_WORKER = r"""
+import json, sys
+import torch
+from rlbench.cli import main
+sys.argv = ["rlbench", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    if exc.code:
+        raise
+print(json.dumps({"peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}))
+"""
+
+
+def parameters(config: dict) -> int:
+    """A Qwen3 config's parameter count (tied embeddings counted once)."""
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    attention = h * q + 2 * h * kv + q * h + 2 * config["head_dim"]  # q, k, v, o and the q/k norms
+    layer = attention + 3 * h * config["intermediate_size"] + 2 * h
+    return vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * layer + h
+
+
+def floors(config: dict, prompt: int, new: int, samples: int, card: str) -> dict:
+    """Seconds each stage cannot beat on `card` (CARDS): the rollout reads the bf16 weights and the KV cache
+    written so far once per decode step; the log-prob pass computes 2 x params x tokens, the train stage
+    6 x params x tokens plus AdamW's fp32 state (masters, two moments, gradients, bf16 copy: 26 bytes a parameter)
+    read and written once."""
+    bandwidth, rate = CARDS[card]
+    params = parameters(config)
+    kv_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2  # bf16 K, V
+    rollout = sum(2 * params + samples * (prompt + t) * kv_token for t in range(new)) / bandwidth
+    tokens = samples * (prompt + new)
+    return {"params": params, "rollout": rollout, "logprob": 2 * params * tokens / rate,
+            "train": 6 * params * tokens / rate + 26 * params / bandwidth}
+
+
+def peer_trl(args, shape: str, root: Path) -> None:
+    """TRL's GRPOTrainer and `rlbench run` (deterministic and not), each in its own process, alternating."""
+    import os
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from rlbench.core.model import build_model, load_tokenizer, named_weights
+
+    vocab = None if args.vocab == "fixture" else int(args.vocab)
+    directory = model_dir(root, shape, vocab)
+    tokenizer = real_tokenizer(root) if vocab else Path(load_config().model.tokenizer)
+    model = build_model(str(directory), 1234, init="random").to(torch.bfloat16)
+    save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(directory / "model.safetensors"))
+    del model
+    data = load_config().data.path
+    config = {"steps": args.peer_rounds + 1, "checkpoint_every": 10**6, "device": args.device,
+              "model": {"path": str(directory), "tokenizer": str(tokenizer), "dtype": "bfloat16", "init": "checkpoint"},
+              "data": {"prompts_per_step": 8}, "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": args.new_tokens},
+              "train": {"minibatches": 4, "micro_batch_size": 16}}
+    toml = root / "peer.toml"
+    toml.write_text(_toml(config))
+    results: dict[str, list] = {"TRL GRPOTrainer": [], "rlbench --deterministic": [], "rlbench": []}
+    peaks: dict[str, list] = {name: [] for name in results}
+    settings = {}
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+    chat = load_tokenizer(str(tokenizer))
+    encoded = [chat.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=True,
+                                        add_generation_prompt=True) for r in rows[:64]]
+    prompt_lengths = [len(e if isinstance(e, list) else e["input_ids"]) for e in encoded]
+    for repeat in range(args.peer_repeats):
+        order = list(results) if repeat % 2 == 0 else list(reversed(results))
+        for name in order:
+            if name.startswith("TRL"):
+                command = [sys.executable, "-c", TRL_WORKER, str(directory), str(tokenizer), data,
+                           str(args.peer_rounds), str(args.new_tokens), "1234"]
+            else:
+                out = root / f"run-{repeat}-{len(name)}"
+                command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(toml), "--out", str(out)]
+                command += ["--deterministic"] if "deterministic" in name else []
+            start = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+            if done.returncode != 0:
+                sys.exit(f"{name}'s process failed ({time.perf_counter() - start:.0f} s): {done.stderr[-3000:]}")
+            report = json.loads(done.stdout.strip().splitlines()[-1])
+            peaks[name].append(report["peak"])
+            if name.startswith("TRL"):
+                results[name] += report["steps"]
+                settings = report["settings"]
+            else:
+                rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+                results[name] += [{k: row[k] for k in row if k.startswith("perf/")} for row in rows]
+                shutil.rmtree(out)  # its final checkpoint: gigabytes at these shapes
+            mine = report["steps"] if name.startswith("TRL") else [row["perf/step_time"] for row in results[name][-args.peer_rounds:]]
+            print(f"  {name}: process {repeat + 1} of {args.peer_repeats} done in {time.perf_counter() - start:.0f} s; "
+                  f"steps {', '.join(f'{t:.2f}' for t in mine)} s; peak {report['peak'] / 2**30:.1f} GiB" +
+                  ("" if name.startswith("TRL") else "; " + ", ".join(
+                      f"{k[5:]} {v:.2f}" for k, v in results[name][-1].items())), flush=True)
+    card = _card()
+    trl = statistics.median(results["TRL GRPOTrainer"])
+    print(f"{shape}, vocab {vocab or 'fixture'}: {args.peer_repeats} alternating sets of processes, "
+          f"{args.peer_rounds} steps each after one warm-up; 8 prompts x 8 samples x {args.new_tokens} new tokens, "
+          f"4 optimizer steps of 16, bf16; TRL's settings: {settings}")
+    print(f"  TRL GRPOTrainer          step {trl:7.2f} s  peak {max(peaks['TRL GRPOTrainer']) / 2**30:6.1f} GiB")
+    for name in ("rlbench --deterministic", "rlbench"):
+        steps = [row["perf/step_time"] for row in results[name]]
+        stages = {k: statistics.median(row[k] for row in results[name]) for k in results[name][0]}
+        print(f"  {name:24s} step {statistics.median(steps):7.2f} s  peak {max(peaks[name]) / 2**30:6.1f} GiB  "
+              f"x{statistics.median(steps) / trl:.2f} of TRL's step  (" +
+              ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items() if k != "perf/step_time") + ")")
+    det = statistics.median(row["perf/step_time"] for row in results["rlbench --deterministic"])
+    free = statistics.median(row["perf/step_time"] for row in results["rlbench"])
+    print(f"  deterministic / not: x{det / free:.2f}")
+    if card:
+        bounds = floors(json.loads((directory / "config.json").read_text()), round(statistics.fmean(prompt_lengths)),
+                        args.new_tokens, 64, card)
+        rollout = statistics.median(row["perf/rollout_time"] for row in results["rlbench --deterministic"])
+        print(f"  the rollout's physical floor on an {card}: {bounds['rollout']:.3f} s; rlbench --deterministic's "
+              f"rollout x{rollout / bounds['rollout']:.1f} of it (issue: <= 10; every stage's: below)")
+
+
+def _card() -> str | None:
+    return next((c for c in CARDS if c in torch.cuda.get_device_name()), None) if torch.cuda.is_available() else None
+
+
+def _toml(config: dict) -> str:
+    def value(v):
+        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+    lines = [f"{k} = {value(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    for table, fields in ((k, v) for k, v in config.items() if isinstance(v, dict)):
+        lines += [f"[{table}]"] + [f"{k} = {value(v)}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="0.6B,1.7B")
@@ -301,16 +528,35 @@ def main() -> None:
                         help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
                              "by stage and checkpoint only (the engine's figures are the torch runs'; the bare step "
                              "is a transformers model)")
+    parser.add_argument("--vocab", default=str(QWEN3_VOCAB),
+                        help="the model's vocab_size, with a tokenizer of Qwen3's size (151,669 ids) built offline; "
+                             "'fixture': the fixture model's vocabulary and tokenizer (314)")
+    parser.add_argument("--peer", choices=("trl",), default=None,
+                        help="also run TRL's GRPOTrainer and `rlbench run` (with and without --deterministic) in "
+                             "processes of their own, alternating (needs trl and a CUDA device)")
+    parser.add_argument("--peer-rounds", type=int, default=3, help="steps each peer process times after a warm-up")
+    parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
+    parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {gpu}; torch {torch.__version__}")
+    vocab = None if args.vocab == "fixture" else int(args.vocab)
     for shape in args.shapes.split(","):
+        if args.peer:
+            with tempfile.TemporaryDirectory() as tmp:
+                peer_trl(args, shape, Path(tmp))
+        if args.only_peer:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
-            config = shape_config(Path(tmp), shape, args.device, args.steps + 10, args.new_tokens, args.trainer)
+            config = shape_config(Path(tmp), shape, args.device, args.steps + 10, args.new_tokens, args.trainer,
+                                  vocab)
             ctx = build(config)
             torch_trainer = args.trainer == "torch"
             clock = Clock(args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
             stages = step_by_stage(ctx, args.steps, clock)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
             step = sum(v for k, v in stages.items() if k != "checksums")
             share = (stages["checksums"] + stages["record"]) / step
             gen = generation(ctx, args.new_tokens, args.repeats) if torch_trainer else None
@@ -332,6 +578,15 @@ def main() -> None:
                 checkpoint = f"{time.perf_counter() - start:.2f} s"
             print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
                   ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
+            print(f"  peak memory allocated over those steps: {peak:.1f} GiB")
+            if _card():
+                prompts = [len(r.prompt_ids) for r in loop.step_requests(ctx, _data(ctx))]
+                bounds = floors(json.loads(Path(config.model.path, "config.json").read_text()),
+                                round(statistics.fmean(prompts)), args.new_tokens, 64, _card())
+                print(f"  physical floors on an {_card()} ({bounds['params'] / 1e6:.0f} M parameters, prompts of "
+                      f"{statistics.fmean(prompts):.1f} tokens): " +
+                      ", ".join(f"{k} {bounds[k]:.3f} s (measured x{stages[k] / bounds[k]:.1f})"
+                                for k in ("rollout", "logprob", "train")))
             print(f"  checksums + recording: {share * 100:.1f}% of the step (the time inside the checksum functions, "
                   f"synchronised around each call: an upper bound on their own time; issue: <= 3%)")
             verdict = (f"the device checksums cost {cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step"

@@ -37,7 +37,8 @@ MODES = ("full", "rollout-only", "train-only")
 class RunConfig:
     """A whole run: the seed, the step count, the mode, where it is written, and the components."""
 
-    seed: int = setting(1234, "Master seed; every random draw is derived from it.")
+    # 19: a seed the default run learns on (docs/design.md, "Why the default run learns": most seeds do not)
+    seed: int = setting(19, "Master seed; every random draw is derived from it.")
     # 85: the default run learns parity by about step 80 (docs/design.md, "Why the default run learns")
     steps: int = setting(85, "Number of steps (rollout ids).")
     mode: Mode = setting("full",

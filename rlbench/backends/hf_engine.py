@@ -43,7 +43,7 @@ import torch
 from rlbench.backends.batched_forward import (GROUPED, EagerDecode, GraphDecode, KVStore, fusable_norms,
                                               register_grouped)
 from rlbench.backends.prompt_cache import PromptCache
-from rlbench.backends.sampling import RequestNoise, SamplingRows, choose
+from rlbench.backends.sampling import SamplingRows, sample
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput
@@ -247,12 +247,12 @@ class HFEngine:
             prefills[req.prompt_ids] = found
         decoding.cached[index] = len(req.prompt_ids) - 1 if reused else 0  # SGLang's count (it redoes the last)
         prefill, logits = prefills[req.prompt_ids]
-        kv, rows, noise = prefill.extended(), SamplingRows([req], 1, self.device), RequestNoise(req, self.vocab)
+        kv, rows = prefill.extended(), SamplingRows([req], 1, self.device)
         bias = decoding.biases([index], 1, self.vocab, self.device)
         output, logprobs, finish = decoding.outputs[index], decoding.logprobs[index], "length"
         for step in range(req.max_new_tokens):
             logits = _biased(logits[None], bias)[0]
-            token, logprob = choose(logits[None], noise.draw()[None], rows)
+            token, logprob = sample(logits[None], rows, step)
             output.append(int(token[0]))
             logprobs.append(float(logprob[0]))
             decoding.note(index, logits[None], rows, 0)
@@ -384,19 +384,16 @@ class HFEngine:
         logits = torch.zeros(rows, self.vocab, device=self.device)
         logits[:count] = first_logits[which.to(self.device)]
         decoder = visible = starts = None  # the decode and its store, made once a second token is needed
-        sampling, noises = SamplingRows(reqs, rows, self.device), [RequestNoise(r, self.vocab) for r in reqs]
+        sampling = SamplingRows(reqs, rows, self.device)
         bias = decoding.biases(indices, rows, self.vocab, self.device)
         outputs = [decoding.outputs[i] for i in indices]
         logprobs = [decoding.logprobs[i] for i in indices]
         finish = ["length"] * count
         done = [False] * count
-        quiet = torch.full((self.vocab,), 0.5)  # finished and padding rows draw nothing
         try:  # a generation abandoned at a yield (its driver closed it) frees its graph too
             for step in range(new):
-                uniform = torch.stack([quiet if d else nz.draw() for nz, d in zip(noises, done)]
-                                      + [quiet] * (rows - count))
                 logits = _biased(logits, bias)
-                tokens, chosen = choose(logits, uniform, sampling)
+                tokens, chosen = sample(logits, sampling, step)
                 # one copy to the host a step: ids and float32 log-probs are both exact in float64
                 picked = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
                 for row, (token, logprob) in enumerate(zip(picked[0][:count], picked[1])):

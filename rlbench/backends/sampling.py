@@ -6,11 +6,8 @@ quantity in it belongs to one row, so a request's choice depends on its own logi
 never on its neighbours (SGLang's deterministic mode samples the same way, with noise hashed from the
 seed and the position).
 
-The noise is drawn from each request's own torch generator (`RequestNoise`), on the CPU, one draw of a
-vocabulary's width per token: at a real vocabulary on a GPU that is the rollout's bottleneck (issue 34).
-`uniforms` is its replacement, not yet switched on (it re-draws every sample, so every CPU bit and the
-default run's learning with them): u for vocabulary index v of a request's t-th new token is a hash of
-(its seed, t, v), computed with 32-bit integer operations held in int64 tensors that never
+The noise is counter-based (`uniforms`): u for vocabulary index v of a request's t-th new token is a
+hash of (its seed, t, v), computed with 32-bit integer operations held in int64 tensors that never
 overflow (multiplications split into 16-bit halves), then turned into a float32 by exact steps. So it
 is computed where the logits are, for the whole batch in a few tensor operations, with no host work
 and no copy per token, and its bits are the same on every device: the CPU's and a GPU's are equal by
@@ -30,8 +27,10 @@ it is what the trainer computes for that token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from rlbench.core.types import GenerateRequest
@@ -56,21 +55,6 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-class RequestNoise:
-    """A request's own noise stream: the t-th call gives the uniform draws for its t-th token."""
-
-    def __init__(self, request: GenerateRequest, vocab: int):
-        self.vocab = vocab
-        self.generator = None if request.temperature == 0 else torch.Generator().manual_seed(request.seed)
-
-    def draw(self) -> torch.Tensor:
-        """[vocab] float32 uniforms in [0, 1) (a constant for a greedy request, which draws nothing).
-        The CPU generator on every device: a request's noise is the same bits on CPU and CUDA."""
-        if self.generator is None:
-            return torch.full((self.vocab,), 0.5)
-        return torch.rand(self.vocab, generator=self.generator)
-
-
 def seed_words(seed: int) -> tuple[int, int]:
     """A request's seed (any i64, as SGLang's sampling_seed) as its two's-complement (low, high) 32-bit words."""
     bits = seed & ((1 << 64) - 1)
@@ -81,22 +65,83 @@ def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: int, vocab: int
     """[B, vocab] float32 in (0, 1): the noise of each row's token number `step` (0: its first new token),
     rows given by their seeds' words ([B] int64 each, on the device the noise is wanted on). Exact: the
     hash's top 23 bits h give u = (2h + 1) / 2^24, an odd multiple of 2^-24 (never 0 or 1), which float32
-    holds exactly."""
+    holds exactly. On the CPU the words are computed in numpy's uint32 (whose multiplication wraps mod 2^32:
+    a third of the operations of the int64 emulation), elsewhere in int64 tensors: the same words."""
+    if seed_lo.device.type == "cpu":
+        return torch.from_numpy(_uniforms_uint32(seed_lo.numpy(), seed_hi.numpy(), step, vocab))
+    return _uniforms_int64(seed_lo, seed_hi, step, vocab)
+
+
+def _uniforms_int64(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     row = _mix32(_mix32(_mix32(seed_hi ^ _SALT) ^ seed_lo) ^ (step & MASK32))
     index = _mix32(torch.arange(vocab, dtype=torch.int64, device=seed_lo.device))
     word = _mix32(_mix32(row[:, None] ^ index[None, :]) ^ row[:, None])
     return ((word >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """lowbias32 over a uint32 array, in place."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def _index_words(vocab: int) -> np.ndarray:
+    return _mix32_np(np.arange(vocab, dtype=np.uint32))
+
+
+def _uniforms_uint32(seed_lo: np.ndarray, seed_hi: np.ndarray, step: int, vocab: int) -> np.ndarray:
+    row = _mix32_np(seed_hi.astype(np.uint32) ^ np.uint32(_SALT))
+    row = _mix32_np(row ^ seed_lo.astype(np.uint32))
+    row = _mix32_np(row ^ np.uint32(step & MASK32))[:, None]
+    word = _mix32_np(_mix32_np(row ^ _index_words(vocab)[None, :]) ^ row)
+    word >>= np.uint32(9)
+    return (word.astype(np.float32) * np.float32(2.0) + np.float32(1.0)) * np.float32(2.0 ** -24)
+
+
 class SamplingRows:
     """The sampling parameters of a batch's rows as tensors; rows past the requests are padding
     (greedy, unfiltered), so a fixed-size batch is the same arithmetic whatever fills it."""
 
-    def __init__(self, requests: Sequence[GenerateRequest], rows: int, device: str | torch.device = "cpu"):
+    def __init__(self, requests: Sequence[GenerateRequest], rows: int, device: str | torch.device = "cpu",
+                 fused: bool = True):
         pad = rows - len(requests)
+        # known on the host once per batch, so no decode step asks the device
+        self.filtered = any(r.temperature != 0 and (r.top_k > 0 or r.top_p < 1.0) for r in requests)
+        self.fused = fused and not self.filtered and torch.device(device).type == "cuda" and _triton()
         self.temperature = torch.tensor([r.temperature for r in requests] + [0.0] * pad, device=device)
         self.top_k = torch.tensor([r.top_k for r in requests] + [-1] * pad, device=device)
         self.top_p = torch.tensor([r.top_p for r in requests] + [1.0] * pad, device=device)
+        words = [seed_words(r.seed) for r in requests] + [(0, 0)] * pad  # padding rows are greedy: never used
+        self.seed_lo = torch.tensor([lo for lo, _ in words], dtype=torch.int64, device=device)
+        self.seed_hi = torch.tensor([hi for _, hi in words], dtype=torch.int64, device=device)
+
+    def noise(self, step: int, vocab: int) -> torch.Tensor:
+        """[rows, vocab] uniforms of every row's token number `step` (greedy rows ignore theirs)."""
+        return uniforms(self.seed_lo, self.seed_hi, step, vocab)
+
+
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401  (torch's CUDA wheels bring it)
+    except ImportError:
+        return False
+    return True
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B], their log-probs [B]) of every row's token number `step`: `choose` over `uniforms`, in
+    one Triton kernel on a GPU when no row is top-k or top-p filtered (rlbench/backends/sampling_triton.py:
+    the same noise and the same choice rule; its log-probs' last bits are its own reduction's)."""
+    if rows.fused:
+        from rlbench.backends.sampling_triton import choose_fused
+
+        return choose_fused(logits, rows.seed_lo, rows.seed_hi, rows.temperature, step)
+    return choose(logits, rows.noise(step, logits.shape[-1]), rows)
 
 
 def choose(logits: torch.Tensor, uniform: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +149,10 @@ def choose(logits: torch.Tensor, uniform: torch.Tensor, rows: SamplingRows) -> t
     greedy = rows.temperature == 0
     scaled = logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    tiny = torch.finfo(torch.float32).tiny  # u = 0 would give -log(0) = inf: clamp to the smallest normal
-    gumbel = -torch.log(-torch.log(uniform.to(logp.device).clamp(min=tiny)))
+    gumbel = -torch.log(-torch.log(uniform.to(logp.device)))  # u in (0, 1): finite
     scores = torch.where(greedy[:, None], logp, logp + gumbel)
-    filtered = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0))
-    if bool(filtered.any()):  # rows that are not filtered pass through torch.where untouched
+    if rows.filtered:  # rows that are not filtered pass through torch.where untouched
+        filtered = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0))
         scores = torch.where(filtered[:, None] & ~_kept(logp, rows), float("-inf"), scores)
     tokens = torch.argmax(scores, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -137,14 +137,59 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+# The float32 log-softmax of the train and log-prob passes runs over at most this many logits at a time (256 MiB
+# of float32): at a real vocabulary (151,936) a micro-batch's [n, L, V] float32 copy would be gigabytes (issue 34).
+# Chunks are whole positions along L; log_softmax is computed row by row, so a chunk's values are the bits the
+# whole tensor's would be, and under autograd each chunk is recomputed in the backward rather than kept.
+CHUNK_LOGITS = 1 << 26
+
+
+def _position_chunks(logits: torch.Tensor) -> list[slice]:
+    """Slices along dim 1 of [n, L, V] logits, each of at most CHUNK_LOGITS logits (one position at least)."""
+    n, length, vocab = logits.shape
+    per = max(1, CHUNK_LOGITS // max(1, n * vocab))
+    return [slice(start, min(start + per, length)) for start in range(0, length, per)]
+
+
+def _chunked(fn: Callable[..., torch.Tensor], logits: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """fn(logits[:, chunk], *(o[:, chunk])) for each position chunk, concatenated along dim 1; a single chunk is
+    fn over the whole, and under autograd each chunk of several is checkpointed (its float32 intermediates
+    recomputed in the backward, the same bits)."""
+    chunks = _position_chunks(logits)
+    if len(chunks) == 1:
+        return fn(logits, *others)
+    keep = torch.is_grad_enabled() and logits.requires_grad
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [checkpoint(fn, logits[:, c], *(o[:, c] for o in others), use_reentrant=False) if keep
+             else fn(logits[:, c], *(o[:, c] for o in others)) for c in chunks]
+    return torch.cat(parts, dim=1)
+
+
+def _picked_logprobs(temperature: float):
+    def picked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        scaled = _widened(logits)
+        if temperature > 0:
+            scaled = scaled / temperature
+        return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return picked
+
+
+def _entropies(temperature: float):
+    def entropy(logits: torch.Tensor) -> torch.Tensor:
+        scaled = _widened(logits)
+        if temperature > 0:
+            scaled = scaled / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+    return entropy
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(token t | tokens < t) as [n, L], from the logits of the last k positions of `tokens`
     [n, L] (k = L: all of them); positions they do not predict get 0 (position 0 always)."""
     k, length = logits.shape[1], tokens.shape[1]
-    scaled = _widened(logits[:, :-1])
-    if temperature > 0:
-        scaled = scaled / temperature
-    picked = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, length - k + 1:, None]).squeeze(-1)
+    picked = _chunked(_picked_logprobs(temperature), logits[:, :-1], tokens[:, length - k + 1:])
     return torch.nn.functional.pad(picked, (length - k + 1, 0))
 
 
@@ -158,12 +203,8 @@ def sequence_logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: fl
 def token_entropy(logits: torch.Tensor, temperature: float, length: int | None = None) -> torch.Tensor:
     """Entropy of the next-token distribution predicting token t, as [n, length], from the logits
     of the last k positions (as `token_logprobs`; length None: k); unpredicted positions get 0."""
-    scaled = _widened(logits[:, :-1])
-    if temperature > 0:
-        scaled = scaled / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
     unpredicted = (length or logits.shape[1]) - logits.shape[1] + 1
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (unpredicted, 0))
+    return torch.nn.functional.pad(_chunked(_entropies(temperature), logits[:, :-1]), (unpredicted, 0))
 
 
 def sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The engine's token choice (rlbench/backends/sampling.py): Gumbel-max draws the distribution,
 top-k and top-p keep SGLang's token sets, a row's filters are its own, and the reported log-prob
-is the unfiltered log_softmax(logits / T) at the chosen token. The counter-based noise (issue 34's, not
-yet the engine's) is the hash its docstring defines, computed here again in plain Python integers (no tensor, no overflow possible), and it
-is uniform. Also: the config refuses bad values."""
+is the unfiltered log_softmax(logits / T) at the chosen token. The counter-based noise is the hash its docstring
+defines, computed here again in plain Python integers (no tensor, no overflow possible), a request's
+own stream, and uniform. Also: the config refuses bad values."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rlbench.backends.sampling import RequestNoise, SamplingRows, choose, seed_words, uniforms
+from rlbench.backends.sampling import SamplingRows, choose, seed_words, uniforms
 from rlbench.config import load_config
 from rlbench.core.types import GenerateRequest
 from rlbench.errors import BadInput
@@ -26,8 +26,8 @@ def _request(seed=0, temperature=1.0, top_k=-1, top_p=1.0):
 
 def _choose_many(requests, logits=LOGITS):
     """One token per request, all in one batch, each with its own noise."""
-    uniform = torch.stack([RequestNoise(r, V).draw() for r in requests])
-    return choose(logits.expand(len(requests), V), uniform, SamplingRows(requests, len(requests)))
+    rows = SamplingRows(requests, len(requests))
+    return choose(logits.expand(len(requests), V), rows.noise(0, V), rows)
 
 
 def test_gumbel_max_samples_the_softmax():
@@ -74,10 +74,13 @@ def test_logprob_is_the_unfiltered_one_and_greedy_ignores_noise():
 
 
 def test_noise_is_the_requests_own_stream():
-    a, b = RequestNoise(_request(seed=9), V), RequestNoise(_request(seed=9), V)
-    first = a.draw()
-    assert torch.equal(first, b.draw()) and not torch.equal(first, a.draw())
-    assert not torch.equal(RequestNoise(_request(seed=10), V).draw(), first)
+    """A row's noise depends on its seed and token number only: not on its place in the batch or its
+    neighbours; another token number or seed is other noise."""
+    alone = SamplingRows([_request(seed=9)], 1)
+    batch = SamplingRows([_request(seed=3), _request(seed=9), _request(seed=10)], 5)  # 2 padding rows
+    first = alone.noise(0, V)[0]
+    assert torch.equal(batch.noise(0, V)[1], first) and not torch.equal(alone.noise(1, V)[0], first)
+    assert not torch.equal(batch.noise(0, V)[2], first)
     assert math.isfinite(float(_choose_many([_request(seed=9)])[1][0]))
 
 

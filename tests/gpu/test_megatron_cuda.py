@@ -89,8 +89,9 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
     both (megatron-core's choice without Transformer Engine or Apex; fused, as rlbench's), the fp32 masters and the
     bf16 parameters are the same bits after every update when no gradient is clipped. When every update with a
     gradient clips, megatron-core's fp32 norm and rlbench's float64 one differ in the last bits: the norms agree to
-    1e-6 relative and the masters to a few float32 ulps of an update. Most updates must have a gradient (a batch
-    whose samples all score alike has none), or the comparison would have nothing to compare."""
+    1e-6 relative and the masters to a few float32 ulps of an update. Every update has a gradient by construction
+    (an entropy bonus: a batch whose samples all score alike has no policy gradient), or the comparison would have
+    nothing to compare."""
     pytest.importorskip("megatron.core")
     import megatron.core.optimizer as moptim
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -105,7 +106,7 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
     if not moptim.USING_PYTORCH_OPTIMIZER:
         pytest.skip("megatron-core steps with Transformer Engine's or Apex's FusedAdam here, not torch's AdamW")
     config = load_config(steps=3, seed=3, device="cuda", deterministic=True, model__dtype="bfloat16",
-                         train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-4,
+                         algo__entropy_coef=0.01, train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-4,
                          data__prompts_per_step=8, rollout__n_samples_per_prompt=8, train__minibatches=2,
                          train__micro_batch_size=8, out=str(tmp_path / "run"))
     ctx = build(config)
@@ -164,8 +165,7 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
         ctx.trainer.close()
     assert len(updates) == config.steps * train.minibatches
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in norms), norms
-    with_gradient = [a > 0 for a, _ in norms]
-    assert sum(with_gradient) >= len(norms) // 2, norms
+    assert all(a > 0 for a, _ in norms), norms
     if clip > 1:
         assert all(a < clip for a, _ in norms)
         assert all(same_masters and same_params for same_masters, same_params, _ in updates), (updates, norms)

@@ -29,7 +29,28 @@ from tests.conftest import REPO, run_cli
 
 DUMPS = Path(__file__).resolve().parent / "dumps"
 CASES = json.loads((DUMPS / "cases.json").read_text())
-MODEL = REPO / CASES["model"]["path"]
+FIXTURE_MODEL = REPO / CASES["model"]["path"]
+_SEEDED: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _seeded_model(tmp_path_factory):
+    """The model the dumps' log-probs were computed with (cases.json: the fixture model, random weights of its seed),
+    written with its weights, so the import and the checks load those weights whatever rlbench's default seed is."""
+    from safetensors.torch import save_file
+
+    from rlbench.core.model import build_model, named_weights
+
+    directory = tmp_path_factory.mktemp("seeded-model")
+    (directory / "config.json").write_text((FIXTURE_MODEL / "config.json").read_text())
+    model = build_model(str(FIXTURE_MODEL), CASES["model"]["seed"], init=CASES["model"]["init"])
+    save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(directory / "model.safetensors"))
+    _SEEDED["model"] = directory
+    yield
+
+
+def _model() -> Path:
+    return _SEEDED["model"]
 FLOAT_ROUNDING = 1e-5
 
 
@@ -49,7 +70,7 @@ def _edited(tmp_path, case: str, edit) -> Path:
 
 def _import(tmp_path, dump: Path, name: str = "imported") -> tuple[Path, dict]:
     out = tmp_path / name
-    res = run_cli("import", "slime", str(dump), "--out", str(out), "--json")
+    res = run_cli("import", "slime", str(dump), "--out", str(out), "--model", str(_model()), "--json")
     assert res.returncode == 0, res.stderr
     return out, json.loads(res.stdout)
 
@@ -79,7 +100,7 @@ def test_a_removed_sample_is_not_trained_not_judged_and_counted(tmp_path):
     report = check_logprobs(run, recompute=True)
     assert (report.removed, report.samples) == (1, 3)
     assert report.stats["train_rollout_logprob_abs_diff"] <= FLOAT_ROUNDING
-    tito = check_run(run, model_dir=MODEL)
+    tito = check_run(run, model_dir=_model())
     assert (tito.removed, tito.samples, tito.findings) == (1, 3, [])
     # not removed, the same sample is trained and judged: its log-probs are another policy's
     kept = _edited(tmp_path, "removed", lambda samples: samples[removed].update(remove_sample=False))
@@ -102,13 +123,13 @@ def test_top_p_logprobs_recomputed_over_the_recorded_nucleus_match_slimes_engine
     report = check_logprobs(run, recompute=True)
     assert report.top_p == 4 and report.stats["train_rollout_logprob_abs_diff"] <= FLOAT_ROUNDING
     assert report.stats["max_abs"] <= FLOAT_ROUNDING
-    tito = check_run(run, model_dir=MODEL)  # the sampled ids are not canonical; their log-probs agree
+    tito = check_run(run, model_dir=_model())  # the sampled ids are not canonical; their log-probs agree
     assert tito.findings == [] and tito.evidence == {"sampled": tito.non_canonical} and tito.non_canonical > 0
     # over the full vocabulary, as before: the renormalisation itself (about -log top-p) looks like a mismatch,
     # and like ids the engine never scored
     run, _ = _import(tmp_path, _edited(tmp_path, "top_p", _no_nucleus), "full")
     assert check_logprobs(run, recompute=True).stats["train_rollout_logprob_abs_diff"] > 0.1
-    assert check_run(run, model_dir=MODEL).evidence == {"retokenised": tito.non_canonical}
+    assert check_run(run, model_dir=_model()).evidence == {"retokenised": tito.non_canonical}
 
 
 def test_samples_without_engine_logprobs_are_named_never_zero(tmp_path):
@@ -122,14 +143,14 @@ def test_samples_without_engine_logprobs_are_named_never_zero(tmp_path):
     report = json.loads(res.stdout)
     assert (report["without_logprobs"], report["samples"]) == (2, 2)
     assert "2 samples without engine log-probs: not judged" in report["notes"]
-    tito = check_run(run, model_dir=MODEL)  # the non-canonical one is undetermined, not drift
+    tito = check_run(run, model_dir=_model())  # the non-canonical one is undetermined, not drift
     assert tito.findings == [] and tito.evidence == {"no_logprobs": len(CASES["cases"]["no_logprobs"]["non_canonical"])}
     # filled with 0.0, as before: a huge mismatch, and the non-canonical sample looks re-tokenised
     zeros = _edited(tmp_path, "no_logprobs", lambda samples: [s.update(rollout_log_probs=[0.0] * s["response_length"])
                                                               for s in samples if s["rollout_log_probs"] is None])
     run, _ = _import(tmp_path, zeros, "zeros")
     assert check_logprobs(run, recompute=True).stats["train_rollout_logprob_abs_diff"] > 1.0
-    assert [f.finding.mode for f in check_run(run, model_dir=MODEL).findings] == ["reencode"]
+    assert [f.finding.mode for f in check_run(run, model_dir=_model()).findings] == ["reencode"]
 
 
 def test_a_tool_observation_inside_the_response_is_not_judged_as_sampled_ids(tmp_path):
@@ -141,14 +162,14 @@ def test_a_tool_observation_inside_the_response_is_not_judged_as_sampled_ids(tmp
         assert set(mask[start:end]) == {0} and set(logprobs[start:end]) == {0.0} and set(mask[:start]) == {1}
     assert meta["samples"][0]["messages"][2]["content"] is None  # a tool call, as slime's prompt holds it
     assert meta["samples"][0]["messages"][0]["content"][0]["type"] == "text"  # a content-part list
-    tito = check_run(run, model_dir=MODEL)
+    tito = check_run(run, model_dir=_model())
     assert (tito.findings, tito.non_canonical) == ([], 0)
     assert check_logprobs(run, recompute=True).stats["max_abs"] <= FLOAT_ROUNDING
     # the observation judged as if sampled: its log-prob 0.0 is no engine's, and its ids look re-tokenised
     trained = _edited(tmp_path, "tool_span", lambda samples: [s.update(loss_mask=[1] * s["response_length"])
                                                               for s in samples])
     run, _ = _import(tmp_path, trained, "trained")
-    findings = check_run(run, model_dir=MODEL).findings
+    findings = check_run(run, model_dir=_model()).findings
     prompt = int(read_step(run, 0)[0]["prompt_lengths"][0])
     assert len(findings) == 2 and all(start <= f.finding.index - prompt < end for f in findings)
 
