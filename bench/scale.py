@@ -263,6 +263,38 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
             "engine_tokens": engine_tokens}
 
 
+def time_checkpoint(ctx, steps_done: int, device: str) -> str:
+    """One checkpoint as a run makes it (loop.checkpoint), in its two parts: the trainer's files made in memory
+    (this blocks the step), then written by the run directory's background writer (the step goes on), timed to
+    the write's end; then the disk alone, the same number of bytes written and fsynced in 64 MiB blocks into the
+    run directory, for the write's floor on this machine."""
+    import os
+
+    sync_device(device)
+    start = time.perf_counter()
+    files = ctx.trainer.save_checkpoint()
+    made = time.perf_counter() - start
+    start = time.perf_counter()
+    ctx.writer.write_checkpoint(steps_done, files, {"steps_done": steps_done, "cursor": None,
+                                                    "weight_version": steps_done, "seed": ctx.config.seed})
+    ctx.writer.flush()
+    written = time.perf_counter() - start
+    size = sum(len(data) for data in files.values())
+    del files
+    block, path = bytes(64 << 20), Path(ctx.config.out) / "disk-probe"
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        for _ in range(0, size, len(block)):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    disk = time.perf_counter() - start
+    path.unlink()
+    return (f"{made + written:.2f} s for {size / 1e9:.2f} GB: made in memory {made:.2f} s (blocks the step), written "
+            f"{written:.2f} s by the background writer (x{written / disk:.2f} of this disk's own {disk:.2f} s for the "
+            f"same bytes, {size / disk / 1e9:.2f} GB/s)")
+
+
 def _data(ctx):
     state = loop.StepState(0)
     loop.data(ctx, state)
@@ -570,12 +602,7 @@ def main() -> None:
                 trained, bare, train_ratio = train_against_bare(ctx, state, args.repeats)
             checkpoint = "not timed (--no-checkpoint)"
             if not args.no_checkpoint:
-                sync_device(args.device)
-                start = time.perf_counter()
-                loop.checkpoint(ctx, args.steps + 1)  # not a stage of every step: written every checkpoint_every steps
-                ctx.writer.flush()
-                sync_device(args.device)
-                checkpoint = f"{time.perf_counter() - start:.2f} s"
+                checkpoint = time_checkpoint(ctx, args.steps + 1, args.device)
             print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
                   ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
             print(f"  peak memory allocated over those steps: {peak:.1f} GiB")

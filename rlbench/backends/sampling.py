@@ -111,8 +111,10 @@ class SamplingRows:
                  fused: bool = True):
         pad = rows - len(requests)
         # known on the host once per batch, so no decode step asks the device
-        self.filtered = any(r.temperature != 0 and (r.top_k > 0 or r.top_p < 1.0) for r in requests)
-        self.fused = fused and not self.filtered and torch.device(device).type == "cuda" and _triton()
+        each = [r.temperature != 0 and (r.top_k > 0 or r.top_p < 1.0) for r in requests] + [False] * pad
+        self.filtered = any(each)
+        self.filtered_rows = torch.tensor(each, device=device)
+        self.fused = fused and torch.device(device).type == "cuda" and _triton()
         self.temperature = torch.tensor([r.temperature for r in requests] + [0.0] * pad, device=device)
         self.top_k = torch.tensor([r.top_k for r in requests] + [-1] * pad, device=device)
         self.top_p = torch.tensor([r.top_p for r in requests] + [1.0] * pad, device=device)
@@ -134,14 +136,21 @@ def _triton() -> bool:
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B], their log-probs [B]) of every row's token number `step`: `choose` over `uniforms`, in
-    one Triton kernel on a GPU when no row is top-k or top-p filtered (rlbench/backends/sampling_triton.py:
-    the same noise and the same choice rule; its log-probs' last bits are its own reduction's)."""
-    if rows.fused:
-        from rlbench.backends.sampling_triton import choose_fused
+    """(token ids [B], their log-probs [B]) of every row's token number `step`: `choose` over `uniforms`. On a
+    GPU (with Triton) a row that is not top-k or top-p filtered is chosen by one Triton kernel instead
+    (rlbench/backends/sampling_triton.py: the same noise and the same choice rule; its log-probs' last bits are
+    its own reduction's), whatever its neighbours are: which path a row takes is its own parameters' choice, so
+    its token and log-prob do not depend on the batch it is in."""
+    if not rows.fused:
+        return choose(logits, rows.noise(step, logits.shape[-1]), rows)
+    from rlbench.backends.sampling_triton import choose_fused
 
-        return choose_fused(logits, rows.seed_lo, rows.seed_hi, rows.temperature, step)
-    return choose(logits, rows.noise(step, logits.shape[-1]), rows)
+    tokens, logprobs = choose_fused(logits, rows.seed_lo, rows.seed_hi, rows.temperature, step)
+    if rows.filtered:  # those rows by the tensor path (the kernel does not filter)
+        filtered_tokens, filtered_logprobs = choose(logits, rows.noise(step, logits.shape[-1]), rows)
+        tokens = torch.where(rows.filtered_rows, filtered_tokens, tokens)
+        logprobs = torch.where(rows.filtered_rows, filtered_logprobs, logprobs)
+    return tokens, logprobs
 
 
 def choose(logits: torch.Tensor, uniform: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,3 +135,33 @@ def test_config_refuses_bad_sampling_values(tmp_path, key, value, needle):
     path.write_text(f"[rollout]\n{key} = {value!r}\n".replace("'", '"'))
     with pytest.raises(BadInput, match=needle):
         load_config(path)
+
+
+def test_on_a_gpu_a_rows_path_is_its_own(monkeypatch):
+    """`sample` on a GPU: rows that are not top-k/top-p filtered go through the fused kernel, filtered rows through
+    `choose`, decided row by row, so a row's result does not depend on whether a filtered row shares its batch (the
+    kernel stood in for here by a marker: the CPU has no Triton; tests/gpu runs the kernel itself)."""
+    import sys
+    import types
+
+    import rlbench.backends.sampling as sampling
+
+    def fused(logits, seed_lo, seed_hi, temperature, step):  # a stand-in whose answers are recognisable
+        return torch.full((logits.shape[0],), 99, dtype=torch.long), torch.full((logits.shape[0],), -7.0)
+
+    monkeypatch.setitem(sys.modules, "rlbench.backends.sampling_triton", types.SimpleNamespace(choose_fused=fused))
+    monkeypatch.setattr(sampling, "_triton", lambda: True)
+    plain, top_k, top_p = _request(seed=1), _request(seed=2, top_k=2), _request(seed=3, top_p=0.5)
+
+    def rows(requests):
+        made = SamplingRows(requests, len(requests) + 1)  # one padding row
+        made.fused = True  # as on a CUDA device
+        return made
+
+    logits = LOGITS.expand(4, V)
+    tokens, logprobs = sampling.sample(logits, rows([plain, top_k, top_p]), 0)
+    want, want_logprobs = choose(logits[1:3], SamplingRows([top_k, top_p], 2).noise(0, V), SamplingRows([top_k, top_p], 2))
+    assert tokens[[0, 3]].tolist() == [99, 99] and logprobs[[0, 3]].tolist() == [-7.0, -7.0]  # the kernel's rows
+    assert torch.equal(tokens[1:3], want) and torch.equal(logprobs[1:3], want_logprobs)  # the tensor path's
+    alone = sampling.sample(logits[:2], rows([plain]), 0)
+    assert alone[0].tolist() == [99, 99]  # the plain row takes the kernel alone as beside filtered rows

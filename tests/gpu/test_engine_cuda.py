@@ -106,3 +106,23 @@ def test_cuda_graphs_give_the_eager_bits_and_follow_weight_updates(setup):
     assert after != before  # the new weights were read
     assert sum(len(kept) for kept in graphs.graphs.values()) == captured
     assert not torch.cuda.is_current_stream_capturing()
+
+
+def test_the_kv_write_lifts_the_deterministic_flag_for_itself_only():
+    """The fixed KV store writes its one column with the plain index_copy_ kernel (no sort, no device asserts)
+    and leaves torch's deterministic-algorithms setting as it found it, warn-only flag included."""
+    from rlbench.backends.batched_forward import _one_index
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        for warn in (False, True):
+            torch.use_deterministic_algorithms(True, warn_only=warn)
+            target = torch.zeros(2, 3, 5, device="cuda")
+            with _one_index(target.device):
+                assert not torch.are_deterministic_algorithms_enabled()
+                target.index_copy_(2, torch.tensor([3], device="cuda"), torch.ones(2, 3, 1, device="cuda"))
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled() == warn
+            assert target[:, :, 3].eq(1).all() and target.sum() == 6
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -46,7 +46,8 @@ def test_the_fused_kernel_makes_the_tensor_paths_choice():
 
 
 def test_the_fused_kernel_is_batch_invariant():
-    """A row's token and log-prob are the same bits alone, in a batch of 64 and in a batch of 8 with other rows."""
+    """A row's token and log-prob are the same bits alone, in a batch of 64, in a batch of 8 with other rows and
+    beside a filtered row (which the kernel does not take)."""
     from rlbench.backends.sampling import SamplingRows, sample
     from rlbench.core.types import GenerateRequest
 
@@ -59,3 +60,6 @@ def test_the_fused_kernel_is_batch_invariant():
         assert torch.equal(alone[0][0], full[0][i]) and torch.equal(alone[1][0], full[1][i]), i
     eight = sample(logits[8:16], SamplingRows(requests[8:16], 8, "cuda"), 3)
     assert torch.equal(eight[0], full[0][8:16]) and torch.equal(eight[1], full[1][8:16])
+    mixed = [GenerateRequest((1,), 5, 1, 1.0, (), 20, 0.9), requests[17]]  # a top-k/top-p row takes the tensor path
+    beside = sample(logits[[16, 17]], SamplingRows(mixed, 2, "cuda"), 3)
+    assert torch.equal(beside[0][1], full[0][17]) and torch.equal(beside[1][1], full[1][17])
