@@ -34,7 +34,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # see 
 import torch  # noqa: E402
 
 from rlbench.core import loop  # noqa: E402
-from rlbench.core.context import build  # noqa: E402
+from rlbench.session import build  # noqa: E402
 from rlbench.core.model import named_weights  # noqa: E402
 from rlbench.rundir import digest  # noqa: E402
 

@@ -108,7 +108,7 @@ def probe_train() -> dict:
 
     from rlbench.config import load_config
     from rlbench.core import algo, loop
-    from rlbench.core.context import build
+    from rlbench.session import build
 
     out: dict[str, str] = {}
     counter = [0]

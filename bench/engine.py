@@ -31,7 +31,7 @@ from stages import STAGES, sync_device, timed_step  # noqa: E402
 from rlbench.backends.hf_engine import HFEngine  # noqa: E402
 from rlbench.config import load_config  # noqa: E402
 from rlbench.core import loop  # noqa: E402
-from rlbench.core.context import build  # noqa: E402
+from rlbench.session import build  # noqa: E402
 
 
 def generation(config, repeats: int) -> None:

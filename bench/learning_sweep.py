@@ -79,7 +79,7 @@ def run_one(job: tuple[str, int]) -> dict:
 
     torch.set_num_threads(1)
     from rlbench.config import load_config
-    from rlbench.core import loop
+    from rlbench import session
 
     overrides = dict(SETTINGS[name])
     root = Path(tempfile.mkdtemp(prefix="rlbench-sweep-"))
@@ -87,7 +87,7 @@ def run_one(job: tuple[str, int]) -> dict:
         if "model" in overrides:
             overrides["model__path"] = _model_dir(overrides.pop("model"), root)
         out = root / "run"
-        loop.run(load_config(seed=seed, out=str(out), steps=max(STEPS), **overrides))
+        session.run(load_config(seed=seed, out=str(out), steps=max(STEPS), **overrides))
         rows = []
         for line in (out / "metrics.jsonl").read_text().splitlines():
             metrics = json.loads(line)

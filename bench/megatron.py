@@ -66,7 +66,7 @@ def gpu(args: list[str], repeats: int) -> None:
 def cpu(steps: int) -> None:
     from rlbench.config import apply_overrides, load_config
     from rlbench.core import loop
-    from rlbench.core.context import build
+    from rlbench.session import build
 
     config = load_config(steps=steps)
     contexts = {"torch": build(config), "megatron": build(apply_overrides(config, train__backend="megatron"))}

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stages import timed_step  # noqa: E402
 
 from rlbench.config import load_config  # noqa: E402
-from rlbench.core.context import build  # noqa: E402
+from rlbench.session import build  # noqa: E402
 from rlbench.core.model import build_model, load_tokenizer  # noqa: E402
 from rlbench.core.reward import RewardInput, parity  # noqa: E402
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from rlbench.config import load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 
 BUDGET_PERCENT = 3.0
 

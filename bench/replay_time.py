@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from rlbench.config import load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.replay.replay import replay
 from rlbench.rundir.directory import read_run
 

@@ -24,7 +24,7 @@ import time
 
 from rlbench.config import apply_overrides, load_config
 from rlbench.core import loop, weight_check
-from rlbench.core.context import build
+from rlbench.session import build
 
 
 def main() -> None:

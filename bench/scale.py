@@ -62,7 +62,7 @@ import torch  # noqa: E402
 
 from rlbench.config import load_config  # noqa: E402
 from rlbench.core import loop  # noqa: E402
-from rlbench.core.context import build  # noqa: E402
+from rlbench.session import build  # noqa: E402
 from rlbench.rundir import digest  # noqa: E402
 
 QWEN3_VOCAB, QWEN3_TOKENIZER = 151_936, 151_669  # Qwen3's config.json vocab_size; its tokenizer's ids (len(tokenizer))

@@ -1,7 +1,7 @@
 """Shared by the benches: one step of the loop, stage by stage, each stage timed.
 
-`loop.run` times a step as a whole (perf/step_time); a bench that wants to know where a step's
-time goes calls the loop's stage functions itself, in `loop.run`'s order, with a clock around
+`session.run` times a step as a whole (perf/step_time); a bench that wants to know where a step's
+time goes calls the loop's stage functions itself, in `session.run`'s order, with a clock around
 each. The numbers are the same work as a run's: same stages, same context, same writer.
 """
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from rlbench.checks.tito import render
 from rlbench.checks.tito_run import check_run
 from rlbench.config import load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.core.model import load_tokenizer
 from rlbench.rundir.recording import read_step
 from rlbench.rundir.directory import read_run

@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from rlbench.config import load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 
 
 def main() -> None:

@@ -7,16 +7,22 @@ Importing it pins the portable CPU numerics before anything imports torch (numer
                   algorithm, trainer), and `setting`, the field with its help
     validate.py   the value checks every config shares: a failing value is BadInput naming its key
     errors.py     BadInput and the other typed errors, each with its exit code
+    keys.py       the API keys' environment variables: the client's and `rlbench serve`'s, distinct
     numerics.py   portable CPU numerics: pinned before torch initialises, read back for the manifest
     __main__.py   `python -m rlbench`: the same as the `rlbench` console script
+    extras.py     the optional packages (serve, browser, ...): whether each is installed, and the one line
+                  naming the extra when one is needed
+    session.py    a run assembled and driven: `build` (inputs checked, backends made here or as Ray actors,
+                  the manifest) and `run` (the steps in order); above core/, backends/ and placement/
     cli/          the `rlbench` command line: the only package that prints; errors -> exit codes
-    core/         the loop (one function per stage, and its driver), the backend protocols, seeding,
-                  data, rewards, the RL algorithm
+    core/         the loop's stages (one function each) and what they read (Context), the backend
+                  protocols, seeding, data, rewards, the RL algorithm
     backends/     the rollout engines and trainers behind core/protocols.py, imported only when chosen
     placement/    where a run's pieces run: in-process, or as Ray actors (`--placement ray`)
     rundir/       the run directory's storage: atomic writes, the step commit, recordings, digests, the lock
     replay/       replay, resume, diff and the slime import, built on core/ and rundir/
     checks/       check tito / logprobs / golden, and the golden files
+    report/       `rlbench report`: a run (or two) as one self-contained HTML page, with every verdict
     tasks/        tasks beyond the default one: the multi-turn calculator
     serve/        `rlbench serve`: the embedded engine behind SGLang's native HTTP API
     fixtures/     the tiny model's config, the tokenizers and the datasets a plain install runs with;

@@ -52,7 +52,7 @@ def small_config() -> RunConfig:
 @pytest.fixture
 def run_small(tmp_path, small_config):
     """run_small(name, **overrides) -> RunResult, written to tmp_path/name."""
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     def _run(name: str = "run", **overrides):
         from rlbench.config import apply_overrides

@@ -5,7 +5,7 @@ rollout-only); the packages its backends need installed and record in the manife
 bundles it places (a trainer rank each, then an engine each); and how to make the trainer (torch,
 or megatron's rank 0) and the engines (the embedded `hf` one, or SGLang's over HTTP).
 
-core/context.py makes the run's backends in this process with it; placement/ray.py makes them in
+rlbench/session.py makes the run's backends in this process with it; placement/ray.py makes them in
 Ray actors with it. It imports neither: the backends it makes are imported when chosen, so a run
 never imports megatron-core, SGLang or Ray unless its config names them.
 """

@@ -55,7 +55,7 @@ from rlbench.rundir.directory import RunDir, atomic_write
 from rlbench.rundir.jsonio import read_json
 
 SCHEMA = "rlbench.golden/1"
-# A run records the versions of the packages it used (rlbench/core/context.py `versions`). The exact
+# A run records the versions of the packages it used (rlbench/session.py `versions`). The exact
 # tier needs them equal, except these, recorded only: rlbench's own changes are what the golden check is
 # there to catch, and the others store or route values without computing them.
 RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router", "ray")

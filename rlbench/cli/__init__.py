@@ -8,6 +8,7 @@ error, 130 Ctrl-C.
                   progress and --help as they read without a terminal
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff, import slime
+    slime_args.py slime's own command-line arguments mapped onto the run config (`rlbench run <slime args>`)
     checks.py     check logprobs / tito / golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
     report.py     report: one HTML page of a run, or of where two runs part

@@ -158,7 +158,7 @@ def run(
     if print_config:
         _print_config(cfg, slime_fields, as_json)
         return
-    from rlbench.core.loop import run as run_loop  # torch loads here, after the config is known good
+    from rlbench.session import run as run_loop  # torch loads here, after the config is known good
     command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
         result = run_loop(cfg, command=command)

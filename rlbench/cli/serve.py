@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 from rlbench.cli.app import Debug, app, stdout
 from rlbench.cli.options import config_option, overrides
 from rlbench.backends.sglang.wire import LISTENING
-from rlbench.serve.server import API_KEY_ENV, LOOPBACK, ServeConfig
+from rlbench.keys import SERVE_API_KEY_ENV
+from rlbench.serve.server import LOOPBACK, ServeConfig
 
 _DEFAULT = ServeConfig()
 
@@ -51,7 +52,7 @@ def serve(
     stream_output: Annotated[bool, _option("incremental_streaming_output", "--stream-output", flag_value=True,
                                            hidden=True)] = False,  # SGLang's earlier name, kept out of --help
     max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
-    api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+    api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=SERVE_API_KEY_ENV, show_envvar=True,
                                               default_text="none")] = None,
     allow_unauthenticated: Annotated[bool, _option("allow_unauthenticated", "--allow-unauthenticated",
                                                    flag_value=True)] = False,

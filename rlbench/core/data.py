@@ -9,6 +9,7 @@ are kept as metadata. The cursor is a pure function of (seed, step): step s take
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +103,55 @@ class PromptCursor:
         consumed = step * self.per_step
         return {"consumed": consumed, "epoch": consumed // self.size, "offset": consumed % self.size,
                 "seed": self.seed, "shuffle": self.shuffle}
+
+
+def encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, source: str = "",
+                    template_kwargs: dict | None = None) -> dict[int, tuple[int, ...]]:
+    """Each prompt tokenised once, up front: rendered by the chat template with a generation prompt
+    (and `template_kwargs`), or, with `template_kwargs` None (no chat template), a string prompt's text
+    as it is, without special tokens, as slime tokenises it. One that leaves no room for the response
+    in the model's context (`limit` tokens) is bad input."""
+    encoded = {}
+    for prompt in dataset:
+        with _quiet_tokenizer():
+            ids = _encode(tokenizer, prompt, source, template_kwargs)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if not ids:  # an engine has nothing to continue from (a chat template that renders nothing)
+            raise BadInput(f"prompt {prompt.index} renders to no tokens", path=source)
+        if len(ids) > limit:
+            raise BadInput(f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
+                           f"model's {limit} + max_new_tokens positions", path=source)
+        encoded[prompt.index] = tuple(int(t) for t in ids)
+    return encoded
+
+
+def _encode(tokenizer, prompt: Prompt, source: str, template_kwargs: dict | None):
+    """One prompt's ids (see `encode_prompts`); a chat template that fails to render is bad input naming
+    the tokenizer: the template is the tokenizer's own program (a Jinja syntax error, an unknown filter,
+    its own raise_exception, an error in what it computes)."""
+    if template_kwargs is None:
+        if len(prompt.messages) != 1 or prompt.messages[0].get("role") != "user":
+            raise BadInput(f"prompt {prompt.index} is a list of messages: without the chat template "
+                           "(data.apply_chat_template false) a prompt is a string", path=source)
+        return tokenizer(prompt.messages[0]["content"], add_special_tokens=False)["input_ids"]
+    try:
+        return tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
+                                             **template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the template's code raises, it is the tokenizer's
+        first = (str(exc).splitlines() or [""])[0][:160]
+        raise BadInput(f"the chat template cannot render prompt {prompt.index} ({exc.__class__.__name__}: {first})",
+                       path=getattr(tokenizer, "name_or_path", None) or None, field="chat_template") from None
+
+
+@contextmanager
+def _quiet_tokenizer():
+    """transformers warns (on stderr, once) when a prompt is longer than the tokenizer's model_max_length;
+    rlbench holds each prompt to the model's positions itself (`encode_prompts`), in one line."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -11,16 +11,14 @@ that differs raises `Diverged`. The driver holds no arithmetic.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from rlbench.config import RunConfig
 from rlbench.core import algo, metrics, samples, weight_check
-from rlbench.core.context import Context, build
+from rlbench.core.context import Context
 from rlbench.core.plugins import call_plugin
 from rlbench.core.reward import RewardInput, score
 from rlbench.core.seeding import derive_seed
@@ -28,7 +26,6 @@ from rlbench.core.types import GenerateRequest, Prompt, Sample
 from rlbench.errors import BadInput, Divergence, NonFinite
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS
-from rlbench.rundir.failpoints import hit
 from rlbench.rundir.digest import tensors_digest, weights_digests
 
 
@@ -51,15 +48,6 @@ class StepState:
     checksums: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # per-parameter digests, kept in the recording's JSON
-
-
-@dataclass
-class RunResult:
-    config: RunConfig
-    manifest: dict
-    history: list[dict]  # each step's metrics, with "step"
-    wall_time: float
-    start: int = 0
 
 
 def data(ctx: Context, state: StepState) -> None:
@@ -291,55 +279,3 @@ def timed(state: StepState, key: str):
     state.metrics[key] = time.perf_counter() - start
 
 
-def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *, start: int = 0,
-        init_checkpoint: Path | None = None, expect: dict[int, dict] | None = None, write_from: int = 0,
-        resume: bool = False, command: str | None = None) -> RunResult:
-    """Run steps [start, config.steps). `command` is the command line that asked for the run (kept
-    in the manifest, so a golden file can say how its values were made). `init_checkpoint` restores the trainer first; `expect` maps
-    step -> checksums to verify (a mismatch raises Diverged); steps before `write_from` are verified
-    but not written (resume recomputes committed steps). `on_step(state)` follows each step; when
-    run() returns, every written step is committed to disk."""
-    started = time.perf_counter()
-    ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume, command=command)
-    history = []
-    try:
-        if ctx.engine is not None and ctx.trainer is not None:
-            first_sync(ctx, start)
-        if ctx.writer is not None and ctx.trainer is not None and start == 0 and not ctx.writer.has_checkpoint(0):
-            checkpoint(ctx, 0)
-        for step in range(start, config.steps):
-            hit("step.start")
-            state = StepState(step)
-            with timed(state, "perf/step_time"):
-                with timed(state, "perf/rollout_time"):
-                    if ctx.engine is not None:
-                        data(ctx, state)
-                        rollout(ctx, state)
-                        reward(ctx, state)
-                    else:
-                        recorded(ctx, state)
-                if ctx.trainer is not None:
-                    with timed(state, "perf/train_time"):
-                        advantage(ctx, state)
-                        logprob(ctx, state)
-                        train(ctx, state)
-                        if ctx.engine is not None:
-                            sync(ctx, state)
-            record(ctx, state, commit=step >= write_from)  # before verify: a diverging step is kept, for diff
-            if expect is not None and step in expect:
-                verify(expect[step], state)
-            history.append({"step": step, **state.metrics})
-            if on_step is not None:
-                on_step(state)
-    except BaseException:
-        if ctx.writer is not None and ctx.writer.created and ctx.writer.commits == 0:
-            ctx.writer.discard()  # failed before its first step: leave no half-made --out behind
-        raise
-    finally:  # an error or Ctrl-C still lands every step already handed to the writer
-        if ctx.writer is not None:
-            ctx.writer.close()
-        if ctx.engine is not None:
-            ctx.engine.close()
-        if ctx.trainer is not None:
-            ctx.trainer.close()
-    return RunResult(config, ctx.manifest, history, time.perf_counter() - started, start)

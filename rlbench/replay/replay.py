@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.config import RunConfig, config_from_dict
-from rlbench.core.loop import Diverged, RunResult, StepState, run
+from rlbench.core.loop import Diverged, StepState
+from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
 from rlbench.replay.checkpoints import verify_checkpoints
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlbench.core.loop import RunResult, StepState, run
+from rlbench.core.loop import StepState
+from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
 from rlbench.replay.replay import source_config

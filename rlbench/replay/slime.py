@@ -371,7 +371,7 @@ def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], ou
     per rollout id (train.minibatches 1)."""
     import json
 
-    from rlbench.core.context import versions
+    from rlbench.session import versions
     from rlbench.core.loop import StepState, checksum_inputs
     from rlbench.core.model import file_digest
     from rlbench.rundir.algorithm import CHECKSUM

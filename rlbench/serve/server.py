@@ -24,10 +24,10 @@ from typing import Literal
 
 from rlbench.config_sections import FIXTURES, setting
 from rlbench.errors import BadInput
+from rlbench.keys import SERVE_API_KEY_ENV
 from rlbench.validate import check, number, text
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-API_KEY_ENV = "RLBENCH_SERVE_API_KEY"  # how a launcher hands the key over: a command line is visible to all users
 
 # SGLang's --load-format names for the two ways rlbench starts a model (ModelConfig.init).
 LOAD_FORMATS = {"auto": "checkpoint", "dummy": "random"}
@@ -77,7 +77,7 @@ class ServeConfig:
         "bounds what one client can make the server parse.")
     api_key: str | None = setting(None,
         f"SGLang's --api-key: every request but /health*, /ready* and /metrics* must send 'Authorization: Bearer "
-        f"KEY' (401 otherwise). Read from {API_KEY_ENV} when set there; it is never printed or reported.")
+        f"KEY' (401 otherwise). Read from {SERVE_API_KEY_ENV} when set there; it is never printed or reported.")
     allow_unauthenticated: bool = setting(False,
         "Serve beyond loopback without --api-key: anyone who reaches the port can generate, read the weights and "
         "load new ones.")
@@ -119,7 +119,7 @@ class ServeConfig:
             text(self.weights_dir, "--weights-dir")
         if self.host not in LOOPBACK and self.api_key is None:
             if not self.allow_unauthenticated:
-                raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {API_KEY_ENV}), "
+                raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {SERVE_API_KEY_ENV}), "
                                f"bind 127.0.0.1, or pass --allow-unauthenticated", field="--host")
             if self.weights_dir is None:
                 raise BadInput(f"refusing to serve on {self.host} without a key and without --weights-dir: anyone "

@@ -14,7 +14,7 @@ from rlbench.config import apply_overrides
 def reference(small_config, tmp_path_factory) -> Path:
     """The undisturbed in-process run of `small_config` (embedded engine, torch trainer), made once per
     session (per xdist worker); the runs the rollout tests hold to its files only read it."""
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     out = tmp_path_factory.mktemp("reference") / "run"
     run(apply_overrides(small_config, out=str(out)))

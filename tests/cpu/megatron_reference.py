@@ -9,7 +9,7 @@ import fcntl
 from pathlib import Path
 
 from rlbench.config import apply_overrides, load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from tests.conftest import run_cli
 
 # An entropy term of weight 1 keeps every minibatch's loss near -log(vocabulary) (about -5.7), far from 0,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rlbench.backends.hf_engine import HFEngine
 from rlbench.config import load_config
-from rlbench.core.context import _encode_prompts
+from rlbench.core.data import encode_prompts
 from rlbench.core.data import load_dataset
 from rlbench.core.model import build_model, load_tokenizer
 from rlbench.core.seeding import configure_determinism
@@ -41,7 +41,7 @@ def setup():
     # depend on its row (1 ulp, transformers 5.17): the property is claimed at a fixed thread count.
     configure_determinism(config.threads, config.device)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
+    prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])  # a prompt longer than one bucket's width (32)
     model = build_model(config.model.path, master_seed=5, init="random")
     engines = {"batched": HFEngine(model, batch_size=ROWS), "per-sample": HFEngine(model, decode="per-sample")}

@@ -15,7 +15,7 @@ from tests.cpu.recordings import copy_run
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
     from rlbench.config import load_config
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     root = tmp_path_factory.mktemp("orig")
     run(load_config(out=str(root / "a"), steps=3, data__prompts_per_step=2, rollout__n_samples_per_prompt=2,

@@ -45,7 +45,7 @@ def test_the_megatron_trainer_takes_float32_float64_and_bfloat16_and_unknown_dty
 
 def test_a_float64_run_records_its_dtype_and_the_golden_identity_keys_on_it(tmp_path):
     from rlbench.checks.golden import config_hash, config_identity
-    from rlbench.core.loop import run
+    from rlbench.session import run
     from rlbench.rundir.recording import read_step
 
     config = load_config(model__dtype="float64", steps=1, data__prompts_per_step=2, rollout__n_samples_per_prompt=4,

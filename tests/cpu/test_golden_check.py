@@ -20,7 +20,7 @@ from tests.conftest import run_cli
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, small_config):
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     out = tmp_path_factory.mktemp("golden") / "run"
     run(apply_overrides(small_config, steps=6, out=str(out)), command="rlbench run (test)")
@@ -542,7 +542,7 @@ def test_plot_without_matplotlib_is_one_clear_line(run_dir, golden_file, tmp_pat
 
 
 def test_update_from_another_configuration_says_so(golden_file, small_config, tmp_path):
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     other = tmp_path / "other"
     run(apply_overrides(small_config, steps=2, out=str(other), train__lr=0.01))

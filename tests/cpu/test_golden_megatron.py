@@ -221,7 +221,7 @@ def test_a_real_short_run_at_a_files_steps(tmp_path, small_config):
     """A real rlbench run of one step against a one-iteration Megatron-LM file: compared there, and far apart
     (rlbench's policy loss against an LM loss of 29.3); a longer file needs a longer run, said in both numberings."""
     from rlbench.config import apply_overrides
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     out = tmp_path / "run"
     run(apply_overrides(small_config, steps=1, out=str(out)), command="rlbench run (test)")

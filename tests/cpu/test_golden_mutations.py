@@ -16,6 +16,7 @@ import torch
 from rlbench.checks.golden import load_golden
 from rlbench.checks.golden_compare import compare
 from rlbench.config import load_config
+from rlbench import session
 from rlbench.core import algo, loop, samples
 from rlbench.rundir.directory import read_run
 from tests.conftest import REPO
@@ -81,7 +82,7 @@ def _golden_run(tmp_path):
     args = SUITE["default"]
     assert args == ["--steps", "10"], "this test runs golden/default.json's suite entry in-process"
     config = load_config(steps=10, out=str(tmp_path / "run"))
-    loop.run(config)
+    session.run(config)
     return read_run(tmp_path / "run")
 
 

@@ -90,3 +90,51 @@ def test_no_private_name_is_imported_from_another_module():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set(), "c": {"c"}}) == []
+
+
+# The packages (and top-level modules) from the bottom up: a package imports only from its own layer or below.
+# session.py sits above core/ (the stages and what they read), backends/ and placement/: it chooses between them.
+LAYERS = [
+    {"errors", "validate", "extras", "numerics", "keys", "fixtures"},
+    {"config_sections"},
+    {"config"},
+    {"rundir"},
+    {"core", "tasks"},
+    {"backends"},
+    {"serve", "placement"},
+    {"session"},
+    {"replay"},
+    {"checks"},
+    {"report"},
+    {"cli"},
+    {"__main__"},
+]
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_no_package_imports_one_above_it():
+    modules = _modules()
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    packages = {_package(name) for name in modules if name != "rlbench"}
+    assert packages == set(layer), sorted(packages ^ set(layer))  # every package placed, none invented
+    upward = sorted({(name, target) for name, path in modules.items() if name != "rlbench"
+                     for target, _ in _imports(name, path, modules)
+                     if _package(target) != "rlbench" and layer[_package(target)] > layer[_package(name)]})
+    assert upward == [], upward
+
+
+def test_each_package_docstring_names_every_module_it_holds():
+    """The README's promise: each package's docstring lists its modules (and the top package its subpackages)."""
+    import ast as ast_
+
+    for init in sorted(ROOT.rglob("__init__.py")):
+        if "fixtures" in init.parts:
+            continue
+        doc = ast_.get_docstring(ast_.parse(init.read_text())) or ""
+        held = [p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        held += [f"{p.name}/" for p in init.parent.iterdir() if (p / "__init__.py").is_file() and p.name != "fixtures"]
+        missing = [name for name in held if name not in doc]
+        assert missing == [], f"{init.relative_to(ROOT.parent)} does not name {missing}"

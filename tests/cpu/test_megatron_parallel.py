@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlbench.config import apply_overrides, load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli
 from tests.cpu.megatron_reference import TOML, made_once, reference_runs, run_process

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlbench.config import apply_overrides, load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.errors import BadInput, WeightMismatch
 from rlbench.rundir.directory import read_run
 from rlbench.rundir.recording import read_step

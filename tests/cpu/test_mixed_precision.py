@@ -149,7 +149,7 @@ def test_the_megatron_trainer_in_bf16_trains_over_fp32_masters_and_resumes(tmp_p
 
     from safetensors.torch import load_file, save_file
 
-    from rlbench.core.loop import run
+    from rlbench.session import run
     from tests.conftest import cli
 
     config = load_config(steps=4, seed=3, checkpoint_every=2, model__dtype="bfloat16", train__backend="megatron",

@@ -11,7 +11,7 @@ import pytest
 from rlbench.checks.tito_run import check_run
 from rlbench.config import load_config
 from rlbench.core.generate import check_trajectory, load_generate_fn
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.core.model import load_tokenizer
 from rlbench.errors import BadInput
 from rlbench.rundir.recording import read_step

@@ -105,15 +105,15 @@ def test_a_run_records_the_versions_of_the_packages_it_used_only(small_config, m
     made without them is not refused for packages the run never touched."""
     from importlib import metadata
 
-    from rlbench.core import context
+    from rlbench import session
 
     real = metadata.version
-    monkeypatch.setattr(context.metadata, "version",
+    monkeypatch.setattr(session.metadata, "version",
                         lambda name: {"megatron-core": "0.16.1", "sglang": "0.5.4", "sglang-router": "0.3.2"}.get(name)
                         or real(name))
-    assert set(context.versions(small_config)) == {"python", "rlbench", "torch", "transformers", "tokenizers",
+    assert set(session.versions(small_config)) == {"python", "rlbench", "torch", "transformers", "tokenizers",
                                                    "safetensors"}
     from types import SimpleNamespace
 
     megatron = SimpleNamespace(train=SimpleNamespace(backend="megatron"), rollout=SimpleNamespace(backend="hf"))
-    assert context.versions(megatron)["megatron-core"] == "0.16.1" and "sglang" not in context.versions(megatron)
+    assert session.versions(megatron)["megatron-core"] == "0.16.1" and "sglang" not in session.versions(megatron)

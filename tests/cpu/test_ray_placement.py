@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlbench.config import apply_overrides, load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.rundir.directory import read_run
 from tests.cpu.megatron_reference import TOML, reference_runs
 from tests.cpu.test_megatron_parallel import wait_gone

@@ -25,7 +25,7 @@ LR = RunConfig().train.lr
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
     from rlbench.config import load_config
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     root = tmp_path_factory.mktemp("orig")
     config = load_config(out=str(root / "a"), data__prompts_per_step=2, rollout__n_samples_per_prompt=4,

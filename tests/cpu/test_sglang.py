@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rlbench.config import apply_overrides
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.errors import WeightMismatch
 from rlbench.rundir.directory import read_run
 from tests.conformance.test_sglang_api import *  # noqa: F401,F403 - the conformance tests, run against `fleet`

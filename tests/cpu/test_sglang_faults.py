@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlbench.config import apply_overrides
-from rlbench.core.loop import run
+from rlbench.session import run
 from rlbench.errors import EngineUnavailable
 from rlbench.rundir.directory import read_run
 from tests.conftest import cli, small_toml, tagged_processes

@@ -26,7 +26,7 @@ TOK = load_tokenizer(QWEN)
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     from rlbench.config import load_config
-    from rlbench.core.loop import run
+    from rlbench.session import run
 
     out = tmp_path_factory.mktemp("tito") / "run"
     run(load_config(out=str(out), steps=3, data__prompts_per_step=4, rollout__n_samples_per_prompt=8))

@@ -19,7 +19,7 @@ STEPS = 4
 def runs(tmp_path_factory):
     """A small run and its replay (the same checksums, a different directory)."""
     from rlbench.config import load_config
-    from rlbench.core.loop import run
+    from rlbench.session import run
     from rlbench.replay.replay import replay
 
     root = tmp_path_factory.mktemp("verdicts")

@@ -8,7 +8,7 @@ import random
 
 from rlbench.backends.hf_engine import HFEngine
 from rlbench.config import load_config
-from rlbench.core.context import _encode_prompts
+from rlbench.core.data import encode_prompts
 from rlbench.core.data import load_dataset
 from rlbench.core.model import build_model, load_tokenizer
 from rlbench.core.seeding import configure_determinism
@@ -19,7 +19,7 @@ def _setup():
     config = load_config(device="cuda")
     configure_determinism(config.threads, config.device)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
+    prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
     eos = tokenizer.eos_token_id
     requests = [GenerateRequest(prompts[i % 12], 100 + i, 4, [1.0, 0.7, 0.0][i % 3], (eos,), [-1, 5][i % 2],
@@ -64,7 +64,7 @@ def setup():
     config = load_config(device="cuda")
     configure_determinism(config.threads, config.device, deterministic=True)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    prompts = list(_encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
+    prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])
     model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
     engines = {"batched": HFEngine(model, device="cuda", batch_size=ROWS),

@@ -6,7 +6,7 @@ import json
 import torch
 
 from rlbench.config import load_config
-from rlbench.core.loop import run
+from rlbench.session import run
 
 
 def _small(out, seed=3):

@@ -100,7 +100,7 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
 
     from rlbench.config import load_config
     from rlbench.core import loop
-    from rlbench.core.context import build
+    from rlbench.session import build
     from rlbench.core.model import named_weights
 
     if not moptim.USING_PYTORCH_OPTIMIZER:

@@ -19,13 +19,12 @@ variable RLBENCH_SGLANG_API_KEY, sent as `Authorization: Bearer KEY` on every re
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any
 
 from rlbench.errors import BadInput
+from rlbench.keys import client_api_key
 
-API_KEY_ENV = "RLBENCH_SGLANG_API_KEY"
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}  # what sglang-router itself retries
 
 
@@ -49,8 +48,8 @@ class Retryable(Exception):
 
 
 def api_key() -> str | None:
-    """The key the fleet asks for (RLBENCH_SGLANG_API_KEY), or None when unset or empty."""
-    return os.environ.get(API_KEY_ENV) or None
+    """The key the fleet asks for (rlbench.keys.CLIENT_API_KEY_ENV), or None when unset or empty."""
+    return client_api_key()
 
 
 class Client:

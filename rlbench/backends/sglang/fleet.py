@@ -119,10 +119,11 @@ def check_key(config) -> None:
     """SGLang servers rlbench would start while the run has a key (RLBENCH_SGLANG_API_KEY): refused, never a fleet
     silently without the key. SGLang's own server takes its key only on its command line (--api-key), which every
     user of the machine can read."""
-    from rlbench.backends.sglang.client import API_KEY_ENV, api_key
+    from rlbench.backends.sglang.client import api_key
+    from rlbench.keys import CLIENT_API_KEY_ENV
 
     if config.rollout.sglang_server == "sglang" and api_key() is not None:
-        raise BadInput(f"{API_KEY_ENV} is set, and SGLang's own server takes its key only on its command line "
+        raise BadInput(f"{CLIENT_API_KEY_ENV} is set, and SGLang's own server takes its key only on its command line "
                        "(--api-key), where every user of this machine can read it: start keyed SGLang servers "
                        "yourself and name them (rollout.external_engine_addrs or rollout.sglang_router_url), or let "
                        "rlbench start `rlbench serve` workers (rollout.sglang_server = \"rlbench\"), which take the "
@@ -156,14 +157,14 @@ def server_env(config, key: str | None = None) -> dict | None:
     client's key where it was handed over (a Ray actor on another node), else this process's variable. None
     (this process's environment) for SGLang's own server."""
     from rlbench.backends.sglang.client import api_key
-    from rlbench.serve.server import API_KEY_ENV
+    from rlbench.keys import SERVE_API_KEY_ENV
 
     if config.rollout.sglang_server != "rlbench":
         return None
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != SERVE_API_KEY_ENV}
     key = key or api_key()
     if key is not None:
-        env[API_KEY_ENV] = key
+        env[SERVE_API_KEY_ENV] = key
     return env
 
 
