@@ -71,7 +71,7 @@ def main() -> None:
         for _, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
             stage(ctx, state)
 
-        grads = list(ctx.trainer._named_grads())  # the last minibatch's: the same tensors every minibatch fills
+        grads = list(ctx.trainer.named_grads())  # the last minibatch's: the same tensors every minibatch fills
         grad_bytes = sum(g.numel() * g.element_size() for _, g in grads)
 
         def grad_checksums():

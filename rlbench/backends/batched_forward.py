@@ -18,8 +18,8 @@ class Engine(Protocol):
     model: torch.nn.Module
     device: str
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
-                 mask: torch.Tensor | None) -> torch.Tensor: ...
+    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                       mask: torch.Tensor | None) -> torch.Tensor: ...
 
 
 @contextlib.contextmanager
@@ -99,7 +99,7 @@ class EagerDecode:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step; its keys and values go to column `column`."""
         self.kv.column.fill_(column)
-        return self.engine._forward(tokens, positions, self.kv, mask.to(self.engine.device))
+        return self.engine.forward_logits(tokens, positions, self.kv, mask.to(self.engine.device))
 
 
 class GraphDecode(EagerDecode):
@@ -120,7 +120,7 @@ class GraphDecode(EagerDecode):
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # lazy set-ups (cuBLAS handles, workspaces) happen here, not in the capture
             for _ in range(2):
-                engine._forward(self.tokens, self.positions, self.kv, self.mask)
+                engine.forward_logits(self.tokens, self.positions, self.kv, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # Deterministic mode fills every new tensor with NaN first (a guard against reading memory nothing wrote):
@@ -130,7 +130,7 @@ class GraphDecode(EagerDecode):
         torch.utils.deterministic.fill_uninitialized_memory = False
         try:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.logits = engine._forward(self.tokens, self.positions, self.kv, self.mask)
+                self.logits = engine.forward_logits(self.tokens, self.positions, self.kv, self.mask)
         finally:
             torch.utils.deterministic.fill_uninitialized_memory = fill
         self.taken = False

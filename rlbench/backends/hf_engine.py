@@ -193,8 +193,8 @@ class HFEngine:
             results = [self._rescore(req, res) for req, res in zip(requests, results)]
         return results
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
-                 mask: torch.Tensor | None) -> torch.Tensor:
+    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
+                       mask: torch.Tensor | None) -> torch.Tensor:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole
         batch for padding). A None mask is causal for a prefill and all-visible for one token (the
@@ -239,8 +239,8 @@ class HFEngine:
             found = self.prompt_cache.get(key) if self.prompt_cache is not None else None
             if found is None:
                 kv = KVStore()
-                logits = self._forward(torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None], kv,
-                                       None)
+                ids, positions = torch.tensor([req.prompt_ids]), torch.arange(len(req.prompt_ids))[None]
+                logits = self.forward_logits(ids, positions, kv, None)
                 found = (kv, logits[0])
                 if self.prompt_cache is not None:
                     self.prompt_cache.put(key, found, [*kv.keys, *kv.values, logits])
@@ -265,7 +265,7 @@ class HFEngine:
             if index in decoding.ended:
                 finish = decoding.ended[index]
                 break
-            logits = self._forward(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
+            logits = self.forward_logits(token[:, None], torch.tensor([[len(req.prompt_ids) + step]]), kv, None)[0]
         decoding.finished[index] = finish
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
@@ -358,7 +358,7 @@ class HFEngine:
                 mask[row, 0, pad:, pad:] = causal[pad:, pad:]
                 seen[row, pad:] = True
             kv = KVStore()
-            logits.append(self._forward(ids, positions, kv, mask.to(self.device)))
+            logits.append(self.forward_logits(ids, positions, kv, mask.to(self.device)))
             stores.append(kv)
             visible.append(seen)
         merged = KVStore([torch.cat(k) for k in zip(*(s.keys for s in stores))],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -41,6 +42,23 @@ def pad_right(sequences: Sequence[Sequence[int]], pad: int = 0) -> torch.Tensor:
     return out
 
 
+class TrainerHooks(Protocol):
+    """The steps of `TorchTrainer.train_step` a subclass may replace: the megatron rank trainer
+    (backends/megatron/trainer.py) overrides each of these for its sharded model and its process groups; the
+    step's order and arithmetic around them stay TorchTrainer's."""
+
+    def master_source(self) -> tuple[torch.nn.Module, bool]: ...  # the module whose parameters the fp32 masters copy
+    def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor: ...
+    def train_micro_batches(self, lengths: Sequence[int]): ...  # this rank's micro-batches of a minibatch
+    def zero_grads(self) -> None: ...
+    def finalize_grads(self) -> None: ...  # after a minibatch's backward: reductions across ranks
+    def named_grads(self): ...  # the gradients to checksum, by parameter name
+    def param_names(self) -> list[str]: ...
+    def clip_grads(self) -> torch.Tensor | float: ...  # returns the norm before clipping
+    def optimizer_step(self) -> None: ...
+    def reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]: ...  # across ranks
+
+
 class TorchTrainer:
     """The embedded trainer. The methods starting `_` with a one-line body are the places where the
     megatron trainer (backends/megatron/trainer.py), which reuses this loss and step, differs."""
@@ -50,7 +68,7 @@ class TorchTrainer:
     def __init__(self, model: torch.nn.Module, train: TrainConfig, algo_config: AlgoConfig,
                  temperature: float, seed: int, device: str = "cpu", reference: torch.nn.Module | None = None):
         self.model = model.to(device)
-        self.masters = MasterWeights(*self._master_source()) if _low_precision(self.model) else None
+        self.masters = MasterWeights(*self.master_source()) if _low_precision(self.model) else None
         self.train_config, self.algo_config = train, algo_config
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
@@ -63,7 +81,7 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(decay_groups(named, train.weight_decay), lr=train.lr, betas=train.betas,
                                            eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
 
-    def _master_source(self) -> tuple[torch.nn.Module, bool]:
+    def master_source(self) -> tuple[torch.nn.Module, bool]:
         """The module whose parameters get fp32 masters in mixed precision, and whether the masters take the
         gradients through hooks (the megatron trainer's come from megatron-core's fp32 gradient buffers)."""
         return self.model, True
@@ -109,46 +127,46 @@ class TorchTrainer:
             width = int(real[rows].max()) if trim else tokens.shape[1]
             ids = tokens[rows, :width].to(self.device)
             # recorded as float32 (a float64 run computes them in float64 and records them rounded)
-            out[rows, :width] = algo.token_logprobs(self._logits(model, ids), ids, self.temperature).float().cpu()
+            out[rows, :width] = algo.token_logprobs(self.model_logits(model, ids), ids, self.temperature).float().cpu()
         return out
 
-    def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Logits of the last `keep` positions of `ids` (None: all)."""
         return model(input_ids=ids, logits_to_keep=keep or 0, use_cache=False).logits  # a cache nothing reads
 
-    def _train_micro_batches(self, lengths: Sequence[int]):
+    def train_micro_batches(self, lengths: Sequence[int]):
         """The micro-batches (positions in the minibatch) of a minibatch of samples of these lengths that
         this trainer (rank) computes."""
         return self._micro_batches(lengths)
 
-    def _zero_grads(self) -> None:
+    def zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.masters:
             self.model.zero_grad(set_to_none=True)
 
-    def _finalize_grads(self) -> None:
+    def finalize_grads(self) -> None:
         """After the micro-batches' backward passes, before the gradients are read."""
 
-    def _named_grads(self):
+    def named_grads(self):
         """(Hugging Face name, full gradient) of every parameter, in the model's order (the fp32 master
         gradients in mixed precision: what the optimizer steps with)."""
         named = self.masters.params.items() if self.masters else self.model.named_parameters()
         return ((name, p.grad) for name, p in named if p.grad is not None)
 
-    def _param_names(self) -> list[str]:
+    def param_names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]
 
-    def _clip_grads(self) -> torch.Tensor | float:
+    def clip_grads(self) -> torch.Tensor | float:
         """Clip the gradients; their norm before clipping (a device tensor: read at the step's end)."""
         params = self.masters.params.values() if self.masters else self.model.parameters()
         return torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip)
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         self.optimizer.step()
         if self.masters:
             self.masters.copy_to_model()
 
-    def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+    def reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
         """Every rank's share of the losses and metric sums, added up (one rank: as they are)."""
         return losses, sums
 
@@ -167,7 +185,7 @@ class TorchTrainer:
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
         # every gradient's lanes stay on its device until the step's end: one copy to the host a step
-        grads = digest.Digests([None, *self._param_names()])  # None: all of them, in order; a name: its own
+        grads = digest.Digests([None, *self.param_names()])  # None: all of them, in order; a name: its own
         # Metric sums and losses stay on the device until the step's end: no wait for the GPU mid-step.
         # float64 sums: the same arithmetic as adding Python floats, in the same order.
         sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in algo.loss_metric_names(acfg)}
@@ -180,20 +198,20 @@ class TorchTrainer:
             index = order[update * per_update: (update + 1) * per_update]
             # per-token loss: each micro-batch's masked sum over the whole minibatch's token count
             tokens = algo.token_denominator(batch.loss_mask[index]) if acfg.per_token_loss else None
-            self._zero_grads()
+            self.zero_grads()
             total = torch.zeros((), dtype=wide, device=self.device)
-            for mb in self._train_micro_batches(lengths[index].tolist()):
+            for mb in self.train_micro_batches(lengths[index].tolist()):
                 weight = 1.0 if tokens is not None else len(mb) / per_update
                 part = self._loss(batch, index[list(mb)], weight=weight, sums=sums, tokens=tokens)
                 part.backward()
                 total += part.detach()
-            self._finalize_grads()
-            grads.add_all((name, grad, (None, name)) for name, grad in self._named_grads())
-            grad_norms.append(self._clip_grads())
-            self._optimizer_step()
+            self.finalize_grads()
+            grads.add_all((name, grad, (None, name)) for name, grad in self.named_grads())
+            grad_norms.append(self.clip_grads())
+            self.optimizer_step()
             losses.append(total)
         sums = {name: float(value) for name, value in sums.items()}
-        losses, sums = self._reduce_stats(torch.stack(losses).cpu(), sums)
+        losses, sums = self.reduce_stats(torch.stack(losses).cpu(), sums)
         metrics = {f"train/{k}": v / cfg.minibatches for k, v in sums.items()}
         metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(float(norm) for norm in grad_norms) / len(grad_norms)
@@ -213,7 +231,7 @@ class TorchTrainer:
         mask = mask[:, :width].to(self.device)
         # Logits only where a loss token is predicted (positions first-1 .. width-1): the LM head,
         # log-softmax and entropy then run on the response span, not on every prompt position.
-        logits = self._logits(self.model, ids, keep=width - first + 1)
+        logits = self.model_logits(self.model, ids, keep=width - first + 1)
         logp = algo.token_logprobs(logits, ids, self.temperature)
         if acfg.entropy_coef > 0:
             entropy = algo.token_entropy(logits, self.temperature, width)

@@ -236,8 +236,8 @@ def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path
 
 def _prefills_counted(engine, monkeypatch) -> list:
     """The shapes of the prompt forwards `engine` runs from now on (a decode step's ids are one column)."""
-    shapes, forward = [], engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, *rest: (
+    shapes, forward = [], engine.forward_logits
+    monkeypatch.setattr(engine, "forward_logits", lambda ids, *rest: (
         shapes.append(tuple(ids.shape)) if ids.shape[1] > 1 else None, forward(ids, *rest))[1])
     return shapes
 

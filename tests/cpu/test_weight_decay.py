@@ -127,7 +127,7 @@ def test_decay_alone_moves_the_matrices_and_leaves_the_norms():
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     for p in trainer.model.parameters():
         p.grad = torch.zeros_like(p)
-    trainer._optimizer_step()
+    trainer.optimizer_step()
     for name, p in trainer.model.named_parameters():
         if p.dim() == 1:
             assert torch.equal(p, before[name]), name

@@ -132,7 +132,7 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
         mine, theirs = dict(rank.gpt.named_parameters()), dict(twin.named_parameters())
         assert mine.keys() == theirs.keys()
         grads, norms, updates = {}, [], []
-        real_clip, real_step = rank._clip_grads, rank._optimizer_step
+        real_clip, real_step = rank.clip_grads, rank.optimizer_step
 
         def clip_grads():
             grads.update({name: p.main_grad.detach().clone() for name, p in mine.items()})
@@ -154,7 +154,7 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
                             max(float((a - b).abs().max()) for a, b in masters)))
             optimizer.zero_grad()
 
-        rank._clip_grads, rank._optimizer_step = clip_grads, optimizer_step
+        rank.clip_grads, rank.optimizer_step = clip_grads, optimizer_step
         loop.first_sync(ctx, 0)
         for step in range(config.steps):
             state = loop.StepState(step)

@@ -105,22 +105,22 @@ class RankTrainer(TorchTrainer):
 
     # -- where it differs from TorchTrainer --
 
-    def _master_source(self) -> tuple[torch.nn.Module, bool]:
+    def master_source(self) -> tuple[torch.nn.Module, bool]:
         return self.gpt, False  # megatron-core's DDP holds each gradient in a fp32 buffer (`main_grad`)
 
-    def _logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         # GPTModel computes every position's logits; the loss reads the last `keep`.
         logits = mmodel.logits(model, ids)
         return logits if keep is None else logits[:, -keep:]
 
-    def _train_micro_batches(self, lengths):
+    def train_micro_batches(self, lengths):
         return self._micro_batches(lengths)[self.dp_rank::self.dp]
 
-    def _zero_grads(self) -> None:
-        super()._zero_grads()
+    def zero_grads(self) -> None:
+        super().zero_grads()
         self.model.zero_grad_buffer()
 
-    def _finalize_grads(self) -> None:
+    def finalize_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
 
         if faults.active("no-tp-grad-finalize"):
@@ -133,13 +133,13 @@ class RankTrainer(TorchTrainer):
             else:
                 p.grad = p.main_grad
 
-    def _named_grads(self):  # gathered on the device: their checksums are computed there
+    def named_grads(self):  # gathered on the device: their checksums are computed there
         return self._full_hf({name: p.main_grad for name, p in self.gpt.named_parameters()}, cpu=False).items()
 
-    def _param_names(self) -> list[str]:
+    def param_names(self) -> list[str]:
         return hf_names(self.dims)
 
-    def _clip_grads(self) -> float:
+    def clip_grads(self) -> float:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -153,7 +153,7 @@ class RankTrainer(TorchTrainer):
             p.main_grad.mul_(coef)
         return norm
 
-    def _reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+    def reduce_stats(self, losses: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
         if self.dp == 1:
             return losses, sums
         packed = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
