@@ -6,6 +6,9 @@ Importing it pins the portable CPU numerics before anything imports torch (numer
     config_sections.py  its components, one frozen dataclass each (model, data, rollout, placement, reward,
                   algorithm, trainer), and `setting`, the field with its help
     validate.py   the value checks every config shares: a failing value is BadInput naming its key
+    slime_args.py slime's own command-line arguments mapped onto the run config (`rlbench run <slime args>`)
+    command.py    a command line to its RunConfig (options, the TOML file, slime's arguments, --sglang-*,
+                  train-only): the one function `rlbench run` calls before it runs
     errors.py     BadInput and the other typed errors, each with its exit code
     keys.py       the API keys' environment variables: the client's and `rlbench serve`'s, distinct
     numerics.py   portable CPU numerics: pinned before torch initialises, read back for the manifest

@@ -1,4 +1,5 @@
-"""The `rlbench` command line. Thin: each command builds a config, calls one library function,
+"""The `rlbench` command line. Thin: each command builds a config (`rlbench run`: rlbench/command.py's
+run_config), calls one library function,
 and renders its result (a rich table, or one JSON document with `--json`). Only this package
 prints. Exit codes: 0 done / the check holds, 1 a check found a difference, 2 bad input, 3 an internal
 error, 130 Ctrl-C.
@@ -8,7 +9,6 @@ error, 130 Ctrl-C.
                   progress and --help as they read without a terminal
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff, import slime
-    slime_args.py slime's own command-line arguments mapped onto the run config (`rlbench run <slime args>`)
     checks.py     check logprobs / tito / golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
     report.py     report: one HTML page of a run, or of where two runs part

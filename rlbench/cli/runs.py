@@ -47,12 +47,6 @@ class TrainerBackend(str, Enum):
     megatron = "megatron"
 
 
-def _default_out() -> str:
-    import datetime
-
-    return f"runs/run-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
 def _summary(result, history: list[dict] | None = None) -> dict:
     """What a finished run did; `history` is every committed step's metrics (default: this invocation's)."""
     history = result.history if history is None else history
@@ -137,7 +131,9 @@ def run(
 
     slime's own arguments are read too (--hf-checkpoint, --prompt-data, --input-key, --label-key, --apply-chat-template, --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, --num-rollout, --rollout-max-response-len, the algorithm and optimizer flags, ...; docs/usage.md lists them): with any of them, slime's defaults apply to the settings slime defines. An argument rlbench does not model is refused by name; --sglang-* passes through to the servers.
     """
-    sglang_args, slime_given = _extra_args(ctx.args)
+    from rlbench.command import run_config, split_extra
+
+    sglang_args, slime_given = split_extra(ctx.args)
     given = overrides(run, ctx.params)
     if resume is not None:
         names = {option.path: option.label(name) for name, option in RUN_FIELDS.items()}
@@ -151,10 +147,8 @@ def run(
     if (mode == Mode.train_only) != (rollouts is not None):
         raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
                        field="--rollouts")
-    slime_fields: list = []
-    if slime_given:
-        given, slime_fields = _with_slime(config, given, slime_given)
-    cfg, notes = _run_config(config, given, sglang_args, rollouts, steps)
+    resolved = run_config(ctx.args, config, given, rollouts, steps)
+    cfg, notes, slime_fields = resolved.config, resolved.notes, resolved.slime
     if print_config:
         _print_config(cfg, slime_fields, as_json)
         return
@@ -172,66 +166,6 @@ def run(
 
 
 RUN_FIELDS = option_fields(run)  # the options of `rlbench run` that set a config field, by parameter name
-
-
-def _run_config(config: Path | None, given: dict, sglang_args: dict, rollouts: Path | None,
-                steps: int | None) -> tuple[RunConfig, list[str]]:
-    """The run's config: defaults, the TOML file, the options given, `--sglang-*` passed through; a
-    train-only run takes the recording's settings (with notes saying which)."""
-    from rlbench.config import apply_overrides, load_config
-
-    cfg = load_config(config, **given)
-    if sglang_args:
-        cfg = apply_overrides(cfg, rollout__sglang={**cfg.rollout.sglang, **sglang_args})
-    notes = []
-    if rollouts is not None:
-        from rlbench.replay.replay import recorded_overrides, train_only_config
-
-        asked = cfg
-        cfg = train_only_config(cfg, rollouts, steps)
-        notes = [f"train-only: {note}" for note in recorded_overrides(asked, cfg)]
-    if cfg.out is None:
-        cfg = cfg.replace(out=_default_out())
-    return cfg, notes
-
-
-def _extra_args(args: list[str]) -> tuple[dict, dict]:
-    """The arguments typer did not know: `--sglang-KEY VALUE` (or a bare `--sglang-KEY` flag), passed
-    through to the servers, and slime's own arguments (rlbench/cli/slime_args.py); anything else is
-    refused by name."""
-    sglang, rest, i = {}, [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--sglang-") and len(arg) > len("--sglang-"):
-            key, _, value = arg[len("--sglang-"):].partition("=")
-            if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value, i = args[i + 1], i + 1
-            sglang[key] = value or True
-        else:
-            rest.append(arg)
-        i += 1
-    from rlbench.cli import slime_args
-
-    return sglang, slime_args.parse(rest)
-
-
-def _with_slime(config: Path | None, given: dict, slime_given: dict) -> tuple[dict, list]:
-    """The run's overrides with slime's arguments (and slime's defaults, where neither the config file nor
-    an option says otherwise) merged in; an rlbench option and a slime argument that set one field are
-    refused together."""
-    from rlbench.cli import slime_args
-    from rlbench.config import NULL, file_keys
-
-    fields, explained = slime_args.resolve(slime_given)
-    named = {path: name for name, _, sets in explained for path in sets}
-    clash = sorted(named[path] for path in named if path.replace(".", "__") in given)
-    if clash:
-        raise BadInput(f"{clash[0]} and an rlbench option set the same setting: give one of them",
-                       field="rlbench run")
-    in_file = file_keys(config) if config is not None else set()
-    merged = {path.replace(".", "__"): NULL if value is None else value for path, value in fields.items()
-              if path in named or path not in in_file}
-    return {**merged, **given}, explained
 
 
 def _print_config(cfg: RunConfig, slime_fields: list, as_json: bool) -> None:

@@ -4,6 +4,7 @@ that drifts from its field fails this file; the checker itself is tested on opti
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -116,3 +117,21 @@ def test_a_field_without_help_cannot_become_an_option():
         config_option("checkpoint_every")
     with pytest.raises(KeyError, match="no field"):
         config_option("rollout.nothing")
+
+
+def test_rlbench_run_resolves_its_command_line_through_the_library_function(tmp_path):
+    """`rlbench run ... --print-config --json` prints what rlbench.command.run_config returns for the same command
+    line: options, slime's arguments (with slime's defaults) and --sglang-* passthrough."""
+    from rlbench.command import run_config
+
+    argv = ["--out", str(tmp_path / "r"), "--rollout", "sglang", "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+            "--rollout-max-response-len", "4", "--global-batch-size", "8",
+            "--sglang-mem-fraction-static", "0.5"]
+    printed = cli("run", *argv, "--print-config", "--json")
+    assert printed.returncode == 0, printed.stderr
+    resolved = run_config(argv[4:], given={"out": str(tmp_path / "r"), "rollout__backend": "sglang"})
+    assert json.loads(printed.stdout)["config"] == json.loads(json.dumps(resolved.config.to_dict(), default=list))
+    assert resolved.config.data.prompts_per_step == 2 and resolved.config.rollout.n_samples_per_prompt == 4
+    assert resolved.config.rollout.sglang == {"mem-fraction-static": "0.5"} and resolved.notes == []
+    assert resolved.config.steps == 3 and {name for name, _, _ in resolved.slime} >= {
+        "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len"}

@@ -97,7 +97,7 @@ def test_the_cycle_finder_finds_a_cycle():
 LAYERS = [
     {"errors", "validate", "extras", "numerics", "keys", "fixtures"},
     {"config_sections"},
-    {"config"},
+    {"config", "slime_args"},
     {"rundir"},
     {"core", "tasks"},
     {"backends"},
@@ -105,7 +105,7 @@ LAYERS = [
     {"session"},
     {"replay"},
     {"checks"},
-    {"report"},
+    {"report", "command"},
     {"cli"},
     {"__main__"},
 ]

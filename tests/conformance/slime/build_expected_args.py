@@ -1,5 +1,5 @@
 """Build expected_args.json: what slime itself resolves a command line's arguments to, for the
-settings `rlbench run` reads from a slime command line (rlbench/cli/slime_args.py).
+settings `rlbench run` reads from a slime command line (rlbench/slime_args.py).
 
     python tests/conformance/slime/build_expected_args.py --slime /tmp/slime
 

@@ -1,6 +1,6 @@
 """slime's command line, read by `rlbench run` as slime reads it: each case of expected_args.json
 (what slime's own parser and slime_validate_args resolved it to, at the commit recorded there) is
-resolved by rlbench/cli/slime_args.py, and every setting rlbench models is held to slime's value.
+resolved by rlbench/slime_args.py, and every setting rlbench models is held to slime's value.
 An argument rlbench does not model is refused by name; slime's own refusals are rlbench's."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlbench.cli import slime_args
-from rlbench.cli.runs import _with_slime
+from rlbench import slime_args
+from rlbench.command import with_slime
 from rlbench.config import load_config
 from rlbench.errors import BadInput
 from tests.conftest import cli
@@ -21,7 +21,7 @@ EXPECTED = json.loads((Path(__file__).parent / "expected_args.json").read_text()
 
 
 def _config(argv: list[str]):
-    overrides, _ = _with_slime(None, {}, slime_args.parse(argv))
+    overrides, _ = with_slime(None, {}, slime_args.parse(argv))
     return load_config(**overrides)
 
 
