@@ -18,6 +18,7 @@ from rlbench.core import algo, loop, metrics
 from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
                                 token_entropy, token_logprobs)
 from rlbench.errors import BadInput
+from tests.helpers import TableLogits
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 
@@ -239,20 +240,6 @@ def test_kl_estimators_match_definitions():
 # ---------------------------------------------------------------- the trainer's loss: pg - entropy + KL
 
 
-class _PositionLogits(torch.nn.Module):
-    """A 'model' whose logits depend on the position only (a [L, V] table): every term of the loss can be
-    computed by hand from the table."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = torch.nn.Parameter(table.clone())
-
-    def forward(self, input_ids, logits_to_keep: int = 0, use_cache: bool | None = None):
-        """As a transformers model: the logits of the last `logits_to_keep` positions (0: all)."""
-        n, length = input_ids.shape
-        return SimpleNamespace(logits=self.table[length - (logits_to_keep or length):length].expand(n, -1, -1))
-
-
 def _by_hand(table, tokens, mask, adv, old, ref, temperature, eps_low, eps_high, kl_type):
     """(pg, entropy, kl) of the trainer's loss, in Python floats from the definitions in algo.py's docstring."""
     def log_softmax(row):
@@ -299,7 +286,7 @@ def test_trainer_loss_is_pg_minus_entropy_plus_kl_by_hand(kl_type):
     ref = (exact + torch.tensor([[0.0, 0.4, -0.7, 0.1], [0.0, 0.3, -0.2, 0.0]])).tolist()
     algo_config = AlgoConfig(eps_clip=eps_low, eps_clip_high=eps_high, kl_coef=kl_coef, kl_type=kl_type,
                              entropy_coef=entropy_coef)
-    trainer = TorchTrainer(_PositionLogits(table), TrainConfig(minibatches=1, micro_batch_size=2), algo_config,
+    trainer = TorchTrainer(TableLogits(table), TrainConfig(minibatches=1, micro_batch_size=2), algo_config,
                            temperature, seed=0)
     batch = TrainBatch(torch.tensor(tokens), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv),
                        torch.tensor(old), torch.tensor(ref))
@@ -373,7 +360,7 @@ def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
     gen = torch.Generator().manual_seed(5)
     table = torch.randn(6, 9, generator=gen)
     ids = torch.tensor([3, 1, 8, 0, 5])
-    got = sequence_logprobs(_PositionLogits(table), ids, 0.5, "cpu")
+    got = sequence_logprobs(TableLogits(table), ids, 0.5, "cpu")
     assert got.shape == (5,) and got.device.type == "cpu"
     assert torch.equal(got, token_logprobs(table[None, :5], ids[None], 0.5)[0])
     assert got[0] == 0 and bool((got[1:] < 0).all())
@@ -645,7 +632,7 @@ def _trainer(**algo_changes):
     from rlbench.config import TrainConfig
 
     table = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    return TorchTrainer(_PositionLogits(table), TrainConfig(minibatches=2, micro_batch_size=2),
+    return TorchTrainer(TableLogits(table), TrainConfig(minibatches=2, micro_batch_size=2),
                         AlgoConfig(**algo_changes), 1.0, seed=0)
 
 

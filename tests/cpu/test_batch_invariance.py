@@ -5,34 +5,17 @@ at hand, KV padded to their longest prompt) breaks the property, so the check ca
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from rlbench.backends.hf_engine import HFEngine
 from rlbench.config import load_config
-from rlbench.core.data import encode_prompts
-from rlbench.core.data import load_dataset
+from rlbench.core.data import encode_prompts, load_dataset
 from rlbench.core.model import build_model, load_tokenizer
 from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import GenerateRequest
-
-ROWS = 4  # a small fixed batch: most examples span several chunks and sit in several rows
-
-
-class NaiveEngine(HFEngine):
-    """Batched decoding with variable shapes: one chunk of exactly the requests given, prompts
-    padded to the longest of them. The row arithmetic then depends on the batch's size and on
-    its longest prompt, which is what the fixed buckets of HFEngine rule out."""
-
-    def _generate_batched(self, requests):
-        self.batch_size = len(requests)
-        width = max(len(r.prompt_ids) for r in requests)
-        return self._decode_rows(list(requests), width, requests[0].max_new_tokens)
-
+from tests.helpers import ROWS, NaiveEngine, batches, check_property, engine_request, moved
 
 @pytest.fixture(scope="module")
 def setup():
@@ -48,62 +31,26 @@ def setup():
     return engines, prompts, tokenizer.eos_token_id, model
 
 
-specs = st.tuples(st.integers(0, 12), st.integers(0, 2**63 - 1), st.sampled_from([0.0, 0.7, 1.0]),
-                  st.sampled_from([-1, 0, 1, 5]), st.sampled_from([1.0, 0.9, 0.3]), st.sampled_from([2, 4]))
-
-
-def _request(prompts, eos, spec) -> GenerateRequest:
-    prompt, seed, temperature, top_k, top_p, new = spec
-    return GenerateRequest(prompts[prompt], seed, new, temperature, (eos,), top_k, top_p)
-
-
-def _moved(engine, batch, others, seed) -> list[int]:
-    """Indices of `batch` whose result differs once the batch is shuffled among `others`, or
-    decoded alone (the first request)."""
-    before = engine.generate(batch)
-    mixed = list(range(len(batch) + len(others)))
-    random.Random(seed).shuffle(mixed)
-    pool = batch + others
-    after = dict(zip(mixed, engine.generate([pool[i] for i in mixed])))
-    moved = [i for i, res in enumerate(before) if after[i] != res]  # ids, log-probs (exact floats), finish
-    if engine.generate(batch[:1])[0] != before[0]:
-        moved.append(0)
-    return moved
-
-
-batches = dict(batch=st.lists(specs, min_size=1, max_size=6), others=st.lists(specs, max_size=4),
-               same_prompt=st.integers(0, 3), order=st.integers(0, 2**32))
-
-
-def _check_property(setup, decode, batch, others, same_prompt, order):
-    engines, prompts, eos, _ = setup
-    batch = [_request(prompts, eos, s) for s in batch]
-    # Neighbours that share a prompt with the batch exercise the shared-prefill path.
-    others = [_request(prompts, eos, s) for s in others] + [
-        GenerateRequest(batch[0].prompt_ids, seed, batch[0].max_new_tokens, 1.0, (eos,)) for seed in range(same_prompt)]
-    assert _moved(engines[decode], batch, others, order) == []
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**batches)
 def test_batched_sample_does_not_depend_on_its_batch(setup, batch, others, same_prompt, order):
-    _check_property(setup, "batched", batch, others, same_prompt, order)
+    check_property(setup, "batched", batch, others, same_prompt, order)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**batches)
 def test_per_sample_does_not_depend_on_its_batch(setup, batch, others, same_prompt, order):
     """The reference path decodes each request alone: fewer examples, it holds by construction."""
-    _check_property(setup, "per-sample", batch, others, same_prompt, order)
+    check_property(setup, "per-sample", batch, others, same_prompt, order)
 
 
 def test_naive_batched_decode_breaks_the_property(setup):
     """The same check on variable shapes: it must find moved samples, or it could not fail."""
     _, prompts, eos, model = setup
     naive = NaiveEngine(model)
-    batch = [_request(prompts, eos, (i % 13, 100 + i, 1.0, -1, 1.0, 6)) for i in range(6)]
-    others = [_request(prompts, eos, (12, 7, 1.0, -1, 1.0, 6))]  # the long prompt widens every row
-    assert _moved(naive, batch, others, 0) != []
+    batch = [engine_request(prompts, eos, (i % 13, 100 + i, 1.0, -1, 1.0, 6)) for i in range(6)]
+    others = [engine_request(prompts, eos, (12, 7, 1.0, -1, 1.0, 6))]  # the long prompt widens every row
+    assert moved(naive, batch, others, 0) != []
 
 
 def test_paths_agree(setup):
@@ -111,7 +58,7 @@ def test_paths_agree(setup):
     to rounding and, with no near-tie among these requests, their token ids exactly. (Bit-equal
     they are not: that the batched path differs from batch size 1 is what makes it fast.)"""
     engines, prompts, eos, _ = setup
-    requests = [_request(prompts, eos, (i, 1000 + i, [1.0, 0.7, 0.0][i % 3], [-1, 5][i % 2], [1.0, 0.9][i % 2], 5))
+    requests = [engine_request(prompts, eos, (i, 1000 + i, [1.0, 0.7, 0.0][i % 3], [-1, 5][i % 2], [1.0, 0.9][i % 2], 5))
                 for i in range(13)]
     batched, alone = engines["batched"].generate(requests), engines["per-sample"].generate(requests)
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
@@ -154,9 +101,9 @@ def test_grouped_attention_is_sdpa_to_rounding_and_keeps_the_property(setup):
     grouped = HFEngine(model, batch_size=ROWS)
     grouped.grouped = True
     batched_forward.register_grouped()
-    batch = [_request(prompts, eos, (i % 13, 300 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 4)) for i in range(7)]
-    others = [_request(prompts, eos, (12, 9, 1.0, -1, 1.0, 4))]
-    assert _moved(grouped, batch, others, 3) == []
+    batch = [engine_request(prompts, eos, (i % 13, 300 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 4)) for i in range(7)]
+    others = [engine_request(prompts, eos, (12, 9, 1.0, -1, 1.0, 4))]
+    assert moved(grouped, batch, others, 3) == []
     alone = engines["per-sample"].generate(batch)
     mine = grouped.generate(batch)
     assert [r.output_ids for r in mine] == [r.output_ids for r in alone]
@@ -194,7 +141,7 @@ def test_an_engine_keeps_a_bounded_number_of_captured_decodes(setup, monkeypatch
     kept.cuda_graphs = True
     eager = HFEngine(model, batch_size=ROWS)
     for new in (2, 3, 4, 2, 5):
-        batch = [_request(prompts, eos, (i, 40 + i, 1.0, -1, 1.0, new)) for i in range(3)]
+        batch = [engine_request(prompts, eos, (i, 40 + i, 1.0, -1, 1.0, new)) for i in range(3)]
         assert kept.generate(batch) == eager.generate(batch)
         assert sum(len(graphs) for graphs in kept.graphs.values()) <= 2
         assert any(length == 32 + new for _, length in kept.graphs)
@@ -252,7 +199,7 @@ def test_a_kept_prefill_gives_the_same_bits(setup, decode, monkeypatch):
     from rlbench.backends.prompt_cache import PromptCache
 
     engines, prompts, eos, model = setup
-    requests = [_request(prompts, eos, (i % 4, 50 + i, [0.0, 1.0][i % 2], -1, 1.0, 4)) for i in range(8)]
+    requests = [engine_request(prompts, eos, (i % 4, 50 + i, [0.0, 1.0][i % 2], -1, 1.0, 4)) for i in range(8)]
     want = engines[decode].generate(requests)
     engine = HFEngine(model, decode=decode, batch_size=ROWS)
     engine.prompt_cache = PromptCache(1 << 30)
@@ -292,7 +239,7 @@ def test_a_logit_bias_is_its_rows_own(setup, decode):
 
     engines, prompts, eos, _ = setup
     engine, target = engines[decode], 60
-    requests = [_request(prompts, eos, (i, 70 + i, 1.0, -1, 1.0, 5)) for i in range(3)]
+    requests = [engine_request(prompts, eos, (i, 70 + i, 1.0, -1, 1.0, 5)) for i in range(3)]
     plain = engine.generate(requests)
     with torch.no_grad():
         biased = _run(engine.steps(requests, Decoding.fresh(3, bias={1: {target: 100.0}})))

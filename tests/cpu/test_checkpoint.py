@@ -3,15 +3,11 @@ trainer (other initial weights, empty optimizer) and training on, matches traini
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from rlbench.config import load_config
-from rlbench.core import algo
 from rlbench.core.model import build_model
 from rlbench.backends.torch_trainer import TorchTrainer
 from rlbench.rundir.digest import weights_digest
+from tests.helpers import train_batch, with_old_logprobs, write_files
 
 
 def _trainer(seed: int) -> TorchTrainer:
@@ -19,37 +15,18 @@ def _trainer(seed: int) -> TorchTrainer:
     return TorchTrainer(build_model(config.model.path, master_seed=seed, init="random"), config.train, config.algo, 1.0, seed=0)
 
 
-def _batch(step: int) -> algo.TrainBatch:
-    gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(3, 300, (16, 12), generator=gen)
-    mask = torch.zeros(16, 12)
-    mask[:, 8:] = 1
-    return algo.TrainBatch(tokens, mask, torch.randn(16, generator=gen), torch.zeros(16, 12), None)
-
-
-def _with_old(trainer: TorchTrainer, batch: algo.TrainBatch) -> algo.TrainBatch:
-    batch.old_logprobs = trainer.logprobs(batch.tokens) * batch.loss_mask
-    return batch
-
-
-def _write(files: dict[str, bytes], directory: Path) -> None:
-    directory.mkdir()
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-
-
 def test_restore_then_step_equals_straight_through(tmp_path):
     straight = _trainer(seed=1)
-    straight.train_step(_with_old(straight, _batch(0)), step=0)
-    _write(straight.save_checkpoint(), tmp_path / "ckpt")
+    straight.train_step(with_old_logprobs(straight, train_batch(0)), step=0)
+    write_files(straight.save_checkpoint(), tmp_path / "ckpt")
     after_first = weights_digest(straight.export_hf_weights())
-    straight.train_step(_with_old(straight, _batch(1)), step=1)
+    straight.train_step(with_old_logprobs(straight, train_batch(1)), step=1)
 
     restored = _trainer(seed=2)
     assert weights_digest(restored.export_hf_weights()) != after_first
     restored.load_checkpoint(tmp_path / "ckpt")
     assert weights_digest(restored.export_hf_weights()) == after_first
-    restored.train_step(_with_old(restored, _batch(1)), step=1)
+    restored.train_step(with_old_logprobs(restored, train_batch(1)), step=1)
     assert weights_digest(restored.export_hf_weights()) == weights_digest(straight.export_hf_weights())
 
 
@@ -60,10 +37,10 @@ def test_without_optimizer_state_the_step_differs(tmp_path):
     from rlbench.core.model import load_named_
 
     straight = _trainer(seed=1)
-    straight.train_step(_with_old(straight, _batch(0)), step=0)
-    _write(straight.save_checkpoint(), tmp_path / "ckpt")
-    straight.train_step(_with_old(straight, _batch(1)), step=1)
+    straight.train_step(with_old_logprobs(straight, train_batch(0)), step=0)
+    write_files(straight.save_checkpoint(), tmp_path / "ckpt")
+    straight.train_step(with_old_logprobs(straight, train_batch(1)), step=1)
     weights_only = _trainer(seed=2)
     load_named_(weights_only.model, load_file(str(tmp_path / "ckpt" / "model.safetensors")))
-    weights_only.train_step(_with_old(weights_only, _batch(1)), step=1)
+    weights_only.train_step(with_old_logprobs(weights_only, train_batch(1)), step=1)
     assert weights_digest(weights_only.export_hf_weights()) != weights_digest(straight.export_hf_weights())

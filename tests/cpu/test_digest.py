@@ -18,6 +18,7 @@ from rlbench.errors import BadInput
 from rlbench.rundir import digest, recording
 from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli, small_toml
+from tests.helpers import random_tensor
 
 C = digest.CHUNK
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool)
@@ -42,12 +43,6 @@ def _both(t: torch.Tensor) -> tuple[int, int]:
     host, device = digest.lanes(t), digest.to_unsigned(digest.lanes(t, on_device=True))
     assert host == device, (t.dtype, tuple(t.shape))
     return host
-
-
-def _random(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(seed))
-    return (raw != 0) if dtype == torch.bool else raw.view(dtype)
 
 
 def _flip(t: torch.Tensor, byte: int, bit: int) -> torch.Tensor:
@@ -90,7 +85,7 @@ def test_known_values():
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 8 * C - 1, 8 * C, 8 * C + 13, 16 * C + 8])
 def test_both_paths_are_the_definition(nbytes):
-    t = _random(torch.uint8, nbytes, seed=nbytes)
+    t = random_tensor(torch.uint8, nbytes, seed=nbytes)
     assert _both(t) == _reference(_bytes(t))
 
 
@@ -99,23 +94,23 @@ def test_every_dtype_empty_odd_sized_many_chunks_non_contiguous(dtype):
     """Both paths agree on every dtype, at sizes that leave a padded tail, span several chunks and several
     device groups; a non-contiguous or misaligned view has the checksum of its contiguous copy."""
     words = (digest.GROUP + 1) * C + 3
-    for n in (0, 1, 3, 5, 1000, words * 8 // _random(dtype, 1).element_size() + 1):
-        _both(_random(dtype, n, seed=n))
-    grid = _random(dtype, 33 * 64).reshape(64, 33)
+    for n in (0, 1, 3, 5, 1000, words * 8 // random_tensor(dtype, 1).element_size() + 1):
+        _both(random_tensor(dtype, n, seed=n))
+    grid = random_tensor(dtype, 33 * 64).reshape(64, 33)
     assert _both(grid.T) == _both(grid.T.contiguous()) != _both(grid)
-    shifted = _random(dtype, 101)[1:]  # storage offset of 1 element: not word-aligned
+    shifted = random_tensor(dtype, 101)[1:]  # storage offset of 1 element: not word-aligned
     assert _both(shifted) == _both(shifted.clone())
-    assert _both(_random(dtype, 1).reshape(())) == _both(_random(dtype, 1))  # a scalar: its bytes
+    assert _both(random_tensor(dtype, 1).reshape(())) == _both(random_tensor(dtype, 1))  # a scalar: its bytes
 
 
 def test_many_tensors_reduced_together_have_each_their_own_lanes():
     """`_device_lanes_many` (how `Digests.add_all` reduces small GPU tensors in one concatenation) gives each tensor
     the lanes it has alone: empty, one byte, a padded tail, several chunks and device groups, every dtype, a
     non-contiguous view, in one batch; a flipped bit moves only its own tensor's lanes."""
-    tensors = [_random(dtype, n, seed=i) for i, (dtype, n) in enumerate(
+    tensors = [random_tensor(dtype, n, seed=i) for i, (dtype, n) in enumerate(
         [(torch.uint8, 0), (torch.uint8, 1), (torch.bfloat16, 7), (torch.float32, (8 * C + 13) // 4),
          (torch.int64, (digest.GROUP + 2) * C + 1), (torch.bool, 5), (torch.float16, 3)])]
-    tensors.append(_random(torch.float32, 64 * 33).reshape(64, 33).T)
+    tensors.append(random_tensor(torch.float32, 64 * 33).reshape(64, 33).T)
     rows = digest._device_lanes_many([digest._byte_view(t) for t in tensors])
     assert [digest.to_unsigned(r) for r in rows] == [digest.lanes(t) for t in tensors]
     flipped = list(tensors)
@@ -133,7 +128,7 @@ def test_a_single_flipped_bit_anywhere_changes_both_lanes(dtype):
     (bool: bit 0, the only one a bool holds)."""
     size = torch.empty((), dtype=dtype).element_size()
     n = (8 * C + 24) // size + (3 if size < 8 else 1)  # two chunks and a tail that is not a whole word
-    t = _random(dtype, n, seed=7)
+    t = random_tensor(dtype, n, seed=7)
     nbytes = n * size
     base = _both(t)
     name = digest.tensors_digest({"t": t})

@@ -138,3 +138,15 @@ def test_each_package_docstring_names_every_module_it_holds():
         held += [f"{p.name}/" for p in init.parent.iterdir() if (p / "__init__.py").is_file() and p.name != "fixtures"]
         missing = [name for name in held if name not in doc]
         assert missing == [], f"{init.relative_to(ROOT.parent)} does not name {missing}"
+
+
+def test_no_test_file_imports_another_ones_private_names():
+    """Shared test helpers live in tests/helpers.py (or a conftest): a test module's `_name` is its own."""
+    tests = ROOT.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                found += [f"{path.relative_to(tests)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_")]
+    assert found == [], found

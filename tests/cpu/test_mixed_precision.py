@@ -15,7 +15,7 @@ from rlbench.backends.torch_trainer import TorchTrainer
 from rlbench.config import load_config
 from rlbench.core.model import build_model
 from rlbench.errors import BadInput
-from tests.cpu.test_checkpoint import _batch, _with_old, _write
+from tests.helpers import train_batch, with_old_logprobs, write_files
 
 
 def _trainer(dtype: str = "bfloat16", lr: float = 1e-3, **train) -> TorchTrainer:
@@ -32,7 +32,7 @@ def test_bf16_trains_over_fp32_masters():
     assert trainer.masters is not None
     assert all(p.dtype == torch.float32 for group in trainer.optimizer.param_groups for p in group["params"])
     before = {name: p.detach().clone() for name, p in trainer.masters.params.items()}
-    stats = trainer.train_step(_with_old(trainer, _batch(0)), 0)
+    stats = trainer.train_step(with_old_logprobs(trainer, train_batch(0)), 0)
     assert torch.isfinite(stats.losses).all()
     moved = [name for name, p in trainer.masters.params.items() if not torch.equal(p, before[name])]
     assert len(moved) == len(before)
@@ -51,7 +51,7 @@ def test_gradients_add_up_in_fp32_across_micro_batches():
         trainer = _trainer(micro_batch_size=micro, minibatches=1)
         trainer.optimizer.step = lambda: None  # keep the gradients to compare
         trainer.masters.copy_to_model = lambda: None
-        trainer.train_step(_with_old(trainer, _batch(0)), 0)
+        trainer.train_step(with_old_logprobs(trainer, train_batch(0)), 0)
         grads.append({name: p.grad.clone() for name, p in trainer.masters.params.items()})
     for name, grad in grads[0].items():
         assert grad.dtype == torch.float32
@@ -68,12 +68,12 @@ def test_gradients_add_up_in_fp32_across_micro_batches():
 
 def test_a_mixed_precision_checkpoint_resumes_exactly_and_refuses_a_flipped_bit(tmp_path):
     straight = _trainer()
-    straight.train_step(_with_old(straight, _batch(0)), 0)
-    _write(straight.save_checkpoint(), tmp_path / "ckpt")
+    straight.train_step(with_old_logprobs(straight, train_batch(0)), 0)
+    write_files(straight.save_checkpoint(), tmp_path / "ckpt")
     restored = _trainer()
     restored.load_checkpoint(tmp_path / "ckpt")
     for trainer in (straight, restored):
-        trainer.train_step(_with_old(trainer, _batch(1)), 1)
+        trainer.train_step(with_old_logprobs(trainer, train_batch(1)), 1)
     for name, p in straight.masters.params.items():
         assert torch.equal(p, restored.masters.params[name]), name
     from safetensors.torch import load_file, save_file
@@ -106,7 +106,7 @@ def test_token_micro_batches_train_the_same_minibatch_to_rounding():
     results = []
     for tokens in (None, 30):
         trainer = _trainer("float32", max_tokens_per_micro_batch=tokens, micro_batch_size=16)
-        batch = _with_old(trainer, _batch(0))
+        batch = with_old_logprobs(trainer, train_batch(0))
         batch.lengths = torch.tensor([12 - (i % 5) for i in range(16)])
         results.append(trainer.train_step(batch, 0))
     assert torch.allclose(results[0].losses, results[1].losses, rtol=1e-5)

@@ -18,7 +18,7 @@ from rlbench.config import load_config
 from rlbench.core.model import build_model
 from rlbench.errors import BadInput
 from tests.conftest import cli, small_toml
-from tests.cpu.test_checkpoint import _batch, _with_old, _write
+from tests.helpers import train_batch, with_old_logprobs, write_files
 
 
 def _trainer(weight_decay: float, dtype: str = "float32", seed: int = 1) -> TorchTrainer:
@@ -99,7 +99,7 @@ def test_the_megatron_trainers_groups_are_megatron_cores(tmp_path):
         ours = _as_mults(_groups(rank.optimizer, named), 0.1)
         assert ours == _megatron_groups(rank.model)
         assert [len(names) for _, names in ours] == [1 + 2 * 4, 2 * 4 + 1]  # embedding + 4 fused matrices a layer
-        _write(trainer.save_checkpoint(), tmp_path / "ckpt")
+        write_files(trainer.save_checkpoint(), tmp_path / "ckpt")
     finally:
         trainer.close()
     layout_path = tmp_path / "ckpt" / "layout.json"
@@ -145,13 +145,13 @@ def _one_group(path, weight_decay: float) -> None:
 
 def test_a_one_group_checkpoint_loads_at_weight_decay_0_and_resumes_bit_for_bit(tmp_path):
     straight = _trainer(0.0)
-    straight.train_step(_with_old(straight, _batch(0)), step=0)
-    _write(straight.save_checkpoint(), tmp_path / "ckpt")
-    straight.train_step(_with_old(straight, _batch(1)), step=1)
+    straight.train_step(with_old_logprobs(straight, train_batch(0)), step=0)
+    write_files(straight.save_checkpoint(), tmp_path / "ckpt")
+    straight.train_step(with_old_logprobs(straight, train_batch(1)), step=1)
     _one_group(tmp_path / "ckpt" / "optimizer.json", 0.0)
     restored = _trainer(0.0, seed=2)
     restored.load_checkpoint(tmp_path / "ckpt")
-    restored.train_step(_with_old(restored, _batch(1)), step=1)
+    restored.train_step(with_old_logprobs(restored, train_batch(1)), step=1)
     for (name, a), (_, b) in zip(straight.model.named_parameters(), restored.model.named_parameters()):
         assert torch.equal(a, b), name
 

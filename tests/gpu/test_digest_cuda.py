@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from rlbench.rundir import digest
+from tests.helpers import random_tensor
 
 C = digest.CHUNK
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool)
-
-
-def _random(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(seed))
-    return (raw != 0) if dtype == torch.bool else raw.view(dtype)
 
 
 def _cuda_lanes(t: torch.Tensor) -> tuple[int, int]:
@@ -41,15 +36,15 @@ def test_the_triton_kernel_and_torchs_ops_give_the_definitions_lanes():
     within a chunk, over many chunks, with a tail of fewer than 8 bytes, unaligned, and many tensors at once."""
     assert digest._chunk_kernel() is not None, "Triton is missing: GPU checksums would take torch's slower ops"
     for nbytes in (1, 8, 8 * C - 3, 8 * C, 8 * C + 5, 8 * (3 * C + 17) + 3, 8 * (digest.GROUP + 3) * C + 11):
-        t = _random(torch.uint8, nbytes, seed=nbytes)
+        t = random_tensor(torch.uint8, nbytes, seed=nbytes)
         host = digest.lanes(t)
         for fused in (True, False):
             assert digest.to_unsigned(digest._device_lanes(t.cuda(), fused=fused).cpu()) == host, (nbytes, fused)
-    shifted = _random(torch.uint8, 8 * C + 21, seed=5).cuda()[3:]
+    shifted = random_tensor(torch.uint8, 8 * C + 21, seed=5).cuda()[3:]
     assert digest.to_unsigned(digest._device_lanes(shifted, fused=True).cpu()) == digest.lanes(shifted.cpu())
     # many tensors in one launch (what Digests.add_all does on a GPU), and torch's batched path beside it
-    many = [_random(torch.uint8, n, seed=n + 1) for n in (0, 3, 8, 8 * C + 5, 8 * (2 * C), 8 * (3 * C + 1) + 7, 24)]
-    many.append(_random(torch.uint8, 8 * C + 40, seed=6)[3:])
+    many = [random_tensor(torch.uint8, n, seed=n + 1) for n in (0, 3, 8, 8 * C + 5, 8 * (2 * C), 8 * (3 * C + 1) + 7, 24)]
+    many.append(random_tensor(torch.uint8, 8 * C + 40, seed=6)[3:])
     host = [digest.lanes(t) for t in many]
     on_gpu = [t.cuda() for t in many]
     assert [digest.to_unsigned(r) for r in digest._fused_lanes(on_gpu).cpu()] == host
@@ -60,13 +55,13 @@ def test_the_triton_kernel_and_torchs_ops_give_the_definitions_lanes():
 def test_the_same_bytes_give_the_same_checksum_on_the_gpu(dtype):
     size = torch.empty((), dtype=dtype).element_size()
     for n in (0, 1, 3, 1000, (8 * C + 13) // size, ((digest.GROUP + 2) * C * 8 + 5) // size):
-        t = _random(dtype, n, seed=n)
+        t = random_tensor(dtype, n, seed=n)
         assert _cuda_lanes(t) == digest.lanes(t), (dtype, n)
-    grid = _random(dtype, 64 * 33).reshape(64, 33)
+    grid = random_tensor(dtype, 64 * 33).reshape(64, 33)
     assert _cuda_lanes(grid.T) == digest.lanes(grid.T)  # non-contiguous: its row-major bytes
-    shifted = _random(dtype, 101)[1:]
+    shifted = random_tensor(dtype, 101)[1:]
     assert _cuda_lanes(shifted) == digest.lanes(shifted)  # not word-aligned on the device
-    weights = {"w": _random(dtype, 5000, seed=1).reshape(50, 100), "b": _random(dtype, 7, seed=2)}
+    weights = {"w": random_tensor(dtype, 5000, seed=1).reshape(50, 100), "b": random_tensor(dtype, 7, seed=2)}
     on_gpu = {name: t.cuda() for name, t in weights.items()}
     assert digest.weights_digests(on_gpu) == digest.weights_digests(weights)
     assert digest.tensors_digest(list(on_gpu.items())) == digest.tensors_digest(list(weights.items()))
@@ -75,7 +70,7 @@ def test_the_same_bytes_give_the_same_checksum_on_the_gpu(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_single_flipped_bit_is_caught_on_the_gpu(dtype):
     size = torch.empty((), dtype=dtype).element_size()
-    t = _random(dtype, (8 * C + 24) // size + 3, seed=3).cuda()
+    t = random_tensor(dtype, (8 * C + 24) // size + 3, seed=3).cuda()
     base = digest.to_unsigned(digest.lanes(t).cpu())
     nbytes = t.numel() * size
     for byte in (0, nbytes // 2, 8 * C, nbytes - 1):
@@ -108,8 +103,8 @@ def test_tensors_reduced_in_batches_on_the_gpu_keep_their_checksums(monkeypatch,
     monkeypatch.setattr(digest, "BATCH_BYTES", 3 * C * 8)
     if not kernel:
         monkeypatch.setattr(digest, "_use_kernel", lambda device, fused: False)
-    weights = {f"layer{i}.w": _random(DTYPES[i % len(DTYPES)], 1000 * i + 5, seed=i) for i in range(12)}
-    weights["big"] = _random(torch.float32, 4 * C * 2 + 1, seed=99)  # over BATCH_BYTES: reduced alone
+    weights = {f"layer{i}.w": random_tensor(DTYPES[i % len(DTYPES)], 1000 * i + 5, seed=i) for i in range(12)}
+    weights["big"] = random_tensor(torch.float32, 4 * C * 2 + 1, seed=99)  # over BATCH_BYTES: reduced alone
     on_gpu = {name: t.cuda() for name, t in weights.items()}
     whole, each = digest.weights_digests(on_gpu)
     assert (whole, each) == digest.weights_digests(weights)

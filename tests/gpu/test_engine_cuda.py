@@ -54,7 +54,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from tests.cpu.test_batch_invariance import ROWS, NaiveEngine, _check_property, _moved, _request, batches  # noqa: E402
+from tests.helpers import ROWS, NaiveEngine, batches, check_property, engine_request, moved  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +76,22 @@ def setup():
 @given(**batches)
 def test_cuda_batched_sample_does_not_depend_on_its_batch(setup, batch, others, same_prompt, order):
     assert setup[0]["batched"].cuda_graphs
-    _check_property(setup, "batched", batch, others, same_prompt, order)
+    check_property(setup, "batched", batch, others, same_prompt, order)
 
 
 def test_cuda_naive_batched_decode_breaks_the_property(setup):
     _, prompts, eos, model = setup
     naive = NaiveEngine(model, device="cuda")
-    batch = [_request(prompts, eos, (i % 13, 100 + i, 1.0, -1, 1.0, 6)) for i in range(6)]
-    others = [_request(prompts, eos, (12, 7, 1.0, -1, 1.0, 6))]
-    assert _moved(naive, batch, others, 0) != []
+    batch = [engine_request(prompts, eos, (i % 13, 100 + i, 1.0, -1, 1.0, 6)) for i in range(6)]
+    others = [engine_request(prompts, eos, (12, 7, 1.0, -1, 1.0, 6))]
+    assert moved(naive, batch, others, 0) != []
 
 
 def test_cuda_graphs_give_the_eager_bits_and_follow_weight_updates(setup):
     """The captured decode replays the eager forward's kernels: the same tokens and log-probs, before and after a
     weight update (the graph reads the parameters in place), and a graph is reused, not captured again."""
     _, prompts, eos, model = setup
-    requests = [_request(prompts, eos, (i % 13, 50 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 12)) for i in range(9)]
+    requests = [engine_request(prompts, eos, (i % 13, 50 + i, [1.0, 0.7, 0.0][i % 3], -1, 1.0, 12)) for i in range(9)]
     graphs = HFEngine(model, device="cuda", batch_size=ROWS)
     eager = HFEngine(model, device="cuda", batch_size=ROWS, cuda_graphs=False)
     before = graphs.generate(requests)

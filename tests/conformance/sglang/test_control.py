@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pytest
 
 from tests.conformance.sglang.conftest import write_checkpoint
+from tests.helpers import wait_running
 
 # One xdist worker runs the whole module (--dist loadgroup): one server for it, not one per worker.
 pytestmark = pytest.mark.xdist_group("sglang-conformance-control")
@@ -31,19 +32,6 @@ def _long(server, prompt_id: int = 0, **extra):
         "temperature": 0.8, "max_new_tokens": LONG, "ignore_eos": True, "sampling_seed": prompt_id}, **extra})
 
 
-def _running(server, at_least: int = 1, in_flight: int = 0, timeout: float = 30.0) -> None:
-    """Wait until the server runs `at_least` requests and holds `in_flight` in all, running or waiting
-    (/v1/loads): the event the test acts on, whatever the machine's speed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        loads = server.get("/v1/loads").json()["loads"]
-        running = sum(load["num_running_reqs"] for load in loads)
-        if running >= at_least and running + sum(load["num_waiting_reqs"] for load in loads) >= in_flight:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"fewer than {at_least} requests ever ran, or fewer than {in_flight} arrived")
-
-
 def test_abort_all(server):
     """AbortAllMixin.test_abort_all: requests in flight, then /abort_request {"abort_all": true} (200): every
     one of them answers with finish_reason type "abort"; the server lives on. And TestAbortAllWithRetraction's
@@ -51,7 +39,7 @@ def test_abort_all(server):
     e2e_latency above 0, one output (and top) log-prob per output id."""
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_long, server, i, return_logprob=True, top_logprobs_num=3) for i in range(6)]
-        _running(server, in_flight=6)  # all six arrived, one at least running: abort_all reaches every one
+        wait_running(server, in_flight=6)  # all six arrived, one at least running: abort_all reaches every one
         response = server.post("/abort_request", {"abort_all": True})
         assert response.status_code == 200
         results = [f.result().json() for f in as_completed(futures)]
@@ -76,7 +64,7 @@ def test_abort_one_request_by_rid(server):
         victim = pool.submit(_long, server, 1, rid="abort-me")
         other = pool.submit(server.post, "/generate", {"input_ids": [3, 4], "sampling_params": {
             "max_new_tokens": 40, "ignore_eos": True}})
-        _running(server, in_flight=2)  # both in: the rid aborted must be the server's already
+        wait_running(server, in_flight=2)  # both in: the rid aborted must be the server's already
         assert server.post("/abort_request", {"rid": "abort-me"}).status_code == 200
         assert victim.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
         assert other.result().json()["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
@@ -89,7 +77,7 @@ def test_pause_resume_in_place(server):
     count = 6
     with ThreadPoolExecutor(count) as pool:
         futures = {pool.submit(_long, server, i): i for i in range(count)}
-        _running(server)
+        wait_running(server)
         assert server.post("/pause_generation", {"mode": "in_place"}).json() == {
             "message": "Generation paused successfully.", "status": "ok"}
         time.sleep(0.1)
@@ -117,7 +105,7 @@ def test_update_weights_non_blocking(server, tmp_path):
         before = server.get("/model_info").json()["weight_version"]
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(_long, server, i) for i in range(6)]
-            _running(server)
+            wait_running(server)
             server.post("/pause_generation", {"mode": mode})
             answer = server.post("/update_weights_from_disk", {"model_path": new, "flush_cache": mode == "retract",
                                                                "weight_version": f"after-{mode}"})
@@ -146,7 +134,7 @@ def test_update_weights_abort_all_requests(server, tmp_path):
     new = str(write_checkpoint(tmp_path / "new", seed=6))
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_long, server, i) for i in range(6)]
-        _running(server, in_flight=6)  # all six in (running or waiting): one still on its way would not be aborted
+        wait_running(server, in_flight=6)  # all six in (running or waiting): one still on its way would not be aborted
         answer = server.post("/update_weights_from_disk", {"model_path": new, "abort_all_requests": True})
         assert answer.json()["success"] is True
         for future in as_completed(futures):
@@ -161,7 +149,7 @@ def test_pause_abort_then_continue(server):
     requests end aborted; a request sent while paused waits and is answered after /continue_generation."""
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(_long, server, 3)
-        _running(server)
+        wait_running(server)
         server.post("/pause_generation", {})
         assert running.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
         waiting = pool.submit(server.post, "/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2}})
@@ -186,7 +174,7 @@ def test_update_weights_right_after_abort_all(server, tmp_path):
                                                           "sampling_params": {"temperature": 0, "max_new_tokens": LONG,
                                                                               "ignore_eos": False}})
                    for i in range(6)]
-        _running(server, in_flight=6)
+        wait_running(server, in_flight=6)
         assert server.post("/abort_request", {"abort_all": True}).status_code == 200
         answer = server.post("/update_weights_from_disk", {"model_path": new})
         assert answer.status_code == 200 and answer.json()["success"] is True, answer.text

@@ -191,7 +191,7 @@ def test_a_slow_request_does_not_stall_others(server):
     """rlbench's own: a client that sends half a body and waits, and a long generation, hold nobody up: a
     short request is answered while both are still going (events, not a clock: the long one is seen running
     first, and when the short one is answered the long one is not done and the half body is still unanswered)."""
-    from tests.conformance.sglang.test_control import _running
+    from tests.helpers import wait_running
 
     server.needs_local("the timing is rlbench serve's")
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
@@ -202,7 +202,7 @@ def test_a_slow_request_does_not_stall_others(server):
         with ThreadPoolExecutor(1) as pool:
             long = pool.submit(server.post, "/generate", {"input_ids": [1, 2], "sampling_params": {
                 "max_new_tokens": 240, "ignore_eos": True}})
-            _running(server)
+            wait_running(server)
             short = server.generate({"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
             assert short["meta_info"]["completion_tokens"] == 2 and not long.done()
             slow.setblocking(False)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.conformance.sglang.test_control import _running
+from tests.helpers import wait_running
 
 # One xdist worker runs the whole module (--dist loadgroup): one server for it, not one per worker.
 pytestmark = pytest.mark.xdist_group("sglang-conformance-generate")
@@ -164,7 +164,7 @@ def test_duplicate_rids(server):
     results = {}
     first = threading.Thread(target=lambda: results.update(first=generate("dup-rid-concurrent", 200)))
     first.start()
-    _running(server)  # the first is in (an event, not a pause): the second, same rid, arrives while it runs
+    wait_running(server)  # the first is in (an event, not a pause): the second, same rid, arrives while it runs
     results["second"] = generate("dup-rid-concurrent")
     first.join(30)
     rejected = [r for r in results.values() if r.status_code == 400]

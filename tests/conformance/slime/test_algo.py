@@ -10,7 +10,6 @@ import functools
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from rlbench.config import AlgoConfig, TrainConfig
 from rlbench.core import algo, metrics, samples
 from rlbench.rundir import recording
 from tests.conformance.slime.build_expected import probes
+from tests.helpers import TableLogits
 
 EXPECTED = json.loads((Path(__file__).parent / "expected_algo.json").read_text())
 INPUTS = EXPECTED["inputs"]
@@ -166,20 +166,6 @@ def test_loss_case_is_slimes(name):
     assert_close(got["grad_probes"], case["grad_probes"], "gradient probes")
 
 
-class _TableModel(torch.nn.Module):
-    """A 'model' returning fixed logits per sample (told apart by the first token id), as the trainer reads
-    a transformers model's: the logits of the last `logits_to_keep` positions."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = torch.nn.Parameter(table.clone())
-
-    def forward(self, input_ids, logits_to_keep: int = 0, use_cache: bool | None = None):
-        length = input_ids.shape[1]
-        rows = self.table[input_ids[:, 0], :length]
-        return SimpleNamespace(logits=rows[:, length - (logits_to_keep or length):])
-
-
 @pytest.mark.parametrize("name", sorted(n for n, c in LOSS_CASES.items() if c["trainer"]))
 def test_trainer_metrics_are_slimes(name):
     """Through TorchTrainer in micro-batches of 3 (the per-token loss's denominator is the minibatch's),
@@ -193,7 +179,7 @@ def test_trainer_metrics_are_slimes(name):
                                         for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs"))
     batch.ref_logprobs = ref if config.kl_coef > 0 else None
     batch.rollout_logprobs = rollout if config.use_tis else None
-    trainer = TorchTrainer(_TableModel(padded_logits(tensors)), TrainConfig(minibatches=1, micro_batch_size=3),
+    trainer = TorchTrainer(TableLogits(padded_logits(tensors)), TrainConfig(minibatches=1, micro_batch_size=3),
                            config, case["temperature"], seed=0)
     got = trainer.train_step(batch, step=0).metrics
     for key, want in case["metrics"].items():

@@ -1,0 +1,144 @@
+"""Helpers the test files share, in one module (no test file imports another's private names).
+
+- The engine's batch-invariance property (tests/cpu/test_batch_invariance.py, tests/gpu/test_engine_cuda.py):
+  a naive batched engine that breaks it, request specs as hypothesis strategies, and the check itself.
+- Trainer batches (test_checkpoint, test_mixed_precision, test_weight_decay): a seeded batch, its old log-probs,
+  a checkpoint's files written out.
+- TableLogits: a 'model' with fixed logits, by position or by sample (the trainer's loss by hand; slime's cases).
+- random_tensor: seeded random bytes viewed as a dtype (the checksum tests, CPU and CUDA).
+- wait_running: waiting on an SGLang-API server's /v1/loads (the conformance tests act on that event, not a clock).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from hypothesis import strategies as st
+
+from rlbench.backends.hf_engine import HFEngine
+from rlbench.core import algo
+from rlbench.core.types import GenerateRequest
+
+# ---------------------------------------------------------------- the engine's batch invariance
+
+ROWS = 4  # a small fixed batch: most examples span several chunks and sit in several rows
+
+
+class NaiveEngine(HFEngine):
+    """Batched decoding with variable shapes: one chunk of exactly the requests given, prompts
+    padded to the longest of them. The row arithmetic then depends on the batch's size and on
+    its longest prompt, which is what the fixed buckets of HFEngine rule out."""
+
+    def _generate_batched(self, requests):
+        self.batch_size = len(requests)
+        width = max(len(r.prompt_ids) for r in requests)
+        return self._decode_rows(list(requests), width, requests[0].max_new_tokens)
+
+
+specs = st.tuples(st.integers(0, 12), st.integers(0, 2**63 - 1), st.sampled_from([0.0, 0.7, 1.0]),
+                  st.sampled_from([-1, 0, 1, 5]), st.sampled_from([1.0, 0.9, 0.3]), st.sampled_from([2, 4]))
+
+batches = dict(batch=st.lists(specs, min_size=1, max_size=6), others=st.lists(specs, max_size=4),
+               same_prompt=st.integers(0, 3), order=st.integers(0, 2**32))
+
+
+def engine_request(prompts, eos, spec) -> GenerateRequest:
+    prompt, seed, temperature, top_k, top_p, new = spec
+    return GenerateRequest(prompts[prompt], seed, new, temperature, (eos,), top_k, top_p)
+
+
+def moved(engine, batch, others, seed) -> list[int]:
+    """Indices of `batch` whose result differs once the batch is shuffled among `others`, or
+    decoded alone (the first request)."""
+    before = engine.generate(batch)
+    mixed = list(range(len(batch) + len(others)))
+    random.Random(seed).shuffle(mixed)
+    pool = batch + others
+    after = dict(zip(mixed, engine.generate([pool[i] for i in mixed])))
+    found = [i for i, res in enumerate(before) if after[i] != res]  # ids, log-probs (exact floats), finish
+    if engine.generate(batch[:1])[0] != before[0]:
+        found.append(0)
+    return found
+
+
+def check_property(setup, decode, batch, others, same_prompt, order):
+    engines, prompts, eos, _ = setup
+    batch = [engine_request(prompts, eos, s) for s in batch]
+    # Neighbours that share a prompt with the batch exercise the shared-prefill path.
+    others = [engine_request(prompts, eos, s) for s in others] + [
+        GenerateRequest(batch[0].prompt_ids, seed, batch[0].max_new_tokens, 1.0, (eos,)) for seed in range(same_prompt)]
+    assert moved(engines[decode], batch, others, order) == []
+
+
+# ---------------------------------------------------------------- trainer batches and checkpoints
+
+
+def train_batch(step: int) -> algo.TrainBatch:
+    """16 samples of 12 tokens (ids 3..299, the last 4 trained), seeded by `step`."""
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(3, 300, (16, 12), generator=gen)
+    mask = torch.zeros(16, 12)
+    mask[:, 8:] = 1
+    return algo.TrainBatch(tokens, mask, torch.randn(16, generator=gen), torch.zeros(16, 12), None)
+
+
+def with_old_logprobs(trainer, batch: algo.TrainBatch) -> algo.TrainBatch:
+    batch.old_logprobs = trainer.logprobs(batch.tokens) * batch.loss_mask
+    return batch
+
+
+def write_files(files: dict[str, bytes], directory: Path) -> None:
+    directory.mkdir()
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+
+
+# ---------------------------------------------------------------- a model with fixed logits
+
+
+class TableLogits(torch.nn.Module):
+    """A 'model' with fixed logits, read as the trainer reads a transformers model's (the logits of the last
+    `logits_to_keep` positions, 0: all): a [L, V] table gives every sample the same logits by position, so every
+    term of a loss can be computed by hand; an [S, L, V] table gives sample s, told apart by its first token id,
+    its own rows."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.clone())
+
+    def forward(self, input_ids, logits_to_keep: int = 0, use_cache: bool | None = None):
+        n, length = input_ids.shape
+        keep = logits_to_keep or length
+        if self.table.dim() == 2:
+            return SimpleNamespace(logits=self.table[length - keep:length].expand(n, -1, -1))
+        return SimpleNamespace(logits=self.table[input_ids[:, 0], :length][:, length - keep:])
+
+
+# ---------------------------------------------------------------- tensors of random bytes
+
+
+def random_tensor(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    """n elements of `dtype` made of seeded random bytes (every bit pattern, NaNs and infinities included)."""
+    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    return (raw != 0) if dtype == torch.bool else raw.view(dtype)
+
+
+# ---------------------------------------------------------------- a server's load
+
+
+def wait_running(server, at_least: int = 1, in_flight: int = 0, timeout: float = 30.0) -> None:
+    """Wait until the server runs `at_least` requests and holds `in_flight` in all, running or waiting
+    (/v1/loads): the event the test acts on, whatever the machine's speed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        loads = server.get("/v1/loads").json()["loads"]
+        running = sum(load["num_running_reqs"] for load in loads)
+        if running >= at_least and running + sum(load["num_waiting_reqs"] for load in loads) >= in_flight:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"fewer than {at_least} requests ever ran, or fewer than {in_flight} arrived")
