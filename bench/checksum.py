@@ -71,8 +71,8 @@ def main() -> None:
     for size in (int(float(s)) for s in args.sizes.split(",")):
         tensors = tensors_of(size, args.device)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        old = best_of(lambda: sha256_digest(tensors), args.repeats, args.device)
-        new = best_of(lambda: tensors_digest(tensors), args.repeats, args.device)
+        old = best_of(lambda tensors=tensors: sha256_digest(tensors), args.repeats, args.device)
+        new = best_of(lambda tensors=tensors: tensors_digest(tensors), args.repeats, args.device)
         print(f"{nbytes:>12} {len(tensors):>8} {old:>10.4f} {nbytes / old / 1e9:>7.2f} {new:>10.4f} "
               f"{nbytes / new / 1e9:>7.2f} {old / new:>6.1f}")
 

@@ -217,8 +217,11 @@ def collect(names: list[str], with_run: bool) -> dict:
                                                                      "MKL_ENABLE_INSTRUCTIONS")}
         env.update(SETTINGS[name])
         env["PYTHONPATH"] = str(REPO)
-        code = ("import json, sys; sys.path.insert(0, 'bench'); import cpu_numerics as c; import torch; "
-                "print(json.dumps({'ops': c.probe(), 'train': c.probe_train(), 'capability': torch.backends.cpu.get_cpu_capability()}))")
+        code = (
+            "import json, sys; sys.path.insert(0, 'bench'); import cpu_numerics as c; import torch; "
+            "print(json.dumps({'ops': c.probe(), 'train': c.probe_train(), "
+            "'capability': torch.backends.cpu.get_cpu_capability()}))"
+        )
         probe_out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True,
                                    text=True).stdout
         entry = json.loads(probe_out.strip().splitlines()[-1])

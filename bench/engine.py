@@ -56,7 +56,8 @@ def generation(config, repeats: int) -> None:
     for name in engines:
         print(f"  {name:10s} median {statistics.median(times[name]) * 1e3:8.2f} ms   "
               f"[{', '.join(f'{t * 1e3:.1f}' for t in times[name])}]")
-    print(f"  ratio per-sample / batched: {statistics.median(times['per-sample']) / statistics.median(times['batched']):.1f}x")
+    ratio = statistics.median(times["per-sample"]) / statistics.median(times["batched"])
+    print(f"  ratio per-sample / batched: {ratio:.1f}x")
 
 
 def step_stages(config, steps: int) -> None:
@@ -78,9 +79,24 @@ def step_stages(config, steps: int) -> None:
 def whole_run(device: str, threads: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "rlbench.cli", "run", "--device", device, "--threads", str(threads),
-                               "--out", str(Path(tmp) / "run"), "--json"], capture_output=True, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlbench.cli",
+                "run",
+                "--device",
+                device,
+                "--threads",
+                str(threads),
+                "--out",
+                str(Path(tmp) / "run"),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"rlbench run failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -131,7 +131,11 @@ def main() -> None:
     print(f"{len(names)} settings x {len(seeds)} seeds ({', '.join(map(str, seeds))}), {max(STEPS)} steps each, "
           f"1 thread per run, {args.procs} at a time; numerics {mode['mode']} (ATen {mode['aten_capability']}, "
           f"MKL_CBWR {mode['mkl_cbwr']})")
-    print(f"{'setting':24s} " + " ".join(f"pass@{n:<4d}" for n in STEPS) + f"  last-10 @100  seed {DEFAULT_SEED} @100  step")
+    print(
+        f"{'setting':24s} "
+        + " ".join(f"pass@{n:<4d}" for n in STEPS)
+        + f"  last-10 @100  seed {DEFAULT_SEED} @100  step"
+    )
     for name in names:
         runs = [r for r in results if r["name"] == name]
         cells = [f"{sum(verdict(r['rows'], n)[0] for r in runs)}/{len(runs):<5d}" for n in STEPS]

@@ -101,7 +101,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="--gpu: runs per mode")
     args = parser.parse_args()
     if args.gpu:
-        gpu(["--steps", str(args.steps), "--trainer", "megatron", "--device", "cuda", "--tp", str(args.tp)], args.repeats)
+        gpu(
+            ["--steps", str(args.steps), "--trainer", "megatron", "--device", "cuda", "--tp", str(args.tp)],
+            args.repeats,
+        )
     else:
         cpu(args.steps)
 

@@ -54,16 +54,25 @@ MODULES = {
     "rlbench/core/algo.py": ["tests/cpu/test_algo.py"],
     "rlbench/core/seeding.py": ["tests/cpu/test_seeding.py"],
     "rlbench/core/reward.py": ["tests/cpu/test_reward_plugin.py", "-k", "not drives_the_loop"],
-    "rlbench/rundir/digest.py": ["tests/cpu/test_digest.py", "tests/cpu/test_recording.py", "tests/cpu/test_rundir.py",
-                                 "-k", "not run_dir_"],
+    "rlbench/rundir/digest.py": [
+        "tests/cpu/test_digest.py",
+        "tests/cpu/test_recording.py",
+        "tests/cpu/test_rundir.py",
+        "-k",
+        "not run_dir_",
+    ],
     "rlbench/rundir/recording.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
     "rlbench/checks/compare.py": ["tests/cpu/test_compare.py"],
     "rlbench/checks/golden_compare.py": ["tests/cpu/test_golden_compare.py"],
     "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
     "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
     # all but the five that run the loop (run_small): the rest write their recordings by hand
-    "rlbench/checks/logprobs.py": ["tests/cpu/test_check_logprobs.py", "-k", "not (reported_as_measured or "
-                                   "is_exactly_zero or on_a_rollout_only_run or on_a_full_run_uses or through_the_cli)"],
+    "rlbench/checks/logprobs.py": [
+        "tests/cpu/test_check_logprobs.py",
+        "-k",
+        "not (reported_as_measured or "
+        "is_exactly_zero or on_a_rollout_only_run or on_a_full_run_uses or through_the_cli)",
+    ],
 }
 LINKED = ("rlbench", "tests", "golden", "configs", "examples")
 KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too

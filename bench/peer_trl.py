@@ -196,9 +196,14 @@ def main() -> None:
             temperature=config.rollout.temperature, learning_rate=config.train.lr, beta=0.0,
             max_steps=ROUND * args.rounds, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
             disable_tqdm=True, seed=config.seed)
-        trainer = GRPOTrainer(model=build_model(config.model.path, config.seed, init=config.model.init), reward_funcs=parity_reward,
-                              args=trl_config, train_dataset=dataset,
-                              processing_class=load_tokenizer(config.model.tokenizer), callbacks=[Alternate()])
+        trainer = GRPOTrainer(
+            model=build_model(config.model.path, config.seed, init=config.model.init),
+            reward_funcs=parity_reward,
+            args=trl_config,
+            train_dataset=dataset,
+            processing_class=load_tokenizer(config.model.tokenizer),
+            callbacks=[Alternate()],
+        )
         trainer.train()
         ctx.writer.close()
     ours_steps = [sum(stage.values()) for stage in ours[1:]]

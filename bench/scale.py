@@ -466,10 +466,15 @@ def peer_trl(args, shape: str, root: Path) -> None:
     save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(directory / "model.safetensors"))
     del model
     data = load_config().data.path
-    config = {"steps": args.peer_rounds + 1, "checkpoint_every": 10**6, "device": args.device,
-              "model": {"path": str(directory), "tokenizer": str(tokenizer), "dtype": "bfloat16", "init": "checkpoint"},
-              "data": {"prompts_per_step": 8}, "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": args.new_tokens},
-              "train": {"minibatches": 4, "micro_batch_size": 16}}
+    config = {
+        "steps": args.peer_rounds + 1,
+        "checkpoint_every": 10**6,
+        "device": args.device,
+        "model": {"path": str(directory), "tokenizer": str(tokenizer), "dtype": "bfloat16", "init": "checkpoint"},
+        "data": {"prompts_per_step": 8},
+        "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": args.new_tokens},
+        "train": {"minibatches": 4, "micro_batch_size": 16},
+    }
     toml = root / "peer.toml"
     toml.write_text(_toml(config))
     results: dict[str, list] = {"TRL GRPOTrainer": [], "rlbench --deterministic": [], "rlbench": []}
@@ -503,7 +508,11 @@ def peer_trl(args, shape: str, root: Path) -> None:
                 rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
                 results[name] += [{k: row[k] for k in row if k.startswith("perf/")} for row in rows]
                 shutil.rmtree(out)  # its final checkpoint: gigabytes at these shapes
-            mine = report["steps"] if name.startswith("TRL") else [row["perf/step_time"] for row in results[name][-args.peer_rounds:]]
+            mine = (
+                report["steps"]
+                if name.startswith("TRL")
+                else [row["perf/step_time"] for row in results[name][-args.peer_rounds :]]
+            )
             print(f"  {name}: process {repeat + 1} of {args.peer_repeats} done in {time.perf_counter() - start:.0f} s; "
                   f"steps {', '.join(f'{t:.2f}' for t in mine)} s; peak {report['peak'] / 2**30:.1f} GiB" +
                   ("" if name.startswith("TRL") else "; " + ", ".join(
@@ -551,11 +560,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=2, help="timed generations and train/bare rounds (after a warm-up)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed generations and train/bare rounds (after a warm-up)"
+    )
     parser.add_argument("--cost-rounds", type=int, default=9,
                         help="rounds of train + sync with and without the device checksums (after a warm-up): their "
                              "difference is tens of ms in a second's stage, so it needs more rounds than the rest")
-    parser.add_argument("--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)")
+    parser.add_argument(
+        "--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)"
+    )
     parser.add_argument("--trainer", choices=("torch", "megatron"), default="torch",
                         help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
                              "by stage and checkpoint only (the engine's figures are the torch runs'; the bare step "
@@ -593,7 +606,7 @@ def main() -> None:
             share = (stages["checksums"] + stages["record"]) / step
             gen = generation(ctx, args.new_tokens, args.repeats) if torch_trainer else None
             state = loop.StepState(args.steps + 1)
-            for name, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
+            for _, stage in STAGES[:5]:  # data .. logprob: the batch the train stage gets
                 stage(ctx, state)
             with_sums, without, differences = checksum_cost(ctx, state, args.cost_rounds)
             cost = statistics.median(differences)

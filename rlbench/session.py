@@ -66,7 +66,8 @@ def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *
         init_checkpoint: Path | None = None, expect: dict[int, dict] | None = None, write_from: int = 0,
         resume: bool = False, command: str | None = None) -> RunResult:
     """Run steps [start, config.steps). `command` is the command line that asked for the run (kept
-    in the manifest, so a golden file can say how its values were made). `init_checkpoint` restores the trainer first; `expect` maps
+    in the manifest, so a golden file can say how its values were made). `init_checkpoint` restores the trainer
+    first; `expect` maps
     step -> checksums to verify (a mismatch raises Diverged); steps before `write_from` are verified
     but not written (resume recomputes committed steps). `on_step(state)` follows each step; when
     run() returns, every written step is committed to disk."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from rlbench.errors import BadInput
 
@@ -231,7 +232,7 @@ def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> 
     _slime_rules(given, fields)
     if fields["rollout.n_samples_per_prompt"] == 1:
         fields["algo.normalize_std"] = False  # slime: one sample per prompt turns std normalisation off
-    for name, value, sets in explained:
+    for name, _, sets in explained:
         if name in ("--adam-beta1", "--adam-beta2"):
             sets["train.betas"] = betas
         elif name in ("--use-kl-loss", "--kl-loss-coef"):

@@ -67,7 +67,8 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`rlbench ARGS` in this process, through the console entry point itself (`rlbench.cli.main`): the
     same parsing, error boundary and exit codes as a subprocess, without paying the interpreter's
     start-up (importing torch and transformers: seconds per call, most of the suite's time when every
-    call was a process). What a run leaves in the process is undone: the working directory, sys.path, and modules imported from outside the installed packages (plugins: a module-level
+    call was a process). What a run leaves in the process is undone: the working directory, sys.path, and modules
+    imported from outside the installed packages (plugins: a module-level
     counter or a same-named module in another test's directory must not carry over). For what needs a
     process of its own (signals, locks, crashes, bits across processes), `run_cli(..., process=True)`."""
     import contextlib
@@ -173,9 +174,11 @@ def pytest_terminal_summary(terminalreporter):
             for key, value in _json.loads(line).items():
                 totals[key] = totals.get(key, 0) + value
     if totals:
-        terminalreporter.write_line(f"hostile-input sweep: {totals.get('inputs', 0)} inputs, {totals.get('commands', 0)} "
-                                    f"commands run, 0 tracebacks, {totals.get('outside_writes', 0)} writes outside "
-                                    "the directories the commands own (any traceback or write fails its test)")
+        terminalreporter.write_line(
+            f"hostile-input sweep: {totals.get('inputs', 0)} inputs, {totals.get('commands', 0)} "
+            f"commands run, 0 tracebacks, {totals.get('outside_writes', 0)} writes outside "
+            "the directories the commands own (any traceback or write fails its test)"
+        )
 
 
 def doc_commands(block: str) -> list[tuple[str, int]]:

@@ -168,7 +168,9 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     group = heads // kv_heads  # query head h reads key/value head h // group, as transformers' repeat_kv pairs them
     scores = torch.bmm(query.reshape(rows * kv_heads, group * q, dim),
                        key.reshape(rows * kv_heads, length, dim).transpose(1, 2)) * scaling
-    visible = attention_mask[:, None].expand(rows, kv_heads, group, q, length).reshape(rows * kv_heads, group * q, length)
+    visible = (
+        attention_mask[:, None].expand(rows, kv_heads, group, q, length).reshape(rows * kv_heads, group * q, length)
+    )
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
     out = torch.bmm(weights.to(value.dtype), value.reshape(rows * kv_heads, length, dim))
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None

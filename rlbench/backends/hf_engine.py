@@ -150,8 +150,10 @@ class HFEngine:
             raise BadInput(f"expected one of {', '.join(DECODES)}, got {decode!r}", field="rollout.decode")
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
-            raise BadInput(f"the embedded engine decodes full-attention models only, this one has {sorted(layer_types)}",
-                           field="model.path")
+            raise BadInput(
+                f"the embedded engine decodes full-attention models only, this one has {sorted(layer_types)}",
+                field="model.path",
+            )
         self.model = copy.deepcopy(model).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device

@@ -381,7 +381,7 @@ def run_series(run: RunDir) -> dict[str, dict[int, float]]:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None = None,

@@ -110,7 +110,9 @@ def _differences(golden: Golden, manifest: dict) -> list[str]:
     for name in sorted(exact_versions(golden_versions) | exact_versions(run_versions)):
         if golden_versions.get(name) != run_versions.get(name):
             out.append(f"{name}: golden {golden_versions.get(name)}, run {run_versions.get(name)}")
-    changed = _dict_diff(head.get("determinism") or {}, manifest.get("determinism") or {}) if "determinism" in head else []
+    changed = (
+        _dict_diff(head.get("determinism") or {}, manifest.get("determinism") or {}) if "determinism" in head else []
+    )
     if changed:
         out.append(f"determinism settings: {'; '.join(changed)}")
     return out

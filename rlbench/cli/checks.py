@@ -25,18 +25,30 @@ app.add_typer(check_app, name="check")
 @check_app.command("logprobs")
 def check_logprobs(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    recompute: Annotated[bool, typer.Option("--recompute", help="Recompute trainer log-probs with the exact weights each step sampled with (rollout-only runs; steps with a checkpoint) instead of reading the recorded ones.")] = False,
+    recompute: Annotated[bool, typer.Option("--recompute",
+                                            help="Recompute trainer log-probs with the exact weights each step "
+                                                 "sampled with (rollout-only runs; steps with a checkpoint) "
+                                                 "instead of reading the recorded ones.")] = False,
     top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
-    max_mean: Annotated[Optional[float], typer.Option(help="Gate: train_rollout_logprob_abs_diff at most this: slime's metric, the per-sample mean |delta| (each sample's mean over its tokens, then over samples; its CI uses 0.1).")] = None,
-    max_token_mean: Annotated[Optional[float], typer.Option(help="Gate: token_mean_abs at most this: the mean |delta| over all tokens (longer samples weigh more).")] = None,
+    max_mean: Annotated[Optional[float], typer.Option(help="Gate: train_rollout_logprob_abs_diff at most "
+                                                           "this: slime's metric, the per-sample mean "
+                                                           "|delta| (each sample's mean over its tokens, "
+                                                           "then over samples; its CI uses 0.1).")] = None,
+    max_token_mean: Annotated[Optional[float], typer.Option(help="Gate: token_mean_abs at most this: "
+                                                                 "the mean |delta| over all tokens "
+                                                                 "(longer samples weigh more).")] = None,
     max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
     max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
     max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
-    max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")] = None,
+    max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at "
+                                                          "most this (NeMo-RL: 1.05).")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Report the train-inference log-prob mismatch: |trainer - rollout| as slime's per-sample mean (train_rollout_logprob_abs_diff) and as a token mean, p99 and max, K3 KL, mean exp(|delta|), and the worst tokens with context. Samples slime removed and samples without engine log-probs are not judged, and counted. Exit 1 when a gate is exceeded."""
+    """Report the train-inference log-prob mismatch: |trainer - rollout| as slime's per-sample mean \
+(train_rollout_logprob_abs_diff) and as a token mean, p99 and max, K3 KL, mean exp(|delta|), and the worst tokens with \
+context. Samples slime removed and samples without engine log-probs are not judged, and counted. Exit 1 when a gate is \
+exceeded."""
     from dataclasses import asdict
 
     from rlbench.checks.logprobs import check_logprobs as run_check
@@ -75,20 +87,56 @@ def check_logprobs(
 
 @check_app.command("tito")
 def check_tito(
-    target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, token_ids} trajectories (optional per row: tools, chat_template_kwargs, sampled: the engine's output ids of each assistant turn).")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run directory names its own, and another one is refused). Its generation_config.json, where it has one, names the stop ids.")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="Model directory the samples were generated with (the run's own): lets a recording without engine ids (an imported dump) tell sampled from re-tokenised ids by their log-probs.")] = None,
-    audit: Annotated[bool, typer.Option("--audit", help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.")] = False,
-    tito_model: Annotated[Optional[str], typer.Option("--tito-model", help="--audit with Miles' TITO builder for this model family (qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, kimi26, minimax_m25, minimax_m27, deepseekv32, deepseekv4, default), its registered template kwargs and merge rule; DeepSeek through its encoder. Without it, rlbench's plain append-only builder.")] = None,
-    roles: Annotated[Optional[list[str]], typer.Option("--tito-allowed-append-roles", help="Roles the --tito-model builder may append after an assistant turn (tool, user, system; comma-separated or repeated; Miles' default: tool). Shapes that append others are not audited, and counted.")] = None,
-    template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", "--apply-chat-template-kwargs", help="Chat template kwargs as a JSON object, e.g. '{\"enable_thinking\": true}' (slime's --apply-chat-template-kwargs spelling too): every rendering gets them, recorded in the result; a JSONL row's own chat_template_kwargs win.")] = None,
-    strict: Annotated[bool, typer.Option("--strict", help="Hazards fail the check too: what only a naive pipeline breaks (a re-render or a decode of the sampled ids).")] = False,
+    target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, "
+                                                          "token_ids} trajectories (optional per row: tools, "
+                                                          "chat_template_kwargs, sampled: the engine's "
+                                                          "output ids of each assistant turn).")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run "
+                                                           "directory names its own, and another one is "
+                                                           "refused). Its generation_config.json, where it "
+                                                           "has one, names the stop ids.")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory the samples were generated with "
+                                                       "(the run's own): lets a recording without engine "
+                                                       "ids (an imported dump) tell sampled from "
+                                                       "re-tokenised ids by their log-probs.")] = None,
+    audit: Annotated[bool, typer.Option("--audit",
+                                        help="Check the tokenizer's chat template for the prefix property "
+                                             "over generated conversation shapes.")] = False,
+    tito_model: Annotated[Optional[str], typer.Option("--tito-model",
+                                                      help="--audit with Miles' TITO builder for this model family "
+                                                           "(qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, "
+                                                           "kimi26, minimax_m25, minimax_m27, deepseekv32, "
+                                                           "deepseekv4, default), its registered template kwargs and "
+                                                           "merge rule; DeepSeek through its encoder. Without it, "
+                                                           "rlbench's plain append-only builder.")] = None,
+    roles: Annotated[Optional[list[str]], typer.Option("--tito-allowed-append-roles",
+                                                       help="Roles the --tito-model builder may append after an "
+                                                            "assistant turn (tool, user, system; comma-separated or "
+                                                            "repeated; Miles' default: tool). Shapes that append "
+                                                            "others are not audited, and counted.")] = None,
+    template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", "--apply-chat-template-kwargs",
+                                                           help="Chat template kwargs as a JSON object, e.g. "
+                                                                "'{\"enable_thinking\": true}' (slime's "
+                                                                "--apply-chat-template-kwargs spelling too): every "
+                                                                "rendering gets them, recorded in the result; a JSONL "
+                                                                "row's own chat_template_kwargs win.")] = None,
+    strict: Annotated[bool, typer.Option("--strict",
+                                         help="Hazards fail the check too: what only a naive pipeline breaks (a "
+                                              "re-render or a decode of the sampled ids).")] = False,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Find token-in-token-out drift: ids the trainer trained on that are not the ids the engine sampled. Compares ids, never text, then names the cause of every divergence (1 re-encode, 2 separator, 3 stop token, 4 reasoning stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn continued), with the category Miles' comparator gives it.
+    """Find token-in-token-out drift: ids the trainer trained on that are not the ids the engine sampled. Compares \
+ids, never text, then names the cause of every divergence (1 re-encode, 2 separator, 3 stop token, 4 reasoning \
+stripped, 5 position-dependent, 8 special token dropped, 10 truncated turn continued), with the category Miles' \
+comparator gives it.
 
-    RUN_DIR: each sample's recorded engine ids (every turn's prompt and output) against the ids it trained on; the share of samples sampled as non-canonical ids (exposure to a re-tokenising pipeline) is reported apart. A recording without engine ids (an imported dump) is judged by its evidence (--model). JSONL: each trajectory against the chat template's re-render, and against its sampled ids where a row gives them. --audit: a TITO builder played over generated conversations. Exit 1 on a finding; hazards (what only a naive pipeline breaks) are reported and fail only with --strict.
+    RUN_DIR: each sample's recorded engine ids (every turn's prompt and output) against the ids it trained on; the \
+share of samples sampled as non-canonical ids (exposure to a re-tokenising pipeline) is reported apart. A recording \
+without engine ids (an imported dump) is judged by its evidence (--model). JSONL: each trajectory against the chat \
+template's re-render, and against its sampled ids where a row gives them. --audit: a TITO builder played over \
+generated conversations. Exit 1 on a finding; hazards (what only a naive pipeline breaks) are reported and fail only \
+with --strict.
     """
     from dataclasses import asdict
 
@@ -218,26 +266,44 @@ class Tier(str, Enum):
     approx = "approx"
 
 
-Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance", help="Per-metric tolerance override, METRIC-GLOB:key=value[,key=value]; keys kind (exact|approx|median), rtol, atol, failing_steps, mean_residual, max_ratio, min_ratio, window=A:B. Repeatable.")]
+Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance",
+                                                         help="Per-metric tolerance override, "
+                                                              "METRIC-GLOB:key=value[,key=value]; keys kind "
+                                                              "(exact|approx|median), rtol, atol, "
+                                                              "failing_steps, mean_residual, max_ratio, "
+                                                              "min_ratio, window=A:B. Repeatable.")]
 
 
 @check_app.command("golden")
 def check_golden(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) or a Megatron-LM golden values file (approx tier, its own tolerances; its iteration k is the run's step k - 1).")],
-    tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or versions). approx: each metric within its tolerance.")] = Tier.exact,
-    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Leave out metrics matching this glob (e.g. 'perf/*'). Repeatable.")] = None,
+    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) "
+                                                "or a Megatron-LM golden values file (approx tier, its own tolerances; "
+                                                "its iteration k is the run's step k - 1).")],
+    tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or "
+                                            "versions). approx: each metric within its tolerance.")] = Tier.exact,
+    ignore: Annotated[Optional[list[str]], typer.Option("--ignore",
+                                                        help="Leave out metrics matching this glob "
+                                                             "(e.g. 'perf/*'). Repeatable.")] = None,
     tolerance: Tolerances = None,
-    rename: Annotated[Optional[list[str]], typer.Option("--rename", help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a Megatron-LM file. Repeatable.")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: each compared metric, its golden values and tolerance band, failing steps marked.")] = None,
+    rename: Annotated[Optional[list[str]], typer.Option("--rename",
+                                                        help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a "
+                                                             "Megatron-LM file. Repeatable.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot",
+                                                 help="Write a PNG: each compared metric, its golden values and "
+                                                      "tolerance band, failing steps marked.")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Compare a run's metrics with a golden log. Exit 0: within the golden; exit 1: a regression (the failing metrics and steps are listed: expected, got, tolerance); exit 2: bad input, or a comparison that means nothing (another configuration; in the exact tier another platform, versions or determinism settings), with the reason.
+    """Compare a run's metrics with a golden log. Exit 0: within the golden; exit 1: a regression (the failing metrics \
+and steps are listed: expected, got, tolerance); exit 2: bad input, or a comparison that means nothing (another \
+configuration; in the exact tier another platform, versions or determinism settings), with the reason.
 
     perf/* metrics compare window medians, never exactly: the run's median may be at most max_ratio times the golden's.
 
-    A Megatron-LM golden values file (tests/functional_tests/test_cases/.../golden_values_*.json) compares in the approx tier with Megatron-LM's own tolerances (lm loss and memory rtol 0.05, num-zeros rtol 0.2, iteration-time the median of a steady window within 5%), at the steps it holds a value for: its iteration k against the run's step k - 1.
+    A Megatron-LM golden values file (tests/functional_tests/test_cases/.../golden_values_*.json) compares in the \
+approx tier with Megatron-LM's own tolerances (lm loss and memory rtol 0.05, num-zeros rtol 0.2, iteration-time the \
+median of a steady window within 5%), at the steps it holds a value for: its iteration k against the run's step k - 1.
     """
     from rlbench.checks import golden as g
     from rlbench.checks.golden_compare import compare
@@ -328,7 +394,10 @@ def golden_update(
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
-    """Write or refresh a golden file from a run: every metric at every committed step, tolerances from the metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earlier --tolerance overrides carried and new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that is not a valid golden file is refused and left as it is."""
+    """Write or refresh a golden file from a run: every metric at every committed step, tolerances from the \
+metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earlier --tolerance overrides carried and \
+new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that \
+is not a valid golden file is refused and left as it is."""
     from rlbench.checks import golden as g
     from rlbench.rundir.directory import read_run
 
@@ -354,10 +423,12 @@ def golden_update(
     verb = "refreshed" if previous is not None else "wrote"
     stdout.print(f"{verb} {golden}: {len(metrics)} metrics over steps {first['start_step']}..{first['end_step']} "
                  f"(every {step_interval}), platform {doc['header']['platform']}; history: "
-                 f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}", markup=False, highlight=False, soft_wrap=True)
+                 f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}", markup=False, highlight=False,
+                 soft_wrap=True)
     for key in ("changed", "added", "removed", "tolerance_changed"):
         if changes[key]:
-            stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False, soft_wrap=True)
+            stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False,
+                         soft_wrap=True)
     if changes["config_changed"]:
         stdout.print(f"note: the configuration differs from the one {golden} held; it now holds this run's",
                      markup=False, highlight=False, soft_wrap=True)

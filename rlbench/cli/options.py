@@ -14,7 +14,8 @@ import dataclasses
 import enum
 import typing
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import typer
 
@@ -74,7 +75,9 @@ def config_option(path: str, *names: str, root: type = RunConfig, default_text: 
     else:
         text += f" \\[sets {path} = {shown(flag_value)}; default: {shown(default)}]"
     info = typer.Option(*names, help=text, **kwargs)
-    info.rlbench_field = FieldOption(path, root, flag_value, tuple(n for n in names if n.startswith("--")), default_text)
+    info.rlbench_field = FieldOption(
+        path, root, flag_value, tuple(n for n in names if n.startswith("--")), default_text
+    )
     return info
 
 

@@ -98,38 +98,58 @@ def _render_summary(summary: dict) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file of settings (see rlbench/config_sections.py); CLI options override it.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c",
+                                                   help="TOML file of settings (see rlbench/config_sections.py); "
+                                                        "CLI options override it.")] = None,
     seed: Annotated[Optional[int], config_option("seed", min=0)] = None,
     steps: Annotated[Optional[int], config_option("steps", min=1)] = None,
     out: Annotated[Optional[Path], config_option("out", default_text="runs/run-<time>")] = None,
     mode: Annotated[Optional[Mode], config_option("mode")] = None,
     rollouts: Annotated[Optional[Path], config_option("rollouts")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed step, with its recorded config.")] = None,
-    rollout_backend: Annotated[Optional[RolloutBackend], config_option("rollout.backend", "--rollout-backend", "--rollout")] = None,
-    external_engine_addrs: Annotated[Optional[str], config_option("rollout.external_engine_addrs", "--rollout-external-engine-addrs")] = None,
-    sglang_router_url: Annotated[Optional[str], config_option("rollout.sglang_router_url", "--sglang-router-url")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed "
+                                                        "step, with its recorded config.")] = None,
+    rollout_backend: Annotated[Optional[RolloutBackend], config_option("rollout.backend", "--rollout-backend",
+                                                                       "--rollout")] = None,
+    external_engine_addrs: Annotated[Optional[str], config_option("rollout.external_engine_addrs",
+                                                                  "--rollout-external-engine-addrs")] = None,
+    sglang_router_url: Annotated[Optional[str], config_option("rollout.sglang_router_url",
+                                                              "--sglang-router-url")] = None,
     num_engines: Annotated[Optional[int], config_option("rollout.num_engines", "--rollout-num-engines", min=1)] = None,
     sglang_server: Annotated[Optional[SGLangServer], config_option("rollout.sglang_server", "--sglang-server")] = None,
     placement: Annotated[Optional[Placement], config_option("placement.backend", "--placement")] = None,
     ray_address: Annotated[Optional[str], config_option("placement.ray_address", "--ray-address")] = None,
     ray_timeout: Annotated[Optional[float], config_option("placement.ray_timeout", "--ray-timeout", min=0)] = None,
-    trainer_backend: Annotated[Optional[TrainerBackend], config_option("train.backend", "--trainer-backend", "--trainer")] = None,
+    trainer_backend: Annotated[Optional[TrainerBackend], config_option("train.backend", "--trainer-backend",
+                                                                       "--trainer")] = None,
     tp: Annotated[Optional[int], config_option("tp", "--tp", min=1)] = None,
     dp: Annotated[Optional[int], config_option("dp", "--dp", min=1)] = None,
     deterministic: Annotated[bool, config_option("deterministic", "--deterministic", flag_value=True)] = False,
-    custom_rm_path: Annotated[Optional[str], config_option("reward.custom_rm_path", default_text=f"the built-in {_DEFAULT.reward.verifier!r} verifier")] = None,
+    custom_rm_path: Annotated[Optional[str], config_option("reward.custom_rm_path",
+                                                           default_text=f"the built-in {_DEFAULT.reward.verifier!r} "
+                                                                        "verifier")] = None,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
-    print_config: Annotated[bool, typer.Option("--print-config", help="Print the configuration the command line resolves to (each slime argument with the rlbench settings it sets) and exit without running.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON document; no progress on stderr.")] = False,
+    print_config: Annotated[bool, typer.Option("--print-config",
+                                               help="Print the configuration the command line resolves "
+                                                    "to (each slime argument with the rlbench settings "
+                                                    "it sets) and exit without running.")] = False,
+    as_json: Annotated[bool, typer.Option("--json",
+                                          help="Print the result as one JSON "
+                                               "document; no progress on stderr.")] = False,
     debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
 
-    With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU, from random weights) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write identical checksums.
+    With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU, \
+from random weights) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, \
+checkpoints/. Two runs with one seed write identical checksums.
 
-    slime's own arguments are read too (--hf-checkpoint, --prompt-data, --input-key, --label-key, --apply-chat-template, --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, --num-rollout, --rollout-max-response-len, the algorithm and optimizer flags, ...; docs/usage.md lists them): with any of them, slime's defaults apply to the settings slime defines. An argument rlbench does not model is refused by name; --sglang-* passes through to the servers.
+    slime's own arguments are read too (--hf-checkpoint, --prompt-data, --input-key, --label-key, \
+--apply-chat-template, --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, --num-rollout, \
+--rollout-max-response-len, the algorithm and optimizer flags, ...; docs/usage.md lists them): with any of them, \
+slime's defaults apply to the settings slime defines. An argument rlbench does not model is refused by name; \
+--sglang-* passes through to the servers.
     """
     from rlbench.command import run_config, split_extra
 
@@ -217,14 +237,17 @@ def _resume(run_dir: Path, as_json: bool) -> None:
 @app.command()
 def replay(
     run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
-    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. \\[default: RUN_DIR.replay-<time>]")] = None,
-    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A steps. \\[default: all committed]")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. "
+                                                     "\\[default: RUN_DIR.replay-<time>]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A "
+                                                      "steps. \\[default: all committed]")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
     """Retrain on RUN_DIR's recorded rollouts (no rollout engine) and verify every stage's checksum.
 
-    Exit 0: every step reproduced. Exit 1: the first (step, stage) that differs is named; the replay's directory keeps that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to its own directory.
+    Exit 0: every step reproduced. Exit 1: the first (step, stage) that differs is named; the replay's directory keeps \
+that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to its own directory.
     """
     from rlbench.replay.replay import parse_range, replay as replay_run
     from rlbench.rundir.directory import read_run
@@ -271,16 +294,21 @@ def _render_replay(res) -> None:
 @app.command()
 def diff(
     run_a: Annotated[Path, typer.Argument(help="A run directory.")],
-    run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")],
-    atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0)] = None,
+    run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a "
+                                               "resumed run, a run on other hardware...).")],
+    atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + "
+                                                       "rtol*|b| instead of bit for bit.", min=0)] = None,
     rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
-    steps: Annotated[Optional[str], typer.Option(help="A:B compares steps A..B-1 only (both runs must have committed them). \\[default: every step either run committed]")] = None,
+    steps: Annotated[Optional[str], typer.Option(help="A:B compares steps A..B-1 only (both runs must have committed "
+                                                      "them). \\[default: every step either run committed]")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
     """Name the first step and stage where two runs differ, where inside it, and by how much.
 
-    Compares checksums first (bit for bit), then opens both sides' recordings at that step: sample and token for tokens and log-probs, sample for rewards and advantages, minibatch for the loss, parameter for gradients and weights. Exit 0: no difference; exit 1: a difference.
+    Compares checksums first (bit for bit), then opens both sides' recordings at that step: sample and token for \
+tokens and log-probs, sample for rewards and advantages, minibatch for the loss, parameter for gradients and weights. \
+Exit 0: no difference; exit 1: a difference.
     """
     from dataclasses import asdict
 
@@ -346,17 +374,26 @@ app.add_typer(import_app, name="import")
 
 @import_app.command("slime")
 def import_slime(
-    dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")],
+    dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files "
+                                                     "(torch.save of {rollout_id, samples}).")],
     out: Annotated[Path, typer.Option(help="The run directory to create.")],
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional model.safetensors) that replay and train-only will train. \\[default: the fixture]")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. \\[default: the fixture]")] = None,
-    reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional "
+                                                       "model.safetensors) that replay and train-only will "
+                                                       "train. \\[default: the fixture]")] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised "
+                                                           "with. \\[default: the fixture]")] = None,
+    reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key "
+                                                           "to use (slime's --reward-key).")] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
     """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
 
-    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps in id order. Every field of slime's Sample is used, kept in the samples' metadata, or refused by name: samples slime removed (remove_sample) stay in their groups, untrained and unjudged; samples without engine log-probs are not judged by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; groups may differ in size; multimodal samples and evaluation dumps (eval_<id>) are refused.
+    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps \
+in id order. Every field of slime's Sample is used, kept in the samples' metadata, or refused by name: samples slime \
+removed (remove_sample) stay in their groups, untrained and unjudged; samples without engine log-probs are not judged \
+by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; groups may differ in size; multimodal \
+samples and evaluation dumps (eval_<id>) are refused.
     """
     from rlbench.config import ModelConfig
     from rlbench.core.model import weight_files

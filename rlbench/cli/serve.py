@@ -32,7 +32,9 @@ def _option(path: str, *names: str, **kwargs):
 @app.command()
 def serve(
     model_path: Annotated[Optional[Path], _option("model_path", default_text="the fixture model")] = None,
-    load_format: Annotated[Optional[LoadFormat], _option("load_format", default_text="auto with --model-path, dummy for the fixture")] = None,
+    load_format: Annotated[Optional[LoadFormat], _option("load_format",
+                                                         default_text="auto with --model-path, "
+                                                                      "dummy for the fixture")] = None,
     tokenizer_path: Annotated[Optional[Path], _option("tokenizer_path", default_text="the fixture tokenizer")] = None,
     host: Annotated[Optional[str], _option("host")] = None,
     port: Annotated[Optional[int], _option("port", min=0, max=65535)] = None,
@@ -46,7 +48,8 @@ def serve(
     weight_version: Annotated[Optional[str], _option("weight_version")] = None,
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,
-    skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)] = False,
+    skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init",
+                                                 flag_value=True)] = False,
     incremental_streaming_output: Annotated[bool, _option("incremental_streaming_output",
                                                           "--incremental-streaming-output", flag_value=True)] = False,
     stream_output: Annotated[bool, _option("incremental_streaming_output", "--stream-output", flag_value=True,
@@ -56,12 +59,18 @@ def serve(
                                               default_text="none")] = None,
     allow_unauthenticated: Annotated[bool, _option("allow_unauthenticated", "--allow-unauthenticated",
                                                    flag_value=True)] = False,
-    weights_dir: Annotated[Optional[Path], _option("weights_dir", default_text="any readable path (loopback or keyed)")] = None,
+    weights_dir: Annotated[Optional[Path], _option("weights_dir",
+                                                   default_text="any readable path (loopback or keyed)")] = None,
     debug: Debug = False,
 ) -> None:
-    """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, /health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.
+    """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, \
+/health_generate, /server_info, /model_info, /abort_request, /pause_generation, /continue_generation, \
+/update_weights_from_disk, /update_weight_version, /flush_cache, /weights_checker, /get_weights_by_name, /v1/loads.
 
-    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop it with Ctrl-C.
+    sglang-router and `rlbench run --rollout sglang` talk to it as to an SGLang server. Concurrent requests are \
+decoded together by the batched, batch-invariant engine: a request's tokens and log-probs depend on the request alone. \
+What it cannot do is refused with SGLang's error answer (docs/sglang-ray.md). Binds 127.0.0.1 unless --host says \
+otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop it with Ctrl-C.
     """
     from rlbench.extras import SERVE_EXTRA, SERVE_MODULES, require
     from rlbench.serve.server import serve as run_server

@@ -55,7 +55,7 @@ class Trainer(Protocol):
         (or the reference) policy; position 0 gets 0. `per_sample`: one sequence at a time at its
         own length (`lengths`), the batch-invariant forward true on-policy shares with the engine."""
 
-    def train_step(self, batch: "TrainBatch", step: int) -> "TrainStats": ...
+    def train_step(self, batch: TrainBatch, step: int) -> TrainStats: ...
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Full (gathered) weights under Hugging Face names; empty on ranks that are not main."""
@@ -72,7 +72,7 @@ class Trainer(Protocol):
 class RewardFn(Protocol):
     """A verifier: `fn(sample) -> float`, called once per sample after generation."""
 
-    def __call__(self, sample: "RewardInput") -> float: ...
+    def __call__(self, sample: RewardInput) -> float: ...
 
 
 # Imported at the end: these modules import nothing from here, and the Protocols above name them.

@@ -63,7 +63,12 @@ def configure_determinism(threads: int, device: str, deterministic: bool = False
         "seed_derivation": "sha256(rlbench.seed/1 || json([master, purpose, *path]))[:8] >> 1",
     }
     if cuda:
-        settings.update({"deterministic": deterministic, "cudnn_deterministic": torch.backends.cudnn.deterministic,
-                         "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-                         **{key.lower(): os.environ.get(key) for key in GPU_RECIPE if key != "CUBLAS_WORKSPACE_CONFIG"}})
+        settings.update(
+            {
+                "deterministic": deterministic,
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                **{key.lower(): os.environ.get(key) for key in GPU_RECIPE if key != "CUBLAS_WORKSPACE_CONFIG"},
+            }
+        )
     return settings

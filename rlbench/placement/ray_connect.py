@@ -89,7 +89,7 @@ def answers_grpc(address: str, host: str, port: int, timeout: float) -> None:
         raise refuse(f"cannot resolve the host ({exc.strerror})") from None
     except ConnectionRefusedError:
         raise refuse("nothing listens there (connection refused)") from None
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise refuse(f"no answer within {timeout:g} s (--ray-timeout)") from None
     except OSError as exc:
         raise refuse(f"cannot connect ({exc.strerror or exc.__class__.__name__})") from None

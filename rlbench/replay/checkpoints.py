@@ -82,7 +82,9 @@ def _verify(path: Path, done: int, weights: str) -> None:
     model = path / "model.safetensors"
     hf = load_safetensors(model)
     if weights_digest(hf) != weights:
-        where = "manifest.json's hashes.initial_weights" if done == 0 else f"checksums.jsonl's weights at step {done - 1}"
+        where = (
+            "manifest.json's hashes.initial_weights" if done == 0 else f"checksums.jsonl's weights at step {done - 1}"
+        )
         raise BadInput(f"the weights do not match {where}: {DAMAGED}", path=model)
     if (path / "layout.json").is_file():
         _verify_megatron(path, hf)

@@ -177,7 +177,9 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
 
 def _stage_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:
     """Look inside one stage of one step; None when it agrees (within tolerance)."""
-    missing = [side for side, run in (("A", run_a), ("B", run_b)) if run.manifest.get("config", {}).get("record") is False]
+    missing = [
+        side for side, run in (("A", run_a), ("B", run_b)) if run.manifest.get("config", {}).get("record") is False
+    ]
     if missing:  # checksums differ and values were not recorded: a summarising metric, or the stage alone
         if tol is not None and stage in METRIC_OF_STAGE:
             return None

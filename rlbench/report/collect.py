@@ -92,8 +92,12 @@ def _mismatch(run: RunDir, verdicts: list) -> dict:
     stats = {k: v for k, v in report.stats.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     left = [f"{n} {what}" for n, what in ((report.removed, "removed"), (report.without_logprobs,
                                                                          "without engine log-probs")) if n]
-    over = f"{len(report.steps)} steps" if stride == 1 else \
-        f"{len(report.steps)} of {len(run.steps)} steps (every {stride}th and the last: `rlbench check logprobs` reads all)"
+    over = (
+        f"{len(report.steps)} steps"
+        if stride == 1
+        else f"{len(report.steps)} of {len(run.steps)} steps (every {stride}th and the last: "
+        "`rlbench check logprobs` reads all)"
+    )
     verdicts.append({"check": "check logprobs", "verdict": "measured",
                      "detail": f"{report.tokens} tokens of {report.samples} samples over {over} compared" +
                                (f" ({', '.join(left)} samples left out)" if left else "") +

@@ -42,7 +42,8 @@ def line_chart(title: str, series: list[tuple[str, list[tuple[int, float]], str]
                                                           if math.isfinite(x)]
     steps = [s for _, pts, _ in drawn for s, _ in pts] + [s for s, _, _ in band]
     if not values:
-        return f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption><p class="none">no finite values</p></figure>'
+        return (f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>'
+                '<p class="none">no finite values</p></figure>')
     x0, x1 = min(steps), max(steps)
     y0, y1 = min(values), max(values)
     if y0 == y1:

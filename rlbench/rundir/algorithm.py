@@ -1,4 +1,5 @@
-"""The run directory's schema and the checksum algorithm a run directory's tensor checksums use, by name, and why a directory or recording
+"""The run directory's schema and the checksum algorithm a run directory's tensor checksums use, by name, and why a
+directory or recording
 that names another (or none: an older rlbench's sha256) is refused. Apart from digest.py, which computes it,
 so that readers of the logs alone (check golden, diff's first pass) name it without importing torch."""
 

@@ -34,7 +34,7 @@ def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...],
     made = {
         "schema": SCHEMA,
         "checksum": CHECKSUM,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": command,
         "config": config.to_dict(),
         "seed": config.seed,

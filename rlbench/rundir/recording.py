@@ -204,8 +204,18 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
     if t["loss_mask"].numel() and int(t["loss_mask"].max()) > 1:
         raise BadInput(f"tensor 'loss_mask' holds {int(t['loss_mask'].max())}; expected 0 or 1", path=path)
     total = t["tokens"].numel()
-    expect = {"offsets": n + 1, "prompt_lengths": n, "prompt_index": n, "group_index": n, "rewards": n, "loss_mask": total,
-              "rollout_logprobs": total, "advantages": n, "old_logprobs": total, "ref_logprobs": total}
+    expect = {
+        "offsets": n + 1,
+        "prompt_lengths": n,
+        "prompt_index": n,
+        "group_index": n,
+        "rewards": n,
+        "loss_mask": total,
+        "rollout_logprobs": total,
+        "advantages": n,
+        "old_logprobs": total,
+        "ref_logprobs": total,
+    }
     for key, size in expect.items():
         if key in t and t[key].numel() != size:
             raise BadInput(f"tensor '{key}' has {t[key].numel()} values, expected {size}", path=path)

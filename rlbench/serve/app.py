@@ -143,8 +143,10 @@ class Handlers:
         rq.limit_items(call, state.context_len, state.eos, 42)
         if state.tokenizer is None and any(item.sampling.stop for item in call.items):
             stops = next(item.sampling.stop for item in call.items if item.sampling.stop)
-            raise gates.value(f"stop={list(stops)!r} is unavailable when skip_tokenizer_init=True (requires tokenizer to "
-                           "decode tokens to text for matching).")
+            raise gates.value(
+                f"stop={list(stops)!r} is unavailable when skip_tokenizer_init=True (requires tokenizer to "
+                "decode tokens to text for matching)."
+            )
         live = state.worker.live_rids()
         for item in call.items:
             if item.rid in live:
@@ -221,7 +223,9 @@ class Handlers:
         body = _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"mode": str})
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise gates.pydantic_error("mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode)
+            raise gates.pydantic_error(
+                "mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode
+            )
         self.state.worker.pause(mode)
         return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -307,7 +311,9 @@ class Handlers:
             "action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str})
         selector = body.get("selector", "all")
         if selector not in ("target", "draft", "all"):
-            raise gates.pydantic_error("selector", "literal_error", "Input should be 'target', 'draft' or 'all'", selector)
+            raise gates.pydantic_error(
+                "selector", "literal_error", "Input should be 'target', 'draft' or 'all'", selector
+            )
         skip = body.get("skip_tensor_list")
         if skip is not None and not all(isinstance(s, str) for s in skip):
             raise gates.pydantic_error("skip_tensor_list", "string_type", "Input should be a valid string", skip)

@@ -5,7 +5,8 @@ It binds 127.0.0.1 unless told otherwise. With `--api-key` (or RLBENCH_SERVE_API
 /health*, /ready* and /metrics* asks for `Authorization: Bearer KEY`, as SGLang's server does (app.py);
 bound beyond loopback without a key it refuses to start unless `--allow-unauthenticated`. Weight
 updates read any directory the process can read, as SGLang's do, where only trusted callers reach the
-server (loopback, or a key); `--weights-dir` narrows them, and is required beyond loopback without a key. Port 0 takes a free port; either way the
+server (loopback, or a key); `--weights-dir` narrows them, and is required beyond loopback without a key. Port 0
+takes a free port; either way the
 first line on standard output is `rlbench serve: listening on http://HOST:PORT ...`, printed once
 the model is loaded and the socket is bound, so a launcher can read where it is. `serve_in_thread`
 runs the same server on a thread of the calling process (tests, notebooks).
@@ -119,8 +120,11 @@ class ServeConfig:
             text(self.weights_dir, "--weights-dir")
         if self.host not in LOOPBACK and self.api_key is None:
             if not self.allow_unauthenticated:
-                raise BadInput(f"refusing to serve on {self.host} without a key: give --api-key (or {SERVE_API_KEY_ENV}), "
-                               f"bind 127.0.0.1, or pass --allow-unauthenticated", field="--host")
+                raise BadInput(
+                    f"refusing to serve on {self.host} without a key: give --api-key (or {SERVE_API_KEY_ENV}), "
+                    f"bind 127.0.0.1, or pass --allow-unauthenticated",
+                    field="--host",
+                )
             if self.weights_dir is None:
                 raise BadInput(f"refusing to serve on {self.host} without a key and without --weights-dir: anyone "
                                f"who reaches the port could make it load any file it can read; give --weights-dir "

@@ -72,7 +72,7 @@ class Job:
     probed: tuple = ()
     cached: int = 0  # prompt tokens whose prefill the engine did not compute for it (SGLang's count)
     finish: Finish | None = None
-    batch: "Batch | None" = None
+    batch: Batch | None = None
     row: int = -1
 
     @property

@@ -58,8 +58,10 @@ def test_paths_agree(setup):
     to rounding and, with no near-tie among these requests, their token ids exactly. (Bit-equal
     they are not: that the batched path differs from batch size 1 is what makes it fast.)"""
     engines, prompts, eos, _ = setup
-    requests = [engine_request(prompts, eos, (i, 1000 + i, [1.0, 0.7, 0.0][i % 3], [-1, 5][i % 2], [1.0, 0.9][i % 2], 5))
-                for i in range(13)]
+    requests = [
+        engine_request(prompts, eos, (i, 1000 + i, [1.0, 0.7, 0.0][i % 3], [-1, 5][i % 2], [1.0, 0.9][i % 2], 5))
+        for i in range(13)
+    ]
     batched, alone = engines["batched"].generate(requests), engines["per-sample"].generate(requests)
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     assert [r.finish_reason for r in batched] == [r.finish_reason for r in alone]
@@ -70,7 +72,9 @@ def test_paths_agree(setup):
 def test_temperature_zero_ignores_the_seed(setup):
     engines, prompts, eos, _ = setup
     for engine in engines.values():
-        a, b = engine.generate([GenerateRequest(prompts[0], 1, 6, 0.0, (eos,)), GenerateRequest(prompts[0], 2, 6, 0.0, (eos,))])
+        a, b = engine.generate(
+            [GenerateRequest(prompts[0], 1, 6, 0.0, (eos,)), GenerateRequest(prompts[0], 2, 6, 0.0, (eos,))]
+        )
         assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
 
 

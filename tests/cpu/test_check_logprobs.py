@@ -53,7 +53,9 @@ def test_default_mismatch_is_reported_as_measured(run_small, tmp_path):
     for row, metrics in zip(report.per_step, result.history):
         # the run's metric under slime's name is one of the two means (slime's, once the loop computes it so)
         assert metrics["train/train_rollout_logprob_abs_diff"] in (
-            pytest.approx(row["train_rollout_logprob_abs_diff"], rel=1e-5), pytest.approx(row["token_mean_abs"], rel=1e-5))
+            pytest.approx(row["train_rollout_logprob_abs_diff"], rel=1e-5),
+            pytest.approx(row["token_mean_abs"], rel=1e-5),
+        )
     worst = report.worst[0]
     assert abs(worst.delta) == pytest.approx(report.stats["max_abs"])
     assert worst.response_token >= 0 and worst.context
@@ -135,7 +137,13 @@ def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]),
                                       ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0])])
     report = check_logprobs(run, top=2, thresholds={"max_abs": 0.4, "token_mean_abs": 1.0, "p99_abs": None})
-    assert (report.run, report.source, report.steps, report.tokens, report.notes) == (str(run), "recorded", [0, 1], 8, [])
+    assert (report.run, report.source, report.steps, report.tokens, report.notes) == (
+        str(run),
+        "recorded",
+        [0, 1],
+        8,
+        [],
+    )
     deltas = [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.125, 0.0]
     assert report.stats == statistics(torch.tensor(deltas, dtype=torch.float64), [2, 2, 2, 2])
     assert report.stats["max_abs"] == 0.5 and report.stats["token_mean_abs"] == pytest.approx(0.875 / 8)
@@ -194,7 +202,9 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
     model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     ids = torch.tensor([1, 50, 51, 60, 61, 1, 52, 53, 62, 63])
     with torch.no_grad():
-        own = torch.cat([sequence_logprobs(model, ids[a:b], config.rollout.temperature, "cpu") for a, b in ((0, 5), (5, 10))])
+        own = torch.cat(
+            [sequence_logprobs(model, ids[a:b], config.rollout.temperature, "cpu") for a, b in ((0, 5), (5, 10))]
+        )
     mask = torch.tensor([0, 0, 0, 1, 1] * 2, dtype=torch.bool)
     run = _recorded(tmp_path / "r", [(own[mask].tolist(), own[mask].tolist())] * 2, old_logprobs=False)
     manifest_path = run / "manifest.json"

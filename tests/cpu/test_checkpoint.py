@@ -12,7 +12,9 @@ from tests.helpers import train_batch, with_old_logprobs, write_files
 
 def _trainer(seed: int) -> TorchTrainer:
     config = load_config()
-    return TorchTrainer(build_model(config.model.path, master_seed=seed, init="random"), config.train, config.algo, 1.0, seed=0)
+    return TorchTrainer(
+        build_model(config.model.path, master_seed=seed, init="random"), config.train, config.algo, 1.0, seed=0
+    )
 
 
 def test_restore_then_step_equals_straight_through(tmp_path):

@@ -149,21 +149,29 @@ def test_invalid_value_caught_after_parsing(tmp_path):
 
 # --- 6: the config file --------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, needles", [
-    pytest.param("bogus_key = 1\n", ("bogus_key", "unknown key"), id="unknown-top-level-key"),
-    pytest.param("[rollout]\ntemprature = 0.5\n", ("rollout.temprature", "unknown key"), id="unknown-section-key"),
-    pytest.param("[bogus]\nx = 1\n", ("bogus", "unknown key"), id="unknown-section"),
-    pytest.param('steps = "many"\n', ("steps", "expected an integer", "'many'"), id="wrong-type-int"),
-    pytest.param('[train]\nlr = "fast"\n', ("train.lr", "expected a number"), id="wrong-type-float"),
-    pytest.param("[data]\nshuffle = 1\n", ("data.shuffle", "true or false"), id="wrong-type-bool"),
-    pytest.param("[rollout]\ntemperature = -1\n", ("rollout.temperature", "in [0, 100]"), id="out-of-range-temperature"),
-    pytest.param("steps = 0\n", ("steps", "in [1, 10,000,000]"), id="out-of-range-steps"),
-    pytest.param("[train]\nminibatches = 3\n", ("train.minibatches", "divisor"), id="inconsistent-minibatches"),
-    pytest.param("steps = = 3\n", ("invalid TOML", "line 1"), id="invalid-toml-syntax"),
-    pytest.param("tp = 2\n", ("tp", "unless train.backend is megatron"), id="tp-without-megatron"),
-    pytest.param("[train.megatron]\nhidden_dropout = 0.1\n", ("train.megatron", "unless train.backend is megatron"),
-                 id="megatron-table-for-torch"),
-])
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        pytest.param("bogus_key = 1\n", ("bogus_key", "unknown key"), id="unknown-top-level-key"),
+        pytest.param("[rollout]\ntemprature = 0.5\n", ("rollout.temprature", "unknown key"), id="unknown-section-key"),
+        pytest.param("[bogus]\nx = 1\n", ("bogus", "unknown key"), id="unknown-section"),
+        pytest.param('steps = "many"\n', ("steps", "expected an integer", "'many'"), id="wrong-type-int"),
+        pytest.param('[train]\nlr = "fast"\n', ("train.lr", "expected a number"), id="wrong-type-float"),
+        pytest.param("[data]\nshuffle = 1\n", ("data.shuffle", "true or false"), id="wrong-type-bool"),
+        pytest.param(
+            "[rollout]\ntemperature = -1\n", ("rollout.temperature", "in [0, 100]"), id="out-of-range-temperature"
+        ),
+        pytest.param("steps = 0\n", ("steps", "in [1, 10,000,000]"), id="out-of-range-steps"),
+        pytest.param("[train]\nminibatches = 3\n", ("train.minibatches", "divisor"), id="inconsistent-minibatches"),
+        pytest.param("steps = = 3\n", ("invalid TOML", "line 1"), id="invalid-toml-syntax"),
+        pytest.param("tp = 2\n", ("tp", "unless train.backend is megatron"), id="tp-without-megatron"),
+        pytest.param(
+            "[train.megatron]\nhidden_dropout = 0.1\n",
+            ("train.megatron", "unless train.backend is megatron"),
+            id="megatron-table-for-torch",
+        ),
+    ],
+)
 def test_invalid_config_file(tmp_path, text, needles):
     cfg = write_config(tmp_path, text)
     res = run_cli("run", "--config", str(cfg), "--out", str(tmp_path / "out"), cwd=tmp_path, timeout=60)
@@ -329,16 +337,33 @@ sys.meta_path.insert(0, Hide())
 '''
 
 
-@pytest.mark.parametrize("hidden, args, needle", [
-    ("uvicorn", ["serve", "--port", "0"], "rlbench serve: the uvicorn package is not installed here (pip install '.[serve]')"),
-    ("starlette", ["serve", "--port", "0"], "the starlette package is not installed here (pip install '.[serve]')"),
-    ("megatron", ["run", "--trainer", "megatron", "--steps", "1"],
-     "train.backend: the megatron.core package is not installed here (pip install '.[megatron]')"),
-    ("ray", ["run", "--placement", "ray", "--steps", "1"], "the ray package is not installed here (pip install '.[ray]')"),
-    ("aiohttp", ["run", "--rollout", "sglang", "--sglang-server", "rlbench", "--steps", "1"],
-     "the aiohttp package is not installed here (pip install '.[router]')"),
-    ("matplotlib", ["check", "golden", "RUN", "golden/default.json", "--plot", "p.png"], "--plot needs matplotlib"),
-])
+@pytest.mark.parametrize(
+    "hidden, args, needle",
+    [
+        (
+            "uvicorn",
+            ["serve", "--port", "0"],
+            "rlbench serve: the uvicorn package is not installed here (pip install '.[serve]')",
+        ),
+        ("starlette", ["serve", "--port", "0"], "the starlette package is not installed here (pip install '.[serve]')"),
+        (
+            "megatron",
+            ["run", "--trainer", "megatron", "--steps", "1"],
+            "train.backend: the megatron.core package is not installed here (pip install '.[megatron]')",
+        ),
+        (
+            "ray",
+            ["run", "--placement", "ray", "--steps", "1"],
+            "the ray package is not installed here (pip install '.[ray]')",
+        ),
+        (
+            "aiohttp",
+            ["run", "--rollout", "sglang", "--sglang-server", "rlbench", "--steps", "1"],
+            "the aiohttp package is not installed here (pip install '.[router]')",
+        ),
+        ("matplotlib", ["check", "golden", "RUN", "golden/default.json", "--plot", "p.png"], "--plot needs matplotlib"),
+    ],
+)
 def test_a_missing_extra_is_one_line_with_its_pip_line_before_anything_starts(tmp_path, hidden, args, needle):
     """Each extra missing (its import fails, as where it was never installed): exit 2, one line naming the
     package and the pip line, nothing printed on stdout (rlbench serve never says it listens), no run written."""

@@ -124,9 +124,24 @@ def test_rlbench_run_resolves_its_command_line_through_the_library_function(tmp_
     line: options, slime's arguments (with slime's defaults) and --sglang-* passthrough."""
     from rlbench.command import run_config
 
-    argv = ["--out", str(tmp_path / "r"), "--rollout", "sglang", "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--rollout-max-response-len", "4", "--global-batch-size", "8",
-            "--sglang-mem-fraction-static", "0.5"]
+    argv = [
+        "--out",
+        str(tmp_path / "r"),
+        "--rollout",
+        "sglang",
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--sglang-mem-fraction-static",
+        "0.5",
+    ]
     printed = cli("run", *argv, "--print-config", "--json")
     assert printed.returncode == 0, printed.stderr
     resolved = run_config(argv[4:], given={"out": str(tmp_path / "r"), "rollout__backend": "sglang"})

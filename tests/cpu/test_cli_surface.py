@@ -46,11 +46,31 @@ EXPECTED_RUN_OPTIONS = {
     "--debug",
 }
 
-EXPECTED_SERVE_OPTIONS = {"--model-path", "--load-format", "--tokenizer-path", "--host", "--port", "--random-seed", "--dtype", "--device",
-                          "--threads", "--decode", "--decode-batch-size", "--batch-wait-ms", "--weight-version",
-                          "--log-level", "--context-length", "--skip-tokenizer-init", "--max-request-bytes", "--debug",
-                          "--incremental-streaming-output", "--stream-output",
-                          "--api-key", "--allow-unauthenticated", "--weights-dir"}
+EXPECTED_SERVE_OPTIONS = {
+    "--model-path",
+    "--load-format",
+    "--tokenizer-path",
+    "--host",
+    "--port",
+    "--random-seed",
+    "--dtype",
+    "--device",
+    "--threads",
+    "--decode",
+    "--decode-batch-size",
+    "--batch-wait-ms",
+    "--weight-version",
+    "--log-level",
+    "--context-length",
+    "--skip-tokenizer-init",
+    "--max-request-bytes",
+    "--debug",
+    "--incremental-streaming-output",
+    "--stream-output",
+    "--api-key",
+    "--allow-unauthenticated",
+    "--weights-dir",
+}
 
 EXPECTED_GOLDEN_OPTIONS = {
     ("check", "golden"): {"--tier", "--ignore", "--tolerance", "--rename", "--plot", "--json", "--debug"},

@@ -555,7 +555,9 @@ def test_update_from_another_configuration_says_so(golden_file, small_config, tm
 
 
 def test_rename_must_name_a_golden_metric(run_dir, golden_file):
-    _one_line_error(_check(run_dir, golden_file, "--rename", "lm loss=train/loss"), "--rename", "'lm loss' matches no metric")
+    _one_line_error(
+        _check(run_dir, golden_file, "--rename", "lm loss=train/loss"), "--rename", "'lm loss' matches no metric"
+    )
 
 
 def test_a_cuda_golden_file_is_keyed_to_its_gpu_and_versions():

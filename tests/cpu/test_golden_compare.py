@@ -131,7 +131,9 @@ def test_approx_catches_a_one_sided_drift_inside_the_band():
     both = {**drift, 0: 2.0, 1: 2.0}  # both problems at once: both named
     m = _only(compare(_run({"train/loss": both}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
                       "approx"))
-    assert m.message == "2 of 10 steps outside the band (at most 1); mean residual +0.06 beyond +-0.05 (one-sided drift)"
+    assert (
+        m.message == "2 of 10 steps outside the band (at most 1); mean residual +0.06 beyond +-0.05 (one-sided drift)"
+    )
 
 
 def test_approx_without_a_mean_bound_and_with_non_finite_values():
@@ -210,7 +212,9 @@ def test_a_median_with_a_lower_bound_is_two_sided():
 
 def test_perf_window_outside_the_golden_steps_fails():
     tol = g.Tolerance(kind="median", max_ratio=2.0, window=(20, 30), family="perf")
-    m = _only(compare(_run(_perf({0: 1.0, 1: 1.0})), _golden(_perf({0: 1.0, 1: 1.0}), tolerances={"perf/step_time": tol})))
+    m = _only(
+        compare(_run(_perf({0: 1.0, 1: 1.0})), _golden(_perf({0: 1.0, 1: 1.0}), tolerances={"perf/step_time": tol}))
+    )
     assert (m.status, m.message) == ("fail", "no golden step in the window (20, 30)")
 
 
@@ -240,8 +244,12 @@ def test_ignore_and_overrides():
     report = compare(run, golden, ignore=["perf/*"])
     assert report.ignored == ["perf/step_time"] and report.not_in_golden == []
     assert [m.name for m in report.metrics] == ["train/kl", "train/loss"]
-    moved = _run({"train/loss": {**LOSS, 2: LOSS[2] + 0.02, 3: LOSS[3] + 0.02}, "train/kl": LOSS, "perf/step_time": LOSS})
-    report = compare(moved, golden, "approx", ignore=["perf/*"], overrides=[("train/lo*", {"rtol": 0.0, "atol": 0.001})])
+    moved = _run(
+        {"train/loss": {**LOSS, 2: LOSS[2] + 0.02, 3: LOSS[3] + 0.02}, "train/kl": LOSS, "perf/step_time": LOSS}
+    )
+    report = compare(
+        moved, golden, "approx", ignore=["perf/*"], overrides=[("train/lo*", {"rtol": 0.0, "atol": 0.001})]
+    )
     loss = _only(report, "train/loss")
     assert loss.status == "fail" and loss.tolerance["atol"] == 0.001 and loss.tolerance["override"] == {
         "rtol": 0.0, "atol": 0.001}
@@ -324,9 +332,11 @@ def test_a_megatron_golden_file_is_approx_only_and_the_run_notes_come_along():
         compare(run, golden)
     report = compare(run, golden, "approx")
     assert report.golden_format == "megatron" and report.ok
-    assert report.notes[:3] == ["/runs/a: 1 step past the last committed one ignored", "a Megatron-LM golden values file",
-                                "compared across a Megatron-LM golden values file records no platform, versions or "
-                                "configuration"]
+    assert report.notes[:3] == [
+        "/runs/a: 1 step past the last committed one ignored",
+        "a Megatron-LM golden values file",
+        "compared across a Megatron-LM golden values file records no platform, versions or configuration",
+    ]
 
 
 def test_an_unknown_tier_is_refused():

@@ -252,7 +252,9 @@ def test_fields_are_kept_in_the_metadata_as_json_and_what_replay_does_not_use_is
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"), "--reward-key", "acc")
     assert proc.returncode == 0, proc.stderr
     assert "imported 1 rollout ids (8 samples, groups of 4)" in proc.stdout
-    assert "note: teacher_log_probs kept in 1 samples' metadata, not used by replay: on-policy distillation" in proc.stdout
+    assert (
+        "note: teacher_log_probs kept in 1 samples' metadata, not used by replay: on-policy distillation" in proc.stdout
+    )
     assert "fields slime's Sample does not declare, kept in the samples' metadata: my_field" in proc.stdout
     assert "rollout id 0: 4 samples share a Sample.rollout_id with siblings (a compact rollout)" in proc.stdout
     tensors, meta = read_step(tmp_path / "imp", 0)

@@ -79,7 +79,9 @@ def test_the_swap_fault_breaks_the_split(hf, dims, monkeypatch):
     weights = named_weights(hf)
     monkeypatch.setenv(faults.ENV, "swap-kv-split")
     back = convert.to_hf([convert.to_megatron(weights, dims)], dims)
-    assert torch.equal(back["model.layers.0.self_attn.v_proj.weight"], weights["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(
+        back["model.layers.0.self_attn.v_proj.weight"], weights["model.layers.0.self_attn.k_proj.weight"]
+    )
     monkeypatch.setenv(faults.ENV, "no-such-fault")
     with pytest.raises(ValueError, match="unknown fault"):
         faults.active("swap-kv-split")

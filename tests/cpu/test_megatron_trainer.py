@@ -48,7 +48,9 @@ def test_reruns_are_bit_identical(runs):
     a, b = _files(runs / "a"), _files(runs / "b")
     assert sorted(a) == sorted(b) and "checkpoints/000002/model-tp00.safetensors" in a
     assert [name for name in a if a[name] != b[name]] == []
-    strip = lambda run: [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(run).metrics]
+    def strip(run):
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(run).metrics]
+
     assert strip(runs / "a") == strip(runs / "b")
     res = run_cli("diff", str(runs / "a"), str(runs / "b"))
     assert res.returncode == 0, res.stdout + res.stderr

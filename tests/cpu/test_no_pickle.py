@@ -54,8 +54,10 @@ def test_package_has_no_pickle_load_path():
 
 def test_the_scanner_catches_a_bad_load(tmp_path):
     """The scan above can fail: point it at a package with unsafe loads and see it complain."""
-    (tmp_path / "bad.py").write_text("import torch\nimport pickle\nx = torch.load('f')\n"
-                                     "y = torch.load('g', weights_only=False)\nz = numpy.load('h', allow_pickle=True)\n")
+    (tmp_path / "bad.py").write_text(
+        "import torch\nimport pickle\nx = torch.load('f')\n"
+        "y = torch.load('g', weights_only=False)\nz = numpy.load('h', allow_pickle=True)\n"
+    )
     problems = find_problems(tmp_path)
     assert [p.split(": ", 1)[1] for p in problems] == [
         "import pickle", "torch.load without weights_only=True", "torch.load without weights_only=True", "allow_pickle"]

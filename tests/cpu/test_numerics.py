@@ -20,7 +20,9 @@ PROBE = ("import json, rlbench, os; from rlbench import numerics; "
 
 
 def _probe(code: str = PROBE, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "RLBENCH_CPU_NUMERICS")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "RLBENCH_CPU_NUMERICS")
+    }
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**clean, "PYTHONPATH": str(REPO), **env},
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

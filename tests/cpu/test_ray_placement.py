@@ -466,7 +466,9 @@ def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_fini
     monkeypatch.setattr(placement.RayTrainer, "train_step", kill_rank_1)
     (tmp_path / "s.toml").write_text(TOML)
     out = tmp_path / "ray-tp2"
-    res = cli("run", "-c", str(tmp_path / "s.toml"), "--steps", "2", "--tp", "2", "--placement", "ray", "--out", str(out))
+    res = cli(
+        "run", "-c", str(tmp_path / "s.toml"), "--steps", "2", "--tp", "2", "--placement", "ray", "--out", str(out)
+    )
     assert killed and res.returncode == 2, res.stderr
     assert res.stderr.splitlines() == [
         "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while running the logprobs command; the run "

@@ -11,7 +11,6 @@ import glob
 import re
 import shlex
 
-import pytest
 
 from tests.conftest import REPO, cli, doc_commands
 

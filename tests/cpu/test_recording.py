@@ -86,7 +86,9 @@ def _refused(root, step=3, match=""):
 
 def test_missing_truncated_or_edited_files_are_refused_naming_the_file(tmp_path):
     st, js = _write(tmp_path)
-    assert _refused(tmp_path, 4, "missing: the recording of committed step 4").path == str(st.with_name("000004.safetensors"))
+    assert _refused(tmp_path, 4, "missing: the recording of committed step 4").path == str(
+        st.with_name("000004.safetensors")
+    )
     raw = st.read_bytes()
     st.write_bytes(raw[: len(raw) // 2])
     assert _refused(tmp_path, match="corrupt or truncated safetensors").path == str(st)

@@ -51,7 +51,9 @@ def test_replay_reproduces_every_checksum(original, tmp_path):
         assert {k: v for k, v in a.items()} == {k: v for k, v in b.items() if k != "engine_weights"}
     assert diff(original, tmp_path / "rep").first is None
     same = run_cli("diff", str(original), str(tmp_path / "rep"))
-    assert same.returncode == 0 and "no difference (bit for bit): 5 steps x 9 stages" in same.stdout, same.stdout + same.stderr
+    assert same.returncode == 0 and "no difference (bit for bit): 5 steps x 9 stages" in same.stdout, (
+        same.stdout + same.stderr
+    )
 
 
 def test_diff_and_replay_verify_every_checkpoint(original, tmp_path):

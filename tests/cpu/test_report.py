@@ -1,6 +1,7 @@
 """`rlbench report`: the page of the default run and of a diverging pair, opened in a real headless
 browser (Debian's Chromium; .ci/run installs it where it is missing and sets RLBENCH_REQUIRE_BROWSER, so
-CI fails rather than skips without it; elsewhere the browser tests skip, saying how to run them): no script error or console
+CI fails rather than skips without it; elsewhere the browser tests skip, saying how to run them): no script error
+or console
 message, every section present, a screenshot written for a human to look at. The divergence shown is
 the one `rlbench diff` names. Bad input: exit 2, one line, no file left."""
 

@@ -94,8 +94,16 @@ def test_the_builtin_is_looked_up_by_name_and_a_custom_path_wins():
     assert name == "tests.cpu.plugins.rewards.constant_half" and fn(_sample("x")) == 0.5
 
 
-@pytest.mark.parametrize("value, expected", [(1, 1.0), (0, 0.0), (-2.5, -2.5), (3.4028234663852886e38, 3.4028234663852886e38),
-                                             (-3.4028234663852886e38, -3.4028234663852886e38)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1, 1.0),
+        (0, 0.0),
+        (-2.5, -2.5),
+        (3.4028234663852886e38, 3.4028234663852886e38),
+        (-3.4028234663852886e38, -3.4028234663852886e38),
+    ],
+)
 def test_score_takes_finite_numbers_within_float32_as_floats(value, expected):
     got = score("f", lambda sample: value, _sample("x"))
     assert got == expected and type(got) is float

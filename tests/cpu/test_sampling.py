@@ -160,7 +160,9 @@ def test_on_a_gpu_a_rows_path_is_its_own(monkeypatch):
 
     logits = LOGITS.expand(4, V)
     tokens, logprobs = sampling.sample(logits, rows([plain, top_k, top_p]), 0)
-    want, want_logprobs = choose(logits[1:3], SamplingRows([top_k, top_p], 2).noise(0, V), SamplingRows([top_k, top_p], 2))
+    want, want_logprobs = choose(
+        logits[1:3], SamplingRows([top_k, top_p], 2).noise(0, V), SamplingRows([top_k, top_p], 2)
+    )
     assert tokens[[0, 3]].tolist() == [99, 99] and logprobs[[0, 3]].tolist() == [-7.0, -7.0]  # the kernel's rows
     assert torch.equal(tokens[1:3], want) and torch.equal(logprobs[1:3], want_logprobs)  # the tensor path's
     alone = sampling.sample(logits[:2], rows([plain]), 0)

@@ -1,7 +1,8 @@
 """`rlbench serve --api-key` as SGLang's server does it: a request without the key gets 401
 {"error": "Unauthorized"} and changes nothing, /health* stays open; beyond loopback without a key the
 server refuses to start unless --allow-unauthenticated (and then --weights-dir); weight updates read only
-below --weights-dir where it is given, anything readable on loopback or with a key, as SGLang; the client sends RLBENCH_SGLANG_API_KEY and the key shows nowhere; with it
+below --weights-dir where it is given, anything readable on loopback or with a key, as SGLang; the client sends
+RLBENCH_SGLANG_API_KEY and the key shows nowhere; with it
 set, `rlbench run --rollout sglang` starts keyed workers behind sglang-router and writes the in-process run's
 checksums, byte for byte."""
 

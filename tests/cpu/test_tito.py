@@ -73,7 +73,10 @@ def test_whitespace_at_a_turn_boundary_is_separator(tok):
     assert classify(tok, turn + enc(tok, "\n"), turn, turn_ends=[len(turn)]) == ("separator", True)
     # a boundary named by turn_ends, not by an end-of-turn id before it
     other = enc(tok, "odd")
-    assert classify(tok, other + enc(tok, "\n\nx"), other + enc(tok, "x"), turn_ends=[len(other)]) == ("separator", True)
+    assert classify(tok, other + enc(tok, "\n\nx"), other + enc(tok, "x"), turn_ends=[len(other)]) == (
+        "separator",
+        True,
+    )
     assert classify(tok, other + enc(tok, "\n\nx"), other + enc(tok, "x")) != ("separator", True)
 
 
@@ -141,8 +144,16 @@ def test_a_finding_shows_both_sides_from_the_index_and_the_ids_before_it(tok):
 
 def test_modes_are_numbered_as_the_research_notes_number_them():
     assert {name: number for name, (number, _) in tito.MODES.items()} == {
-        "reencode": 1, "separator": 2, "stop": 3, "reasoning": 4, "position": 5, "special": 8, "truncated": 10, "template": 0,
-        "other": 0}
+        "reencode": 1,
+        "separator": 2,
+        "stop": 3,
+        "reasoning": 4,
+        "position": 5,
+        "special": 8,
+        "truncated": 10,
+        "template": 0,
+        "other": 0,
+    }
 
 
 def test_whitespace_token_and_dropped_look_at_one_id_and_nothing_past_the_end(tok):

@@ -301,7 +301,12 @@ def test_a_generation_prompt_the_turn_does_not_start_with():
     messages = [_user("Is 7 odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")]
     first, second = audit_shape(tok, "no-think", messages, None)
     for f, j, answer in ((first, 1, "odd"), (second, 3, "even")):
-        assert (f.shape, f.where, f.mode, f.strict) == ("no-think", f"generation prompt vs turn {j}", "reasoning", False)
+        assert (f.shape, f.where, f.mode, f.strict) == (
+            "no-think",
+            f"generation prompt vs turn {j}",
+            "reasoning",
+            False,
+        )
         assert (f.context_text, f.got_text, f.expected_text) == ("<|im_start|>assistant\n", "<think>\n\n</think>",
                                                                  f"{answer}<|im_end|>")
     # with reasoning in the turn, what the rendering drops was sampled: a finding

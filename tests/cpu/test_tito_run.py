@@ -91,7 +91,7 @@ def peaky_model(tmp_path_factory):
 
     model = build_model(ModelConfig().path, 7, init="random")
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(40)
     out = tmp_path_factory.mktemp("peaky") / "model"
@@ -283,8 +283,11 @@ def test_jsonl_sampled_ids_say_whether_it_trained_on_what_was_sampled(tmp_path):
            "token_ids": prompt + canon + [TOK.eos_token_id], "sampled": [pieces + [TOK.eos_token_id]]}
     report = check_run(_jsonl(tmp_path, [row]), QWEN)
     [f] = report.findings
-    assert (f.finding.mode, f.finding.where, report.sampled_rows) == ("reencode", "assistant turn 0: sampled vs trained",
-                                                                      1)
+    assert (f.finding.mode, f.finding.where, report.sampled_rows) == (
+        "reencode",
+        "assistant turn 0: sampled vs trained",
+        1,
+    )
     row["sampled"] = [canon + [TOK.eos_token_id]]
     assert check_run(_jsonl(tmp_path, [row]), QWEN).findings == []
     res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN))

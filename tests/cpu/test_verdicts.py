@@ -211,7 +211,9 @@ def test_runs_of_different_lengths_differ(runs, tmp_path):
     doc = json.loads(run_cli("diff", str(short), str(a), "--json").stdout)
     assert doc["first"]["stage"] == "steps" and "B only" in doc["first"]["where"]
     # asked for the steps both have, the verdict speaks for those, and says so
-    _one_line(run_cli("diff", str(a), str(short), "--steps", "0:2"), 0, "no difference (bit for bit): 2 steps x 10 stages")
+    _one_line(
+        run_cli("diff", str(a), str(short), "--steps", "0:2"), 0, "no difference (bit for bit): 2 steps x 10 stages"
+    )
     _one_line(run_cli("diff", str(a), str(short), "--steps", "0:3"), 2, "B has not committed step(s) 2..2 of 0..2")
 
 

@@ -32,7 +32,12 @@ def _run(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Completed
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     source = out / "src"  # a copy of the tracked tree: the build writes build/ and *.egg-info beside its input
-    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True).stdout
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
     for rel in filter(None, tracked.decode().split("\0")):
         if (REPO / rel).is_file():
             (source / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,9 @@ def test_the_triton_kernel_and_torchs_ops_give_the_definitions_lanes():
     shifted = random_tensor(torch.uint8, 8 * C + 21, seed=5).cuda()[3:]
     assert digest.to_unsigned(digest._device_lanes(shifted, fused=True).cpu()) == digest.lanes(shifted.cpu())
     # many tensors in one launch (what Digests.add_all does on a GPU), and torch's batched path beside it
-    many = [random_tensor(torch.uint8, n, seed=n + 1) for n in (0, 3, 8, 8 * C + 5, 8 * (2 * C), 8 * (3 * C + 1) + 7, 24)]
+    many = [
+        random_tensor(torch.uint8, n, seed=n + 1) for n in (0, 3, 8, 8 * C + 5, 8 * (2 * C), 8 * (3 * C + 1) + 7, 24)
+    ]
     many.append(random_tensor(torch.uint8, 8 * C + 40, seed=6)[3:])
     host = [digest.lanes(t) for t in many]
     on_gpu = [t.cuda() for t in many]

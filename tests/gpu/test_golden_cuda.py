@@ -21,7 +21,9 @@ SUITE = json.loads((HERE / "suite.json").read_text())
 @pytest.mark.parametrize("name", sorted(SUITE))
 def test_cuda_golden(tmp_path, name):
     if "megatron" in SUITE[name]:
-        pytest.importorskip("megatron.core", reason="--trainer megatron needs megatron-core (pip install '.[megatron]')")
+        pytest.importorskip(
+            "megatron.core", reason="--trainer megatron needs megatron-core (pip install '.[megatron]')"
+        )
     res = run_cli("run", *SUITE[name], "--out", str(tmp_path / "run"), "--json")
     assert res.returncode == 0, res.stderr
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())

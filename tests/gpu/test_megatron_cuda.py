@@ -84,7 +84,8 @@ def test_tp2_rank_actors_under_ray_placement_match_in_process_tp2(tmp_path, monk
 def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp_path, clip):
     """rlbench's megatron trainer in bf16 held to megatron-core's own optimizer as slime builds it
     (`get_megatron_optimizer`, bf16: Float16OptimizerWithFloat16Params over a DDP's fp32 gradient buffers, its param
-    groups, whose weight decays its OptimizerParamScheduler sets, its clipping), side by side: a twin of the model from the same initial weights takes, every minibatch,
+    groups, whose weight decays its OptimizerParamScheduler sets, its clipping), side by side: a twin of the model
+    from the same initial weights takes, every minibatch,
     the gradients rlbench's trainer computed, and steps with megatron-core's optimizer. With torch's AdamW inside
     both (megatron-core's choice without Transformer Engine or Apex; fused, as rlbench's), the fp32 masters and the
     bf16 parameters are the same bits after every update when no gradient is clipped. When every update with a
@@ -105,10 +106,23 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
 
     if not moptim.USING_PYTORCH_OPTIMIZER:
         pytest.skip("megatron-core steps with Transformer Engine's or Apex's FusedAdam here, not torch's AdamW")
-    config = load_config(steps=3, seed=3, device="cuda", deterministic=True, model__dtype="bfloat16",
-                         algo__entropy_coef=0.01, train__backend="megatron", train__weight_decay=0.1, train__grad_clip=clip, train__lr=1e-4,
-                         data__prompts_per_step=8, rollout__n_samples_per_prompt=8, train__minibatches=2,
-                         train__micro_batch_size=8, out=str(tmp_path / "run"))
+    config = load_config(
+        steps=3,
+        seed=3,
+        device="cuda",
+        deterministic=True,
+        model__dtype="bfloat16",
+        algo__entropy_coef=0.01,
+        train__backend="megatron",
+        train__weight_decay=0.1,
+        train__grad_clip=clip,
+        train__lr=1e-4,
+        data__prompts_per_step=8,
+        rollout__n_samples_per_prompt=8,
+        train__minibatches=2,
+        train__micro_batch_size=8,
+        out=str(tmp_path / "run"),
+    )
     ctx = build(config)
     try:
         ctx.trainer._start()

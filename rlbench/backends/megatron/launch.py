@@ -426,8 +426,13 @@ def send(ranks: Ranks, op: str, meta: dict, tensors: dict[str, torch.Tensor]) ->
     """Rank 0: broadcast one command (op, JSON-able meta, named CPU tensors) to every rank."""
     if ranks.world == 1:
         return
-    header = json.dumps({"op": op, "meta": meta,
-                         "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()]})
+    header = json.dumps(
+        {
+            "op": op,
+            "meta": meta,
+            "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()],
+        }
+    )
     data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
     dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=ranks.channel)
     dist.broadcast(data, src=0, group=ranks.channel)

@@ -61,7 +61,11 @@ def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims
                 groups=hf_config.num_key_value_heads, head_dim=hf_config.head_dim, ffn=hf_config.intermediate_size,
                 vocab=hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings),
                 te_names=device.startswith("cuda") and has_transformer_engine())
-    for key, value in (("num_key_value_heads", dims.groups), ("intermediate_size", dims.ffn), ("vocab_size", dims.vocab)):
+    for key, value in (
+        ("num_key_value_heads", dims.groups),
+        ("intermediate_size", dims.ffn),
+        ("vocab_size", dims.vocab),
+    ):
         if value % tp:
             raise BadInput(f"{value} does not divide by the tensor-parallel size {tp}", path=where, field=key)
     return dims

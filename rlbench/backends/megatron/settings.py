@@ -64,9 +64,12 @@ def check_precision(table: dict, device: str) -> None:
     asked = [(key, need, te) for key, need, te in PRECISION if table.get(key) not in (None, False)]
     for key, need, te in asked:
         if not device.startswith("cuda"):
-            raise BadInput(f"expected {'false' if key in ('fp16', 'bf16') else 'unset'} on the CPU, got "
-                           f"{_shown(table[key])}: the megatron trainer trains in model.dtype (float32, float64, or "
-                           f"bfloat16 over fp32 masters) there (megatron-core's {key} flag is its GPU path)", field=f"{FIELD}.{key}")
+            raise BadInput(
+                f"expected {'false' if key in ('fp16', 'bf16') else 'unset'} on the CPU, got "
+                f"{_shown(table[key])}: the megatron trainer trains in model.dtype (float32, float64, or "
+                f"bfloat16 over fp32 masters) there (megatron-core's {key} flag is its GPU path)",
+                field=f"{FIELD}.{key}",
+            )
         import torch
 
         have = torch.cuda.get_device_capability(torch.device(device if ":" in device else "cuda:0"))

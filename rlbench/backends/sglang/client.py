@@ -101,7 +101,7 @@ class Client:
                 async with session.request(method, url, timeout=timeout, **data) as response:
                     raw = await response.read()
                     status = response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 unreachable = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
                                                ConnectionError))
                 raise Retryable(f"{method} {url}: {exc.__class__.__name__}: {exc or 'timed out'}", unreachable) \

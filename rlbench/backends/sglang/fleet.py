@@ -137,12 +137,37 @@ def server_command(config, host: str, port: int, weights_dir: str | Path | None 
     rollout, model = config.rollout, config.model
     if rollout.sglang_server == "rlbench":
         allowed = weights_dir or rollout.weights_dir or tempfile.gettempdir()
-        return [sys.executable, "-m", "rlbench.cli", "serve", "--host", host, "--port", str(port),
-                "--weights-dir", str(allowed),
-                "--model-path", model.path, "--tokenizer-path", model.tokenizer, "--random-seed", str(config.seed),
-                "--load-format", "auto" if model.init == "checkpoint" else "dummy", "--dtype", model.dtype, "--device", config.device, "--threads", str(config.threads),
-                "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
-                *passthrough(rollout.sglang)]
+        return [
+            sys.executable,
+            "-m",
+            "rlbench.cli",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--weights-dir",
+            str(allowed),
+            "--model-path",
+            model.path,
+            "--tokenizer-path",
+            model.tokenizer,
+            "--random-seed",
+            str(config.seed),
+            "--load-format",
+            "auto" if model.init == "checkpoint" else "dummy",
+            "--dtype",
+            model.dtype,
+            "--device",
+            config.device,
+            "--threads",
+            str(config.threads),
+            "--decode",
+            rollout.decode,
+            "--decode-batch-size",
+            str(rollout.decode_batch_size),
+            *passthrough(rollout.sglang),
+        ]
     check_key(config)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model.path, "--tokenizer-path",
             model.tokenizer, "--host", host, "--port", str(port), "--random-seed", str(config.seed),

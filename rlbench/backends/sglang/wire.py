@@ -208,7 +208,7 @@ def healthy(workers: list[dict]) -> set[str]:
     return {w["url"] for w in workers if w.get("is_healthy", True)}
 
 
-def tensor_hash(tensor: "torch.Tensor") -> str:
+def tensor_hash(tensor: torch.Tensor) -> str:
     """SGLang's /weights_checker hash of a tensor on the CPU (srt/managers/mm_utils.py tensor_hash): the first
     8 bytes of the sha256 of its bytes, as 16 hex digits. On a GPU SGLang hashes with a kernel of its own."""
     import torch

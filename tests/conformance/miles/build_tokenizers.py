@@ -94,22 +94,37 @@ ORIGINAL_EDITS = {
     "qwen3_fixed.jinja": [(_QWEN3_KEPT, _QWEN3_ORIGINAL)],
     "qwen3_thinking_2507_and_next_fixed.jinja": [(_QWEN3_KEPT, _QWEN3_ORIGINAL)],
     "qwen3.5_fixed.jinja": [
-        ("{%- if (not (clear_thinking | default(true))) or loop.index0 > ns.last_query_index %}",
-         "{%- if loop.index0 > ns.last_query_index %}"),
-        (_QWEN35_LOOP_END, _QWEN35_LOOP_END + "{%- if ns.multi_step_tool %}\n"
-                                              "    {{- raise_exception('No user query found in messages.') }}\n"
-                                              "{%- endif %}\n")],
+        (
+            "{%- if (not (clear_thinking | default(true))) or loop.index0 > ns.last_query_index %}",
+            "{%- if loop.index0 > ns.last_query_index %}",
+        ),
+        (
+            _QWEN35_LOOP_END,
+            _QWEN35_LOOP_END + "{%- if ns.multi_step_tool %}\n"
+            "    {{- raise_exception('No user query found in messages.') }}\n"
+            "{%- endif %}\n",
+        ),
+    ],
     "kimi_k25_fixed.jinja": [
-        ("{%- set preserve_thinking = preserve_thinking | default(false) -%}\n"
-         "{# Find last non-tool-call assistant message. If preserve_thinking, keep -1 so hist is empty and all msgs use "
-         "suffix (retain reasoning). #}\n", "{# Find last non-tool-call assisitant message #}\n"),
+        (
+            "{%- set preserve_thinking = preserve_thinking | default(false) -%}\n"
+            "{# Find last non-tool-call assistant message. If preserve_thinking, keep -1 so hist is empty and all msgs use "
+            "suffix (retain reasoning). #}\n",
+            "{# Find last non-tool-call assisitant message #}\n",
+        ),
         ("{%- if not preserve_thinking -%}\n{%- for idx", "{%- for idx"),
-        ("{%- endfor -%}\n{%- endif -%}\n\n{# split", "{%- endfor -%}\n\n{# split")],
+        ("{%- endfor -%}\n{%- endif -%}\n\n{# split", "{%- endfor -%}\n\n{# split"),
+    ],
     "minimax_m25_fixed.jinja": [
-        ("{#- Only render reasoning_content if no user message follows (or clear_thinking disabled) -#}",
-         "{#- Only render reasoning_content if no user message follows -#}"),
-        ("reasoning_content and (not (clear_thinking | default(true)) or loop.index0 > ns.last_user_index)",
-         "reasoning_content and loop.index0 > ns.last_user_index")],
+        (
+            "{#- Only render reasoning_content if no user message follows (or clear_thinking disabled) -#}",
+            "{#- Only render reasoning_content if no user message follows -#}",
+        ),
+        (
+            "reasoning_content and (not (clear_thinking | default(true)) or loop.index0 > ns.last_user_index)",
+            "reasoning_content and loop.index0 > ns.last_user_index",
+        ),
+    ],
 }
 
 # name: (family, Miles' fixed file or a file here, whether it is the original, model repository Miles names)

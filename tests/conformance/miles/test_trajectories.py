@@ -101,7 +101,10 @@ def test_a_row_the_template_cannot_render_is_that_rows_finding(tmp_path):
                   "--json")
     assert res.returncode == 1, res.stderr
     [f] = json.loads(res.stdout)["findings"]
-    assert (f["finding"]["mode"], f["where"]) == ("template", "template error: System message must be at the beginning.")
+    assert (f["finding"]["mode"], f["where"]) == (
+        "template",
+        "template error: System message must be at the beginning.",
+    )
     messages = json.loads(json.dumps(SingleToolTrajectory.MESSAGES))
     for call in messages[2]["tool_calls"]:
         call["function"]["arguments"] = json.dumps(call["function"]["arguments"])

@@ -1,0 +1,16 @@
+"""The lint gate: `ruff check` over the repository passes, with the rules pyproject.toml's [tool.ruff] selects
+(pycodestyle, pyflakes, bugbear, pyupgrade; lines of 120 characters at most). ruff comes with the dev extra,
+which the suite's own set-up installs (README), so CI runs the gate with every test run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_ruff_check_passes():
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
