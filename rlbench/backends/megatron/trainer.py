@@ -85,9 +85,8 @@ class RankTrainer(TorchTrainer):
         self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         with torch.random.fork_rng(devices=[]):  # on the CPU it seeds this process's RNG: keep it as it was
-            model_parallel_cuda_manual_seed(
-                config.seed
-            )  # Megatron's RNG tracker must exist; rlbench draws nothing from it
+            # Megatron's RNG tracker must exist; rlbench draws nothing from it
+            model_parallel_cuda_manual_seed(config.seed)
         self.hf_config = load_model_config(config.model.path)
         self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path, config.device)
         self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
