@@ -29,7 +29,7 @@ sys.path[:] = [str(BENCH)] + [p for p in sys.path if Path(p or ".").resolve() !=
 import scale  # noqa: E402  (bench/scale.py: the shapes and the run they are measured on)
 from stages import STAGES, sync_device  # noqa: E402
 
-sys.path.pop(0)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # the folder only for the two above
 
 import torch  # noqa: E402
 

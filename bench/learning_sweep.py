@@ -35,10 +35,12 @@ from rlbench import numerics
 
 numerics.pin()  # before any torch import, here and in the workers (torch reads the settings when it loads)
 
+from rlbench.config import RunConfig  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 ANSWER = re.compile(r"even|odd", re.IGNORECASE)  # what the parity verifier reads: the first match
 STEPS = (60, 80, 100)
-DEFAULT_SEED = 19  # rlbench.config.RunConfig.seed (not imported here: torch must not load before numerics.pin)
+DEFAULT_SEED = RunConfig().seed  # rlbench.config loads no torch: numerics.pin above still comes first
 
 SETTINGS: dict[str, dict] = {
     "base": {},  # the default: 4 prompts x 16 samples, 4 minibatches, lr 1e-3, GRPO with std

@@ -51,53 +51,57 @@ def parity_reward(completions, label, **_) -> list[float]:
 
 
 TRL_WORKER = r"""
-import json, re, statistics, sys, tempfile, time, warnings
+import json, re, sys, tempfile, time, warnings
 from pathlib import Path
 warnings.filterwarnings("ignore")
+import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-model_dir, tokenizer_dir, data, rounds, generations, per_device, round_steps, new, seed = sys.argv[1:10]
-rounds, generations, per_device, round_steps, new, seed = map(int, (rounds, generations, per_device, round_steps,
-                                                                    new, seed))
+model_dir, tokenizer_dir, data, rounds, settings = sys.argv[1:6]
+rounds, settings = int(rounds), json.loads(settings)  # GRPOConfig's settings the caller sets; TRL's defaults else
+round_steps = settings["steps_per_generation"]
 WORD = re.compile(r"\b(even|odd)\b", re.IGNORECASE)
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def parity(completions, label, **_):  # rlbench's verifier (rlbench/core/reward.py), not imported: TRL alone here
-    out = []
-    for c, lab in zip(completions, label):
-        found = WORD.search(c[0]["content"])
-        out.append(1.0 if found and found.group(0).lower() == lab.lower() else 0.0)
-    return out
+    found = [WORD.search(c[0]["content"]) for c in completions]
+    return [1.0 if f and f.group(0).lower() == lab.lower() else 0.0 for f, lab in zip(found, label)]
 
 
 rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
-                             for r in rows])
+dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
 times = []
 
 
-class Rounds(TrainerCallback):
+class Rounds(TrainerCallback):  # a round: one generation and its optimizer steps
     def on_train_begin(self, targs, state, control, **kw):
+        sync()
         self.mark = time.perf_counter()
 
     def on_step_end(self, targs, state, control, **kw):
         if state.global_step % round_steps == 0:
+            sync()
             now = time.perf_counter()
             times.append(now - self.mark)
             self.mark = now
 
 
 with tempfile.TemporaryDirectory() as tmp:
-    args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=per_device, steps_per_generation=round_steps,
-                      num_generations=generations, max_completion_length=new, temperature=1.0, learning_rate=1e-3,
-                      beta=0.0, max_steps=round_steps * (rounds + 1), use_cpu=True, bf16=False, report_to="none",
-                      save_strategy="no", disable_tqdm=True, seed=seed)
+    args = GRPOConfig(output_dir=tmp, max_steps=round_steps * (rounds + 1), report_to="none", save_strategy="no",
+                      disable_tqdm=True, **settings)
     GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=parity, args=args,
                 train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
                 callbacks=[Rounds()]).train()
-print(json.dumps(times[1:]))
+print(json.dumps({"steps": times[1:], "peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+                  "settings": {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
+                               "use_vllm": args.use_vllm, "loss_type": args.loss_type}}))
 """
 
 
@@ -123,12 +127,15 @@ def _processes(args) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ATEN_", "RLBENCH_", "OMP_"))}
         trl, ours = [], []
         for repeat in range(args.repeats):
+            settings = {"per_device_train_batch_size": PER_DEVICE, "steps_per_generation": ROUND,
+                        "num_generations": GENERATIONS, "max_completion_length": 4, "temperature": 1.0,
+                        "learning_rate": 1e-3, "beta": 0.0, "use_cpu": True, "bf16": False, "seed": config.seed}
             res = subprocess.run([sys.executable, "-c", TRL_WORKER, str(model_dir), config.model.tokenizer,
-                                  config.data.path, str(args.rounds), str(GENERATIONS), str(PER_DEVICE), str(ROUND),
-                                  "4", str(config.seed)], capture_output=True, text=True, env=env)
+                                  config.data.path, str(args.rounds), json.dumps(settings)],
+                                 capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 sys.exit(f"TRL's process failed: {res.stderr[-2000:]}")
-            trl += json.loads(res.stdout.strip().splitlines()[-1])
+            trl += json.loads(res.stdout.strip().splitlines()[-1])["steps"]
             out = Path(tmp) / f"rlbench-{repeat}"
             res = subprocess.run([sys.executable, "-m", "rlbench", "run", "-c", str(shape), "--out", str(out),
                                   "--json"], capture_output=True, text=True, env=env)

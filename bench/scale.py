@@ -54,9 +54,10 @@ from pathlib import Path
 # (a namespace package: a module anywhere on the path wins over it): the folder is there only to import stages.py.
 BENCH = Path(__file__).resolve().parent
 sys.path[:] = [str(BENCH)] + [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+from peer_trl import TRL_WORKER  # noqa: E402  (TRL's GRPOTrainer in a process of its own)
 from stages import STAGES, sync_device  # noqa: E402
 
-sys.path.pop(0)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # peer_trl.py puts the folder there too
 
 import torch  # noqa: E402
 
@@ -363,56 +364,6 @@ def train_against_bare(ctx, state, repeats: int = 2) -> tuple[float, float, floa
     return statistics.median(times["train"][1:]), statistics.median(times["bare"][1:]), statistics.median(ratios)
 
 
-TRL_WORKER = r"""
-import json, re, sys, tempfile, time, warnings
-from pathlib import Path
-warnings.filterwarnings("ignore")
-import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
-
-model_dir, tokenizer_dir, data, rounds, new, seed = sys.argv[1:7]
-rounds, new, seed = int(rounds), int(new), int(seed)
-WORD = re.compile(r"\b(even|odd)\b", re.IGNORECASE)
-
-
-def parity(completions, label, **_):  # rlbench's verifier (rlbench/core/reward.py), not imported: TRL alone here
-    found = [WORD.search(c[0]["content"]) for c in completions]
-    return [1.0 if f and f.group(0).lower() == lab.lower() else 0.0 for f, lab in zip(found, label)]
-
-
-rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
-dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
-times = []
-
-
-class Rounds(TrainerCallback):  # a round: one generation of 64 samples and its 4 optimizer steps
-    def on_train_begin(self, targs, state, control, **kw):
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        self.mark = time.perf_counter()
-
-    def on_step_end(self, targs, state, control, **kw):
-        if state.global_step % 4 == 0:
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
-            now = time.perf_counter()
-            times.append(now - self.mark)
-            self.mark = now
-
-
-with tempfile.TemporaryDirectory() as tmp:
-    args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=16, steps_per_generation=4, num_generations=8,
-                      max_completion_length=new, temperature=1.0, beta=0.0, max_steps=4 * (rounds + 1),
-                      report_to="none", save_strategy="no", disable_tqdm=True, seed=seed,
-                      use_cpu=not torch.cuda.is_available())  # the CPU: a smoke test of this script only
-    GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=parity, args=args,
-                train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
-                callbacks=[Rounds()]).train()
-print(json.dumps({"steps": times[1:], "peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
-                  "settings": {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
-                               "use_vllm": args.use_vllm, "loss_type": args.loss_type}}))
-"""
-
 RLBENCH_WORKER = r"""
 import json, sys
 import torch
@@ -489,8 +440,11 @@ def peer_trl(args, shape: str, root: Path) -> None:
         order = list(results) if repeat % 2 == 0 else list(reversed(results))
         for name in order:
             if name.startswith("TRL"):
+                settings = {"per_device_train_batch_size": 16, "steps_per_generation": 4, "num_generations": 8,
+                            "max_completion_length": args.new_tokens, "temperature": 1.0, "beta": 0.0, "seed": 1234,
+                            "use_cpu": not args.device.startswith("cuda")}  # the CPU: a smoke test of this script
                 command = [sys.executable, "-c", TRL_WORKER, str(directory), str(tokenizer), data,
-                           str(args.peer_rounds), str(args.new_tokens), "1234"]
+                           str(args.peer_rounds), json.dumps(settings)]
             else:
                 out = root / f"run-{repeat}-{len(name)}"
                 command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(toml), "--out", str(out)]
