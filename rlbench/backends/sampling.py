@@ -91,7 +91,10 @@ def _mix32_np(x: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _index_words(vocab: int) -> np.ndarray:
-    return _mix32_np(np.arange(vocab, dtype=np.uint32))
+    """The vocabulary indices' hashes, made once per size; read-only, as every caller shares them."""
+    words = _mix32_np(np.arange(vocab, dtype=np.uint32))
+    words.setflags(write=False)
+    return words
 
 
 def _uniforms_uint32(seed_lo: np.ndarray, seed_hi: np.ndarray, step: int, vocab: int) -> np.ndarray:
@@ -127,6 +130,7 @@ class SamplingRows:
         return uniforms(self.seed_lo, self.seed_hi, step, vocab)
 
 
+@functools.cache
 def _triton() -> bool:
     try:
         import triton  # noqa: F401  (torch's CUDA wheels bring it)
