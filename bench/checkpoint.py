@@ -4,9 +4,12 @@ bench/scale.py measured a checkpoint at Qwen3-0.6B on an H100 as 17.0 s making i
 step) and 6.1 s writing them (in the background, at the disk's speed). This splits the 17 s: the trainer's own
 call, then each of its parts alone, the same tensors each time, `--repeats` rounds after a warm-up, medians:
 
-- the host copies (`.cpu()` of the model's weights, the fp32 masters and AdamW's moments: what the call makes);
+- the host copies (`.cpu()` of the model's weights, the fp32 masters and AdamW's moments: what the call made
+  before rlbench/core/tensor_file.py);
 - the same copies into page-locked (pinned) host buffers allocated once, `non_blocking`, one synchronisation;
-- safetensors' serialisation of the host tensors to bytes (`safetensors.torch.save`, what the call does);
+- safetensors' serialisation of the host tensors to bytes (`safetensors.torch.save`, what the call did then);
+- `tensor_file.encode` of the same tensors from where they live (what the call does now: one copy per tensor,
+  straight into the file's buffer; the same bytes as safetensors');
 - the device checksum over the optimizer state and the masters (`digest.tensors_digest`, what the call does).
 
     python bench/checkpoint.py [--shape 0.6B] [--device cuda] [--repeats 3]
@@ -34,7 +37,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # the 
 import torch  # noqa: E402
 
 from rlbench.backends.torch_trainer import optimizer_tensors  # noqa: E402
-from rlbench.core import loop  # noqa: E402
+from rlbench.core import loop, tensor_file  # noqa: E402
 from rlbench.rundir import digest  # noqa: E402
 from rlbench.session import build  # noqa: E402
 
@@ -87,6 +90,7 @@ def main() -> None:
 
             pinned_copies, _ = _timed(into_pinned, args.device, args.repeats)
         serialise, _ = _timed(lambda: save(host), args.device, args.repeats)
+        encoded, _ = _timed(lambda: tensor_file.encode(tensors), args.device, args.repeats)
         held = sorted((k, v) for k, v in tensors.items() if not k.startswith("model/"))
         checksum, _ = _timed(lambda: digest.tensors_digest(held), args.device, args.repeats)
         written = sum(len(data) for data in files.values())
@@ -96,7 +100,8 @@ def main() -> None:
           f"({size / 1e9:.2f} GB of tensors), medians of {args.repeats} rounds after a warm-up")
     print(f"  save_checkpoint (the trainer's call, blocks the step): {whole:.2f} s")
     for name, seconds in (("host copies (.cpu())", copies), ("copies into pinned buffers", pinned_copies),
-                          ("safetensors serialisation to bytes", serialise), ("device checksum", checksum)):
+                          ("safetensors serialisation to bytes", serialise),
+                          ("tensor_file.encode from the device", encoded), ("device checksum", checksum)):
         rate = size / seconds / 1e9 if seconds == seconds else float("nan")  # nan: not measured on this device
         print(f"  {name:38s} {seconds:7.2f} s  {rate:6.2f} GB/s")
 

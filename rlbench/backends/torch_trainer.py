@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from rlbench.config import AlgoConfig, TrainConfig
-from rlbench.core import algo
+from rlbench.core import algo, tensor_file
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
 from rlbench.errors import BadInput
@@ -253,22 +253,20 @@ class TorchTrainer:
         next optimizer step."""
         return {name: t.detach() for name, t in named_weights(self.model).items()}
 
-    def save_checkpoint(self) -> dict[str, bytes]:
-        """The checkpoint's files as bytes (the run directory writes them atomically); in mixed precision the
-        fp32 masters are kept as the optimizer state's `master/NAME` tensors."""
-        from safetensors.torch import save
-
+    def save_checkpoint(self) -> dict[str, bytes | memoryview]:
+        """The checkpoint's files (the run directory writes them atomically); in mixed precision the fp32 masters
+        are kept as the optimizer state's `master/NAME` tensors. Each tensor is copied once, from where it lives
+        into its file's buffer (core/tensor_file.py)."""
         named = self.masters.params if self.masters else dict(self.model.named_parameters())
-        opt_tensors, meta = optimizer_state(self.optimizer, named)
-        held = optimizer_tensors(self.optimizer, named)  # the same tensors, where they live: checksummed there
+        held = optimizer_tensors(self.optimizer, named)  # where they live: checksummed there, copied from there
         if self.masters:
             held.update({f"master/{name}": p.detach() for name, p in named.items()})
-            opt_tensors.update({f"master/{name}": p.detach().cpu().contiguous() for name, p in named.items()})
+        meta = optimizer_meta(self.optimizer, named)
         # read back by load_checkpoint: a flipped bit in the optimizer state (or a master weight) is refused
         meta["tensors_checksum"] = digest.tensors_digest(sorted(held.items()))
         return {
-            "model.safetensors": save({k: v.cpu().contiguous() for k, v in self.export_hf_weights().items()}),
-            "optimizer.safetensors": save(opt_tensors),
+            "model.safetensors": tensor_file.encode(self.export_hf_weights()),
+            "optimizer.safetensors": tensor_file.encode(held),
             "optimizer.json": (json.dumps(meta, sort_keys=True, indent=1) + "\n").encode(),
         }
 
@@ -401,23 +399,20 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.T
             for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer,
-                    named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """AdamW's state as safetensors tensors (`field/param name`) and JSON (param groups, scalars); `named`:
-    the optimizer's parameters by name."""
+def optimizer_meta(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict:
+    """AdamW's state that is not a tensor, as JSON (param groups, scalars such as the step count by
+    `field/param name`); `named`: the optimizer's parameters by name. Its tensors: `optimizer_tensors`."""
     names = {id(p): name for name, p in named.items()}
-    tensors = {key: value.cpu().contiguous() for key, value in optimizer_tensors(optimizer, named).items()}
     scalars = {f"{key}/{names[id(param)]}": float(value) for param, state in optimizer.state.items()
                for key, value in state.items() if not (torch.is_tensor(value) and value.dim() > 0)}
-    meta = {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
+    return {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                    for g in optimizer.param_groups], "scalars": scalars}
-    return tensors, meta
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor],
                          tensors: dict[str, torch.Tensor], scalars: object, device: str, source: Path) -> None:
-    """The inverse of `optimizer_state`, every entry held to the optimizer's parameters `named` (BadInput
-    naming `source`)."""
+    """The inverse of `optimizer_tensors` and `optimizer_meta`, every entry held to the optimizer's parameters
+    `named` (BadInput naming `source`)."""
     if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                 for v in scalars.values()):
         raise BadInput("optimizer state: expected {\"scalars\": {name: number}}", path=source)

@@ -8,6 +8,7 @@
     seeding.py       derive_seed and the deterministic torch settings (CPU; GPU: --deterministic)
     data.py          JSONL dataset validation, the seeded, resumable prompt cursor, prompt encoding
     model.py         offline tokenizer and model loading, per-parameter seeded init
+    tensor_file.py   safetensors files made in one copy from where the tensors live
     algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
     reward.py        verifiers (parity, exact_match) and the --custom-rm-path contract
     generate.py      the custom generate function contract (multi-turn, agentic): Trajectory, GenerateEnv

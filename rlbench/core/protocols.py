@@ -60,8 +60,9 @@ class Trainer(Protocol):
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Full (gathered) weights under Hugging Face names; empty on ranks that are not main."""
 
-    def save_checkpoint(self) -> dict[str, bytes]:
-        """The checkpoint's files (name -> bytes); the run directory writes them atomically."""
+    def save_checkpoint(self) -> dict[str, bytes | memoryview]:
+        """The checkpoint's files (name -> their bytes, or a buffer holding them, made at the call: later steps
+        do not change it); the run directory writes them atomically."""
 
     def load_checkpoint(self, directory: Path) -> None: ...
 

@@ -88,7 +88,8 @@ class TrainerActor:
         return pack(self.trainer.export_hf_weights())
 
     def save_checkpoint(self) -> dict[str, bytes]:
-        return self.trainer.save_checkpoint()
+        # bytes: what Ray carries back (a memoryview does not cross processes)
+        return {name: bytes(data) for name, data in self.trainer.save_checkpoint().items()}
 
     def load_checkpoint(self, files: dict[str, bytes]) -> None:
         """The driver's files in a directory on this node (megatron's ranks may read them only when they start): it

@@ -62,7 +62,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_new(path: Path, data: bytes) -> None:
+def _write_new(path: Path, data: bytes | memoryview) -> None:
     """Write a whole file, never through a link: a link at `path` is removed, not followed."""
     if path.is_symlink():
         path.unlink()
@@ -264,12 +264,12 @@ class RunWriter:
 
         self._writer.submit(job)
 
-    def write_checkpoint(self, steps_done: int, files: dict[str, bytes], state: dict) -> None:
+    def write_checkpoint(self, steps_done: int, files: dict[str, bytes | memoryview], state: dict) -> None:
         """Queue checkpoints/NNNNNN/: written whole under a temporary name, then renamed into place."""
         files = {**files, "state.json": (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()}
         self._writer.submit(lambda: self._write_checkpoint(steps_done, files))
 
-    def _write_checkpoint(self, steps_done: int, files: dict[str, bytes]) -> None:
+    def _write_checkpoint(self, steps_done: int, files: dict[str, bytes | memoryview]) -> None:
         final = self.root / "checkpoints" / step_name(steps_done)
         tmp = final.with_name(f".{final.name}.tmp")
         if tmp.is_symlink():

@@ -42,9 +42,9 @@ from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
 from rlbench.backends.torch_trainer import (TorchTrainer, check_weight_decays, decay_groups, load_optimizer_state,
-                                            optimizer_state)
+                                            optimizer_meta, optimizer_tensors)
 from rlbench.config import RunConfig
-from rlbench.core import algo
+from rlbench.core import algo, tensor_file
 from rlbench.core.model import load_model_config, load_named_, named_weights
 from rlbench.errors import BadInput
 from rlbench.rundir.digest import tensors_digest
@@ -188,13 +188,11 @@ class RankTrainer(TorchTrainer):
         them device to device; `--placement ray` packs them to the host itself)."""
         return self._full_hf(self._megatron_state(), cpu=False)
 
-    def checkpoint_files(self) -> dict[str, bytes]:
-        from safetensors.torch import save
-
+    def checkpoint_files(self) -> dict[str, bytes | memoryview]:
         named = self.masters.params if self.masters else dict(self.gpt.named_parameters())
-        opt_tensors, meta = optimizer_state(self.optimizer, named)
+        opt_tensors, meta = optimizer_tensors(self.optimizer, named), optimizer_meta(self.optimizer, named)
         if self.masters:  # mixed precision: the fp32 masters, shard by shard
-            opt_tensors.update({f"master/{name}": p.detach().cpu().contiguous() for name, p in named.items()})
+            opt_tensors.update({f"master/{name}": p.detach() for name, p in named.items()})
         model_shards = self._tp_shards(self._megatron_state())
         opt_shards = self._tp_shards(opt_tensors)
         if not self.ranks.is_main:  # it took part in the gathers; only rank 0 writes
@@ -204,11 +202,11 @@ class RankTrainer(TorchTrainer):
         layout = {"format": LAYOUT, "tp": self.tp, "dp": self.dp, "dims": self.dims.to_json(),
                   "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
                   "optimizer": meta}
-        files = {"model.safetensors": save(to_hf(model_shards, self.dims)),
+        files = {"model.safetensors": tensor_file.encode(to_hf(model_shards, self.dims)),
                  "layout.json": (json.dumps(layout, indent=1, sort_keys=True) + "\n").encode()}
         for r in range(self.tp):
-            files[f"model-tp{r:02d}.safetensors"] = save(model_shards[r])
-            files[f"optimizer-tp{r:02d}.safetensors"] = save(opt_shards[r])
+            files[f"model-tp{r:02d}.safetensors"] = tensor_file.encode(model_shards[r])
+            files[f"optimizer-tp{r:02d}.safetensors"] = tensor_file.encode(opt_shards[r])
         return files
 
     def load_checkpoint(self, directory: Path) -> None:
@@ -387,7 +385,7 @@ class MegatronTrainer:
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         return self._call("export")
 
-    def save_checkpoint(self) -> dict[str, bytes]:
+    def save_checkpoint(self) -> dict[str, bytes | memoryview]:
         return self._call("checkpoint")
 
     def load_checkpoint(self, directory: Path) -> None:
