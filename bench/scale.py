@@ -3,12 +3,13 @@ and a tokenizer of Qwen3's size (151,669 ids: the fixture tokenizer grown with f
 
     python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
                           [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron] [--vocab 151936|fixture]
-                          [--peer trl] [--peer-rounds 3] [--peer-repeats 2] [--only-peer]
+                          [--peer trl|none] [--peer-rounds 3] [--peer-repeats 2] [--only-peer]
 
 0. With `--peer trl` (needs trl): the step against TRL's GRPOTrainer, each as its users run it, in processes of
    their own, alternating `--peer-repeats` times: TRL with its own defaults (GRPOConfig's; the batch shape set to
    the same 8 prompts x 8 samples, `--new-tokens` new tokens, 4 optimizer steps of 16, beta 0) on the same
    weights (saved once as bf16 safetensors), `rlbench run --device cuda` with and without `--deterministic`.
+   `--peer none`: the two rlbench processes only (deterministic mode's cost).
    Each runs `--peer-rounds` steps after one warm-up; per process the step's median and the peak memory
    allocated (torch.cuda.max_memory_allocated). Beside them the physical floor of each stage on this card:
    the rollout's (the weights and the KV cache read once per decode step at the card's memory bandwidth), the
@@ -165,20 +166,49 @@ def _holders():
     return [digest, loop, trainer, weight_check, engine, recording]
 
 
-def step_by_stage(ctx, steps: int, clock: Clock) -> dict:
-    rows = []
+def step_by_stage(ctx, steps: int, clock: Clock) -> tuple[dict, dict]:
+    """Each stage's median seconds over `steps` steps after a warm-up (and the checksums' time), and on a GPU each
+    stage's peak memory allocated over all of them (GiB; what the stage allocates on top of what it finds held)."""
+    rows, peaks = [], {}
+    cuda = ctx.config.device.startswith("cuda")
     for step in range(steps + 1):
         state, times = loop.StepState(step), {}
         clock.seconds = 0.0
         for name, stage in STAGES:
             sync_device(ctx.config.device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             stage(ctx, state)
             sync_device(ctx.config.device)
             times[name] = time.perf_counter() - start
+            if cuda:
+                peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
         times["checksums"] = clock.seconds
         rows.append(times)
-    return {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
+    return {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}, peaks
+
+
+def _held_memory(ctx) -> dict[str, float]:
+    """What a torch-trainer run holds on the GPU between steps, by part (GiB): the trainer's model, its fp32
+    masters and their gradients, AdamW's moments, the engine's model; the rest is what else is allocated then."""
+    def size(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+    trainer, held = ctx.trainer, {}
+    if hasattr(trainer, "model"):
+        held["trainer model"] = size(trainer.model.parameters())
+        if getattr(trainer, "masters", None):
+            masters = list(trainer.masters.params.values())
+            held["fp32 masters"] = size(masters)
+            held["master grads"] = size(p.grad for p in masters if p.grad is not None)
+        held["AdamW moments"] = size(v for state in trainer.optimizer.state.values() for v in state.values()
+                                     if torch.is_tensor(v) and v.dim() > 0)
+    model = getattr(ctx.engine, "model", None)
+    if isinstance(model, torch.nn.Module):
+        held["engine model"] = size(model.parameters())
+    held["all allocated"] = torch.cuda.memory_allocated() / 2**30
+    return held
 
 
 @contextlib.contextmanager
@@ -429,6 +459,8 @@ def peer_trl(args, shape: str, root: Path) -> None:
     toml = root / "peer.toml"
     toml.write_text(_toml(config))
     results: dict[str, list] = {"TRL GRPOTrainer": [], "rlbench --deterministic": [], "rlbench": []}
+    if args.peer == "none":  # deterministic mode's cost alone, as `rlbench run` processes measure it
+        del results["TRL GRPOTrainer"]
     peaks: dict[str, list] = {name: [] for name in results}
     settings = {}
     rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
@@ -472,16 +504,17 @@ def peer_trl(args, shape: str, root: Path) -> None:
                   ("" if name.startswith("TRL") else "; " + ", ".join(
                       f"{k[5:]} {v:.2f}" for k, v in results[name][-1].items())), flush=True)
     card = _card()
-    trl = statistics.median(results["TRL GRPOTrainer"])
+    trl = statistics.median(results["TRL GRPOTrainer"]) if "TRL GRPOTrainer" in results else None
     print(f"{shape}, vocab {vocab or 'fixture'}: {args.peer_repeats} alternating sets of processes, "
           f"{args.peer_rounds} steps each after one warm-up; 8 prompts x 8 samples x {args.new_tokens} new tokens, "
-          f"4 optimizer steps of 16, bf16; TRL's settings: {settings}")
-    print(f"  TRL GRPOTrainer          step {trl:7.2f} s  peak {max(peaks['TRL GRPOTrainer']) / 2**30:6.1f} GiB")
+          f"4 optimizer steps of 16, bf16" + (f"; TRL's settings: {settings}" if trl else ""))
+    if trl:
+        print(f"  TRL GRPOTrainer          step {trl:7.2f} s  peak {max(peaks['TRL GRPOTrainer']) / 2**30:6.1f} GiB")
     for name in ("rlbench --deterministic", "rlbench"):
         steps = [row["perf/step_time"] for row in results[name]]
         stages = {k: statistics.median(row[k] for row in results[name]) for k in results[name][0]}
-        print(f"  {name:24s} step {statistics.median(steps):7.2f} s  peak {max(peaks[name]) / 2**30:6.1f} GiB  "
-              f"x{statistics.median(steps) / trl:.2f} of TRL's step  (" +
+        print(f"  {name:24s} step {statistics.median(steps):7.2f} s  peak {max(peaks[name]) / 2**30:6.1f} GiB  " +
+              (f"x{statistics.median(steps) / trl:.2f} of TRL's step  " if trl else "") + "(" +
               ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items() if k != "perf/step_time") + ")")
     det = statistics.median(row["perf/step_time"] for row in results["rlbench --deterministic"])
     free = statistics.median(row["perf/step_time"] for row in results["rlbench"])
@@ -530,9 +563,10 @@ def main() -> None:
     parser.add_argument("--vocab", default=str(QWEN3_VOCAB),
                         help="the model's vocab_size, with a tokenizer of Qwen3's size (151,669 ids) built offline; "
                              "'fixture': the fixture model's vocabulary and tokenizer (314)")
-    parser.add_argument("--peer", choices=("trl",), default=None,
+    parser.add_argument("--peer", choices=("trl", "none"), default=None,
                         help="also run TRL's GRPOTrainer and `rlbench run` (with and without --deterministic) in "
-                             "processes of their own, alternating (needs trl and a CUDA device)")
+                             "processes of their own, alternating (needs trl and a CUDA device); 'none': the two "
+                             "`rlbench run` processes only (deterministic mode's cost)")
     parser.add_argument("--peer-rounds", type=int, default=3, help="steps each peer process times after a warm-up")
     parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
     parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
@@ -552,10 +586,9 @@ def main() -> None:
             ctx = build(config)
             torch_trainer = args.trainer == "torch"
             clock = Clock(args.device)
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            stages = step_by_stage(ctx, args.steps, clock)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
+            stages, stage_peaks = step_by_stage(ctx, args.steps, clock)
+            peak = max(stage_peaks.values()) if stage_peaks else float("nan")
+            held = _held_memory(ctx) if stage_peaks else {}
             step = sum(v for k, v in stages.items() if k != "checksums")
             share = (stages["checksums"] + stages["record"]) / step
             gen = generation(ctx, args.new_tokens, args.repeats) if torch_trainer else None
@@ -572,7 +605,10 @@ def main() -> None:
                 checkpoint = time_checkpoint(ctx, args.steps + 1, args.device)
             print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
                   ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
-            print(f"  peak memory allocated over those steps: {peak:.1f} GiB")
+            print(f"  peak memory allocated over those steps: {peak:.1f} GiB; by stage: " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in stage_peaks.items()) +
+                  (" GiB; held between steps: " + ", ".join(f"{k} {v:.2f}" for k, v in held.items()) + " GiB"
+                   if held else ""))
             if _card():
                 prompts = [len(r.prompt_ids) for r in loop.step_requests(ctx, _data(ctx))]
                 bounds = floors(json.loads(Path(config.model.path, "config.json").read_text()),
