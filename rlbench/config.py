@@ -113,6 +113,74 @@ class RunConfig:
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
+    def trainer_setup(self) -> TrainerSetup:
+        """What the run's trainer reads of this config, and nothing else."""
+        return TrainerSetup(model=self.model, train=self.train, algo=self.algo, temperature=self.rollout.temperature,
+                            tp=self.tp, dp=self.dp, device=self.device, deterministic=self.deterministic,
+                            seed=self.seed, threads=self.threads)
+
+    def engine_setup(self) -> EngineSetup:
+        """What the run's SGLang engine and the servers it starts read of this config, and nothing else."""
+        return EngineSetup(model=self.model, rollout=self.rollout, seed=self.seed, device=self.device,
+                           threads=self.threads)
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """A trainer's own part of a run's config (torchtitan's components own their configs the same way): its
+    sections (model, train, algo), the temperature its log-probs are taken at, and the run-wide settings each of
+    its ranks needs (the TP x DP layout, device, determinism, seed, torch threads). `RunConfig.trainer_setup()`
+    makes it from a checked config; the megatron trainer's ranks receive it (`to_dict`, then
+    `setup_from_dict`), not the run's whole config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    temperature: float = 1.0
+    tp: int = 1
+    dp: int = 1
+    device: str = "cpu"
+    deterministic: bool = False
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        number(self.tp, "tp", 1, 1024, integer=True)
+        number(self.dp, "dp", 1, 1024, integer=True)
+        number(self.threads, "threads", 1, 1024, integer=True)
+        check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
+        check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
+              "cpu, cuda or cuda:N", self.device)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """The SGLang engine's own part of a run's config: its sections (model, rollout) and the run-wide settings
+    the servers it starts are given (seed, device, torch threads). `RunConfig.engine_setup()` makes it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def setup_from_dict(cls: type, table: Any, source: str | Path):
+    """A TrainerSetup or EngineSetup from its `to_dict()` form, held to the types and ranges a TOML file is;
+    `source` names where it came from for errors."""
+    if not isinstance(table, dict):
+        raise BadInput(f"expected an object, got {type(table).__name__}", path=source, field="setup")
+    try:
+        return _build(cls, table, "", Path("/"))
+    except BadInput as exc:
+        raise BadInput(f"setup.{exc}", path=source) from None
+
 
 _NULLABLE = ("data.label_key",)  # string fields that may be unset (a manifest's null; TOML cannot say it)
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,

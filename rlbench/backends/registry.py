@@ -95,7 +95,7 @@ def check_trainer(config: RunConfig) -> None:
     if trains(config) and config.train.backend == "megatron":
         from rlbench.backends.megatron.model import check
 
-        check(config)
+        check(config.trainer_setup())
 
 
 def check_capacity(config: RunConfig) -> None:
@@ -141,10 +141,11 @@ def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Tra
     if config.train.backend == "megatron":
         from rlbench.backends.megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer(model, config, workers)  # checks its settings, starts its other ranks
+        return MegatronTrainer(model, config.trainer_setup(), workers)  # checks its settings, starts its ranks
     from rlbench.backends.torch_trainer import TorchTrainer
 
-    return TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed, config.device)
+    setup = config.trainer_setup()
+    return TorchTrainer(model, setup.train, setup.algo, setup.temperature, setup.seed, setup.device)
 
 
 def make_hf_engine(config: RunConfig, model: torch.nn.Module, start: int, device: str,
@@ -166,4 +167,4 @@ def open_sglang_engine(config: RunConfig, start_servers: Callable | None = None)
     where it owns them (`start_servers(fleet, client)`: some other way, as sglang/engine.open_engine says)."""
     from rlbench.backends.sglang.engine import open_engine
 
-    return open_engine(config, start_servers)
+    return open_engine(config.engine_setup(), start_servers)

@@ -231,7 +231,7 @@ class ServerActor:
         config = _config(config_json)
         host = ray.util.get_node_ip_address()
         self.logs = make_logs()
-        self.proc = launch_server(config, self.logs, index, host=host, key=key)
+        self.proc = launch_server(config.engine_setup(), self.logs, index, host=host, key=key)
         client = Client(4, 30)
         try:
             return wait_server(self.proc, lambda url: client.run(not_ready(client, url)))

@@ -142,7 +142,7 @@ def test_the_key_goes_to_workers_by_environment_never_the_command_line_or_the_ma
     from rlbench.backends.sglang.fleet import server_command, server_env
 
     monkeypatch.setenv("RLBENCH_SGLANG_API_KEY", KEY)
-    config = load_config(rollout__backend="sglang", rollout__sglang_server="rlbench")
+    config = load_config(rollout__backend="sglang", rollout__sglang_server="rlbench").engine_setup()
     assert KEY not in " ".join(server_command(config, "127.0.0.1", 0))
     assert server_env(config)["RLBENCH_SERVE_API_KEY"] == KEY
     assert KEY not in json.dumps(asdict(config), default=str)

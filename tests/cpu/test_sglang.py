@@ -44,7 +44,8 @@ def fleet(small_config):
     tag = uuid.uuid4().hex
     os.environ["RLBENCH_TEST_TAG"] = tag  # inherited by the processes started now
     try:
-        engine = open_engine(_sglang(small_config, rollout__sglang_server="rlbench", rollout__num_engines=2))
+        engine = open_engine(_sglang(small_config, rollout__sglang_server="rlbench",
+                                     rollout__num_engines=2).engine_setup())
     finally:
         del os.environ["RLBENCH_TEST_TAG"]
     try:

@@ -199,7 +199,7 @@ def test_the_server_command_lines():
 
     config = load_config(seed=7, rollout__backend="sglang", rollout__sglang={
         "mem-fraction-static": "0.8", "enable-torch-compile": True, "cuda-graph-bs": [1, 2], "skip-x": False})
-    command = server_command(config, "127.0.0.1", 31000)
+    command = server_command(config.engine_setup(), "127.0.0.1", 31000)
     assert command[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(command)
     for part in ("--host 127.0.0.1 --port 31000", "--random-seed 7", "--enable-deterministic-inference",
@@ -207,7 +207,7 @@ def test_the_server_command_lines():
         assert part in joined
     assert "skip-x" not in joined
     served = server_command(load_config(rollout__backend="sglang", rollout__sglang_server="rlbench",
-                                        rollout__decode_batch_size=16), "127.0.0.1", 0)
+                                        rollout__decode_batch_size=16).engine_setup(), "127.0.0.1", 0)
     assert served[1:4] == ["-m", "rlbench.cli", "serve"] and "--decode-batch-size 16" in " ".join(served)
 
 

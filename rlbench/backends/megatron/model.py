@@ -72,9 +72,10 @@ def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims
 
 
 def check(config) -> None:
-    """Every megatron setting of a run config, before any rank process starts (BadInput at the first
-    problem): the model's shape against TP (`dims_of`), the `[train.megatron]` table's keys, types and
-    precision (settings.py), and megatron-core's own checks of the whole TransformerConfig (by making it)."""
+    """Every megatron setting of a trainer's setup (config.TrainerSetup), before any rank process starts
+    (BadInput at the first problem): the model's shape against TP (`dims_of`), the `[train.megatron]` table's
+    keys, types and precision (settings.py), and megatron-core's own checks of the whole TransformerConfig (by
+    making it)."""
     from rlbench.core.model import load_model_config
 
     hf_config = load_model_config(config.model.path)

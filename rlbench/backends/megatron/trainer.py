@@ -43,7 +43,7 @@ from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
 from rlbench.backends.torch_trainer import (TorchTrainer, check_weight_decays, decay_groups, load_optimizer_state,
                                             optimizer_meta, optimizer_tensors)
-from rlbench.config import RunConfig
+from rlbench.config import TrainerSetup
 from rlbench.core import algo, tensor_file
 from rlbench.core.model import load_model_config, load_named_, named_weights
 from rlbench.errors import BadInput
@@ -64,7 +64,7 @@ def _import_megatron():
 class RankTrainer(TorchTrainer):
     """One rank's shard of the megatron trainer (see the module docstring)."""
 
-    def __init__(self, ranks: launch.Ranks, config: RunConfig, initial: dict[str, torch.Tensor]):
+    def __init__(self, ranks: launch.Ranks, config: TrainerSetup, initial: dict[str, torch.Tensor]):
         ps = _import_megatron()
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -97,7 +97,7 @@ class RankTrainer(TorchTrainer):
         ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(
             grad_reduce_in_fp32=config.model.dtype == "bfloat16"), self.gpt)
         reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
-        super().__init__(ddp, config.train, config.algo, config.rollout.temperature, config.seed, device, reference)
+        super().__init__(ddp, config.train, config.algo, config.temperature, config.seed, device, reference)
 
     def _shard(self, initial: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
         gpt = mmodel.build(self.hf_config, self.dims, self.tconfig).to(device)
@@ -316,7 +316,7 @@ class MegatronTrainer:
 
     is_main = True
 
-    def __init__(self, hf_model: torch.nn.Module, config: RunConfig, workers=None):
+    def __init__(self, hf_model: torch.nn.Module, config: TrainerSetup, workers=None):
         """`workers`: how ranks 1.. start (launch.spawn): processes of this machine unless given."""
         self.config = config
         self.hf_model = hf_model  # the initial weights: read when the ranks start
@@ -359,7 +359,7 @@ class MegatronTrainer:
         self._ranks = launch.join(self._pending)
         initial = {name: t.detach().cpu() for name, t in named_weights(self.hf_model).items()}
         try:
-            launch.send(self._ranks, "init", {"config": self.config.to_dict()}, initial)
+            launch.send(self._ranks, "init", {"setup": self.config.to_dict()}, initial)
             self._local = RankTrainer(self._ranks, self.config, initial)
         except Exception as exc:
             self._broken = True

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron.trainer import RankTrainer, dispatch
-from rlbench.config import config_from_dict
+from rlbench.config import TrainerSetup, setup_from_dict
 from rlbench.core.seeding import configure_determinism
 
 
@@ -30,7 +30,7 @@ def run_commands(ranks: launch.Ranks) -> None:
     launch.running(ranks, op, {})
     faults.kill_point(ranks.rank, op)
     assert op == "init", op
-    config = config_from_dict(meta["config"], "the init command")
+    config = setup_from_dict(TrainerSetup, meta["setup"], "the init command")
     configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
     trainer = RankTrainer(ranks, config, tensors)
     try:

@@ -131,8 +131,8 @@ def check_key(config) -> None:
 
 
 def server_command(config, host: str, port: int, weights_dir: str | Path | None = None) -> list[str]:
-    """The command that starts one server for the run `config` (a RunConfig) on host:port. An `rlbench serve`
-    reads weight updates only below `weights_dir`, else rollout.weights_dir, else the system's temporary
+    """The command that starts one server for the engine's setup `config` (config.EngineSetup) on host:port. An
+    `rlbench serve` reads weight updates only below `weights_dir`, else rollout.weights_dir, else the system's temporary
     directory (where each engine makes its own: a fleet may outlive the engine that started it)."""
     rollout, model = config.rollout, config.model
     if rollout.sglang_server == "rlbench":
