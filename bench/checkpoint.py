@@ -70,14 +70,15 @@ def main() -> None:
             stage(ctx, state)
         trainer = ctx.trainer
         named = trainer.masters.params if trainer.masters else dict(trainer.model.named_parameters())
-        tensors = {**{f"model/{k}": v for k, v in trainer.export_hf_weights().items()},
-                   **optimizer_tensors(trainer.optimizer, named)}
+        tensors = {
+            **{f"model/{k}": v for k, v in trainer.export_hf_weights().items()},
+            **optimizer_tensors(trainer.optimizer, named),
+        }
         if trainer.masters:
             tensors.update({f"master/{k}": p.detach() for k, p in named.items()})
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         whole, files = _timed(trainer.save_checkpoint, args.device, args.repeats)
-        copies, host = _timed(lambda: {k: v.cpu().contiguous() for k, v in tensors.items()}, args.device,
-                              args.repeats)
+        copies, host = _timed(lambda: {k: v.cpu().contiguous() for k, v in tensors.items()}, args.device, args.repeats)
         pinned_copies = float("nan")
         if args.device.startswith("cuda"):
             buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in tensors.items()}
@@ -96,12 +97,18 @@ def main() -> None:
         written = sum(len(data) for data in files.values())
         ctx.writer.close()
     label = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"{label}, torch {torch.__version__}, {args.shape}: a checkpoint of {written / 1e9:.2f} GB "
-          f"({size / 1e9:.2f} GB of tensors), medians of {args.repeats} rounds after a warm-up")
+    print(
+        f"{label}, torch {torch.__version__}, {args.shape}: a checkpoint of {written / 1e9:.2f} GB "
+        f"({size / 1e9:.2f} GB of tensors), medians of {args.repeats} rounds after a warm-up"
+    )
     print(f"  save_checkpoint (the trainer's call, blocks the step): {whole:.2f} s")
-    for name, seconds in (("host copies (.cpu())", copies), ("copies into pinned buffers", pinned_copies),
-                          ("safetensors serialisation to bytes", serialise),
-                          ("tensor_file.encode from the device", encoded), ("device checksum", checksum)):
+    for name, seconds in (
+        ("host copies (.cpu())", copies),
+        ("copies into pinned buffers", pinned_copies),
+        ("safetensors serialisation to bytes", serialise),
+        ("tensor_file.encode from the device", encoded),
+        ("device checksum", checksum),
+    ):
         rate = size / seconds / 1e9 if seconds == seconds else float("nan")  # nan: not measured on this device
         print(f"  {name:38s} {seconds:7.2f} s  {rate:6.2f} GB/s")
 

@@ -73,8 +73,10 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         old = best_of(lambda tensors=tensors: sha256_digest(tensors), args.repeats, args.device)
         new = best_of(lambda tensors=tensors: tensors_digest(tensors), args.repeats, args.device)
-        print(f"{nbytes:>12} {len(tensors):>8} {old:>10.4f} {nbytes / old / 1e9:>7.2f} {new:>10.4f} "
-              f"{nbytes / new / 1e9:>7.2f} {old / new:>6.1f}")
+        print(
+            f"{nbytes:>12} {len(tensors):>8} {old:>10.4f} {nbytes / old / 1e9:>7.2f} {new:>10.4f} "
+            f"{nbytes / new / 1e9:>7.2f} {old / new:>6.1f}"
+        )
 
 
 if __name__ == "__main__":

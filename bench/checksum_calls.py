@@ -86,27 +86,39 @@ def main() -> None:
         weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         engine_bytes = sum(t.numel() * t.element_size() for t in engine.values())
         figures = {
-            f"gradients of one minibatch ({len(grads)} {grads[0][1].dtype} tensors)":
-                (timed(args.device, grad_checksums, args.reps), grad_bytes),
-            "  a device copy of the same bytes (reference)":
-                (timed(args.device, lambda: torch.cat(views, out=flat), args.reps), grad_bytes),
-            f"the exported weights ({len(weights)} tensors)":
-                (timed(args.device, lambda: digest.weights_digests(weights), args.reps), weight_bytes),
-            f"the engine's weights ({len(engine)} tensors)":
-                (timed(args.device, lambda: digest.tensor_digests(engine), args.reps), engine_bytes),
+            f"gradients of one minibatch ({len(grads)} {grads[0][1].dtype} tensors)": (
+                timed(args.device, grad_checksums, args.reps),
+                grad_bytes,
+            ),
+            "  a device copy of the same bytes (reference)": (
+                timed(args.device, lambda: torch.cat(views, out=flat), args.reps),
+                grad_bytes,
+            ),
+            f"the exported weights ({len(weights)} tensors)": (
+                timed(args.device, lambda: digest.weights_digests(weights), args.reps),
+                weight_bytes,
+            ),
+            f"the engine's weights ({len(engine)} tensors)": (
+                timed(args.device, lambda: digest.tensor_digests(engine), args.reps),
+                engine_bytes,
+            ),
         }
         for label, (seconds, nbytes) in figures.items():
             print(f"{label}: {seconds * 1000:.2f} ms, {nbytes / 1e6:.1f} MB, {nbytes / seconds / 1e9:.1f} GB/s")
         (grad_s, _), _, (weights_s, _), (engine_s, _) = figures.values()
         per_step = config.train.minibatches * grad_s + weights_s + engine_s
-        print(f"per step ({config.train.minibatches} minibatches' gradients, the weights, the engine's): "
-              f"{per_step * 1000:.1f} ms")
+        print(
+            f"per step ({config.train.minibatches} minibatches' gradients, the weights, the engine's): "
+            f"{per_step * 1000:.1f} ms"
+        )
 
         with_sums, without, differences = scale.checksum_cost(ctx, state, args.rounds)
-        print(f"train + sync over one batch, alternating {args.rounds} rounds after a warm-up: with checksums "
-              f"{with_sums:.3f} s, without {without:.3f} s; "
-              f"the rounds' differences median {statistics.median(differences) * 1000:.1f} ms, from "
-              f"{differences[0] * 1000:.1f} to {differences[-1] * 1000:.1f} ms")
+        print(
+            f"train + sync over one batch, alternating {args.rounds} rounds after a warm-up: with checksums "
+            f"{with_sums:.3f} s, without {without:.3f} s; "
+            f"the rounds' differences median {statistics.median(differences) * 1000:.1f} ms, from "
+            f"{differences[0] * 1000:.1f} to {differences[-1] * 1000:.1f} ms"
+        )
         ctx.writer.close()
 
 

@@ -33,8 +33,11 @@ SETTINGS = {
     "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
     "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
     "cbwr-avx2-strict+aten-avx2": {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"},
-    "cbwr-avx2+aten-avx2+onednn-avx2": {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-                                         "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "cbwr-avx2+aten-avx2+onednn-avx2": {
+        "MKL_CBWR": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
     "cbwr-compatible+aten-default": {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"},
     "cbwr-compatible+aten-avx2": {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"},
     "mkl-instructions-avx2+aten-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
@@ -61,8 +64,19 @@ def probe() -> dict:
         return torch.randn(*shape, generator=gen)
 
     # GEMMs at the fixture model's shapes: decode (M=1), prefill/train (M = tokens), lm head (N = vocab).
-    for m, k, n in [(1, 64, 64), (1, 64, 192), (1, 192, 64), (1, 64, 314), (8, 64, 64), (30, 64, 192),
-                    (480, 64, 64), (480, 64, 192), (480, 192, 64), (480, 64, 314), (64, 480, 64)]:
+    for m, k, n in [
+        (1, 64, 64),
+        (1, 64, 192),
+        (1, 192, 64),
+        (1, 64, 314),
+        (8, 64, 64),
+        (30, 64, 192),
+        (480, 64, 64),
+        (480, 64, 192),
+        (480, 192, 64),
+        (480, 64, 314),
+        (64, 480, 64),
+    ]:
         a, b = rand(m, k), rand(n, k)
         put(f"linear {m}x{k}x{n}", F.linear(a, b))
         put(f"mm^T {m}x{k}x{n}", a.t() @ rand(m, n))  # the weight-gradient shape
@@ -127,8 +141,9 @@ def probe_train() -> dict:
     put("old_logprobs", state.batch.old_logprobs)
     model = ctx.trainer.model
     for name, module in model.named_modules():
-        module.register_forward_hook(lambda m, i, o, name=name: put(f"fwd {name or 'model'}",
-                                                                    o.logits if hasattr(o, "logits") else o))
+        module.register_forward_hook(
+            lambda m, i, o, name=name: put(f"fwd {name or 'model'}", o.logits if hasattr(o, "logits") else o)
+        )
     for fn in ("token_logprobs", "token_entropy", "sample_mean", "ppo_clip_loss", "kl_penalty"):
         original = getattr(algo, fn)
 
@@ -186,8 +201,13 @@ def probe_train() -> dict:
 
 def run_checksums(tmp: Path) -> list[dict]:
     out = tmp / "run"
-    subprocess.run([sys.executable, "-m", "rlbench.cli", "run", "--steps", "3", "--out", str(out), "--json"],
-                   cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", "run", "--steps", "3", "--out", str(out), "--json"],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return [json.loads(line) for line in (out / "checksums.jsonl").read_text().splitlines()]
 
 
@@ -213,8 +233,11 @@ def machine() -> dict:
 def collect(names: list[str], with_run: bool) -> dict:
     doc = {"machine": machine(), "settings": {}}
     for name in names:
-        env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                                     "MKL_ENABLE_INSTRUCTIONS")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        }
         env.update(SETTINGS[name])
         env["PYTHONPATH"] = str(REPO)
         code = (
@@ -222,8 +245,9 @@ def collect(names: list[str], with_run: bool) -> dict:
             "print(json.dumps({'ops': c.probe(), 'train': c.probe_train(), "
             "'capability': torch.backends.cpu.get_cpu_capability()}))"
         )
-        probe_out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True,
-                                   text=True).stdout
+        probe_out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True, text=True
+        ).stdout
         entry = json.loads(probe_out.strip().splitlines()[-1])
         if with_run:
             saved = dict(os.environ)
@@ -252,8 +276,10 @@ def compare(a: dict, b: dict) -> None:
         for ra, rb in zip(sa.get("run", []), sb.get("run", [])):
             stages += [f"{ra['step']}:{k}" for k in ra if k != "step" and ra[k] != rb.get(k)]
         same = not ops and not stages and "run" in sa and "run" in sb
-        print(f"{name:36s} ops differing {len(ops):2d}/{len(sa['ops'])} "
-              f"{'run: identical' if same else 'run stages differing: ' + str(len(stages))}")
+        print(
+            f"{name:36s} ops differing {len(ops):2d}/{len(sa['ops'])} "
+            f"{'run: identical' if same else 'run stages differing: ' + str(len(stages))}"
+        )
         if ops:
             print("    ops:", ", ".join(ops))
         if train:

@@ -71,8 +71,9 @@ def main() -> None:
         one(args.one, args.shape, args.one in args.profile.split(","))
         return
     for mode in args.modes.split(","):
-        subprocess.run([sys.executable, __file__, "--one", mode, "--shape", args.shape, "--profile", args.profile],
-                       check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--shape", args.shape, "--profile", args.profile], check=True
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ def generation(config, repeats: int) -> None:
     state = loop.StepState(0)
     loop.data(ctx, state)
     requests = loop.step_requests(ctx, state)
-    engines = {"per-sample": HFEngine(ctx.trainer.model, config.device, decode="per-sample"),
-               "batched": HFEngine(ctx.trainer.model, config.device, batch_size=config.rollout.decode_batch_size)}
+    engines = {
+        "per-sample": HFEngine(ctx.trainer.model, config.device, decode="per-sample"),
+        "batched": HFEngine(ctx.trainer.model, config.device, batch_size=config.rollout.decode_batch_size),
+    }
     results, times = {}, {name: [] for name in engines}
     for name, engine in engines.items():  # untimed warm-up
         results[name] = engine.generate(requests)
@@ -51,11 +53,15 @@ def generation(config, repeats: int) -> None:
             sync_device(config.device)
             times[name].append(time.perf_counter() - start)
     same = sum(a.output_ids == b.output_ids for a, b in zip(results["per-sample"], results["batched"]))
-    print(f"generation of {len(requests)} samples ({config.rollout.max_new_tokens} new tokens), {repeats} alternating "
-          f"repeats; same token ids on both paths: {same} of {len(requests)}")
+    print(
+        f"generation of {len(requests)} samples ({config.rollout.max_new_tokens} new tokens), {repeats} alternating "
+        f"repeats; same token ids on both paths: {same} of {len(requests)}"
+    )
     for name in engines:
-        print(f"  {name:10s} median {statistics.median(times[name]) * 1e3:8.2f} ms   "
-              f"[{', '.join(f'{t * 1e3:.1f}' for t in times[name])}]")
+        print(
+            f"  {name:10s} median {statistics.median(times[name]) * 1e3:8.2f} ms   "
+            f"[{', '.join(f'{t * 1e3:.1f}' for t in times[name])}]"
+        )
     ratio = statistics.median(times["per-sample"]) / statistics.median(times["batched"])
     print(f"  ratio per-sample / batched: {ratio:.1f}x")
 
@@ -115,8 +121,10 @@ def main() -> None:
     from rlbench import numerics
 
     mode = numerics.identity()
-    print(f"numerics {mode['mode']} (ATen {mode['aten_capability']}, MKL_CBWR {mode['mkl_cbwr']}), "
-          f"{args.threads} thread(s), {(mode['cpu'] or {}).get('model')}")
+    print(
+        f"numerics {mode['mode']} (ATen {mode['aten_capability']}, MKL_CBWR {mode['mkl_cbwr']}), "
+        f"{args.threads} thread(s), {(mode['cpu'] or {}).get('model')}"
+    )
     for new in dict.fromkeys((config.rollout.max_new_tokens, 4)):
         generation(config.replace(rollout=replace(config.rollout, max_new_tokens=new)), args.repeats)
     step_stages(config, args.steps)

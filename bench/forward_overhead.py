@@ -52,12 +52,13 @@ def functional(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
         w = {k.removeprefix(f"model.layers.{i}."): v for k, v in p.items() if k.startswith(f"model.layers.{i}.")}
         x = norm(h, w["input_layernorm.weight"])
         q = norm(F.linear(x, w["self_attn.q_proj.weight"]).view(rows, length, heads, dim), w["self_attn.q_norm.weight"])
-        k = norm(F.linear(x, w["self_attn.k_proj.weight"]).view(rows, length, kv_heads, dim),
-                 w["self_attn.k_norm.weight"])
+        k = norm(
+            F.linear(x, w["self_attn.k_proj.weight"]).view(rows, length, kv_heads, dim), w["self_attn.k_norm.weight"]
+        )
         v = F.linear(x, w["self_attn.v_proj.weight"]).view(rows, length, kv_heads, dim).transpose(1, 2)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim ** -0.5, enable_gqa=True)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=dim**-0.5, enable_gqa=True)
         h = h + F.linear(a.transpose(1, 2).contiguous().reshape(rows, length, -1), w["self_attn.o_proj.weight"])
         x = norm(h, w["post_attention_layernorm.weight"])
         gate = F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"])
@@ -75,8 +76,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_model(MODEL, 1234, init="random")
-    ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (args.rows, args.length),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3,
+        model.get_input_embeddings().weight.shape[0],
+        (args.rows, args.length),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def library():
         return model(input_ids=ids, logits_to_keep=args.keep, use_cache=False).logits
@@ -96,13 +101,14 @@ def main() -> int:
     if not (same_logits and same_grads):
         print("the functional forward is not the model's computation: the timing below would compare unlike things")
         return 1
-    times = {name: [] for name in ("transformers fwd+bwd", "functional fwd+bwd", "transformers fwd",
-                                   "functional fwd")}
+    times = {name: [] for name in ("transformers fwd+bwd", "functional fwd+bwd", "transformers fwd", "functional fwd")}
     for _ in range(args.repeats):  # alternating, so the machine's noise falls on both
-        for name, run in (("transformers fwd+bwd", lambda: train_pass(library)),
-                          ("functional fwd+bwd", lambda: train_pass(by_hand)),
-                          ("transformers fwd", lambda: torch.no_grad()(library)()),
-                          ("functional fwd", lambda: torch.no_grad()(by_hand)())):
+        for name, run in (
+            ("transformers fwd+bwd", lambda: train_pass(library)),
+            ("functional fwd+bwd", lambda: train_pass(by_hand)),
+            ("transformers fwd", lambda: torch.no_grad()(library)()),
+            ("functional fwd", lambda: torch.no_grad()(by_hand)()),
+        ):
             start = time.perf_counter()
             for _ in range(args.iters):
                 run()
@@ -110,8 +116,10 @@ def main() -> int:
     median = {name: statistics.median(values) for name, values in times.items()}
     for name, value in median.items():
         print(f"{name:<22} {value:7.2f} ms (median of {args.repeats})")
-    print(f"functional / transformers: fwd+bwd x{median['functional fwd+bwd'] / median['transformers fwd+bwd']:.2f}, "
-          f"fwd x{median['functional fwd'] / median['transformers fwd']:.2f}")
+    print(
+        f"functional / transformers: fwd+bwd x{median['functional fwd+bwd'] / median['transformers fwd+bwd']:.2f}, "
+        f"fwd x{median['functional fwd'] / median['transformers fwd']:.2f}"
+    )
     return 0
 
 

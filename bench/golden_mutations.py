@@ -41,9 +41,11 @@ def main() -> int:
         caught = not exact.ok
         if apply is not None and not caught:
             missed += 1
-        print(f"{name:25s} exact: {len(exact.failed):2d} of {len(exact.metrics)} metrics differ"
-              f"{f', from step {first}' if first is not None else ''}; approx: "
-              f"{', '.join(m.name for m in approx.failed) or 'passes'}")
+        print(
+            f"{name:25s} exact: {len(exact.failed):2d} of {len(exact.metrics)} metrics differ"
+            f"{f', from step {first}' if first is not None else ''}; approx: "
+            f"{', '.join(m.name for m in approx.failed) or 'passes'}"
+        )
     print("every mutation caught in the exact tier" if not missed else f"{missed} mutation(s) MISSED")
     return 1 if missed else 0
 

@@ -61,8 +61,9 @@ SETTINGS: dict[str, dict] = {
     "grad clip 10": {"train__grad_clip": 10.0},
     "init std 0.05": {"model": {"initializer_range": 0.05}},
     "1 layer": {"model": {"num_hidden_layers": 1}},
-    "hidden 128": {"model": {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 8,
-                             "num_key_value_heads": 4}},
+    "hidden 128": {
+        "model": {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 4}
+    },
 }
 
 
@@ -98,8 +99,15 @@ def run_one(job: tuple[str, int]) -> dict:
             for sample in recorded["samples"]:
                 found = ANSWER.search(sample["response"])
                 words[found.group(0).lower() if found else None] += 1
-            rows.append({"reward": metrics["rollout/raw_reward"], "time": metrics["perf/step_time"],
-                         "even": words["even"], "odd": words["odd"], "n": sum(words.values())})
+            rows.append(
+                {
+                    "reward": metrics["rollout/raw_reward"],
+                    "time": metrics["perf/step_time"],
+                    "even": words["even"],
+                    "odd": words["odd"],
+                    "n": sum(words.values()),
+                }
+            )
         return {"name": name, "seed": seed, "rows": rows}
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -107,7 +115,7 @@ def run_one(job: tuple[str, int]) -> dict:
 
 def verdict(rows: list[dict], steps: int) -> tuple[bool, float]:
     """(passes the acceptance at `steps` steps, its last-10 mean reward)."""
-    last = rows[steps - 10: steps]
+    last = rows[steps - 10 : steps]
     reward = statistics.fmean(r["reward"] for r in last)
     share = max(sum(r["even"] for r in last), sum(r["odd"] for r in last)) / sum(r["n"] for r in last)
     return reward >= 0.9 and share <= 0.6, reward
@@ -118,8 +126,11 @@ def main() -> None:
     parser.add_argument("--seeds", default=",".join(map(str, [DEFAULT_SEED, *range(1, 8)])))
     parser.add_argument("--procs", type=int, default=os.cpu_count())
     parser.add_argument("--only", default=None, help="comma-separated setting names")
-    parser.add_argument("--per-seed", action="store_true",
-                        help="also print each run: its last-10 reward and verdict at the default's 85 steps and at 100")
+    parser.add_argument(
+        "--per-seed",
+        action="store_true",
+        help="also print each run: its last-10 reward and verdict at the default's 85 steps and at 100",
+    )
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(SETTINGS)
     unknown = [n for n in names if n not in SETTINGS]
@@ -130,9 +141,11 @@ def main() -> None:
     with Pool(args.procs) as pool:
         results = pool.map(run_one, jobs, chunksize=1)
     mode = numerics.identity()
-    print(f"{len(names)} settings x {len(seeds)} seeds ({', '.join(map(str, seeds))}), {max(STEPS)} steps each, "
-          f"1 thread per run, {args.procs} at a time; numerics {mode['mode']} (ATen {mode['aten_capability']}, "
-          f"MKL_CBWR {mode['mkl_cbwr']})")
+    print(
+        f"{len(names)} settings x {len(seeds)} seeds ({', '.join(map(str, seeds))}), {max(STEPS)} steps each, "
+        f"1 thread per run, {args.procs} at a time; numerics {mode['mode']} (ATen {mode['aten_capability']}, "
+        f"MKL_CBWR {mode['mkl_cbwr']})"
+    )
     print(
         f"{'setting':24s} "
         + " ".join(f"pass@{n:<4d}" for n in STEPS)
@@ -147,8 +160,11 @@ def main() -> None:
         step = statistics.median(row["time"] for r in runs for row in r["rows"])
         print(f"{name:24s} " + "  ".join(cells) + f"   {mean:.2f}          {own_text}  {step * 1e3:.0f} ms")
         for run in runs if args.per_seed else ():
-            texts = [f"@{n} {reward:.3f} {'pass' if ok else 'fail'}"
-                     for n in (85, max(STEPS)) for ok, reward in [verdict(run["rows"], n)]]
+            texts = [
+                f"@{n} {reward:.3f} {'pass' if ok else 'fail'}"
+                for n in (85, max(STEPS))
+                for ok, reward in [verdict(run["rows"], n)]
+            ]
             print(f"  seed {run['seed']:<6d} " + "  ".join(texts))
 
 

@@ -36,8 +36,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 
 def train_times(args: list[str], out: Path) -> list[float]:
-    subprocess.run([sys.executable, "-m", "rlbench.cli", "run", *args, "--out", str(out), "--json"], cwd=REPO,
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", "run", *args, "--out", str(out), "--json"],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [row["perf/train_time"] for row in rows[WARMUP:]]
 
@@ -45,8 +49,10 @@ def train_times(args: list[str], out: Path) -> list[float]:
 def report(times: dict[str, list[float]]) -> None:
     (name_a, a), (name_b, b) = times.items()
     ma, mb = statistics.median(a), statistics.median(b)
-    print(f"{name_a} {ma * 1e3:.1f} ms, {name_b} {mb * 1e3:.1f} ms (medians of {len(a)} and {len(b)} steps); "
-          f"ratio {name_b}/{name_a} = {mb / ma:.3f}")
+    print(
+        f"{name_a} {ma * 1e3:.1f} ms, {name_b} {mb * 1e3:.1f} ms (medians of {len(a)} and {len(b)} steps); "
+        f"ratio {name_b}/{name_a} = {mb / ma:.3f}"
+    )
 
 
 def gpu(args: list[str], repeats: int) -> None:

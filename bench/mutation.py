@@ -119,11 +119,22 @@ def _toml(value) -> str:
 
 def _mutmut(work: Path, *args: str, log: Path | None = None) -> str:
     # One thread: a worker forked from a process whose OpenMP pool is running can hang in torch.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     with open(log or os.devnull, "w") as sink:  # a long run writes its progress to `log` as it goes
-        proc = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, env=env, text=True,
-                              stdout=sink if log else subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "mutmut", *args],
+            cwd=work,
+            env=env,
+            text=True,
+            stdout=sink if log else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
     out = log.read_text() if log else proc.stdout
     if proc.returncode != 0:
         raise SystemExit(f"mutmut {' '.join(args)} failed in {work} (exit {proc.returncode}):\n{out[-3000:]}")
@@ -163,10 +174,17 @@ def mutate(module: str, fresh: bool, equivalent: dict[str, dict], workers: int) 
     killed = [n for n, s in results.items() if s in KILLED]
     survivors = [n for n, s in results.items() if s not in KILLED and n not in equal]
     scored = len(results) - len(equal)
-    return {"module": module, "total": len(results), "killed": len(killed), "equivalent": len(equal),
-            "timeouts": sum(s == "timeout" for s in results.values()),
-            "score": len(killed) / scored if scored else 1.0, "seconds": seconds, "stale": stale,
-            "survivors": [(n, results[n], _mutmut(work, "show", n)) for n in survivors]}
+    return {
+        "module": module,
+        "total": len(results),
+        "killed": len(killed),
+        "equivalent": len(equal),
+        "timeouts": sum(s == "timeout" for s in results.values()),
+        "score": len(killed) / scored if scored else 1.0,
+        "seconds": seconds,
+        "stale": stale,
+        "survivors": [(n, results[n], _mutmut(work, "show", n)) for n in survivors],
+    }
 
 
 def load_equivalent() -> dict[str, dict]:
@@ -186,30 +204,69 @@ def load_equivalent() -> dict[str, dict]:
 
 # (bug, file, the original text, the planted text, the tests that should catch it)
 PLANTED = [
-    ("PPO clip bounds swapped", "rlbench/core/algo.py", "ratio.clamp(1 - eps_low, 1 + eps_high)",
-     "ratio.clamp(1 - eps_high, 1 + eps_low)", ["tests/cpu/test_algo.py"]),
-    ("PPO clip lower bound dropped", "rlbench/core/algo.py", "ratio.clamp(1 - eps_low, 1 + eps_high)",
-     "ratio.clamp(max=1 + eps_high)", ["tests/cpu/test_algo.py"]),
-    ("golden perf window: warm-up not left out", "rlbench/checks/golden_compare.py",
-     "window = [s for s in steps if tol.window[0] <= s <= tol.window[1]]", "window = list(steps)",
-     ["tests/cpu/test_golden_compare.py"]),
-    ("exact_match without strip()", "rlbench/core/reward.py",
-     "sample.response.strip() == sample.label.strip()", "sample.response == sample.label",
-     ["tests/cpu/test_reward_plugin.py"]),
-    ("exact_match always 0", "rlbench/core/reward.py",
-     "return 1.0 if sample.response.strip() == sample.label.strip() else 0.0", "return 0.0",
-     ["tests/cpu/test_reward_plugin.py"]),
-    ("derive_seed through Python's salted hash()", "rlbench/core/seeding.py",
-     'return int.from_bytes(hashlib.sha256(_DOMAIN + key).digest()[:8], "little") >> 1',
-     "return (hash(key) % 2**64) >> 1", ["tests/cpu/test_seeding.py"]),
-    ("audit: the special-token finding's index off by one", "rlbench/checks/tito_audit.py",
-     "len(buffer) + dropped,", "len(buffer) + dropped + 1,", ["tests/cpu/test_tito_audit.py"]),
-    ("calculator prints 7.0 for 7", "rlbench/tasks/calculator.py",
-     'return str(value(ast.parse(expression.strip(), mode="eval").body))',
-     'return str(float(value(ast.parse(expression.strip(), mode="eval").body)))',
-     ["tests/cpu/test_multiturn.py", "-k", "calculator"]),
-    ("`rlbench --help` no longer lists `run`", "rlbench/cli/runs.py", "@app.command(context_settings=",
-     "@app.command(hidden=True, context_settings=", ["tests/cpu/test_cli_surface.py"]),
+    (
+        "PPO clip bounds swapped",
+        "rlbench/core/algo.py",
+        "ratio.clamp(1 - eps_low, 1 + eps_high)",
+        "ratio.clamp(1 - eps_high, 1 + eps_low)",
+        ["tests/cpu/test_algo.py"],
+    ),
+    (
+        "PPO clip lower bound dropped",
+        "rlbench/core/algo.py",
+        "ratio.clamp(1 - eps_low, 1 + eps_high)",
+        "ratio.clamp(max=1 + eps_high)",
+        ["tests/cpu/test_algo.py"],
+    ),
+    (
+        "golden perf window: warm-up not left out",
+        "rlbench/checks/golden_compare.py",
+        "window = [s for s in steps if tol.window[0] <= s <= tol.window[1]]",
+        "window = list(steps)",
+        ["tests/cpu/test_golden_compare.py"],
+    ),
+    (
+        "exact_match without strip()",
+        "rlbench/core/reward.py",
+        "sample.response.strip() == sample.label.strip()",
+        "sample.response == sample.label",
+        ["tests/cpu/test_reward_plugin.py"],
+    ),
+    (
+        "exact_match always 0",
+        "rlbench/core/reward.py",
+        "return 1.0 if sample.response.strip() == sample.label.strip() else 0.0",
+        "return 0.0",
+        ["tests/cpu/test_reward_plugin.py"],
+    ),
+    (
+        "derive_seed through Python's salted hash()",
+        "rlbench/core/seeding.py",
+        'return int.from_bytes(hashlib.sha256(_DOMAIN + key).digest()[:8], "little") >> 1',
+        "return (hash(key) % 2**64) >> 1",
+        ["tests/cpu/test_seeding.py"],
+    ),
+    (
+        "audit: the special-token finding's index off by one",
+        "rlbench/checks/tito_audit.py",
+        "len(buffer) + dropped,",
+        "len(buffer) + dropped + 1,",
+        ["tests/cpu/test_tito_audit.py"],
+    ),
+    (
+        "calculator prints 7.0 for 7",
+        "rlbench/tasks/calculator.py",
+        'return str(value(ast.parse(expression.strip(), mode="eval").body))',
+        'return str(float(value(ast.parse(expression.strip(), mode="eval").body)))',
+        ["tests/cpu/test_multiturn.py", "-k", "calculator"],
+    ),
+    (
+        "`rlbench --help` no longer lists `run`",
+        "rlbench/cli/runs.py",
+        "@app.command(context_settings=",
+        "@app.command(hidden=True, context_settings=",
+        ["tests/cpu/test_cli_surface.py"],
+    ),
 ]
 
 
@@ -225,14 +282,21 @@ def planted() -> int:
                 raise SystemExit(f"{path}: the text to plant the bug in is not there once: {original!r}")
             (copy / path).write_text(source.replace(original, mutated))
             try:
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--tb=line",
-                                       "-p", "no:randomly", *tests], cwd=copy, text=True, capture_output=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(copy)})
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-q", "-n", "0", "--tb=line", "-p", "no:randomly", *tests],
+                    cwd=copy,
+                    text=True,
+                    capture_output=True,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(copy)},
+                )
             finally:
                 (copy / path).write_text(source)
             failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
-            errors = [line for line in proc.stdout.splitlines() if line.startswith("E ") or ": AssertionError" in
-                      line or re.match(r"^/.*:\d+: ", line)]
+            errors = [
+                line
+                for line in proc.stdout.splitlines()
+                if line.startswith("E ") or ": AssertionError" in line or re.match(r"^/.*:\d+: ", line)
+            ]
             print(f"{bug}\n  {path}: {original!r} -> {mutated!r}")
             if proc.returncode == 1 and failed:
                 print(f"  caught by {len(failed)} test(s), e.g. {failed[0]}\n  {(errors or ['?'])[0][:300]}")
@@ -246,10 +310,15 @@ def planted() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"modules to mutate [default: all]: {', '.join(MODULES)}")
-    parser.add_argument("--planted", action="store_true", help="plant the 9 bugs of issue 14 and show the tests "
-                                                               "that fail")
-    parser.add_argument("--keep", action="store_true", help="reuse an earlier run's results for functions that "
-                                                            "did not change (quicker; the figures are a fresh run's)")
+    parser.add_argument(
+        "--planted", action="store_true", help="plant the 9 bugs of issue 14 and show the tests that fail"
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="reuse an earlier run's results for functions that "
+        "did not change (quicker; the figures are a fresh run's)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     if args.planted:
@@ -262,19 +331,26 @@ def main() -> int:
     for module in args.modules or MODULES:
         report = mutate(module, not args.keep, equivalent, args.workers)
         reports.append(report)
-        print(f"\n== {module}: {report['killed']} killed of {report['total']} mutants, {report['equivalent']} "
-              f"equivalent, score {report['score']:.1%} ({report['seconds']:.0f} s)", flush=True)
+        print(
+            f"\n== {module}: {report['killed']} killed of {report['total']} mutants, {report['equivalent']} "
+            f"equivalent, score {report['score']:.1%} ({report['seconds']:.0f} s)",
+            flush=True,
+        )
         for name, status, diff in report["survivors"]:
             print(f"  {status}: {name}\n" + "\n".join(f"      {line}" for line in diff.strip().splitlines()[2:]))
         for line in report["stale"]:
             print(f"  stale equivalent entry: {line}")
     print("\nmodule                              killed  (timeouts)  total  equivalent  score")
     for r in reports:
-        print(f"{r['module']:<36}{r['killed']:>6}{r['timeouts']:>12}{r['total']:>7}{r['equivalent']:>12}  "
-              f"{r['score']:6.1%}")
+        print(
+            f"{r['module']:<36}{r['killed']:>6}{r['timeouts']:>12}{r['total']:>7}{r['equivalent']:>12}  "
+            f"{r['score']:6.1%}"
+        )
     below = [r["module"] for r in reports if r["score"] < 0.9 or r["stale"]]
-    print(f"\n{len(reports) - len(below)} of {len(reports)} modules at >= 90% with no stale entry"
-          + (f"; below or stale: {', '.join(below)}" if below else ""))
+    print(
+        f"\n{len(reports) - len(below)} of {len(reports)} modules at >= 90% with no stale entry"
+        + (f"; below or stale: {', '.join(below)}" if below else "")
+    )
     return 1 if below else 0
 
 

@@ -66,8 +66,10 @@ def main() -> None:
             if step:  # the first round warms every way up
                 times[name].append((time.perf_counter() - start) * 1e3)
     label = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
-    print(f"{label}, torch {torch.__version__}, {args.rows} rows x {args.vocab} logits, "
-          f"median of {args.rounds} alternating rounds, one decode step's token choice:")
+    print(
+        f"{label}, torch {torch.__version__}, {args.rows} rows x {args.vocab} logits, "
+        f"median of {args.rounds} alternating rounds, one decode step's token choice:"
+    )
     base = statistics.median(times[next(iter(ways))])
     for name, values in times.items():
         ms = statistics.median(values)

@@ -122,30 +122,59 @@ def _processes(args) -> None:
         model.config.save_pretrained(model_dir)
         save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(model_dir / "model.safetensors"))
         shape = Path(tmp) / "shape.toml"
-        shape.write_text(f"steps = {args.rounds + 1}\n[data]\nprompts_per_step = 8\n[rollout]\n"
-                         f"n_samples_per_prompt = {GENERATIONS}\nmax_new_tokens = 4\n[train]\nminibatches = {ROUND}\n")
+        shape.write_text(
+            f"steps = {args.rounds + 1}\n[data]\nprompts_per_step = 8\n[rollout]\n"
+            f"n_samples_per_prompt = {GENERATIONS}\nmax_new_tokens = 4\n[train]\nminibatches = {ROUND}\n"
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ATEN_", "RLBENCH_", "OMP_"))}
         trl, ours = [], []
         for repeat in range(args.repeats):
-            settings = {"per_device_train_batch_size": PER_DEVICE, "steps_per_generation": ROUND,
-                        "num_generations": GENERATIONS, "max_completion_length": 4, "temperature": 1.0,
-                        "learning_rate": 1e-3, "beta": 0.0, "use_cpu": True, "bf16": False, "seed": config.seed}
-            res = subprocess.run([sys.executable, "-c", TRL_WORKER, str(model_dir), config.model.tokenizer,
-                                  config.data.path, str(args.rounds), json.dumps(settings)],
-                                 capture_output=True, text=True, env=env)
+            settings = {
+                "per_device_train_batch_size": PER_DEVICE,
+                "steps_per_generation": ROUND,
+                "num_generations": GENERATIONS,
+                "max_completion_length": 4,
+                "temperature": 1.0,
+                "learning_rate": 1e-3,
+                "beta": 0.0,
+                "use_cpu": True,
+                "bf16": False,
+                "seed": config.seed,
+            }
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    TRL_WORKER,
+                    str(model_dir),
+                    config.model.tokenizer,
+                    config.data.path,
+                    str(args.rounds),
+                    json.dumps(settings),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if res.returncode != 0:
                 sys.exit(f"TRL's process failed: {res.stderr[-2000:]}")
             trl += json.loads(res.stdout.strip().splitlines()[-1])["steps"]
             out = Path(tmp) / f"rlbench-{repeat}"
-            res = subprocess.run([sys.executable, "-m", "rlbench", "run", "-c", str(shape), "--out", str(out),
-                                  "--json"], capture_output=True, text=True, env=env)
+            res = subprocess.run(
+                [sys.executable, "-m", "rlbench", "run", "-c", str(shape), "--out", str(out), "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if res.returncode != 0:
                 sys.exit(f"rlbench's process failed: {res.stderr[-2000:]}")
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             ours += [row["perf/step_time"] for row in rows[1:]]
-    print(f"{args.repeats} alternating pairs of processes, {args.rounds} rounds each after one warm-up; 8 prompts x "
-          f"{GENERATIONS} samples, 4 new tokens, {ROUND} minibatches of {PER_DEVICE}; each with its own defaults "
-          f"(TRL: torch's {os.cpu_count()}-core default threads and numerics; rlbench: 1 thread, portable numerics)")
+    print(
+        f"{args.repeats} alternating pairs of processes, {args.rounds} rounds each after one warm-up; 8 prompts x "
+        f"{GENERATIONS} samples, 4 new tokens, {ROUND} minibatches of {PER_DEVICE}; each with its own defaults "
+        f"(TRL: torch's {os.cpu_count()}-core default threads and numerics; rlbench: 1 thread, portable numerics)"
+    )
     print(f"  TRL GRPOTrainer  median {statistics.median(trl) * 1e3:8.1f} ms a round  ({len(trl)} rounds)")
     print(f"  rlbench          median {statistics.median(ours) * 1e3:8.1f} ms a step   ({len(ours)} steps)")
     print(f"  ratio rlbench / TRL: {statistics.median(ours) / statistics.median(trl):.2f}")
@@ -170,13 +199,20 @@ def main() -> None:
         sys.exit(f"needs trl (python -m pip install -c constraints.txt trl): {exc}")
 
     # The shape, whatever the default run's is: 8 prompts x 8 samples, 4 new tokens, 4 minibatches of 16.
-    config = load_config(threads=args.threads, steps=args.rounds + 1, data__prompts_per_step=8,
-                         rollout__n_samples_per_prompt=GENERATIONS, rollout__max_new_tokens=4, train__minibatches=ROUND)
+    config = load_config(
+        threads=args.threads,
+        steps=args.rounds + 1,
+        data__prompts_per_step=8,
+        rollout__n_samples_per_prompt=GENERATIONS,
+        rollout__max_new_tokens=4,
+        train__minibatches=ROUND,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ctx = build(config.replace(out=str(Path(tmp) / "rlbench")))  # sets threads and deterministic mode
         rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines()]
-        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]}
-                                     for r in rows])
+        dataset = Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows]
+        )
         ours, theirs = [], []
 
         class Alternate(TrainerCallback):
@@ -198,11 +234,22 @@ def main() -> None:
                 self.mark = time.perf_counter()
 
         trl_config = GRPOConfig(
-            output_dir=str(Path(tmp) / "trl"), per_device_train_batch_size=PER_DEVICE, steps_per_generation=ROUND,
-            num_generations=GENERATIONS, max_completion_length=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature, learning_rate=config.train.lr, beta=0.0,
-            max_steps=ROUND * args.rounds, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-            disable_tqdm=True, seed=config.seed)
+            output_dir=str(Path(tmp) / "trl"),
+            per_device_train_batch_size=PER_DEVICE,
+            steps_per_generation=ROUND,
+            num_generations=GENERATIONS,
+            max_completion_length=config.rollout.max_new_tokens,
+            temperature=config.rollout.temperature,
+            learning_rate=config.train.lr,
+            beta=0.0,
+            max_steps=ROUND * args.rounds,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=config.seed,
+        )
         trainer = GRPOTrainer(
             model=build_model(config.model.path, config.seed, init=config.model.init),
             reward_funcs=parity_reward,
@@ -215,16 +262,24 @@ def main() -> None:
         ctx.writer.close()
     ours_steps = [sum(stage.values()) for stage in ours[1:]]
     theirs_steps = theirs[1:]
-    print(f"{len(ours_steps)} alternating steps each after one warm-up; 8 prompts x 8 samples, "
-          f"{config.rollout.max_new_tokens} new tokens, 4 minibatches of 16, {args.threads} thread(s)")
-    print(f"  TRL GRPOTrainer  median {statistics.median(theirs_steps) * 1e3:8.1f} ms  "
-          f"[{', '.join(f'{t * 1e3:.0f}' for t in theirs_steps)}]")
-    print(f"  rlbench          median {statistics.median(ours_steps) * 1e3:8.1f} ms  "
-          f"[{', '.join(f'{t * 1e3:.0f}' for t in ours_steps)}]")
+    print(
+        f"{len(ours_steps)} alternating steps each after one warm-up; 8 prompts x 8 samples, "
+        f"{config.rollout.max_new_tokens} new tokens, 4 minibatches of 16, {args.threads} thread(s)"
+    )
+    print(
+        f"  TRL GRPOTrainer  median {statistics.median(theirs_steps) * 1e3:8.1f} ms  "
+        f"[{', '.join(f'{t * 1e3:.0f}' for t in theirs_steps)}]"
+    )
+    print(
+        f"  rlbench          median {statistics.median(ours_steps) * 1e3:8.1f} ms  "
+        f"[{', '.join(f'{t * 1e3:.0f}' for t in ours_steps)}]"
+    )
     for name in ours[0]:
         print(f"    {name:10s} {statistics.median(s[name] for s in ours[1:]) * 1e3:8.2f} ms")
-    print(f"  ratio rlbench / TRL (in-process, TRL under rlbench's numerics and settings): "
-          f"{statistics.median(ours_steps) / statistics.median(theirs_steps):.2f}")
+    print(
+        f"  ratio rlbench / TRL (in-process, TRL under rlbench's numerics and settings): "
+        f"{statistics.median(ours_steps) / statistics.median(theirs_steps):.2f}"
+    )
 
 
 if __name__ == "__main__":

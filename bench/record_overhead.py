@@ -55,16 +55,22 @@ def main() -> None:
                 totals[side].append(total)
                 steps[side] += times
                 label = "recording" if side == "A" else "no output"
-                print(f"repeat {repeat}  {side} {label:9s}  run {total:7.2f} s   "
-                      f"median step {statistics.median(times) * 1e3:7.2f} ms")
+                print(
+                    f"repeat {repeat}  {side} {label:9s}  run {total:7.2f} s   "
+                    f"median step {statistics.median(times) * 1e3:7.2f} ms"
+                )
 
     run_ratio = statistics.median(totals["A"]) / statistics.median(totals["B"])
     step_ratio = statistics.median(steps["A"]) / statistics.median(steps["B"])
     print(f"steps per run {args.steps}, repeats {args.repeats}")
-    print(f"run time   (median): recording {statistics.median(totals['A']):.2f} s, "
-          f"no output {statistics.median(totals['B']):.2f} s, ratio {run_ratio:.4f}")
-    print(f"step time  (median): recording {statistics.median(steps['A']) * 1e3:.2f} ms, "
-          f"no output {statistics.median(steps['B']) * 1e3:.2f} ms, ratio {step_ratio:.4f}")
+    print(
+        f"run time   (median): recording {statistics.median(totals['A']):.2f} s, "
+        f"no output {statistics.median(totals['B']):.2f} s, ratio {run_ratio:.4f}"
+    )
+    print(
+        f"step time  (median): recording {statistics.median(steps['A']) * 1e3:.2f} ms, "
+        f"no output {statistics.median(steps['B']) * 1e3:.2f} ms, ratio {step_ratio:.4f}"
+    )
     overhead = (run_ratio - 1) * 100
     print(f"recording overhead (run time): {overhead:+.2f}% (budget {BUDGET_PERCENT:.0f}%)")
     print("PASS" if overhead <= BUDGET_PERCENT else "FAIL")

@@ -44,8 +44,10 @@ def main() -> None:
         replayed = sum(row["perf/step_time"] for row in read_run(Path(tmp) / "replay").metrics)
     ratio = replayed / train
     print(f"steps {args.steps}, replay reproduced {res.reproduced} bit for bit")
-    print(f"original: wall {original_wall:.2f} s, of which generation (rollout stage) {rollout:.2f} s, "
-          f"train stages {train:.3f} s")
+    print(
+        f"original: wall {original_wall:.2f} s, of which generation (rollout stage) {rollout:.2f} s, "
+        f"train stages {train:.3f} s"
+    )
     print(f"replay:   wall {replay_wall:.2f} s (start-up and up-front verification included), steps {replayed:.3f} s")
     print(f"ratio replay steps / original train stages: {ratio:.4f} (budget {BUDGET:.2f})")
     print("PASS" if ratio <= BUDGET else "FAIL")

@@ -27,8 +27,11 @@ def build(work: Path, steps: int) -> Path:
     from rlbench.rundir import recording
 
     seed = work / "seed"
-    subprocess.run([sys.executable, "-m", "rlbench", "run", "--steps", "3", "--out", str(seed), "--json"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "rlbench", "run", "--steps", "3", "--out", str(seed), "--json"],
+        check=True,
+        capture_output=True,
+    )
     big = work / "big"
     (big / "rollouts").mkdir(parents=True)
     manifest = json.loads((seed / "manifest.json").read_text())
@@ -39,9 +42,12 @@ def build(work: Path, steps: int) -> Path:
     with open(big / "metrics.jsonl", "w") as metrics, open(big / "checksums.jsonl", "w") as sums:
         for step in range(steps):
             tensors, meta = sources[step % 3]
-            data, js = recording.encode_step(step, tensors, meta["samples"],
-                                             {k: v for k, v in meta.items() if k not in ("schema", "step", "samples",
-                                                                                          "samples_sha256")})
+            data, js = recording.encode_step(
+                step,
+                tensors,
+                meta["samples"],
+                {k: v for k, v in meta.items() if k not in ("schema", "step", "samples", "samples_sha256")},
+            )
             (big / "rollouts" / f"{step:06d}.safetensors").write_bytes(data)
             (big / "rollouts" / f"{step:06d}.json").write_bytes(js)
             drift = 1 + 0.2 * math.sin(step / 500)
@@ -62,14 +68,17 @@ def main() -> None:
     print(f"built a {args.steps}-step run in {time.perf_counter() - t0:.1f} s: {big}")
     out = work / "report.html"
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "rlbench", "report", str(big), "--out", str(out)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbench", "report", str(big), "--out", str(out)], capture_output=True, text=True
+    )
     seconds = time.perf_counter() - t0
     if res.returncode != 0:
         sys.exit(f"rlbench report failed ({res.returncode}): {res.stderr.strip()}")
     size = out.stat().st_size
-    print(f"rlbench report: {seconds:.2f} s (its own process, imports included), page {size / 1e6:.2f} MB; "
-          f"limits 10 s and 10 MB: {'met' if seconds < 10 and size < 10e6 else 'NOT met'}")
+    print(
+        f"rlbench report: {seconds:.2f} s (its own process, imports included), page {size / 1e6:.2f} MB; "
+        f"limits 10 s and 10 MB: {'met' if seconds < 10 and size < 10e6 else 'NOT met'}"
+    )
     if args.work is None:
         shutil.rmtree(work)
 

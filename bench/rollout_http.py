@@ -35,8 +35,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=16)
     args = parser.parse_args()
-    config = load_config(rollout__max_new_tokens=args.max_new_tokens, data__prompts_per_step=args.prompts,
-                         rollout__n_samples_per_prompt=args.samples)
+    config = load_config(
+        rollout__max_new_tokens=args.max_new_tokens,
+        data__prompts_per_step=args.prompts,
+        rollout__n_samples_per_prompt=args.samples,
+    )
     ctx = build(config)
     state = loop.StepState(0)
     loop.data(ctx, state)
@@ -44,8 +47,11 @@ def main() -> None:
 
     from rlbench.backends.sglang.engine import open_engine
 
-    remote = open_engine(apply_overrides(config, rollout__backend="sglang", rollout__sglang_server="rlbench",
-                                         rollout__num_engines=args.engines))
+    remote = open_engine(
+        apply_overrides(
+            config, rollout__backend="sglang", rollout__sglang_server="rlbench", rollout__num_engines=args.engines
+        )
+    )
     try:
         weights = ctx.trainer.export_hf_weights()
         engines = {"in-process": ctx.engine, "http": remote}
@@ -73,27 +79,36 @@ def main() -> None:
             floor.append(time.perf_counter() - start)
     finally:
         remote.close()
-    same = sum((a.output_ids, a.logprobs) == (b.output_ids, b.logprobs)
-               for a, b in zip(results["in-process"], results["http"]))
+    same = sum(
+        (a.output_ids, a.logprobs) == (b.output_ids, b.logprobs) for a, b in zip(results["in-process"], results["http"])
+    )
     tokens = sum(len(r.output_ids) for r in results["in-process"])
-    print(f"{len(requests)} requests ({args.prompts} prompts x {args.samples} samples, up to {args.max_new_tokens} new "
-          f"tokens, {tokens} tokens in all), {args.repeats} alternating repeats; http: {args.engines} rlbench serve "
-          f"worker(s) behind sglang-router, one request per sample")
+    print(
+        f"{len(requests)} requests ({args.prompts} prompts x {args.samples} samples, up to {args.max_new_tokens} new "
+        f"tokens, {tokens} tokens in all), {args.repeats} alternating repeats; http: {args.engines} rlbench serve "
+        f"worker(s) behind sglang-router, one request per sample"
+    )
     print(f"same token ids and log-probs on both paths, bit for bit: {same} of {len(requests)}")
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     for name, ts in times.items():
-        print(f"  {name:10s} median {medians[name] * 1e3:8.2f} ms  {tokens / medians[name]:9.0f} tokens/s   "
-              f"[{', '.join(f'{t * 1e3:.1f}' for t in ts)}]")
+        print(
+            f"  {name:10s} median {medians[name] * 1e3:8.2f} ms  {tokens / medians[name]:9.0f} tokens/s   "
+            f"[{', '.join(f'{t * 1e3:.1f}' for t in ts)}]"
+        )
     ratio = medians["http"] / medians["in-process"]
     print(f"  ratio http / in-process: x{ratio:.2f} ({(ratio - 1) * 100:+.0f}%; the issue's budget: +20%)")
     per_request = {name: seconds / (args.repeats * len(requests)) for name, seconds in cpu.items()}
-    print("  CPU time per HTTP request, by process: " + ", ".join(f"{name} {t * 1e6:.0f} us"
-                                                                   for name, t in per_request.items())
-          + f"; a step's {len(requests)} requests: {sum(per_request.values()) * len(requests) * 1e3:.1f} ms of CPU "
-          f"(the in-process generation: {medians['in-process'] * 1e3:.1f} ms wall on 1 thread)")
-    print(f"  HTTP alone: {len(requests)} GET /model_info to the worker at once, median "
-          f"{statistics.median(floor) * 1e3:.2f} ms = x{statistics.median(floor) / medians['in-process']:.2f} of "
-          f"the in-process generation [{', '.join(f'{t * 1e3:.1f}' for t in floor)}]")
+    print(
+        "  CPU time per HTTP request, by process: "
+        + ", ".join(f"{name} {t * 1e6:.0f} us" for name, t in per_request.items())
+        + f"; a step's {len(requests)} requests: {sum(per_request.values()) * len(requests) * 1e3:.1f} ms of CPU "
+        f"(the in-process generation: {medians['in-process'] * 1e3:.1f} ms wall on 1 thread)"
+    )
+    print(
+        f"  HTTP alone: {len(requests)} GET /model_info to the worker at once, median "
+        f"{statistics.median(floor) * 1e3:.2f} ms = x{statistics.median(floor) / medians['in-process']:.2f} of "
+        f"the in-process generation [{', '.join(f'{t * 1e3:.1f}' for t in floor)}]"
+    )
 
 
 def _cpu_s(pid: int) -> float:

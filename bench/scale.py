@@ -73,12 +73,33 @@ CARDS = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12)}
 # Qwen3's published shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
 SHAPES = {
     "fixture": {},  # the fixture model itself: a quick check that the script runs (--device cpu)
-    "0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
-    "1.7B": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
-    "4B": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "0.6B": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "1.7B": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "4B": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
 }
 # Every entry into rlbench's checksum code (rlbench/rundir/digest.py), under the names its callers imported it by:
 # nested calls count once (the outermost).
@@ -92,9 +113,11 @@ def model_dir(root: Path, shape: str, vocab: int | None = None) -> Path:
     directory = root / shape
     directory.mkdir()
     sized = {"vocab_size": vocab} if vocab else {}
-    (directory / "config.json").write_text(json.dumps({**fixture, **SHAPES[shape], **sized,
-                                                       "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
-                                                      indent=1))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {**fixture, **SHAPES[shape], **sized, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}, indent=1
+        )
+    )
     return directory
 
 
@@ -114,18 +137,37 @@ def real_tokenizer(root: Path, size: int = QWEN3_TOKENIZER) -> Path:
     return directory
 
 
-def shape_config(root: Path, shape: str, device: str, steps: int, new_tokens: int = 256, trainer: str = "torch",
-                 vocab: int | None = QWEN3_VOCAB):
+def shape_config(
+    root: Path,
+    shape: str,
+    device: str,
+    steps: int,
+    new_tokens: int = 256,
+    trainer: str = "torch",
+    vocab: int | None = QWEN3_VOCAB,
+):
     """The run every figure here is taken on: `shape` (its config.json written under `root`, `vocab` logits, with a
     tokenizer of Qwen3's size; None: the fixture's vocabulary and tokenizer) with random weights, bf16 over fp32
     masters, deterministic, 8 prompts x 8 samples x `new_tokens` new tokens, 4 minibatches in micro-batches of 16,
     its run directory under `root`, no checkpoint within `steps`."""
     tokenizer = str(real_tokenizer(root)) if vocab else load_config().model.tokenizer
-    return load_config(model__path=str(model_dir(root, shape, vocab)), model__init="random", model__dtype="bfloat16",
-                       model__tokenizer=tokenizer,
-                       device=device, deterministic=True, steps=steps, out=str(root / "run"),
-                       data__prompts_per_step=8, rollout__n_samples_per_prompt=8, rollout__max_new_tokens=new_tokens,
-                       train__minibatches=4, train__micro_batch_size=16, checkpoint_every=10**6, train__backend=trainer)
+    return load_config(
+        model__path=str(model_dir(root, shape, vocab)),
+        model__init="random",
+        model__dtype="bfloat16",
+        model__tokenizer=tokenizer,
+        device=device,
+        deterministic=True,
+        steps=steps,
+        out=str(root / "run"),
+        data__prompts_per_step=8,
+        rollout__n_samples_per_prompt=8,
+        rollout__max_new_tokens=new_tokens,
+        train__minibatches=4,
+        train__micro_batch_size=16,
+        checkpoint_every=10**6,
+        train__backend=trainer,
+    )
 
 
 class Clock:
@@ -154,6 +196,7 @@ class Clock:
                 if self.depth == 0:
                     sync_device(self.device)
                     self.seconds += time.perf_counter() - start
+
         return timed
 
 
@@ -192,6 +235,7 @@ def step_by_stage(ctx, steps: int, clock: Clock) -> tuple[dict, dict]:
 def _held_memory(ctx) -> dict[str, float]:
     """What a torch-trainer run holds on the GPU between steps, by part (GiB): the trainer's model, its fp32
     masters and their gradients, AdamW's moments, the engine's model; the rest is what else is allocated then."""
+
     def size(tensors) -> float:
         return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
@@ -202,8 +246,12 @@ def _held_memory(ctx) -> dict[str, float]:
             masters = list(trainer.masters.params.values())
             held["fp32 masters"] = size(masters)
             held["master grads"] = size(p.grad for p in masters if p.grad is not None)
-        held["AdamW moments"] = size(v for state in trainer.optimizer.state.values() for v in state.values()
-                                     if torch.is_tensor(v) and v.dim() > 0)
+        held["AdamW moments"] = size(
+            v
+            for state in trainer.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
     model = getattr(ctx.engine, "model", None)
     if isinstance(model, torch.nn.Module):
         held["engine model"] = size(model.parameters())
@@ -241,7 +289,7 @@ def checksum_cost(ctx, state, rounds: int) -> tuple[float, float, float]:
     GPU's as it does; the checksum clock's synchronised sum over the whole step is an upper bound."""
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(rounds + 1):
-        for on in ((True, False) if r % 2 else (False, True)):
+        for on in (True, False) if r % 2 else (False, True):
             with contextlib.nullcontext() if on else checksums_off():
                 sync_device(ctx.config.device)
                 start = time.perf_counter()
@@ -282,16 +330,28 @@ def generation(ctx, new_tokens: int, repeats: int = 2) -> dict:
         ctx.engine.cuda_graphs = graphs
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=attention, do_sample=True, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                do_sample=True,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+            )
         sync_device(ctx.config.device)
         times["generate"].append(time.perf_counter() - start)
     engine_tokens = sum(len(r.output_ids) for r in results)
     same = all(a.output_ids == b.output_ids and a.logprobs == b.logprobs for a, b in zip(results, eager))
-    return {"engine_tok_s": engine_tokens / statistics.median(times["engine"][1:]),
-            "eager_tok_s": engine_tokens / statistics.median(times["eager"][1:]), "graphs_same_bits": same,
-            "generate_tok_s": len(prompts) * new_tokens / statistics.median(times["generate"][1:]),
-            "engine_tokens": engine_tokens}
+    return {
+        "engine_tok_s": engine_tokens / statistics.median(times["engine"][1:]),
+        "eager_tok_s": engine_tokens / statistics.median(times["eager"][1:]),
+        "graphs_same_bits": same,
+        "generate_tok_s": len(prompts) * new_tokens / statistics.median(times["generate"][1:]),
+        "engine_tokens": engine_tokens,
+    }
 
 
 def time_checkpoint(ctx, steps_done: int, device: str) -> str:
@@ -306,8 +366,11 @@ def time_checkpoint(ctx, steps_done: int, device: str) -> str:
     files = ctx.trainer.save_checkpoint()
     made = time.perf_counter() - start
     start = time.perf_counter()
-    ctx.writer.write_checkpoint(steps_done, files, {"steps_done": steps_done, "cursor": None,
-                                                    "weight_version": steps_done, "seed": ctx.config.seed})
+    ctx.writer.write_checkpoint(
+        steps_done,
+        files,
+        {"steps_done": steps_done, "cursor": None, "weight_version": steps_done, "seed": ctx.config.seed},
+    )
     ctx.writer.flush()
     written = time.perf_counter() - start
     size = sum(len(data) for data in files.values())
@@ -321,9 +384,11 @@ def time_checkpoint(ctx, steps_done: int, device: str) -> str:
         os.fsync(handle.fileno())
     disk = time.perf_counter() - start
     path.unlink()
-    return (f"{made + written:.2f} s for {size / 1e9:.2f} GB: made in memory {made:.2f} s (blocks the step), written "
-            f"{written:.2f} s by the background writer (x{written / disk:.2f} of this disk's own {disk:.2f} s for the "
-            f"same bytes, {size / disk / 1e9:.2f} GB/s)")
+    return (
+        f"{made + written:.2f} s for {size / 1e9:.2f} GB: made in memory {made:.2f} s (blocks the step), written "
+        f"{written:.2f} s by the background writer (x{written / disk:.2f} of this disk's own {disk:.2f} s for the "
+        f"same bytes, {size / disk / 1e9:.2f} GB/s)"
+    )
 
 
 def _data(ctx):
@@ -427,8 +492,12 @@ def floors(config: dict, prompt: int, new: int, samples: int, card: str) -> dict
     kv_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2  # bf16 K, V
     rollout = sum(2 * params + samples * (prompt + t) * kv_token for t in range(new)) / bandwidth
     tokens = samples * (prompt + new)
-    return {"params": params, "rollout": rollout, "logprob": 2 * params * tokens / rate,
-            "train": 6 * params * tokens / rate + 26 * params / bandwidth}
+    return {
+        "params": params,
+        "rollout": rollout,
+        "logprob": 2 * params * tokens / rate,
+        "train": 6 * params * tokens / rate + 26 * params / bandwidth,
+    }
 
 
 def peer_trl(args, shape: str, root: Path) -> None:
@@ -465,18 +534,35 @@ def peer_trl(args, shape: str, root: Path) -> None:
     settings = {}
     rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
     chat = load_tokenizer(str(tokenizer))
-    encoded = [chat.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=True,
-                                        add_generation_prompt=True) for r in rows[:64]]
+    encoded = [
+        chat.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=True, add_generation_prompt=True)
+        for r in rows[:64]
+    ]
     prompt_lengths = [len(e if isinstance(e, list) else e["input_ids"]) for e in encoded]
     for repeat in range(args.peer_repeats):
         order = list(results) if repeat % 2 == 0 else list(reversed(results))
         for name in order:
             if name.startswith("TRL"):
-                settings = {"per_device_train_batch_size": 16, "steps_per_generation": 4, "num_generations": 8,
-                            "max_completion_length": args.new_tokens, "temperature": 1.0, "beta": 0.0, "seed": 1234,
-                            "use_cpu": not args.device.startswith("cuda")}  # the CPU: a smoke test of this script
-                command = [sys.executable, "-c", TRL_WORKER, str(directory), str(tokenizer), data,
-                           str(args.peer_rounds), json.dumps(settings)]
+                settings = {
+                    "per_device_train_batch_size": 16,
+                    "steps_per_generation": 4,
+                    "num_generations": 8,
+                    "max_completion_length": args.new_tokens,
+                    "temperature": 1.0,
+                    "beta": 0.0,
+                    "seed": 1234,
+                    "use_cpu": not args.device.startswith("cuda"),
+                }  # the CPU: a smoke test of this script
+                command = [
+                    sys.executable,
+                    "-c",
+                    TRL_WORKER,
+                    str(directory),
+                    str(tokenizer),
+                    data,
+                    str(args.peer_rounds),
+                    json.dumps(settings),
+                ]
             else:
                 out = root / f"run-{repeat}-{len(name)}"
                 command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(toml), "--out", str(out)]
@@ -499,32 +585,51 @@ def peer_trl(args, shape: str, root: Path) -> None:
                 if name.startswith("TRL")
                 else [row["perf/step_time"] for row in results[name][-args.peer_rounds :]]
             )
-            print(f"  {name}: process {repeat + 1} of {args.peer_repeats} done in {time.perf_counter() - start:.0f} s; "
-                  f"steps {', '.join(f'{t:.2f}' for t in mine)} s; peak {report['peak'] / 2**30:.1f} GiB" +
-                  ("" if name.startswith("TRL") else "; " + ", ".join(
-                      f"{k[5:]} {v:.2f}" for k, v in results[name][-1].items())), flush=True)
+            print(
+                f"  {name}: process {repeat + 1} of {args.peer_repeats} done in {time.perf_counter() - start:.0f} s; "
+                f"steps {', '.join(f'{t:.2f}' for t in mine)} s; peak {report['peak'] / 2**30:.1f} GiB"
+                + (
+                    ""
+                    if name.startswith("TRL")
+                    else "; " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in results[name][-1].items())
+                ),
+                flush=True,
+            )
     card = _card()
     trl = statistics.median(results["TRL GRPOTrainer"]) if "TRL GRPOTrainer" in results else None
-    print(f"{shape}, vocab {vocab or 'fixture'}: {args.peer_repeats} alternating sets of processes, "
-          f"{args.peer_rounds} steps each after one warm-up; 8 prompts x 8 samples x {args.new_tokens} new tokens, "
-          f"4 optimizer steps of 16, bf16" + (f"; TRL's settings: {settings}" if trl else ""))
+    print(
+        f"{shape}, vocab {vocab or 'fixture'}: {args.peer_repeats} alternating sets of processes, "
+        f"{args.peer_rounds} steps each after one warm-up; 8 prompts x 8 samples x {args.new_tokens} new tokens, "
+        f"4 optimizer steps of 16, bf16" + (f"; TRL's settings: {settings}" if trl else "")
+    )
     if trl:
         print(f"  TRL GRPOTrainer          step {trl:7.2f} s  peak {max(peaks['TRL GRPOTrainer']) / 2**30:6.1f} GiB")
     for name in ("rlbench --deterministic", "rlbench"):
         steps = [row["perf/step_time"] for row in results[name]]
         stages = {k: statistics.median(row[k] for row in results[name]) for k in results[name][0]}
-        print(f"  {name:24s} step {statistics.median(steps):7.2f} s  peak {max(peaks[name]) / 2**30:6.1f} GiB  " +
-              (f"x{statistics.median(steps) / trl:.2f} of TRL's step  " if trl else "") + "(" +
-              ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items() if k != "perf/step_time") + ")")
+        print(
+            f"  {name:24s} step {statistics.median(steps):7.2f} s  peak {max(peaks[name]) / 2**30:6.1f} GiB  "
+            + (f"x{statistics.median(steps) / trl:.2f} of TRL's step  " if trl else "")
+            + "("
+            + ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items() if k != "perf/step_time")
+            + ")"
+        )
     det = statistics.median(row["perf/step_time"] for row in results["rlbench --deterministic"])
     free = statistics.median(row["perf/step_time"] for row in results["rlbench"])
     print(f"  deterministic / not: x{det / free:.2f}")
     if card:
-        bounds = floors(json.loads((directory / "config.json").read_text()), round(statistics.fmean(prompt_lengths)),
-                        args.new_tokens, 64, card)
+        bounds = floors(
+            json.loads((directory / "config.json").read_text()),
+            round(statistics.fmean(prompt_lengths)),
+            args.new_tokens,
+            64,
+            card,
+        )
         rollout = statistics.median(row["perf/rollout_time"] for row in results["rlbench --deterministic"])
-        print(f"  the rollout's physical floor on an {card}: {bounds['rollout']:.3f} s; rlbench --deterministic's "
-              f"rollout x{rollout / bounds['rollout']:.1f} of it (issue: <= 10; every stage's: below)")
+        print(
+            f"  the rollout's physical floor on an {card}: {bounds['rollout']:.3f} s; rlbench --deterministic's "
+            f"rollout x{rollout / bounds['rollout']:.1f} of it (issue: <= 10; every stage's: below)"
+        )
 
 
 def _card() -> str | None:
@@ -550,23 +655,38 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="timed generations and train/bare rounds (after a warm-up)"
     )
-    parser.add_argument("--cost-rounds", type=int, default=9,
-                        help="rounds of train + sync with and without the device checksums (after a warm-up): their "
-                             "difference is tens of ms in a second's stage, so it needs more rounds than the rest")
+    parser.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=9,
+        help="rounds of train + sync with and without the device checksums (after a warm-up): their "
+        "difference is tens of ms in a second's stage, so it needs more rounds than the rest",
+    )
     parser.add_argument(
         "--no-checkpoint", action="store_true", help="skip timing a checkpoint (at 4B: ~72 GB to write)"
     )
-    parser.add_argument("--trainer", choices=("torch", "megatron"), default="torch",
-                        help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
-                             "by stage and checkpoint only (the engine's figures are the torch runs'; the bare step "
-                             "is a transformers model)")
-    parser.add_argument("--vocab", default=str(QWEN3_VOCAB),
-                        help="the model's vocab_size, with a tokenizer of Qwen3's size (151,669 ids) built offline; "
-                             "'fixture': the fixture model's vocabulary and tokenizer (314)")
-    parser.add_argument("--peer", choices=("trl", "none"), default=None,
-                        help="also run TRL's GRPOTrainer and `rlbench run` (with and without --deterministic) in "
-                             "processes of their own, alternating (needs trl and a CUDA device); 'none': the two "
-                             "`rlbench run` processes only (deterministic mode's cost)")
+    parser.add_argument(
+        "--trainer",
+        choices=("torch", "megatron"),
+        default="torch",
+        help="megatron: the megatron trainer (one rank, Megatron's bf16 mixed precision); its steps "
+        "by stage and checkpoint only (the engine's figures are the torch runs'; the bare step "
+        "is a transformers model)",
+    )
+    parser.add_argument(
+        "--vocab",
+        default=str(QWEN3_VOCAB),
+        help="the model's vocab_size, with a tokenizer of Qwen3's size (151,669 ids) built offline; "
+        "'fixture': the fixture model's vocabulary and tokenizer (314)",
+    )
+    parser.add_argument(
+        "--peer",
+        choices=("trl", "none"),
+        default=None,
+        help="also run TRL's GRPOTrainer and `rlbench run` (with and without --deterministic) in "
+        "processes of their own, alternating (needs trl and a CUDA device); 'none': the two "
+        "`rlbench run` processes only (deterministic mode's cost)",
+    )
     parser.add_argument("--peer-rounds", type=int, default=3, help="steps each peer process times after a warm-up")
     parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
     parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
@@ -581,8 +701,7 @@ def main() -> None:
         if args.only_peer:
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            config = shape_config(Path(tmp), shape, args.device, args.steps + 10, args.new_tokens, args.trainer,
-                                  vocab)
+            config = shape_config(Path(tmp), shape, args.device, args.steps + 10, args.new_tokens, args.trainer, vocab)
             ctx = build(config)
             torch_trainer = args.trainer == "torch"
             clock = Clock(args.device)
@@ -603,39 +722,67 @@ def main() -> None:
             checkpoint = "not timed (--no-checkpoint)"
             if not args.no_checkpoint:
                 checkpoint = time_checkpoint(ctx, args.steps + 1, args.device)
-            print(f"{shape} ({args.trainer} trainer): step {step:.2f} s (" +
-                  ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")")
-            print(f"  peak memory allocated over those steps: {peak:.1f} GiB; by stage: " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in stage_peaks.items()) +
-                  (" GiB; held between steps: " + ", ".join(f"{k} {v:.2f}" for k, v in held.items()) + " GiB"
-                   if held else ""))
+            print(
+                f"{shape} ({args.trainer} trainer): step {step:.2f} s ("
+                + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
+                + ")"
+            )
+            print(
+                f"  peak memory allocated over those steps: {peak:.1f} GiB; by stage: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in stage_peaks.items())
+                + (
+                    " GiB; held between steps: " + ", ".join(f"{k} {v:.2f}" for k, v in held.items()) + " GiB"
+                    if held
+                    else ""
+                )
+            )
             if _card():
                 prompts = [len(r.prompt_ids) for r in loop.step_requests(ctx, _data(ctx))]
-                bounds = floors(json.loads(Path(config.model.path, "config.json").read_text()),
-                                round(statistics.fmean(prompts)), args.new_tokens, 64, _card())
-                print(f"  physical floors on an {_card()} ({bounds['params'] / 1e6:.0f} M parameters, prompts of "
-                      f"{statistics.fmean(prompts):.1f} tokens): " +
-                      ", ".join(f"{k} {bounds[k]:.3f} s (measured x{stages[k] / bounds[k]:.1f})"
-                                for k in ("rollout", "logprob", "train")))
-            print(f"  checksums + recording: {share * 100:.1f}% of the step (the time inside the checksum functions, "
-                  f"synchronised around each call: an upper bound on their own time; issue: <= 3%)")
-            verdict = (f"the device checksums cost {cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step"
-                       if quartiles[0] > 0 else "not resolved from zero by these rounds (their quartiles span it)")
-            print(f"  cross-check: train + sync over one batch, alternating {args.cost_rounds} rounds, with checksums "
-                  f"{with_sums:.3f} s, with their lane computations left out {without:.3f} s: the rounds' differences "
-                  f"median {cost * 1000:.1f} ms, quartiles {quartiles[0] * 1000:.1f} .. {quartiles[2] * 1000:.1f} ms: "
-                  f"{verdict} (the share above bounds the checksums' own time; this catches what they cost elsewhere)")
+                bounds = floors(
+                    json.loads(Path(config.model.path, "config.json").read_text()),
+                    round(statistics.fmean(prompts)),
+                    args.new_tokens,
+                    64,
+                    _card(),
+                )
+                print(
+                    f"  physical floors on an {_card()} ({bounds['params'] / 1e6:.0f} M parameters, prompts of "
+                    f"{statistics.fmean(prompts):.1f} tokens): "
+                    + ", ".join(
+                        f"{k} {bounds[k]:.3f} s (measured x{stages[k] / bounds[k]:.1f})"
+                        for k in ("rollout", "logprob", "train")
+                    )
+                )
+            print(
+                f"  checksums + recording: {share * 100:.1f}% of the step (the time inside the checksum functions, "
+                f"synchronised around each call: an upper bound on their own time; issue: <= 3%)"
+            )
+            verdict = (
+                f"the device checksums cost {cost * 1000:.1f} ms, {cost / step * 100:.1f}% of a step"
+                if quartiles[0] > 0
+                else "not resolved from zero by these rounds (their quartiles span it)"
+            )
+            print(
+                f"  cross-check: train + sync over one batch, alternating {args.cost_rounds} rounds, with checksums "
+                f"{with_sums:.3f} s, with their lane computations left out {without:.3f} s: the rounds' differences "
+                f"median {cost * 1000:.1f} ms, quartiles {quartiles[0] * 1000:.1f} .. {quartiles[2] * 1000:.1f} ms: "
+                f"{verdict} (the share above bounds the checksums' own time; this catches what they cost elsewhere)"
+            )
             print(f"  a checkpoint (model + AdamW state, written every checkpoint_every steps): {checkpoint}")
             if not torch_trainer:
                 ctx.writer.close()
                 ctx.trainer.close()
                 continue
-            print(f"  generation: engine {gen['engine_tok_s']:.0f} tok/s, transformers generate "
-                  f"{gen['generate_tok_s']:.0f} tok/s: x{gen['engine_tok_s'] / gen['generate_tok_s']:.2f} "
-                  f"(issue: >= 5); without CUDA graphs {gen['eager_tok_s']:.0f} tok/s; graphs and eager the same "
-                  f"bits: {gen['graphs_same_bits']}")
-            print(f"  train stage {trained:.3f} s vs a bare torch step {bare:.3f} s over the same batch, alternating "
-                  f"{args.repeats} rounds: x{train_ratio:.2f} (median of the rounds' ratios; issue: <= 1.2)")
+            print(
+                f"  generation: engine {gen['engine_tok_s']:.0f} tok/s, transformers generate "
+                f"{gen['generate_tok_s']:.0f} tok/s: x{gen['engine_tok_s'] / gen['generate_tok_s']:.2f} "
+                f"(issue: >= 5); without CUDA graphs {gen['eager_tok_s']:.0f} tok/s; graphs and eager the same "
+                f"bits: {gen['graphs_same_bits']}"
+            )
+            print(
+                f"  train stage {trained:.3f} s vs a bare torch step {bare:.3f} s over the same batch, alternating "
+                f"{args.repeats} rounds: x{train_ratio:.2f} (median of the rounds' ratios; issue: <= 1.2)"
+            )
             ctx.writer.close()
             del ctx
             torch.cuda.empty_cache() if args.device.startswith("cuda") else None

@@ -17,8 +17,16 @@ import torch  # noqa: E402
 
 from rlbench.core import loop  # noqa: E402
 
-STAGES = (("data", loop.data), ("rollout", loop.rollout), ("reward", loop.reward), ("advantage", loop.advantage),
-          ("logprob", loop.logprob), ("train", loop.train), ("sync", loop.sync), ("record", loop.record))
+STAGES = (
+    ("data", loop.data),
+    ("rollout", loop.rollout),
+    ("reward", loop.reward),
+    ("advantage", loop.advantage),
+    ("logprob", loop.logprob),
+    ("train", loop.train),
+    ("sync", loop.sync),
+    ("record", loop.record),
+)
 
 
 def sync_device(device: str) -> None:

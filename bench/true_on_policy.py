@@ -33,8 +33,10 @@ def main() -> None:
             mismatch[on] += [h["train/train_rollout_logprob_abs_diff"] for h in result.history]
     for on in (False, True):
         label = "true on-policy" if on else "default       "
-        print(f"{label}: median step {statistics.median(times[on]) * 1e3:7.2f} ms, "
-              f"mean |delta logp| {statistics.fmean(mismatch[on]):.3e}, max over steps {max(mismatch[on]):.3e}")
+        print(
+            f"{label}: median step {statistics.median(times[on]) * 1e3:7.2f} ms, "
+            f"mean |delta logp| {statistics.fmean(mismatch[on]):.3e}, max over steps {max(mismatch[on]):.3e}"
+        )
     ratio = statistics.median(times[True]) / statistics.median(times[False])
     print(f"cost of true on-policy: step time ratio {ratio:.4f} ({(ratio - 1) * 100:+.1f}%)")
 

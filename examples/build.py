@@ -28,11 +28,21 @@ def _sample(tok, group: int, index: int, number: int, answer: str) -> dict:
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     response = tok.encode(answer) + [tok.eos_token_id]
     label = "even" if number % 2 == 0 else "odd"
-    return {"group_index": group, "index": index, "prompt": messages, "tokens": list(prompt) + response,
-            "response": answer, "response_length": len(response), "label": label,
-            "reward": 1.0 if answer == label else 0.0, "loss_mask": [1] * len(response),
-            "rollout_log_probs": [round(-0.2 - 0.05 * k, 4) for k in range(len(response))],
-            "weight_versions": [str(index // 8)], "status": "completed", "metadata": {}}
+    return {
+        "group_index": group,
+        "index": index,
+        "prompt": messages,
+        "tokens": list(prompt) + response,
+        "response": answer,
+        "response_length": len(response),
+        "label": label,
+        "reward": 1.0 if answer == label else 0.0,
+        "loss_mask": [1] * len(response),
+        "rollout_log_probs": [round(-0.2 - 0.05 * k, 4) for k in range(len(response))],
+        "weight_versions": [str(index // 8)],
+        "status": "completed",
+        "metadata": {},
+    }
 
 
 def build_dumps(out: Path) -> list[Path]:
@@ -43,8 +53,11 @@ def build_dumps(out: Path) -> list[Path]:
     tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny")
     paths = []
     for rollout_id in (0, 1):
-        samples = [_sample(tok, g, g * 4 + j, 10 * rollout_id + g + 2, ("even", "odd")[(j + g) % 2])
-                   for g in range(2) for j in range(4)]
+        samples = [
+            _sample(tok, g, g * 4 + j, 10 * rollout_id + g + 2, ("even", "odd")[(j + g) % 2])
+            for g in range(2)
+            for j in range(4)
+        ]
         path = out / "slime-dumps" / f"rollout_{rollout_id}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"rollout_id": rollout_id, "samples": samples}, path)
@@ -55,8 +68,12 @@ def build_dumps(out: Path) -> list[Path]:
 def build_golden(out: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        subprocess.run([sys.executable, "-m", "rlbench.cli", "run", "--steps", "10", "--out", str(run), "--json"],
-                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "rlbench.cli", "run", "--steps", "10", "--out", str(run), "--json"],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     values = {str(r["step"] + 1): r["train/loss"] for r in rows}
     doc = {"lm loss": {"start_step": 1, "end_step": len(rows), "step_interval": 1, "values": values}}

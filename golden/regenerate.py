@@ -29,9 +29,12 @@ from rlbench.checks.golden import golden_file_name  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reason", required=True, help="why the golden values change (kept in each file's history)")
-    parser.add_argument("--suite", default=str(HERE / "suite.json"),
-                        help="the suite file; the golden files go beside it. golden/suite.json: the CPU suite "
-                             "(tests/cpu); tests/gpu/golden/suite.json: the GPU suite (tests/gpu)")
+    parser.add_argument(
+        "--suite",
+        default=str(HERE / "suite.json"),
+        help="the suite file; the golden files go beside it. golden/suite.json: the CPU suite "
+        "(tests/cpu); tests/gpu/golden/suite.json: the GPU suite (tests/gpu)",
+    )
     parser.add_argument("names", nargs="*", help="suite entries to regenerate [default: all]")
     args = parser.parse_args()
     suite_file = Path(args.suite).resolve()
@@ -44,8 +47,11 @@ def main() -> int:
             run_dir = Path(tmp) / name
             code = rlbench("run", *suite[name], "--out", str(run_dir), "--json", quiet=True)
             if code:  # rlbench said why on stderr (one line): no golden file is written from a failed run
-                print(f"regenerate.py: {name}: `rlbench run {' '.join(suite[name])}` exited {code}; no golden file "
-                      f"written for it or after it", file=sys.stderr)
+                print(
+                    f"regenerate.py: {name}: `rlbench run {' '.join(suite[name])}` exited {code}; no golden file "
+                    f"written for it or after it",
+                    file=sys.stderr,
+                )
                 return code
             manifest = json.loads((run_dir / "manifest.json").read_text())
             golden = suite_file.parent / golden_file_name(name, manifest)  # a CUDA run's: keyed to GPU and versions

@@ -27,8 +27,13 @@ class CommandConfig:
     slime: list[tuple[str, object, dict]]
 
 
-def run_config(extra: list[str], config: Path | None = None, given: dict | None = None,
-               rollouts: Path | None = None, steps: int | None = None) -> CommandConfig:
+def run_config(
+    extra: list[str],
+    config: Path | None = None,
+    given: dict | None = None,
+    rollouts: Path | None = None,
+    steps: int | None = None,
+) -> CommandConfig:
     """The run a command line asks for. `extra`: the arguments rlbench's own options did not take (slime's
     arguments, `--sglang-*`; anything else is refused by name); `config`: the TOML file; `given`: the options given,
     as load_config's `section__field` overrides; `rollouts`: the recording a train-only run trains on; `steps`: the
@@ -65,7 +70,7 @@ def split_extra(args: list[str]) -> tuple[dict, dict]:
     while i < len(args):
         arg = args[i]
         if arg.startswith("--sglang-") and len(arg) > len("--sglang-"):
-            key, _, value = arg[len("--sglang-"):].partition("=")
+            key, _, value = arg[len("--sglang-") :].partition("=")
             if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value, i = args[i + 1], i + 1
             sglang[key] = value or True
@@ -83,9 +88,11 @@ def with_slime(config: Path | None, given: dict, slime_given: dict) -> tuple[dic
     named = {path: name for name, _, sets in explained for path in sets}
     clash = sorted(named[path] for path in named if path.replace(".", "__") in given)
     if clash:
-        raise BadInput(f"{clash[0]} and an rlbench option set the same setting: give one of them",
-                       field="rlbench run")
+        raise BadInput(f"{clash[0]} and an rlbench option set the same setting: give one of them", field="rlbench run")
     in_file = file_keys(config) if config is not None else set()
-    merged = {path.replace(".", "__"): NULL if value is None else value for path, value in fields.items()
-              if path in named or path not in in_file}
+    merged = {
+        path.replace(".", "__"): NULL if value is None else value
+        for path, value in fields.items()
+        if path in named or path not in in_file
+    }
     return {**merged, **given}, explained

@@ -26,8 +26,16 @@ from typing import Any, Literal
 
 from rlbench.errors import BadInput
 from rlbench.validate import check, number, text
-from rlbench.config_sections import (AlgoConfig, DataConfig, ModelConfig, PlacementConfig, RewardConfig, RolloutConfig,
-                                     TrainConfig, setting)
+from rlbench.config_sections import (
+    AlgoConfig,
+    DataConfig,
+    ModelConfig,
+    PlacementConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    setting,
+)
 
 Mode = Literal["full", "rollout-only", "train-only"]
 MODES = ("full", "rollout-only", "train-only")
@@ -41,23 +49,31 @@ class RunConfig:
     seed: int = setting(19, "Master seed; every random draw is derived from it.")
     # 85: the default run learns parity by about step 80 (docs/design.md, "Why the default run learns")
     steps: int = setting(85, "Number of steps (rollout ids).")
-    mode: Mode = setting("full",
+    mode: Mode = setting(
+        "full",
         "full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on "
-        "--rollouts, start no engine.")
+        "--rollouts, start no engine.",
+    )
     out: str | None = setting(None, "Run directory to create; must be new or empty.")
-    rollouts: str | None = setting(None,
+    rollouts: str | None = setting(
+        None,
         "train-only: the run directory whose recorded rollouts are trained on (its model, data and sampling settings "
-        "come along).")
-    record: bool = setting(True,
-        "Write rollouts/, the recording (metrics, checksums and checkpoints are always written).")
+        "come along).",
+    )
+    record: bool = setting(
+        True, "Write rollouts/, the recording (metrics, checksums and checkpoints are always written)."
+    )
     checkpoint_every: int = 25
     threads: int = setting(1, "torch CPU threads, fixed and recorded (results depend on it).")
     device: str = setting("cpu", "cpu or cuda[:N].")
-    deterministic: bool = setting(False,
+    deterministic: bool = setting(
+        False,
         "On a GPU: slime's reproducibility recipe (deterministic algorithms, cuBLAS workspace, NCCL Ring, Megatron "
-        "deterministic mode), recorded in the manifest. The CPU is always deterministic.")
-    tp: int = setting(1,
-        "megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs).")
+        "deterministic mode), recorded in the manifest. The CPU is always deterministic.",
+    )
+    tp: int = setting(
+        1, "megatron: tensor-parallel ranks; rlbench starts tp * dp rank processes (gloo on the CPU, NCCL on GPUs)."
+    )
     dp: int = setting(1, "megatron: data-parallel ranks.")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -74,34 +90,70 @@ class RunConfig:
         text(self.out, "out", optional=True)
         text(self.rollouts, "rollouts", optional=True)
         check(isinstance(self.record, bool), "record", "true or false", self.record)
-        check((self.mode == "train-only") == (self.rollouts is not None), "rollouts",
-               "a recording (--rollouts RUN_DIR) exactly when mode is train-only", self.rollouts)
+        check(
+            (self.mode == "train-only") == (self.rollouts is not None),
+            "rollouts",
+            "a recording (--rollouts RUN_DIR) exactly when mode is train-only",
+            self.rollouts,
+        )
         number(self.checkpoint_every, "checkpoint_every", 1, 10_000_000, integer=True)
         number(self.threads, "threads", 1, 1024, integer=True)
-        check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
-               "cpu, cuda or cuda:N", self.device)
+        check(
+            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            "cpu, cuda or cuda:N",
+            self.device,
+        )
         if self.model.dtype == "float64":  # the CPU invariance check's precision, run where it runs
-            check(self.device == "cpu", "model.dtype", f"float32 or bfloat16 on {self.device} (float64 runs on the "
-                  "CPU only)", self.model.dtype)
-            check(self.rollout.backend == "hf" or self.mode == "train-only", "model.dtype",
-                  "float32 or bfloat16 with the sglang rollout (SGLang serves no float64; float64 runs with the "
-                  "embedded engine, hf)", self.model.dtype)
+            check(
+                self.device == "cpu",
+                "model.dtype",
+                f"float32 or bfloat16 on {self.device} (float64 runs on the CPU only)",
+                self.model.dtype,
+            )
+            check(
+                self.rollout.backend == "hf" or self.mode == "train-only",
+                "model.dtype",
+                "float32 or bfloat16 with the sglang rollout (SGLang serves no float64; float64 runs with the "
+                "embedded engine, hf)",
+                self.model.dtype,
+            )
         number(self.tp, "tp", 1, 1024, integer=True)
         number(self.dp, "dp", 1, 1024, integer=True)
         check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
         if self.train.backend != "megatron":
-            check(self.tp == self.dp == 1, "tp", "1 unless train.backend is megatron (--trainer megatron)",
-                   (self.tp, self.dp))
+            check(
+                self.tp == self.dp == 1,
+                "tp",
+                "1 unless train.backend is megatron (--trainer megatron)",
+                (self.tp, self.dp),
+            )
         else:
-            check(not self.rollout.true_on_policy, "rollout.true_on_policy",
-                   "false with the megatron trainer (the engine cannot run its forward)", self.rollout.true_on_policy)
-            check(self.model.dtype in ("float32", "float64", "bfloat16"), "model.dtype", "float32, float64 or "
-                  "bfloat16 with the megatron trainer", self.model.dtype)
-            check(self.device == "cpu" or self.tp * self.dp == 1 or self.device == "cuda", "device",
-                   "cuda (rank r takes cuda:r) when the megatron trainer spans ranks", self.device)
+            check(
+                not self.rollout.true_on_policy,
+                "rollout.true_on_policy",
+                "false with the megatron trainer (the engine cannot run its forward)",
+                self.rollout.true_on_policy,
+            )
+            check(
+                self.model.dtype in ("float32", "float64", "bfloat16"),
+                "model.dtype",
+                "float32, float64 or bfloat16 with the megatron trainer",
+                self.model.dtype,
+            )
+            check(
+                self.device == "cpu" or self.tp * self.dp == 1 or self.device == "cuda",
+                "device",
+                "cuda (rank r takes cuda:r) when the megatron trainer spans ranks",
+                self.device,
+            )
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
-        check(batch % self.train.minibatches == 0, "train.minibatches",
-               f"a divisor of the step's sample count ({batch})", self.train.minibatches)
+        check(
+            batch % self.train.minibatches == 0,
+            "train.minibatches",
+            f"a divisor of the step's sample count ({batch})",
+            self.train.minibatches,
+        )
 
     @property
     def samples_per_step(self) -> int:
@@ -115,14 +167,24 @@ class RunConfig:
 
     def trainer_setup(self) -> TrainerSetup:
         """What the run's trainer reads of this config, and nothing else."""
-        return TrainerSetup(model=self.model, train=self.train, algo=self.algo, temperature=self.rollout.temperature,
-                            tp=self.tp, dp=self.dp, device=self.device, deterministic=self.deterministic,
-                            seed=self.seed, threads=self.threads)
+        return TrainerSetup(
+            model=self.model,
+            train=self.train,
+            algo=self.algo,
+            temperature=self.rollout.temperature,
+            tp=self.tp,
+            dp=self.dp,
+            device=self.device,
+            deterministic=self.deterministic,
+            seed=self.seed,
+            threads=self.threads,
+        )
 
     def engine_setup(self) -> EngineSetup:
         """What the run's SGLang engine and the servers it starts read of this config, and nothing else."""
-        return EngineSetup(model=self.model, rollout=self.rollout, seed=self.seed, device=self.device,
-                           threads=self.threads)
+        return EngineSetup(
+            model=self.model, rollout=self.rollout, seed=self.seed, device=self.device, threads=self.threads
+        )
 
 
 @dataclass(frozen=True)
@@ -149,8 +211,12 @@ class TrainerSetup:
         number(self.dp, "dp", 1, 1024, integer=True)
         number(self.threads, "threads", 1, 1024, integer=True)
         check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
-        check(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device",
-              "cpu, cuda or cuda:N", self.device)
+        check(
+            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            "cpu, cuda or cuda:N",
+            self.device,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -183,8 +249,15 @@ def setup_from_dict(cls: type, table: Any, source: str | Path):
 
 
 _NULLABLE = ("data.label_key",)  # string fields that may be unset (a manifest's null; TOML cannot say it)
-_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
-                    "reward": RewardConfig, "algo": AlgoConfig, "train": TrainConfig, "placement": PlacementConfig}
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "algo": AlgoConfig,
+    "train": TrainConfig,
+    "placement": PlacementConfig,
+}
 
 
 def _coerce(value: Any, default: Any, key: str) -> Any:
@@ -198,12 +271,17 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
     elif default == () and key.endswith("_ids"):  # a list of any length: token ids
-        check(isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
-              key, "a list of integers", value)
+        check(
+            isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+            key,
+            "a list of integers",
+            value,
+        )
         value = tuple(value)
     elif default == ():  # a list of any length: strings (addresses)
-        check(isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), key, "a list of strings",
-               value)
+        check(
+            isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value), key, "a list of strings", value
+        )
         value = tuple(value)
     elif isinstance(default, tuple):
         check(isinstance(value, (list, tuple)) and len(value) == len(default), key, f"a list of {len(default)}", value)
@@ -217,8 +295,9 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     elif default is None and key == "algo.eps_clip_c":  # a number or unset
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
-    elif default is None and (key.endswith("seed") or key.endswith("num_cpus")
-                              or key == "train.max_tokens_per_micro_batch"):  # an integer or unset
+    elif default is None and (
+        key.endswith("seed") or key.endswith("num_cpus") or key == "train.max_tokens_per_micro_batch"
+    ):  # an integer or unset
         check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:
         text(value, key)
@@ -253,8 +332,11 @@ def file_keys(path: str | Path) -> set[str]:
         table = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
         return set()
-    return {f"{section}.{key}" if isinstance(value, dict) else section
-            for section, value in table.items() for key in (value if isinstance(value, dict) else [None])}
+    return {
+        f"{section}.{key}" if isinstance(value, dict) else section
+        for section, value in table.items()
+        for key in (value if isinstance(value, dict) else [None])
+    }
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:

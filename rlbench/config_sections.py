@@ -20,10 +20,34 @@ FIXTURES = Path(str(importlib.resources.files("rlbench") / "fixtures"))
 
 # The server arguments rlbench sets itself, per server kind; a --sglang-* argument may not name them (a key
 # among them: it would land in the manifest and on a command line every user of the machine can read).
-OWNED = {"sglang": ("model-path", "tokenizer-path", "host", "port", "random-seed", "enable-deterministic-inference",
-                    "api-key", "admin-api-key"),
-         "rlbench": ("model-path", "tokenizer-path", "host", "port", "random-seed", "load-format", "dtype", "device",
-                     "threads", "decode", "decode-batch-size", "api-key", "admin-api-key")}
+OWNED = {
+    "sglang": (
+        "model-path",
+        "tokenizer-path",
+        "host",
+        "port",
+        "random-seed",
+        "enable-deterministic-inference",
+        "api-key",
+        "admin-api-key",
+    ),
+    "rlbench": (
+        "model-path",
+        "tokenizer-path",
+        "host",
+        "port",
+        "random-seed",
+        "load-format",
+        "dtype",
+        "device",
+        "threads",
+        "decode",
+        "decode-batch-size",
+        "api-key",
+        "admin-api-key",
+    ),
+}
+
 
 def setting(default: Any, help: str) -> Any:
     """A config field with its help text: the one description of a setting, which the CLI option
@@ -42,18 +66,23 @@ class ModelConfig:
 
     path: str = str(FIXTURES / "models" / "tiny-qwen3")
     tokenizer: str = str(FIXTURES / "tokenizers" / "qwen-tiny")
-    dtype: Literal["float32", "bfloat16", "float64"] = setting("float32",
+    dtype: Literal["float32", "bfloat16", "float64"] = setting(
+        "float32",
         "Parameter and compute dtype. float64: the CPU only, with the embedded engine (hf) and either trainer: the "
-        "precision for TP/DP invariance checks, where float32's reduction-order noise (~1e-6 relative) hides bugs.")
-    init: Literal["checkpoint", "random"] = setting("random",
+        "precision for TP/DP invariance checks, where float32's reduction-order noise (~1e-6 relative) hides bugs.",
+    )
+    init: Literal["checkpoint", "random"] = setting(
+        "random",
         "Initial weights. checkpoint: the model directory's safetensors (one file, or the shards of its index). "
-        "random: seeded random weights, for a directory without weights.")
+        "random: seeded random weights, for a directory without weights.",
+    )
 
     def __post_init__(self) -> None:
         text(self.path, "model.path")
         text(self.tokenizer, "model.tokenizer")
-        check(self.dtype in ("float32", "bfloat16", "float64"), "model.dtype", "float32, bfloat16 or float64",
-              self.dtype)
+        check(
+            self.dtype in ("float32", "bfloat16", "float64"), "model.dtype", "float32, bfloat16 or float64", self.dtype
+        )
         check(self.init in ("checkpoint", "random"), "model.init", "checkpoint or random", self.init)
 
 
@@ -78,11 +107,19 @@ class DataConfig:
         text(self.label_key, "data.label_key", optional=True)
         check(isinstance(self.shuffle, bool), "data.shuffle", "true or false", self.shuffle)
         number(self.prompts_per_step, "data.prompts_per_step", 1, 100_000, integer=True)
-        check(isinstance(self.apply_chat_template, bool), "data.apply_chat_template", "true or false",
-              self.apply_chat_template)
+        check(
+            isinstance(self.apply_chat_template, bool),
+            "data.apply_chat_template",
+            "true or false",
+            self.apply_chat_template,
+        )
         kwargs = self.chat_template_kwargs
-        check(isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs), "data.chat_template_kwargs",
-              "a table of keyword arguments for the chat template", kwargs)
+        check(
+            isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs),
+            "data.chat_template_kwargs",
+            "a table of keyword arguments for the chat template",
+            kwargs,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,9 +130,11 @@ class RolloutConfig:
     starts in front), or `num_engines` servers rlbench starts (`sglang_server`: sglang's own, or
     `rlbench serve`) with `[rollout.sglang]` / `--sglang-*` passed through to them."""
 
-    backend: Literal["hf", "sglang"] = setting("hf",
+    backend: Literal["hf", "sglang"] = setting(
+        "hf",
         "Rollout engine. hf: embedded transformers, in-process. sglang: SGLang servers over their native HTTP API, "
-        "through sglang-router (pip install '.[router]').")
+        "through sglang-router (pip install '.[router]').",
+    )
     n_samples_per_prompt: int = 16
     max_new_tokens: int = 4
     temperature: float = 1.0
@@ -106,24 +145,31 @@ class RolloutConfig:
     # one request at a time); both are batch-invariant (rlbench/backends/hf_engine.py).
     decode: Literal["batched", "per-sample"] = "batched"
     decode_batch_size: int = 64  # rows of every batched decode forward (fixed: padding fills it)
-    cuda_graphs: bool = setting(True,
+    cuda_graphs: bool = setting(
+        True,
         "The embedded engine on a GPU: each batched decode forward is captured once per shape as a CUDA graph and "
         "replayed (one launch a token instead of a few a layer; the same kernels, so the same bits). false: launched "
-        "kernel by kernel. No effect on the CPU.")
+        "kernel by kernel. No effect on the CPU.",
+    )
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
     true_on_policy: bool = False
     custom_generate_function_path: str | None = None  # multi-turn / agentic rollouts (rlbench/core/generate.py)
-    sglang_router_url: str | None = setting(None,
-        "sglang: an sglang-router someone else runs (its servers: GET /workers); rlbench starts nothing.")
-    external_engine_addrs: tuple[str, ...] = setting((),
+    sglang_router_url: str | None = setting(
+        None, "sglang: an sglang-router someone else runs (its servers: GET /workers); rlbench starts nothing."
+    )
+    external_engine_addrs: tuple[str, ...] = setting(
+        (),
         "sglang: servers rlbench does not own, host:port[,host:port...]; rlbench starts sglang-router in front of "
-        "them.")
+        "them.",
+    )
     num_engines: int = setting(1, "sglang: how many servers rlbench starts (and stops), behind a router it starts.")
-    sglang_server: Literal["sglang", "rlbench"] = setting("sglang",
+    sglang_server: Literal["sglang", "rlbench"] = setting(
+        "sglang",
         "sglang: what rlbench starts. sglang: python -m sglang.launch_server (every other --sglang-KEY VALUE is "
-        "passed to it as --KEY VALUE). rlbench: rlbench serve, the embedded engine behind the same API.")
+        "passed to it as --KEY VALUE). rlbench: rlbench serve, the embedded engine behind the same API.",
+    )
     use_router: bool = True  # false: no router; the client spreads requests over the servers and retries elsewhere
     sglang: dict = field(default_factory=dict)  # --sglang-KEY VALUE: to the servers rlbench starts, as --KEY VALUE
     max_inflight: int = 256  # requests in flight at once
@@ -141,12 +187,20 @@ class RolloutConfig:
             number(self.sampling_seed, "rollout.sampling_seed", 0, 2**63 - 1, integer=True)
         check(isinstance(self.true_on_policy, bool), "rollout.true_on_policy", "true or false", self.true_on_policy)
         text(self.custom_generate_function_path, "rollout.custom_generate_function_path", optional=True)
-        check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1, "rollout.top_k",
-               "-1, 0 (both off) or a count >= 1", self.top_k)
+        check(
+            isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+            "rollout.top_k",
+            "-1, 0 (both off) or a count >= 1",
+            self.top_k,
+        )
         number(self.top_p, "rollout.top_p", 0, 1, open_low=True)  # 1 = off
-        check(isinstance(self.stop_token_ids, tuple) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in self.stop_token_ids),
-            "rollout.stop_token_ids", "a list of token ids", self.stop_token_ids)
+        check(
+            isinstance(self.stop_token_ids, tuple)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in self.stop_token_ids),
+            "rollout.stop_token_ids",
+            "a list of token ids",
+            self.stop_token_ids,
+        )
         check(self.decode in ("batched", "per-sample"), "rollout.decode", "batched or per-sample", self.decode)
         number(self.decode_batch_size, "rollout.decode_batch_size", 1, 100_000, integer=True)
         check(isinstance(self.cuda_graphs, bool), "rollout.cuda_graphs", "true or false", self.cuda_graphs)
@@ -154,44 +208,88 @@ class RolloutConfig:
 
     def _check_sglang(self) -> None:
         text(self.sglang_router_url, "rollout.sglang_router_url", optional=True)
-        check(isinstance(self.external_engine_addrs, tuple) and all(
-            isinstance(a, str) and a and "\x00" not in a for a in self.external_engine_addrs),
-            "rollout.external_engine_addrs", "a list of host:port addresses", self.external_engine_addrs)
+        check(
+            isinstance(self.external_engine_addrs, tuple)
+            and all(isinstance(a, str) and a and "\x00" not in a for a in self.external_engine_addrs),
+            "rollout.external_engine_addrs",
+            "a list of host:port addresses",
+            self.external_engine_addrs,
+        )
         number(self.num_engines, "rollout.num_engines", 1, 4096, integer=True)
-        check(self.sglang_server in ("sglang", "rlbench"), "rollout.sglang_server", "sglang or rlbench",
-               self.sglang_server)
+        check(
+            self.sglang_server in ("sglang", "rlbench"),
+            "rollout.sglang_server",
+            "sglang or rlbench",
+            self.sglang_server,
+        )
         check(isinstance(self.use_router, bool), "rollout.use_router", "true or false", self.use_router)
         number(self.max_inflight, "rollout.max_inflight", 1, 100_000, integer=True)
         number(self.request_timeout, "rollout.request_timeout", 0, 86_400, open_low=True)
         number(self.request_attempts, "rollout.request_attempts", 1, 100, integer=True)
-        check(isinstance(self.verify_engine_weights, bool), "rollout.verify_engine_weights", "true or false",
-               self.verify_engine_weights)
+        check(
+            isinstance(self.verify_engine_weights, bool),
+            "rollout.verify_engine_weights",
+            "true or false",
+            self.verify_engine_weights,
+        )
         text(self.weights_dir, "rollout.weights_dir", optional=True)
-        check(isinstance(self.sglang, dict) and all(
-            isinstance(k, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]*", k) and (
-                isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(isinstance(x, (str, int, float))
-                                                                                       for x in v)))
-            for k, v in self.sglang.items()), "rollout.sglang",
-            "server arguments as KEY = VALUE (KEY as on the server's command line, without --)", self.sglang)
+        check(
+            isinstance(self.sglang, dict)
+            and all(
+                isinstance(k, str)
+                and re.fullmatch(r"[a-z0-9][a-z0-9-]*", k)
+                and (
+                    isinstance(v, (str, int, float, bool))
+                    or (isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v))
+                )
+                for k, v in self.sglang.items()
+            ),
+            "rollout.sglang",
+            "server arguments as KEY = VALUE (KEY as on the server's command line, without --)",
+            self.sglang,
+        )
         sglang = self.backend == "sglang"
-        given = [name for name, on in (("sglang_router_url", self.sglang_router_url is not None),
-                                       ("external_engine_addrs", bool(self.external_engine_addrs))) if on]
-        check(sglang or not given, f"rollout.{given[0] if given else ''}", "unset unless rollout.backend is sglang",
-               "set")
-        check(len(given) < 2, "rollout.external_engine_addrs", "unset when rollout.sglang_router_url is set",
-               self.external_engine_addrs)
-        check(not self.sglang or (sglang and not given), "rollout.sglang",
-               "no server arguments unless rlbench starts the servers (rollout.backend sglang, no router url, "
-               "no external addresses)", self.sglang)
+        given = [
+            name
+            for name, on in (
+                ("sglang_router_url", self.sglang_router_url is not None),
+                ("external_engine_addrs", bool(self.external_engine_addrs)),
+            )
+            if on
+        ]
+        check(
+            sglang or not given, f"rollout.{given[0] if given else ''}", "unset unless rollout.backend is sglang", "set"
+        )
+        check(
+            len(given) < 2,
+            "rollout.external_engine_addrs",
+            "unset when rollout.sglang_router_url is set",
+            self.external_engine_addrs,
+        )
+        check(
+            not self.sglang or (sglang and not given),
+            "rollout.sglang",
+            "no server arguments unless rlbench starts the servers (rollout.backend sglang, no router url, "
+            "no external addresses)",
+            self.sglang,
+        )
         for addr in self.external_engine_addrs:
             normalize_url(addr)
         if self.sglang_router_url is not None:
             normalize_url(self.sglang_router_url, "rollout.sglang_router_url")
         owned = [k for k in self.sglang if k in OWNED[self.sglang_server]]
-        check(not owned, "rollout.sglang",
-               f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})", owned)
-        check(not (sglang and self.true_on_policy), "rollout.true_on_policy",
-               "false with rollout.backend sglang (the server cannot run the trainer's forward)", self.true_on_policy)
+        check(
+            not owned,
+            "rollout.sglang",
+            f"no arguments rlbench sets itself ({', '.join(OWNED[self.sglang_server])})",
+            owned,
+        )
+        check(
+            not (sglang and self.true_on_policy),
+            "rollout.true_on_policy",
+            "false with rollout.backend sglang (the server cannot run the trainer's forward)",
+            self.true_on_policy,
+        )
 
 
 RAY_TIMEOUT = 60.0  # seconds: a Ray cluster that is up accepts a connection in a few
@@ -203,14 +301,20 @@ class PlacementConfig:
     servers rlbench starts as processes of this machine). `ray`: the trainer and the rollout engines
     as Ray actors in one placement group, slime's shape (rlbench/placement/ray.py)."""
 
-    backend: Literal["local", "ray"] = setting("local",
+    backend: Literal["local", "ray"] = setting(
+        "local",
         "local: this process (and the processes it starts). ray: the trainer and the rollout engines as Ray actors in"
-        " one placement group (pip install '.[ray]').")
-    ray_address: str | None = setting(None,
+        " one placement group (pip install '.[ray]').",
+    )
+    ray_address: str | None = setting(
+        None,
         "ray: an existing Ray cluster (auto, HOST:6379 or ray://HOST:10001); none: rlbench starts a local Ray "
-        "instance, on 127.0.0.1.")
-    ray_timeout: float = setting(RAY_TIMEOUT,
-        "ray: seconds the cluster at --ray-address has to accept the connection; after them the run stops (exit 2).")
+        "instance, on 127.0.0.1.",
+    )
+    ray_timeout: float = setting(
+        RAY_TIMEOUT,
+        "ray: seconds the cluster at --ray-address has to accept the connection; after them the run stops (exit 2).",
+    )
     num_cpus: int | None = None  # the Ray instance rlbench starts: its logical CPUs (default: the machine's)
 
     def __post_init__(self) -> None:
@@ -221,11 +325,18 @@ class PlacementConfig:
         number(self.ray_timeout, "placement.ray_timeout", 0, 86_400, open_low=True)
         if self.num_cpus is not None:
             number(self.num_cpus, "placement.num_cpus", 1, 100_000, integer=True)
-        check(self.backend == "ray" or (self.ray_address is None and self.num_cpus is None),
-               "placement.ray_address", "unset unless placement.backend is ray (--placement ray)",
-               self.ray_address or self.num_cpus)
-        check(self.backend == "ray" or self.ray_timeout == RAY_TIMEOUT, "placement.ray_timeout",
-              "the default unless placement.backend is ray (--placement ray)", self.ray_timeout)
+        check(
+            self.backend == "ray" or (self.ray_address is None and self.num_cpus is None),
+            "placement.ray_address",
+            "unset unless placement.backend is ray (--placement ray)",
+            self.ray_address or self.num_cpus,
+        )
+        check(
+            self.backend == "ray" or self.ray_timeout == RAY_TIMEOUT,
+            "placement.ray_timeout",
+            "the default unless placement.backend is ray (--placement ray)",
+            self.ray_timeout,
+        )
 
 
 def ray_address_parts(address: str) -> tuple[str, str | None, int | None]:
@@ -257,8 +368,10 @@ class RewardConfig:
     """The verifier: a built-in one by name, or a function by dotted path (`--custom-rm-path`)."""
 
     verifier: str = "parity"
-    custom_rm_path: str | None = setting(None,
-        "Reward function by dotted path, package.module.function: fn(sample) -> float; none: the built-in verifier.")
+    custom_rm_path: str | None = setting(
+        None,
+        "Reward function by dotted path, package.module.function: fn(sample) -> float; none: the built-in verifier.",
+    )
 
     def __post_init__(self) -> None:
         text(self.verifier, "reward.verifier")
@@ -271,42 +384,61 @@ class AlgoConfig:
     each field names the slime argument it is. Held to slime in tests/conformance/slime/."""
 
     advantage: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = setting(
-        "grpo", "Advantage estimator (slime --advantage-estimator). grpo: group-normalised rewards, PPO-clip loss. "
+        "grpo",
+        "Advantage estimator (slime --advantage-estimator). grpo: group-normalised rewards, PPO-clip loss. "
         "gspo: the same advantages, the sequence's mean log-ratio as every token's ratio. cispo: the same "
         "advantages, loss -sg(clip(ratio)) * A * logp. reinforce_plus_plus: the reward; "
         "reinforce_plus_plus_baseline: the reward minus its group's mean (both need normalize_advantages, as in "
-        "slime). PPO with a critic is not offered.")
-    normalize_std: bool = setting(True,
+        "slime). PPO with a critic is not offered.",
+    )
+    normalize_std: bool = setting(
+        True,
         "grpo, gspo, cispo: divide each group's centred rewards by the group's standard deviation (unbiased) + 1e-6 "
         "(slime: on unless --disable-grpo-std-normalization; the reinforce_plus_plus estimators ignore it, as in "
         "slime). Groups by each sample's group (slime's group_index), of any size; slime's default groups by position. "
         "In float64: a group of equal rewards gets exactly 0 where slime's float32 can push it (0.06 for three "
-        "rewards of 0.9); a group of one sample gets 0 (slime: NaN).")
+        "rewards of 0.9); a group of one sample gets 0 (slime: NaN).",
+    )
     eps_clip: float = setting(0.2, "PPO clip: the ratio's lower bound is 1 - eps_clip (slime --eps-clip).")
-    eps_clip_high: float = setting(0.2,
-        "PPO clip: the ratio's upper bound is 1 + eps_clip_high (slime --eps-clip-high, whose default is --eps-clip).")
-    eps_clip_c: float | None = setting(None,
+    eps_clip_high: float = setting(
+        0.2,
+        "PPO clip: the ratio's upper bound is 1 + eps_clip_high (slime --eps-clip-high, whose default is --eps-clip).",
+    )
+    eps_clip_c: float | None = setting(
+        None,
         "Dual-clip PPO (slime --eps-clip-c): where the advantage A < 0 a token's loss is at most -eps_clip_c * A; "
-        "above 1. none: off. Refused with cispo, whose loss has no dual clip (slime ignores it there).")
-    kl_coef: float = setting(0.0,
+        "above 1. none: off. Refused with cispo, whose loss has no dual clip (slime ignores it there).",
+    )
+    kl_coef: float = setting(
+        0.0,
         "Weight of the KL-to-reference term in the loss (slime --kl-loss-coef with --use-kl-loss; not slime's "
-        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric.")
-    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = setting("k3",
+        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric.",
+    )
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = setting(
+        "k3",
         "KL estimator of the loss term (slime --kl-loss-type): k1 logp - ref; k2 (logp - ref)^2 / 2; k3 "
         "exp(ref - logp) - (ref - logp) - 1; low_var_kl k3 clamped to [-10, 10]. rlbench's default is k3; slime's "
-        "is k1.")
-    entropy_coef: float = setting(0.0, "Weight of the entropy bonus: loss = pg_loss - entropy_coef * entropy "
-                                       "(slime --entropy-coef).")
-    normalize_advantages: bool = setting(False,
+        "is k1.",
+    )
+    entropy_coef: float = setting(
+        0.0, "Weight of the entropy bonus: loss = pg_loss - entropy_coef * entropy (slime --entropy-coef)."
+    )
+    normalize_advantages: bool = setting(
+        False,
         "Whiten the step's advantages over its trained tokens: mean 0, unbiased variance 1, eps 1e-8 (slime "
-        "--normalize-advantages; required with the reinforce_plus_plus estimators). Computed in float64.")
-    per_token_loss: bool = setting(False,
+        "--normalize-advantages; required with the reinforce_plus_plus estimators). Computed in float64.",
+    )
+    per_token_loss: bool = setting(
+        False,
         "Average the loss and the train/* metrics over a minibatch's trained tokens (slime "
         "--calculate-per-token-loss); false: over each sample's trained tokens, then over samples. A sample with "
-        "no trained token counts in either denominator: as one token, or as one sample.")
-    use_tis: bool = setting(False,
+        "no trained token counts in either denominator: as one token, or as one sample.",
+    )
+    use_tis: bool = setting(
+        False,
         "Truncated importance sampling (slime --use-tis): each token's policy loss times clamp(exp(old log-prob - "
-        "rollout log-prob), tis_clip_low, tis_clip); adds the metrics ois, tis, tis_clipfrac, tis_abs.")
+        "rollout log-prob), tis_clip_low, tis_clip); adds the metrics ois, tis, tis_clipfrac, tis_abs.",
+    )
     tis_clip: float = setting(2.0, "TIS: the weight's upper bound (slime --tis-clip).")
     tis_clip_low: float = setting(0.0, "TIS: the weight's lower bound (slime --tis-clip-low).")
 
@@ -319,15 +451,26 @@ class AlgoConfig:
         number(self.eps_clip_high, "algo.eps_clip_high", 0, 10, open_low=True)
         if self.eps_clip_c is not None:
             number(self.eps_clip_c, "algo.eps_clip_c", 1, 1e6, open_low=True)
-            check(self.advantage != "cispo", "algo.eps_clip_c",
-                  "unset with advantage cispo (its loss has no dual clip)", self.eps_clip_c)
+            check(
+                self.advantage != "cispo",
+                "algo.eps_clip_c",
+                "unset with advantage cispo (its loss has no dual clip)",
+                self.eps_clip_c,
+            )
         number(self.kl_coef, "algo.kl_coef", 0, 1000)
-        check(self.kl_type in ("k1", "k2", "k3", "low_var_kl"), "algo.kl_type", "one of: k1, k2, k3, low_var_kl",
-              self.kl_type)
+        check(
+            self.kl_type in ("k1", "k2", "k3", "low_var_kl"),
+            "algo.kl_type",
+            "one of: k1, k2, k3, low_var_kl",
+            self.kl_type,
+        )
         number(self.entropy_coef, "algo.entropy_coef", 0, 1000)
-        check(self.normalize_advantages or not self.advantage.startswith("reinforce_plus_plus"),
-              "algo.normalize_advantages", f"true with advantage {self.advantage} (slime requires "
-              "--normalize-advantages with it)", self.normalize_advantages)
+        check(
+            self.normalize_advantages or not self.advantage.startswith("reinforce_plus_plus"),
+            "algo.normalize_advantages",
+            f"true with advantage {self.advantage} (slime requires --normalize-advantages with it)",
+            self.normalize_advantages,
+        )
         number(self.tis_clip, "algo.tis_clip", 0, 1e6, open_low=True)
         number(self.tis_clip_low, "algo.tis_clip_low", 0, self.tis_clip)
 
@@ -338,32 +481,45 @@ class TrainConfig:
     `megatron` (the `[train.megatron]` table) passes through unchanged to megatron-core's
     TransformerConfig; only the megatron trainer reads it."""
 
-    backend: Literal["torch", "megatron"] = setting("torch",
+    backend: Literal["torch", "megatron"] = setting(
+        "torch",
         "Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip "
-        "install '.[megatron]'); [train.megatron] in --config passes through to its TransformerConfig.")
+        "install '.[megatron]'); [train.megatron] in --config passes through to its TransformerConfig.",
+    )
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
     micro_batch_size: int = 64  # also the no-grad log-prob pass: one forward for the default step
-    max_tokens_per_micro_batch: int | None = setting(None,
+    max_tokens_per_micro_batch: int | None = setting(
+        None,
         "Micro-batches sized by tokens (slime's --use-dynamic-batch-size --max-tokens-per-gpu): a minibatch's samples "
         "packed first-fit by length, each micro-batch at most this many tokens (a longer sample alone); also the "
-        "log-prob pass. None: micro_batch_size samples each.")
+        "log-prob pass. None: micro_batch_size samples each.",
+    )
     grad_clip: float = 1.0
     megatron: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(self.backend in ("torch", "megatron"), "train.backend", "one of: torch, megatron", self.backend)
         check(isinstance(self.megatron, dict), "train.megatron", "a table", self.megatron)
-        check(not self.megatron or self.backend == "megatron", "train.megatron",
-               "no [train.megatron] settings unless train.backend is megatron", self.megatron)
+        check(
+            not self.megatron or self.backend == "megatron",
+            "train.megatron",
+            "no [train.megatron] settings unless train.backend is megatron",
+            self.megatron,
+        )
         number(self.lr, "train.lr", 0, 10, open_low=True)
         number(self.weight_decay, "train.weight_decay", 0, 1)
-        check(isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
-            "train.betas", "two numbers in [0, 1)", self.betas)
+        check(
+            isinstance(self.betas, tuple)
+            and len(self.betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
+            "train.betas",
+            "two numbers in [0, 1)",
+            self.betas,
+        )
         number(self.adam_eps, "train.adam_eps", 0, 1, open_low=True)
         number(self.minibatches, "train.minibatches", 1, 100_000, integer=True)
         number(self.micro_batch_size, "train.micro_batch_size", 1, 100_000, integer=True)

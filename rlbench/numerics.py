@@ -32,8 +32,22 @@ PORTABLE = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
 MODE_VARIABLE = "RLBENCH_CPU_NUMERICS"
 # MKL's constants (mkl_service.h): the branch mkl_cbwr_get(MKL_CBWR_BRANCH) returns.
 _CBWR_BRANCH = 1
-_CBWR_NAMES = {0: "OFF", 1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2",
-               9: "AVX", 10: "AVX2", 11: "AVX512_MIC", 12: "AVX512", 13: "AVX512_MIC_E1", 14: "AVX512_E1"}
+_CBWR_NAMES = {
+    0: "OFF",
+    1: "OFF",
+    2: "AUTO",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    11: "AVX512_MIC",
+    12: "AVX512",
+    13: "AVX512_MIC_E1",
+    14: "AVX512_E1",
+}
 
 
 def mode() -> str:
@@ -110,8 +124,10 @@ def identity() -> dict:
     import torch
 
     found = {"aten_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": _mkl_branch()}
-    portable = found["aten_capability"] == PORTABLE["ATEN_CPU_CAPABILITY"].upper() and \
-        found["mkl_cbwr"] in (PORTABLE["MKL_CBWR"], None)
+    portable = found["aten_capability"] == PORTABLE["ATEN_CPU_CAPABILITY"].upper() and found["mkl_cbwr"] in (
+        PORTABLE["MKL_CBWR"],
+        None,
+    )
     kind = "portable" if portable else ("native" if mode() == "native" else "custom")
     return {"mode": kind, **found, "blas": _blas(), "cpu": cpu()}
 

@@ -25,10 +25,31 @@ from rlbench.backends import registry
 from rlbench.config import RunConfig
 from rlbench.core.context import Context, check_made_with
 from rlbench.core.data import PromptCursor, encode_prompts, load_dataset
-from rlbench.core.loop import (StepState, advantage, checkpoint, data, first_sync, logprob, record, recorded, reward,
-                               rollout, sync, timed, train, verify)
-from rlbench.core.model import (build_model, file_digest, initial_weights, load_named_, load_safetensors,
-                                load_tokenizer, named_weights)
+from rlbench.core.loop import (
+    StepState,
+    advantage,
+    checkpoint,
+    data,
+    first_sync,
+    logprob,
+    record,
+    recorded,
+    reward,
+    rollout,
+    sync,
+    timed,
+    train,
+    verify,
+)
+from rlbench.core.model import (
+    build_model,
+    file_digest,
+    initial_weights,
+    load_named_,
+    load_safetensors,
+    load_tokenizer,
+    named_weights,
+)
 from rlbench.core.protocols import RolloutEngine, Trainer
 from rlbench.core.reward import load_reward_fn
 from rlbench.core.seeding import configure_determinism
@@ -62,9 +83,17 @@ class RunResult:
     start: int = 0
 
 
-def run(config: RunConfig, on_step: Callable[[StepState], None] | None = None, *, start: int = 0,
-        init_checkpoint: Path | None = None, expect: dict[int, dict] | None = None, write_from: int = 0,
-        resume: bool = False, command: str | None = None) -> RunResult:
+def run(
+    config: RunConfig,
+    on_step: Callable[[StepState], None] | None = None,
+    *,
+    start: int = 0,
+    init_checkpoint: Path | None = None,
+    expect: dict[int, dict] | None = None,
+    write_from: int = 0,
+    resume: bool = False,
+    command: str | None = None,
+) -> RunResult:
     """Run steps [start, config.steps). `command` is the command line that asked for the run (kept
     in the manifest, so a golden file can say how its values were made). `init_checkpoint` restores the trainer
     first; `expect` maps
@@ -135,8 +164,13 @@ def versions(config: RunConfig | None = None) -> dict[str, str | None]:
     return found
 
 
-def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0, resume: bool = False,
-          command: str | None = None) -> Context:
+def build(
+    config: RunConfig,
+    init_checkpoint: Path | None = None,
+    start: int = 0,
+    resume: bool = False,
+    command: str | None = None,
+) -> Context:
     """Everything the run needs, in order: every input is checked (devices, packages, the ranks the
     machine can place, the trainer's settings, the recording or the dataset and plugins, the model)
     before the trainer and engine are made in this process and the manifest is assembled; then the
@@ -158,16 +192,33 @@ def build(config: RunConfig, init_checkpoint: Path | None = None, start: int = 0
     trainer, engine = _local_backends(config, model, start, init_checkpoint)
     made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
     prompt_ids = _prompt_ids(config, tokenizer, dataset, model)
-    cursor = None if source is not None else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step,
-                                                           config.data.shuffle)
+    cursor = (
+        None
+        if source is not None
+        else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step, config.data.shuffle)
+    )
     trainer, engine, made, writer = _start(config, model, start, init_checkpoint, trainer, engine, made, resume)
     stop_token_ids = _stop_token_ids(config, tokenizer)
     generate_env = None if generate_fn is None else _generate_env(config, engine, tokenizer, stop_token_ids)
-    return Context(config=config, tokenizer=tokenizer, dataset=dataset, cursor=cursor, prompt_ids=prompt_ids,
-                   stop_token_ids=stop_token_ids, engine=engine, trainer=trainer, reward_name=reward_name,
-                   reward_fn=reward_fn, writer=writer, manifest=made, group_size=config.rollout.n_samples_per_prompt,
-                   generate_fn=generate_fn, generate_name=generate_name, generate_env=generate_env,
-                   model_weights=model_weights)
+    return Context(
+        config=config,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        cursor=cursor,
+        prompt_ids=prompt_ids,
+        stop_token_ids=stop_token_ids,
+        engine=engine,
+        trainer=trainer,
+        reward_name=reward_name,
+        reward_fn=reward_fn,
+        writer=writer,
+        manifest=made,
+        group_size=config.rollout.n_samples_per_prompt,
+        generate_fn=generate_fn,
+        generate_name=generate_name,
+        generate_env=generate_env,
+        model_weights=model_weights,
+    )
 
 
 def _check_device(device: str) -> None:
@@ -194,9 +245,10 @@ def _check_recording(config: RunConfig, source: RunDir, start: int) -> int:
     step file from `start` on reads back whole, all verified before anything is written. Returns the
     highest token id it holds plus one (0 when it holds none), for the model's vocabulary to cover."""
     check_made_with(source, tokenizer=config.model.tokenizer)
-    if source.steps[:config.steps] != list(range(config.steps)):
-        raise BadInput(f"the recording's committed steps are not 0..{config.steps - 1}",
-                       path=source.root / "metrics.jsonl")
+    if source.steps[: config.steps] != list(range(config.steps)):
+        raise BadInput(
+            f"the recording's committed steps are not 0..{config.steps - 1}", path=source.root / "metrics.jsonl"
+        )
     recorded_ids = 0
     for step in range(start, config.steps):
         tensors, meta = read_step(source.root, step)
@@ -212,9 +264,11 @@ def _dataset_and_reward(config: RunConfig, source: RunDir | None) -> tuple[list[
     if source is not None:
         return [], "recorded", None
     if config.data.label_key is None and config.reward.custom_rm_path is None:
-        raise BadInput(f"the built-in {config.reward.verifier!r} verifier scores a response against its row's label: "
-                       "name the label's key (--label-key) or give a reward function (--custom-rm-path)",
-                       field="data.label_key")
+        raise BadInput(
+            f"the built-in {config.reward.verifier!r} verifier scores a response against its row's label: "
+            "name the label's key (--label-key) or give a reward function (--custom-rm-path)",
+            field="data.label_key",
+        )
     dataset = load_dataset(config.data.path, config.data.prompt_key, config.data.label_key)
     reward_name, reward_fn = load_reward_fn(config.reward.verifier, config.reward.custom_rm_path)
     return dataset, reward_name, reward_fn
@@ -229,19 +283,23 @@ def _generate_fn(config: RunConfig, source: RunDir | None) -> tuple[str, Callabl
     return load_generate_fn(config.rollout.custom_generate_function_path)
 
 
-def _model(config: RunConfig, tokenizer: PreTrainedTokenizerBase, source: RunDir | None,
-           recorded_ids: int) -> tuple[PreTrainedModel, dict | None]:
+def _model(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, source: RunDir | None, recorded_ids: int
+) -> tuple[PreTrainedModel, dict | None]:
     """The model the run starts from, and where its initial weights came from (the manifest's "weights").
     Its vocabulary must cover the tokenizer's tokens and (train-only) the recording's ids; a train-only
     run starts from the recording's initial weights."""
     model = build_model(config.model.path, config.seed, config.model.dtype, config.device, init=config.model.init)
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
-        raise BadInput(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}",
-                       path=config.model.tokenizer)
+        raise BadInput(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}", path=config.model.tokenizer
+        )
     if source is not None and recorded_ids > vocab:
-        raise BadInput(f"the recording holds token id {recorded_ids - 1}, outside the model's vocabulary ({vocab})",
-                       path=source.root / "rollouts")
+        raise BadInput(
+            f"the recording holds token id {recorded_ids - 1}, outside the model's vocabulary ({vocab})",
+            path=source.root / "rollouts",
+        )
     weights = _initial_weights(model, source) or initial_weights(config.model.path, config.model.init, config.seed)
     return model, weights
 
@@ -254,8 +312,9 @@ def _first_sync_reference(config: RunConfig, model: PreTrainedModel, start: int)
     return None
 
 
-def _local_backends(config: RunConfig, model: PreTrainedModel, start: int,
-                    init_checkpoint: Path | None) -> tuple[Trainer | None, RolloutEngine | None]:
+def _local_backends(
+    config: RunConfig, model: PreTrainedModel, start: int, init_checkpoint: Path | None
+) -> tuple[Trainer | None, RolloutEngine | None]:
     """The trainer (restored from `init_checkpoint`, if given) and the embedded engine, where the run has
     them in this process (`--placement local`). The others start in `_start`, once every input is checked."""
     if init_checkpoint is not None and not (Path(init_checkpoint) / "state.json").is_file():
@@ -270,8 +329,16 @@ def _local_backends(config: RunConfig, model: PreTrainedModel, start: int,
     return trainer, engine
 
 
-def _manifest(config: RunConfig, command: str | None, determinism: dict, reward_name: str, weights: dict | None,
-              initial_digest: str, source: RunDir | None, tokenizer: PreTrainedTokenizerBase) -> dict:
+def _manifest(
+    config: RunConfig,
+    command: str | None,
+    determinism: dict,
+    reward_name: str,
+    weights: dict | None,
+    initial_digest: str,
+    source: RunDir | None,
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict:
     """The run's manifest (rundir/manifest.py lays it out), less the engines' server info, which `_start`
     adds once they are up. Its vocabulary: the model's and the tokenizer's sizes (core/vocab.py)."""
     stages = {"full": STAGES, "rollout-only": STAGES[:3], "train-only": ("recorded",) + STAGES[3:6]}[config.mode]
@@ -281,23 +348,46 @@ def _manifest(config: RunConfig, command: str | None, determinism: dict, reward_
         "tokenizer": file_digest(Path(config.model.tokenizer)),
         "dataset": file_digest(Path(config.data.path)) if source is None else None,
     }
-    return manifest(config, command=command, stages=stages, reward_fn=reward_name, versions=versions(config),
-                    device_name=_device_name(config.device), determinism=determinism, weights=weights, hashes=hashes,
-                    vocab=Vocab(model_vocab(config.model.path), len(tokenizer)).as_manifest(), source=source)
+    return manifest(
+        config,
+        command=command,
+        stages=stages,
+        reward_fn=reward_name,
+        versions=versions(config),
+        device_name=_device_name(config.device),
+        determinism=determinism,
+        weights=weights,
+        hashes=hashes,
+        vocab=Vocab(model_vocab(config.model.path), len(tokenizer)).as_manifest(),
+        source=source,
+    )
 
 
-def _prompt_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase, dataset: list[Prompt],
-                model: PreTrainedModel) -> dict[int, tuple[int, ...]]:
+def _prompt_ids(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, dataset: list[Prompt], model: PreTrainedModel
+) -> dict[int, tuple[int, ...]]:
     """Each prompt's ids, each leaving room in the model's positions for max_new_tokens of response."""
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     data = config.data
-    return encode_prompts(tokenizer, dataset, positions - config.rollout.max_new_tokens, data.path,
-                           data.chat_template_kwargs if data.apply_chat_template else None)
+    return encode_prompts(
+        tokenizer,
+        dataset,
+        positions - config.rollout.max_new_tokens,
+        data.path,
+        data.chat_template_kwargs if data.apply_chat_template else None,
+    )
 
 
-def _start(config: RunConfig, model: PreTrainedModel, start: int, init_checkpoint: Path | None,
-           trainer: Trainer | None, engine: RolloutEngine | None, made: dict,
-           resume: bool) -> tuple[Trainer | None, RolloutEngine | None, dict, RunWriter | None]:
+def _start(
+    config: RunConfig,
+    model: PreTrainedModel,
+    start: int,
+    init_checkpoint: Path | None,
+    trainer: Trainer | None,
+    engine: RolloutEngine | None,
+    made: dict,
+    resume: bool,
+) -> tuple[Trainer | None, RolloutEngine | None, dict, RunWriter | None]:
     """The backends outside this process (Ray actors under `--placement ray`, else the SGLang servers
     of `--rollout sglang`), the manifest completed with the engines' server info in JSON-normal form
     (tuples become lists, as read back), and the run directory (with --out). Whatever the run started
@@ -323,14 +413,16 @@ def _start(config: RunConfig, model: PreTrainedModel, start: int, init_checkpoin
     return trainer, engine, made, writer
 
 
-def _generate_env(config: RunConfig, engine: RolloutEngine | None, tokenizer: PreTrainedTokenizerBase,
-                  stop_token_ids: tuple[int, ...]) -> GenerateEnv:
+def _generate_env(
+    config: RunConfig, engine: RolloutEngine | None, tokenizer: PreTrainedTokenizerBase, stop_token_ids: tuple[int, ...]
+) -> GenerateEnv:
     """What a custom generate function samples through: the engine, with the run's sampling settings."""
     from rlbench.core.generate import GenerateEnv
 
     rollout = config.rollout
-    return GenerateEnv(engine, tokenizer, rollout.max_new_tokens, rollout.temperature, stop_token_ids, rollout.top_k,
-                       rollout.top_p)
+    return GenerateEnv(
+        engine, tokenizer, rollout.max_new_tokens, rollout.temperature, stop_token_ids, rollout.top_k, rollout.top_p
+    )
 
 
 def _device_name(device: str) -> str | None:
@@ -347,8 +439,10 @@ def _stop_token_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tu
     extra = config.rollout.stop_token_ids
     outside = [t for t in extra if t >= len(tokenizer)]
     if outside:
-        raise BadInput(f"token id {outside[0]} is outside the tokenizer's vocabulary ({len(tokenizer)})",
-                       field="rollout.stop_token_ids")
+        raise BadInput(
+            f"token id {outside[0]} is outside the tokenizer's vocabulary ({len(tokenizer)})",
+            field="rollout.stop_token_ids",
+        )
     return tuple(dict.fromkeys((tokenizer.eos_token_id, *extra)))
 
 
@@ -365,6 +459,9 @@ def _initial_weights(model, source: RunDir | None) -> dict | None:
     recorded = source.manifest.get("hashes", {}).get("initial_weights")
     here = weights_digest(named_weights(model))
     if recorded is not None and recorded != here:
-        raise BadInput(f"initial weights {here[:12]} are not the recording's ({recorded[:12]}): another model "
-                       "or seed", path=source.root / "manifest.json", field="hashes.initial_weights")
+        raise BadInput(
+            f"initial weights {here[:12]} are not the recording's ({recorded[:12]}): another model or seed",
+            path=source.root / "manifest.json",
+            field="hashes.initial_weights",
+        )
     return loaded

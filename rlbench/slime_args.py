@@ -34,8 +34,9 @@ def _arg(kind: str, *fields: str, help: str = "") -> SlimeArg:
 
 
 ARGS: dict[str, SlimeArg] = {
-    "--hf-checkpoint": _arg("str", "model.path", "model.tokenizer",
-                            help="the Hugging Face model directory: its weights and its tokenizer"),
+    "--hf-checkpoint": _arg(
+        "str", "model.path", "model.tokenizer", help="the Hugging Face model directory: its weights and its tokenizer"
+    ),
     "--prompt-data": _arg("str", "data.path"),
     "--input-key": _arg("str", "data.prompt_key"),
     "--label-key": _arg("str", "data.label_key"),
@@ -44,8 +45,11 @@ ARGS: dict[str, SlimeArg] = {
     "--rollout-shuffle": _arg("flag", "data.shuffle"),
     "--rollout-batch-size": _arg("int", "data.prompts_per_step"),
     "--n-samples-per-prompt": _arg("int", "rollout.n_samples_per_prompt"),
-    "--global-batch-size": _arg("int", help="samples per optimizer step: train.minibatches = "
-                                            "rollout_batch_size * n_samples_per_prompt / global_batch_size"),
+    "--global-batch-size": _arg(
+        "int",
+        help="samples per optimizer step: train.minibatches = "
+        "rollout_batch_size * n_samples_per_prompt / global_batch_size",
+    ),
     "--num-steps-per-rollout": _arg("int", "train.minibatches"),
     "--num-rollout": _arg("int", "steps"),
     "--rollout-max-response-len": _arg("int", "rollout.max_new_tokens"),
@@ -83,11 +87,16 @@ ARGS: dict[str, SlimeArg] = {
     "--tis-clip": _arg("float", "algo.tis_clip"),
     "--tis-clip-low": _arg("float", "algo.tis_clip_low"),
     "--rm-type": _arg("str", "reward.verifier", help="one of rlbench's built-in verifiers"),
-    "--custom-rm-path": _arg("str", "reward.custom_rm_path",
-                             help="rlbench's contract: fn(sample: RewardInput) -> float, not slime's async "
-                                  "(args, sample)"),
-    "--custom-generate-function-path": _arg("str", "rollout.custom_generate_function_path",
-                                            help="rlbench's contract (rlbench/core/generate.py), not slime's"),
+    "--custom-rm-path": _arg(
+        "str",
+        "reward.custom_rm_path",
+        help="rlbench's contract: fn(sample: RewardInput) -> float, not slime's async (args, sample)",
+    ),
+    "--custom-generate-function-path": _arg(
+        "str",
+        "rollout.custom_generate_function_path",
+        help="rlbench's contract (rlbench/core/generate.py), not slime's",
+    ),
 }
 
 # Accepted at the one value rlbench computes; any other value is refused.
@@ -95,12 +104,29 @@ ONLY = {"--optimizer": "adam", "--lr-decay-style": "constant", "--loss-type": "p
 
 # What slime runs with when an argument is absent (slime/utils/arguments.py; Megatron-LM's optimizer defaults).
 SLIME_DEFAULTS: dict[str, Any] = {
-    "seed": 1234, "data.prompt_key": "input", "data.label_key": None, "data.apply_chat_template": False,
-    "data.chat_template_kwargs": {}, "data.shuffle": False, "rollout.n_samples_per_prompt": 1,
-    "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": -1, "rollout.sampling_seed": 42,
-    "rollout.stop_token_ids": (), "train.lr": 1e-6, "train.weight_decay": 0.01, "train.betas": (0.9, 0.999),
-    "train.adam_eps": 1e-8, "train.grad_clip": 1.0, "train.micro_batch_size": 1, "algo.advantage": "grpo",
-    "algo.normalize_std": True, "algo.eps_clip": 0.2, "algo.kl_coef": 0.0, "algo.kl_type": "k1",
+    "seed": 1234,
+    "data.prompt_key": "input",
+    "data.label_key": None,
+    "data.apply_chat_template": False,
+    "data.chat_template_kwargs": {},
+    "data.shuffle": False,
+    "rollout.n_samples_per_prompt": 1,
+    "rollout.temperature": 1.0,
+    "rollout.top_p": 1.0,
+    "rollout.top_k": -1,
+    "rollout.sampling_seed": 42,
+    "rollout.stop_token_ids": (),
+    "train.lr": 1e-6,
+    "train.weight_decay": 0.01,
+    "train.betas": (0.9, 0.999),
+    "train.adam_eps": 1e-8,
+    "train.grad_clip": 1.0,
+    "train.micro_batch_size": 1,
+    "algo.advantage": "grpo",
+    "algo.normalize_std": True,
+    "algo.eps_clip": 0.2,
+    "algo.kl_coef": 0.0,
+    "algo.kl_type": "k1",
     "algo.entropy_coef": 0.0,
 }
 
@@ -164,9 +190,11 @@ _EXPECTED = {"int": "an integer", "ints": "integers", "float": "a number", "json
 def _refusal(name: str) -> str:
     if not name.startswith("--"):
         return f"unexpected argument {name!r}"
-    return (f"no such option: {name} (neither rlbench's nor a slime argument rlbench models; slime's data, rollout, "
-            "batch, algorithm and optimizer arguments are read, --sglang-* passes through to the servers; "
-            "see `rlbench run --help` and docs/usage.md)")
+    return (
+        f"no such option: {name} (neither rlbench's nor a slime argument rlbench models; slime's data, rollout, "
+        "batch, algorithm and optimizer arguments are read, --sglang-* passes through to the servers; "
+        "see `rlbench run --help` and docs/usage.md)"
+    )
 
 
 def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any, dict[str, Any]]]]:
@@ -177,11 +205,15 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
     coefficient counts only under --use-kl-loss."""
     missing = [name for name in REQUIRED if name not in given]
     if missing:
-        raise BadInput(f"a slime command line needs {', '.join(missing)} (slime has no default rlbench could use)",
-                       field="rlbench run")
+        raise BadInput(
+            f"a slime command line needs {', '.join(missing)} (slime has no default rlbench could use)",
+            field="rlbench run",
+        )
     if "--num-rollout" not in given:
-        raise BadInput("a slime command line needs --num-rollout: the number of rollout steps (rlbench does not "
-                       "read --num-epoch)", field="rlbench run")
+        raise BadInput(
+            "a slime command line needs --num-rollout: the number of rollout steps (rlbench does not read --num-epoch)",
+            field="rlbench run",
+        )
     fields = dict(SLIME_DEFAULTS)
     explained: list[tuple[str, Any, dict[str, Any]]] = []
     for name, value in given.items():
@@ -208,27 +240,34 @@ def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> 
     fields["algo.eps_clip_high"] = given.get("--eps-clip-high", fields["algo.eps_clip"])
     fields["algo.kl_coef"] = given.get("--kl-loss-coef", 0.0) if given.get("--use-kl-loss") else 0.0
     if given.get("--use-dynamic-batch-size") and given.get("--max-tokens-per-gpu") is None:
-        raise BadInput("max_tokens_per_gpu must be set when use_dynamic_batch_size is set (slime asserts the same)",
-                       field="--use-dynamic-batch-size")
+        raise BadInput(
+            "max_tokens_per_gpu must be set when use_dynamic_batch_size is set (slime asserts the same)",
+            field="--use-dynamic-batch-size",
+        )
     # slime reads --max-tokens-per-gpu only under --use-dynamic-batch-size
-    fields["train.max_tokens_per_micro_batch"] = (given["--max-tokens-per-gpu"] if given.get("--use-dynamic-batch-size")
-                                                  else None)
+    fields["train.max_tokens_per_micro_batch"] = (
+        given["--max-tokens-per-gpu"] if given.get("--use-dynamic-batch-size") else None
+    )
     samples = given["--rollout-batch-size"] * fields["rollout.n_samples_per_prompt"]
     steps, batch = given.get("--num-steps-per-rollout"), given.get("--global-batch-size")
     if steps is not None:
         if batch is not None and batch != samples // steps:
-            raise BadInput(f"--global-batch-size {batch} is not rollout_batch_size * n_samples_per_prompt "
-                           f"// num_steps_per_rollout = {samples // steps} (slime asserts the same)",
-                           field="--global-batch-size")
+            raise BadInput(
+                f"--global-batch-size {batch} is not rollout_batch_size * n_samples_per_prompt "
+                f"// num_steps_per_rollout = {samples // steps} (slime asserts the same)",
+                field="--global-batch-size",
+            )
         fields["train.minibatches"] = steps
     elif batch is not None:
         if batch <= 0 or samples % batch:
-            raise BadInput(f"--global-batch-size {batch} does not divide the step's {samples} samples "
-                           "(rollout_batch_size * n_samples_per_prompt)", field="--global-batch-size")
+            raise BadInput(
+                f"--global-batch-size {batch} does not divide the step's {samples} samples "
+                "(rollout_batch_size * n_samples_per_prompt)",
+                field="--global-batch-size",
+            )
         fields["train.minibatches"] = samples // batch
     else:
-        raise BadInput("a slime command line needs --global-batch-size or --num-steps-per-rollout",
-                       field="rlbench run")
+        raise BadInput("a slime command line needs --global-batch-size or --num-steps-per-rollout", field="rlbench run")
     _slime_rules(given, fields)
     if fields["rollout.n_samples_per_prompt"] == 1:
         fields["algo.normalize_std"] = False  # slime: one sample per prompt turns std normalisation off
@@ -248,18 +287,25 @@ def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> 
 def _slime_rules(given: dict[str, Any], fields: dict[str, Any]) -> None:
     """What slime_validate_args refuses, refused here in the same cases (slime/utils/arguments.py)."""
     if fields["rollout.temperature"] <= 0:
-        raise BadInput("slime requires --rollout-temperature > 0 (0 would be greedy decoding)",
-                       field="--rollout-temperature")
+        raise BadInput(
+            "slime requires --rollout-temperature > 0 (0 would be greedy decoding)", field="--rollout-temperature"
+        )
     if given.get("--kl-coef", 0.0) != 0 and given.get("--kl-loss-coef", 0.0) != 0:
-        raise BadInput("only one of --kl-coef and --kl-loss-coef can be set (slime asserts the same)",
-                       field="--kl-coef")
+        raise BadInput(
+            "only one of --kl-coef and --kl-loss-coef can be set (slime asserts the same)", field="--kl-coef"
+        )
     if given.get("--kl-coef", 0.0) != 0:  # after slime's own refusal, as slime checks it first
-        raise BadInput(f"--kl-coef {given['--kl-coef']:g}: slime's KL reward shaping (a per-token KL to the reference "
-                       "folded into REINFORCE++ returns) is not modelled by rlbench; only 0 is accepted",
-                       field="--kl-coef")
-    if fields["algo.advantage"] in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and \
-            not given.get("--normalize-advantages"):
-        raise BadInput(f"--advantage-estimator {fields['algo.advantage']} needs --normalize-advantages "
-                       "(slime asserts the same)", field="--advantage-estimator")
+        raise BadInput(
+            f"--kl-coef {given['--kl-coef']:g}: slime's KL reward shaping (a per-token KL to the reference "
+            "folded into REINFORCE++ returns) is not modelled by rlbench; only 0 is accepted",
+            field="--kl-coef",
+        )
+    if fields["algo.advantage"] in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and not given.get(
+        "--normalize-advantages"
+    ):
+        raise BadInput(
+            f"--advantage-estimator {fields['algo.advantage']} needs --normalize-advantages (slime asserts the same)",
+            field="--advantage-estimator",
+        )
     if "--save-interval" in given and "--save" not in given:
         raise BadInput("--save-interval needs --save (slime asserts the same)", field="--save-interval")

@@ -21,8 +21,13 @@ def number(value: Any, key: str, low: float, high: float, *, integer: bool = Fal
     """A finite number (an integer where `integer`) in [low, high] ((low, high] with `open_low`): every
     number a run is configured with is held to a sane range before anything runs on it."""
     kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > low if open_low else value >= low) and value <= high
+    ok = (
+        isinstance(value, kind)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > low if open_low else value >= low)
+        and value <= high
+    )
     what = "an integer" if integer else "a finite number"
     check(ok, key, f"{what} in {'(' if open_low else '['}{_bound(low)}, {_bound(high)}]", value)
 
@@ -33,8 +38,12 @@ def _bound(x: float) -> str:
 
 def text(value: Any, key: str, optional: bool = False) -> None:
     """A string without NUL (or None where `optional`)."""
-    check((isinstance(value, str) and "\x00" not in value) or (optional and value is None), key,
-          "a string (without NUL)", value)
+    check(
+        (isinstance(value, str) and "\x00" not in value) or (optional and value is None),
+        key,
+        "a string (without NUL)",
+        value,
+    )
 
 
 def normalize_url(addr: str, field: str = "rollout.external_engine_addrs") -> str:

@@ -26,7 +26,6 @@ settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 def word_level_tokenizer():
     """A 4-id tokenizer with no decoder ("decoder": null: its ids are words joined by spaces) and no chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -36,17 +35,26 @@ def word_level_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eot>")
 
+
 def small_toml(steps: int) -> str:
     """The TOML of `small_config`, for tests that go through the CLI."""
-    return (f"steps = {steps}\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
-            "n_samples_per_prompt = 4\n[train]\nminibatches = 2\nmicro_batch_size = 3\n")
+    return (
+        f"steps = {steps}\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
+        "n_samples_per_prompt = 4\n[train]\nminibatches = 2\nmicro_batch_size = 3\n"
+    )
 
 
 @pytest.fixture(scope="session")
 def small_config() -> RunConfig:
     """A few steps of the default task at a size that runs in about a second."""
-    return load_config(steps=3, checkpoint_every=2, data__prompts_per_step=2, rollout__n_samples_per_prompt=4,
-                       train__minibatches=2, train__micro_batch_size=3)
+    return load_config(
+        steps=3,
+        checkpoint_every=2,
+        data__prompts_per_step=2,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=3,
+    )
 
 
 @pytest.fixture
@@ -100,10 +108,10 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 # Where installed packages live: the interpreter's prefixes and every sys.path entry outside this checkout (a
 # PYTHONPATH of carried wheels on the GPU host among them), and rlbench itself; plugins come from anywhere else.
-_INSTALLED = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)} |
-                   {str(Path(p).resolve()) for p in sys.path if p and REPO not in (Path(p).resolve(),
-                                                                                    *Path(p).resolve().parents)}) + \
-    (str(REPO / "rlbench"),)
+_INSTALLED = tuple(
+    {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    | {str(Path(p).resolve()) for p in sys.path if p and REPO not in (Path(p).resolve(), *Path(p).resolve().parents)}
+) + (str(REPO / "rlbench"),)
 
 
 def _user_module(module) -> bool:
@@ -112,15 +120,22 @@ def _user_module(module) -> bool:
     return bool(path) and not str(Path(path).resolve()).startswith(_INSTALLED)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, process: bool = False) \
-        -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, process: bool = False
+) -> subprocess.CompletedProcess:
     """`rlbench ARGS` as a user runs it: in this process (`cli`) unless `process`, where it gets an
     interpreter of its own (`python -m rlbench.cli`, COLUMNS=200); `timeout` applies to a process."""
     if not process:
         return cli(*args, cwd=cwd or REPO)
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "rlbench.cli", *args], cwd=cwd or REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", *args],
+        cwd=cwd or REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tagged_processes(tag: str) -> list[int]:
@@ -164,8 +179,10 @@ def pytest_terminal_summary(terminalreporter):
     # The machine the suite's bit-exact verdicts held on (or failed on), in CI's log too.
     ident = numerics.identity()
     cpu = ident.get("cpu") or {}
-    terminalreporter.write_line(f"platform: {cpu.get('model')} ({cpu.get('vendor')}, {cpu.get('isa')}), numerics "
-                                f"{ident['mode']} (ATen {ident['aten_capability']}, MKL_CBWR {ident['mkl_cbwr']})")
+    terminalreporter.write_line(
+        f"platform: {cpu.get('model')} ({cpu.get('vendor')}, {cpu.get('isa')}), numerics "
+        f"{ident['mode']} (ATen {ident['aten_capability']}, MKL_CBWR {ident['mkl_cbwr']})"
+    )
 
     base = os.environ.get("RLBENCH_SWEEP_DIR")
     totals: dict[str, int] = {}

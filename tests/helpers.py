@@ -39,11 +39,21 @@ class NaiveEngine(HFEngine):
         return self._decode_rows(list(requests), width, requests[0].max_new_tokens)
 
 
-specs = st.tuples(st.integers(0, 12), st.integers(0, 2**63 - 1), st.sampled_from([0.0, 0.7, 1.0]),
-                  st.sampled_from([-1, 0, 1, 5]), st.sampled_from([1.0, 0.9, 0.3]), st.sampled_from([2, 4]))
+specs = st.tuples(
+    st.integers(0, 12),
+    st.integers(0, 2**63 - 1),
+    st.sampled_from([0.0, 0.7, 1.0]),
+    st.sampled_from([-1, 0, 1, 5]),
+    st.sampled_from([1.0, 0.9, 0.3]),
+    st.sampled_from([2, 4]),
+)
 
-batches = dict(batch=st.lists(specs, min_size=1, max_size=6), others=st.lists(specs, max_size=4),
-               same_prompt=st.integers(0, 3), order=st.integers(0, 2**32))
+batches = dict(
+    batch=st.lists(specs, min_size=1, max_size=6),
+    others=st.lists(specs, max_size=4),
+    same_prompt=st.integers(0, 3),
+    order=st.integers(0, 2**32),
+)
 
 
 def engine_request(prompts, eos, spec) -> GenerateRequest:
@@ -70,7 +80,8 @@ def check_property(setup, decode, batch, others, same_prompt, order):
     batch = [engine_request(prompts, eos, s) for s in batch]
     # Neighbours that share a prompt with the batch exercise the shared-prefill path.
     others = [engine_request(prompts, eos, s) for s in others] + [
-        GenerateRequest(batch[0].prompt_ids, seed, batch[0].max_new_tokens, 1.0, (eos,)) for seed in range(same_prompt)]
+        GenerateRequest(batch[0].prompt_ids, seed, batch[0].max_new_tokens, 1.0, (eos,)) for seed in range(same_prompt)
+    ]
     assert moved(engines[decode], batch, others, order) == []
 
 
@@ -114,8 +125,8 @@ class TableLogits(torch.nn.Module):
         n, length = input_ids.shape
         keep = logits_to_keep or length
         if self.table.dim() == 2:
-            return SimpleNamespace(logits=self.table[length - keep:length].expand(n, -1, -1))
-        return SimpleNamespace(logits=self.table[input_ids[:, 0], :length][:, length - keep:])
+            return SimpleNamespace(logits=self.table[length - keep : length].expand(n, -1, -1))
+        return SimpleNamespace(logits=self.table[input_ids[:, 0], :length][:, length - keep :])
 
 
 # ---------------------------------------------------------------- tensors of random bytes
@@ -123,8 +134,13 @@ class TableLogits(torch.nn.Module):
 
 def random_tensor(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
     """n elements of `dtype` made of seeded random bytes (every bit pattern, NaNs and infinities included)."""
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(seed))
+    raw = torch.randint(
+        0,
+        256,
+        (n * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return (raw != 0) if dtype == torch.bool else raw.view(dtype)
 
 

@@ -1,12 +1,12 @@
 """Backends behind the Protocols of rlbench/core/protocols.py, imported only when chosen.
 
-    hf_engine.py      embedded rollout engine: fixed-shape batched decoding (or per-sample), with a KV cache
-    batched_forward.py  the engine's decode forwards: its own KV store, eager or replayed as CUDA graphs
-    prompt_cache.py   prompt prefills kept between generations (`rlbench serve`'s prefix cache)
-    sampling.py       its token choice: Gumbel-max over counter-based noise, top-k / top-p (SGLang's semantics)
-    sampling_triton.py  that choice as one Triton kernel on a GPU (rows that are not top-k/top-p filtered)
-    torch_trainer.py  embedded trainer: the transformers model, AdamW, minibatches, micro-batches, checkpoints
-    registry.py       which trainer and engine a run needs (installed extras, Ray bundles), and how to make them
-    megatron/         `--trainer megatron`: a megatron-core GPTModel, tensor and data parallel
-    sglang/           `--rollout sglang`: SGLang servers over their native HTTP API, through sglang-router
+hf_engine.py      embedded rollout engine: fixed-shape batched decoding (or per-sample), with a KV cache
+batched_forward.py  the engine's decode forwards: its own KV store, eager or replayed as CUDA graphs
+prompt_cache.py   prompt prefills kept between generations (`rlbench serve`'s prefix cache)
+sampling.py       its token choice: Gumbel-max over counter-based noise, top-k / top-p (SGLang's semantics)
+sampling_triton.py  that choice as one Triton kernel on a GPU (rows that are not top-k/top-p filtered)
+torch_trainer.py  embedded trainer: the transformers model, AdamW, minibatches, micro-batches, checkpoints
+registry.py       which trainer and engine a run needs (installed extras, Ray bundles), and how to make them
+megatron/         `--trainer megatron`: a megatron-core GPTModel, tensor and data parallel
+sglang/           `--rollout sglang`: SGLang servers over their native HTTP API, through sglang-router
 """

@@ -18,8 +18,9 @@ class Engine(Protocol):
     model: torch.nn.Module
     device: str
 
-    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
-                       mask: torch.Tensor | None) -> torch.Tensor: ...
+    def forward_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None
+    ) -> torch.Tensor: ...
 
 
 @contextlib.contextmanager
@@ -55,8 +56,10 @@ class KVStore:
         """Zeroed buffers [rows, kv heads, width, head dim] per layer, written one column a token."""
         shape = (rows, config.num_key_value_heads, width, head_dim(config))
         layers = config.num_hidden_layers
-        store = cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+        store = cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+        )
         store.column = torch.zeros(1, dtype=torch.long, device=device)
         return store
 
@@ -155,8 +158,15 @@ class GraphDecode(EagerDecode):
 GROUPED = "rlbench_grouped"  # the batched path's attention on a GPU (registered with transformers on first use)
 
 
-def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor, scaling: float, **_) -> tuple[torch.Tensor, None]:
+def grouped_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
+    **_,
+) -> tuple[torch.Tensor, None]:
     """Attention for the batched path's forwards on a GPU, registered with transformers as `rlbench_grouped`.
     SDPA with a mask does not take grouped keys (GQA): transformers copies every key/value head to each of its
     query heads first, the whole cache twice a layer at each decode step. Here each key/value head's query heads
@@ -166,8 +176,12 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     rows, heads, q, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads  # query head h reads key/value head h // group, as transformers' repeat_kv pairs them
-    scores = torch.bmm(query.reshape(rows * kv_heads, group * q, dim),
-                       key.reshape(rows * kv_heads, length, dim).transpose(1, 2)) * scaling
+    scores = (
+        torch.bmm(
+            query.reshape(rows * kv_heads, group * q, dim), key.reshape(rows * kv_heads, length, dim).transpose(1, 2)
+        )
+        * scaling
+    )
     visible = (
         attention_mask[:, None].expand(rows, kv_heads, group, q, length).reshape(rows * kv_heads, group * q, length)
     )

@@ -40,8 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rlbench.backends.batched_forward import (GROUPED, EagerDecode, GraphDecode, KVStore, fusable_norms,
-                                              register_grouped)
+from rlbench.backends.batched_forward import GROUPED, EagerDecode, GraphDecode, KVStore, fusable_norms, register_grouped
 from rlbench.backends.prompt_cache import PromptCache
 from rlbench.backends.sampling import SamplingRows, sample
 from rlbench.core.model import load_named_, named_weights
@@ -78,13 +77,25 @@ class Decoding:
     cached: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def fresh(cls, count: int, top_n: dict[int, int] | None = None, bias: dict[int, dict[int, float]] | None = None,
-              probe: dict[int, tuple[int, ...]] | None = None) -> Decoding:
+    def fresh(
+        cls,
+        count: int,
+        top_n: dict[int, int] | None = None,
+        bias: dict[int, dict[int, float]] | None = None,
+        probe: dict[int, tuple[int, ...]] | None = None,
+    ) -> Decoding:
         top_n = {i: n for i, n in (top_n or {}).items() if n > 0}
         bias = {i: b for i, b in (bias or {}).items() if b}
         probe = {i: tuple(p) for i, p in (probe or {}).items() if p}
-        return cls([[] for _ in range(count)], [[] for _ in range(count)], top_n=top_n,
-                   top={i: [] for i in top_n}, bias=bias, probe=probe, probed={i: [] for i in probe})
+        return cls(
+            [[] for _ in range(count)],
+            [[] for _ in range(count)],
+            top_n=top_n,
+            top={i: [] for i in top_n},
+            bias=bias,
+            probe=probe,
+            probed={i: [] for i in probe},
+        )
 
     def biases(self, indices: Sequence[int], rows: int, vocab: int, device: str) -> torch.Tensor | None:
         """[rows, vocab] float32: the logit biases of the requests `indices` (row r is request indices[r]),
@@ -143,9 +154,16 @@ def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 class HFEngine:
     """Holds its own copy of the policy, as a real engine does; weights arrive through `update_weights`."""
 
-    def __init__(self, model: torch.nn.Module, device: str = "cpu", engine_id: str = "hf:0",
-                 true_on_policy: bool = False, decode: str = "batched", batch_size: int = 64,
-                 cuda_graphs: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: str = "cpu",
+        engine_id: str = "hf:0",
+        true_on_policy: bool = False,
+        decode: str = "batched",
+        batch_size: int = 64,
+        cuda_graphs: bool = True,
+    ):
         if decode not in DECODES:
             raise BadInput(f"expected one of {', '.join(DECODES)}, got {decode!r}", field="rollout.decode")
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
@@ -195,8 +213,9 @@ class HFEngine:
             results = [self._rescore(req, res) for req, res in zip(requests, results)]
         return results
 
-    def forward_logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore,
-                       mask: torch.Tensor | None) -> torch.Tensor:
+    def forward_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole
         batch for padding). A None mask is causal for a prefill and all-visible for one token (the
@@ -207,9 +226,14 @@ class HFEngine:
             self.model.config._attn_implementation = GROUPED
             self._fused(True)
         try:
-            out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                             past_key_values=kv, attention_mask={"full_attention": mask}, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(
+                input_ids=ids.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=kv,
+                attention_mask={"full_attention": mask},
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             self.model.config._attn_implementation = self.own_attention
             if fuse:
@@ -231,8 +255,9 @@ class HFEngine:
             results.append((yield from self._decode_alone(req, prefills, decoding, index)))
         return results
 
-    def _decode_alone(self, req: GenerateRequest, prefills: dict, decoding: Decoding,
-                      index: int) -> Generator[None, None, GenerateResult]:
+    def _decode_alone(
+        self, req: GenerateRequest, prefills: dict, decoding: Decoding, index: int
+    ) -> Generator[None, None, GenerateResult]:
         """The reference path: batch size 1, a cache growing by one column per token; one prefill
         per distinct prompt of the call, at the prompt's own length."""
         key = ("per-sample", req.prompt_ids)
@@ -308,7 +333,7 @@ class HFEngine:
         results: list[GenerateResult | None] = [None] * len(requests)
         for (width, new), members in buckets.items():
             for start in range(0, len(members), self.batch_size):
-                chunk = members[start: start + self.batch_size]
+                chunk = members[start : start + self.batch_size]
                 rows = yield from self._rows_steps([requests[i] for i in chunk], width, new, decoding, chunk)
                 for i, result in zip(chunk, rows):
                     results[i] = result
@@ -327,15 +352,20 @@ class HFEngine:
         if missing:
             kv, logits, visible = self._prefill_rows(missing, width)
             for row, p in enumerate(missing):  # clones: a row of the forward's tensors would hold all of them
-                entry = ([k[row].clone() for k in kv.keys], [v[row].clone() for v in kv.values], logits[row].clone(),
-                         visible[row].clone())
+                entry = (
+                    [k[row].clone() for k in kv.keys],
+                    [v[row].clone() for v in kv.values],
+                    logits[row].clone(),
+                    visible[row].clone(),
+                )
                 found[p] = entry
                 self.prompt_cache.put(keys[p], entry, [*entry[0], *entry[1], entry[2], entry[3]])
         layers = len(found[prompts[0]][0])
-        merged = KVStore([torch.stack([found[p][0][layer] for p in prompts]) for layer in range(layers)],
-                         [torch.stack([found[p][1][layer] for p in prompts]) for layer in range(layers)])
-        return (merged, torch.stack([found[p][2] for p in prompts]), torch.stack([found[p][3] for p in prompts]),
-                kept)
+        merged = KVStore(
+            [torch.stack([found[p][0][layer] for p in prompts]) for layer in range(layers)],
+            [torch.stack([found[p][1][layer] for p in prompts]) for layer in range(layers)],
+        )
+        return (merged, torch.stack([found[p][2] for p in prompts]), torch.stack([found[p][3] for p in prompts]), kept)
 
     def forget_prompts(self) -> None:
         """Empty `prompt_cache` (the weights changed: its prefills are the old model's)."""
@@ -353,7 +383,7 @@ class HFEngine:
             mask = torch.eye(width, dtype=torch.bool).repeat(PREFILL_ROWS, 1, 1, 1)
             seen = torch.zeros(PREFILL_ROWS, width, dtype=torch.bool)
             causal = torch.ones(width, width, dtype=torch.bool).tril()
-            for row, prompt in enumerate(prompts[start: start + PREFILL_ROWS]):
+            for row, prompt in enumerate(prompts[start : start + PREFILL_ROWS]):
                 pad = width - len(prompt)
                 ids[row, pad:] = torch.tensor(prompt)
                 positions[row, pad:] = torch.arange(len(prompt))
@@ -363,15 +393,18 @@ class HFEngine:
             logits.append(self.forward_logits(ids, positions, kv, mask.to(self.device)))
             stores.append(kv)
             visible.append(seen)
-        merged = KVStore([torch.cat(k) for k in zip(*(s.keys for s in stores))],
-                         [torch.cat(v) for v in zip(*(s.values for s in stores))])
+        merged = KVStore(
+            [torch.cat(k) for k in zip(*(s.keys for s in stores))],
+            [torch.cat(v) for v in zip(*(s.values for s in stores))],
+        )
         return merged, torch.cat(logits), torch.cat(visible)
 
     def _decode_rows(self, reqs: list[GenerateRequest], width: int, new: int) -> list[GenerateResult]:
         return _run(self._rows_steps(reqs, width, new, Decoding.fresh(len(reqs)), list(range(len(reqs)))))
 
-    def _rows_steps(self, reqs: list[GenerateRequest], width: int, new: int, decoding: Decoding,
-                    indices: list[int]) -> Generator[None, None, list]:
+    def _rows_steps(
+        self, reqs: list[GenerateRequest], width: int, new: int, decoding: Decoding, indices: list[int]
+    ) -> Generator[None, None, list]:
         """One chunk of a bucket: `batch_size` rows, KV length width + new, prompts left-padded
         to `width` so every row writes its t-th token at column width + t. `indices`: the chunk's
         requests' places in `decoding`."""
@@ -427,15 +460,18 @@ class HFEngine:
                     starts = torch.zeros(rows, dtype=torch.long)  # each row's first new position: its prompt length
                     starts[:count] = torch.tensor([len(r.prompt_ids) for r in reqs])
                 visible[:, width + step] = True  # padding rows see their own token: no all-masked row
-                logits = decoder.forward(tokens[:, None], (starts + step)[:, None].to(self.device),
-                                         visible[:, None, None, :], width + step)
+                logits = decoder.forward(
+                    tokens[:, None], (starts + step)[:, None].to(self.device), visible[:, None, None, :], width + step
+                )
         finally:
             if isinstance(decoder, GraphDecode):
                 decoder.release()
         for row in range(count):
             decoding.finished.setdefault(indices[row], finish[row])
-        return [GenerateResult(tuple(o), tuple(lp), f, self.engine_id, self.weight_version)
-                for o, lp, f in zip(outputs, logprobs, finish)]
+        return [
+            GenerateResult(tuple(o), tuple(lp), f, self.engine_id, self.weight_version)
+            for o, lp, f in zip(outputs, logprobs, finish)
+        ]
 
     def _rescore(self, req: GenerateRequest, result: GenerateResult) -> GenerateResult:
         """True on-policy: log-probs from the trainer's own forward (`sequence_logprobs`) of the
@@ -444,7 +480,7 @@ class HFEngine:
         from rlbench.core.algo import sequence_logprobs
 
         ids = torch.tensor(req.prompt_ids + result.output_ids)
-        scores = sequence_logprobs(self.model, ids, req.temperature, self.device)[len(req.prompt_ids):]
+        scores = sequence_logprobs(self.model, ids, req.temperature, self.device)[len(req.prompt_ids) :]
         return replace(result, logprobs=tuple(float(x) for x in scores))
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:

@@ -27,8 +27,11 @@ if TYPE_CHECKING:
     from rlbench.core.protocols import Trainer
 
 # The packages a backend adds to the versions a run records, by (config section, backend).
-BACKEND_PACKAGES = {("train", "megatron"): ("megatron-core",), ("rollout", "sglang"): ("sglang", "sglang-router"),
-                    ("placement", "ray"): ("ray",)}
+BACKEND_PACKAGES = {
+    ("train", "megatron"): ("megatron-core",),
+    ("rollout", "sglang"): ("sglang", "sglang-router"),
+    ("placement", "ray"): ("ray",),
+}
 
 
 def trains(config: RunConfig) -> bool:
@@ -74,8 +77,14 @@ def check_installed(config: RunConfig) -> None:
 
             check_key(config)  # before the package: a key it cannot take is refused wherever sglang is installed
             if rollout.sglang_server == "sglang":
-                needs.append(("sglang", "rollout.sglang_server", 'pip install "sglang[all]"; sglang_server = '
-                              '"rlbench" (--sglang-server rlbench) starts rlbench serve instead'))
+                needs.append(
+                    (
+                        "sglang",
+                        "rollout.sglang_server",
+                        'pip install "sglang[all]"; sglang_server = '
+                        '"rlbench" (--sglang-server rlbench) starts rlbench serve instead',
+                    )
+                )
             else:
                 needs += [(m, "rollout.sglang_server", SERVE_EXTRA) for m in SERVE_MODULES]
     if config.train.backend == "megatron" and trains(config):
@@ -83,8 +92,9 @@ def check_installed(config: RunConfig) -> None:
     if config.placement.backend == "ray":
         needs.append(("ray", "placement.backend", "pip install '.[ray]'"))
         if (config.placement.ray_address or "").startswith("ray://"):
-            needs.append(("grpc", "placement.ray_address",
-                          "a ray:// address is Ray's client: pip install 'ray[client]'"))
+            needs.append(
+                ("grpc", "placement.ray_address", "a ray:// address is Ray's client: pip install 'ray[client]'")
+            )
     for module, field, how in needs:
         require(module, how, field)
 
@@ -112,8 +122,11 @@ def check_capacity(config: RunConfig) -> None:
     else:
         have, each = available_cpus(), "a CPU"
     if ranks > have:
-        raise BadInput(f"expected at most {have} ranks ({each} each: this machine has {have}), got tp {config.tp} "
-                       f"x dp {config.dp} = {ranks}", field="tp * dp")
+        raise BadInput(
+            f"expected at most {have} ranks ({each} each: this machine has {have}), got tp {config.tp} "
+            f"x dp {config.dp} = {ranks}",
+            field="tp * dp",
+        )
 
 
 def available_cpus() -> int:
@@ -148,16 +161,23 @@ def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Tra
     return TorchTrainer(model, setup.train, setup.algo, setup.temperature, setup.seed, setup.device)
 
 
-def make_hf_engine(config: RunConfig, model: torch.nn.Module, start: int, device: str,
-                   engine_id: str = "hf:0") -> HFEngine:
+def make_hf_engine(
+    config: RunConfig, model: torch.nn.Module, start: int, device: str, engine_id: str = "hf:0"
+) -> HFEngine:
     """The embedded engine (`--rollout hf`), in this process, over `model` on `device`, holding weight
     version `start`."""
     from rlbench.backends.hf_engine import HFEngine
 
     rollout = config.rollout
-    engine = HFEngine(model, device=device, engine_id=engine_id, true_on_policy=rollout.true_on_policy,
-                      decode=rollout.decode, batch_size=rollout.decode_batch_size,
-                      cuda_graphs=rollout.cuda_graphs)
+    engine = HFEngine(
+        model,
+        device=device,
+        engine_id=engine_id,
+        true_on_policy=rollout.true_on_policy,
+        decode=rollout.decode,
+        batch_size=rollout.decode_batch_size,
+        cuda_graphs=rollout.cuda_graphs,
+    )
     engine.weight_version = start
     return engine
 

@@ -76,7 +76,7 @@ def _uniforms_int64(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: int, voc
     row = _mix32(_mix32(_mix32(seed_hi ^ _SALT) ^ seed_lo) ^ (step & MASK32))
     index = _mix32(torch.arange(vocab, dtype=torch.int64, device=seed_lo.device))
     word = _mix32(_mix32(row[:, None] ^ index[None, :]) ^ row[:, None])
-    return ((word >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
+    return ((word >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)
 
 
 def _mix32_np(x: np.ndarray) -> np.ndarray:
@@ -103,15 +103,16 @@ def _uniforms_uint32(seed_lo: np.ndarray, seed_hi: np.ndarray, step: int, vocab:
     row = _mix32_np(row ^ np.uint32(step & MASK32))[:, None]
     word = _mix32_np(_mix32_np(row ^ _index_words(vocab)[None, :]) ^ row)
     word >>= np.uint32(9)
-    return (word.astype(np.float32) * np.float32(2.0) + np.float32(1.0)) * np.float32(2.0 ** -24)
+    return (word.astype(np.float32) * np.float32(2.0) + np.float32(1.0)) * np.float32(2.0**-24)
 
 
 class SamplingRows:
     """The sampling parameters of a batch's rows as tensors; rows past the requests are padding
     (greedy, unfiltered), so a fixed-size batch is the same arithmetic whatever fills it."""
 
-    def __init__(self, requests: Sequence[GenerateRequest], rows: int, device: str | torch.device = "cpu",
-                 fused: bool = True):
+    def __init__(
+        self, requests: Sequence[GenerateRequest], rows: int, device: str | torch.device = "cpu", fused: bool = True
+    ):
         pad = rows - len(requests)
         # known on the host once per batch, so no decode step asks the device
         each = [r.temperature != 0 and (r.top_k > 0 or r.top_p < 1.0) for r in requests] + [False] * pad

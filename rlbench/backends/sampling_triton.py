@@ -34,8 +34,9 @@ def _mix32(x):
 
 
 @triton.jit(do_not_specialize=["step"])  # step 1 would otherwise be a compile-time constant (a Python int)
-def _choose_kernel(logits, stride, seed_lo, seed_hi, temperature, step, vocab, out_token, out_logprob,
-                   BLOCK: tl.constexpr):
+def _choose_kernel(
+    logits, stride, seed_lo, seed_hi, temperature, step, vocab, out_token, out_logprob, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride
     t = tl.load(temperature + row)
@@ -80,8 +81,9 @@ def _choose_kernel(logits, stride, seed_lo, seed_hi, temperature, step, vocab, o
     tl.store(out_logprob + row, best_logp)
 
 
-def choose_fused(logits: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, temperature: torch.Tensor,
-                 step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_fused(
+    logits: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, temperature: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] int64, their log-probs [B] float32) for logits [B, V] on a CUDA device (any float dtype),
     rows' seed words and temperatures ([B] each, on the same device), token number `step`."""
     rows, vocab = logits.shape
@@ -89,6 +91,16 @@ def choose_fused(logits: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Ten
         logits = logits.contiguous()
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _choose_kernel[(rows,)](logits, logits.stride(0), seed_lo, seed_hi, temperature.float(), step & 0xFFFFFFFF,
-                            vocab, tokens, logprobs, BLOCK=BLOCK)
+    _choose_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        seed_lo,
+        seed_hi,
+        temperature.float(),
+        step & 0xFFFFFFFF,
+        vocab,
+        tokens,
+        logprobs,
+        BLOCK=BLOCK,
+    )
     return tokens, logprobs

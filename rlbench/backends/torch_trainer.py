@@ -65,8 +65,16 @@ class TorchTrainer:
 
     is_main = True
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig, algo_config: AlgoConfig,
-                 temperature: float, seed: int, device: str = "cpu", reference: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        algo_config: AlgoConfig,
+        temperature: float,
+        seed: int,
+        device: str = "cpu",
+        reference: torch.nn.Module | None = None,
+    ):
         self.model = model.to(device)
         self.masters = MasterWeights(*self.master_source()) if _low_precision(self.model) else None
         self.train_config, self.algo_config = train, algo_config
@@ -78,8 +86,14 @@ class TorchTrainer:
         # fused: its sqrt is the exact vector instruction; the for-loop AdamW calls torch.sqrt, which on
         # the CPU is MKL's VML and rounds differently on AMD and Intel (rlbench/numerics.py).
         named = self.masters.params if self.masters else dict(model.named_parameters())
-        self.optimizer = torch.optim.AdamW(decay_groups(named, train.weight_decay), lr=train.lr, betas=train.betas,
-                                           eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(named, train.weight_decay),
+            lr=train.lr,
+            betas=train.betas,
+            eps=train.adam_eps,
+            weight_decay=train.weight_decay,
+            fused=True,
+        )
 
     def master_source(self) -> tuple[torch.nn.Module, bool]:
         """The module whose parameters get fp32 masters in mixed precision, and whether the masters take the
@@ -106,8 +120,13 @@ class TorchTrainer:
         return bins
 
     @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
-                 per_sample: bool = False) -> torch.Tensor:
+    def logprobs(
+        self,
+        tokens: torch.Tensor,
+        reference: bool = False,
+        lengths: torch.Tensor | None = None,
+        per_sample: bool = False,
+    ) -> torch.Tensor:
         """[n, L] log-probs of each token given its prefix (position 0 gets 0), in micro-batches; with
         `per_sample`, one sequence at a time at its own length (true on-policy: the engine's forward)."""
         model = self.reference if reference else self.model
@@ -177,11 +196,14 @@ class TorchTrainer:
         cfg, acfg = self.train_config, self.algo_config
         n = batch.tokens.shape[0]
         if n % cfg.minibatches:  # never drop the samples that do not fit
-            raise BadInput(f"step {step} has {n} samples, which do not split into {cfg.minibatches} equal minibatches",
-                           field="train.minibatches")
+            raise BadInput(
+                f"step {step} has {n} samples, which do not split into {cfg.minibatches} equal minibatches",
+                field="train.minibatches",
+            )
         if acfg.use_tis and batch.rollout_logprobs is None:
-            raise BadInput(f"step {step}: TIS needs the rollout log-probs, and the batch has none",
-                           field="algo.use_tis")
+            raise BadInput(
+                f"step {step}: TIS needs the rollout log-probs, and the batch has none", field="algo.use_tis"
+            )
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
         # every gradient's lanes stay on its device until the step's end: one copy to the host a step
@@ -195,7 +217,7 @@ class TorchTrainer:
         wide = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.model.train()
         for update in range(cfg.minibatches):
-            index = order[update * per_update: (update + 1) * per_update]
+            index = order[update * per_update : (update + 1) * per_update]
             # per-token loss: each micro-batch's masked sum over the whole minibatch's token count
             tokens = algo.token_denominator(batch.loss_mask[index]) if acfg.per_token_loss else None
             self.zero_grads()
@@ -216,11 +238,13 @@ class TorchTrainer:
         metrics["train/loss"] = float(losses.mean())
         metrics["train/grad_norm"] = sum(float(norm) for norm in grad_norms) / len(grad_norms)
         param_grads = grads.hexdigests()
-        return algo.TrainStats(metrics=metrics, losses=losses.float(), grads_digest=param_grads.pop(None),
-                               param_grads=param_grads)
+        return algo.TrainStats(
+            metrics=metrics, losses=losses.float(), grads_digest=param_grads.pop(None), param_grads=param_grads
+        )
 
-    def _loss(self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict,
-              tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def _loss(
+        self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One micro-batch's share of the minibatch loss (times `weight`); adds its share of each metric
         to `sums`. `tokens`: the minibatch's token count, for the per-token loss (None: per-sample)."""
         acfg = self.algo_config
@@ -238,11 +262,21 @@ class TorchTrainer:
         else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
             with torch.no_grad():
                 entropy = algo.token_entropy(logits, self.temperature, width)
-        given = {name: getattr(batch, name)[index, :width].to(self.device) if getattr(batch, name) is not None
-                 else None for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs")}
-        loss, terms = algo.policy_loss(logp, given["old_logprobs"], batch.advantages[index].to(self.device), mask,
-                                       entropy, acfg, algo.reducer(mask, tokens), given["ref_logprobs"],
-                                       given["rollout_logprobs"])
+        given = {
+            name: getattr(batch, name)[index, :width].to(self.device) if getattr(batch, name) is not None else None
+            for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+        }
+        loss, terms = algo.policy_loss(
+            logp,
+            given["old_logprobs"],
+            batch.advantages[index].to(self.device),
+            mask,
+            entropy,
+            acfg,
+            algo.reducer(mask, tokens),
+            given["ref_logprobs"],
+            given["rollout_logprobs"],
+        )
         for key, value in terms.items():
             sums[key] += value.detach().double() * weight
         return loss * weight
@@ -275,16 +309,19 @@ class TorchTrainer:
         from rlbench.rundir.jsonio import read_json
 
         meta = read_json(directory / "optimizer.json")
-        check_weight_decays(meta, [group["weight_decay"] for group in self.optimizer.param_groups],
-                            directory / "optimizer.json")
+        check_weight_decays(
+            meta, [group["weight_decay"] for group in self.optimizer.param_groups], directory / "optimizer.json"
+        )
         load_named_(self.model, load_safetensors(directory / "model.safetensors"), source=directory)
         scalars = meta.get("scalars") if isinstance(meta, dict) else None
         tensors = load_safetensors(directory / "optimizer.safetensors")
         expected = meta.get("tensors_checksum") if isinstance(meta, dict) else None
         if expected is not None and expected != digest.tensors_digest(sorted(tensors.items())):
-            raise BadInput("its tensors do not match the checksum optimizer.json holds for them (tensors_checksum): "
-                           "the checkpoint was changed or damaged after it was written",
-                           path=directory / "optimizer.safetensors")
+            raise BadInput(
+                "its tensors do not match the checksum optimizer.json holds for them (tensors_checksum): "
+                "the checkpoint was changed or damaged after it was written",
+                path=directory / "optimizer.safetensors",
+            )
         if self.masters:
             self.masters.load(tensors, directory)
         named = self.masters.params if self.masters else dict(self.model.named_parameters())
@@ -317,8 +354,10 @@ class MasterWeights:
     def attach(self) -> None:
         """Hook every parameter: its gradient goes into its master's after each backward (see the class)."""
         self.detach()
-        self.hooks = [param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
-                      for name, param in self.model.named_parameters()]
+        self.hooks = [
+            param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
+            for name, param in self.model.named_parameters()
+        ]
 
     def detach(self) -> None:
         """Remove the hooks: gradients stay on the model's parameters (bench/scale.py's bare step)."""
@@ -332,6 +371,7 @@ class MasterWeights:
             # fp32 += bf16 widens each element exactly before the fp32 add: the bits of adding grad.float()
             master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
             param.grad = None
+
         return hook
 
     @torch.no_grad()
@@ -345,14 +385,20 @@ class MasterWeights:
         for name, master in self.params.items():
             value = tensors.pop(f"master/{name}", None)
             if value is None or value.shape != master.shape:
-                raise BadInput(f"optimizer state: expected the fp32 master weight 'master/{name}' of shape "
-                               f"{tuple(master.shape)} (the model trains in mixed precision)", path=source)
+                raise BadInput(
+                    f"optimizer state: expected the fp32 master weight 'master/{name}' of shape "
+                    f"{tuple(master.shape)} (the model trains in mixed precision)",
+                    path=source,
+                )
             with torch.no_grad():
                 master.copy_(value)
         for name, param in self.model.named_parameters():  # model.safetensors must be these masters, rounded
             if not torch.equal(self.params[name].to(param.dtype), param.detach()):
-                raise BadInput(f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
-                               "changed or damaged after it was written)", path=source / weights)
+                raise BadInput(
+                    f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
+                    "changed or damaged after it was written)",
+                    path=source / weights,
+                )
         self.copy_to_model()
 
 
@@ -380,47 +426,76 @@ def check_weight_decays(meta: object, have: Sequence[float], path: Path, field: 
     (rlbench before Megatron's rule: every parameter decayed alike) resumes where every group here has its weight
     decay: at weight decay 0, every default-config checkpoint resumes bit for bit."""
     groups = meta.get("param_groups") if isinstance(meta, dict) else None
-    saved = [group.get("weight_decay") if isinstance(group, dict) else None
-             for group in groups] if isinstance(groups, list) else []
+    saved = (
+        [group.get("weight_decay") if isinstance(group, dict) else None for group in groups]
+        if isinstance(groups, list)
+        else []
+    )
     if not saved or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in saved):
-        raise BadInput('expected a list of {"weight_decay": number, ...}, one per AdamW param group',
-                       path=path, field=field)
+        raise BadInput(
+            'expected a list of {"weight_decay": number, ...}, one per AdamW param group', path=path, field=field
+        )
     have = list(have)
     if saved == have or (len(saved) == 1 and all(w == saved[0] for w in have)):
         return
-    raise BadInput(f"the saved optimizer's param groups have weight decays {saved}, this run's {have} (Megatron's "
-                   "rule: none on biases and 1-D parameters): resuming it would change the run", path=path, field=field)
+    raise BadInput(
+        f"the saved optimizer's param groups have weight decays {saved}, this run's {have} (Megatron's "
+        "rule: none on biases and 1-D parameters): resuming it would change the run",
+        path=path,
+        field=field,
+    )
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """AdamW's state tensors (`field/param name`), where they live."""
     names = {id(p): name for name, p in named.items()}
-    return {f"{key}/{names[id(param)]}": value.detach() for param, state in optimizer.state.items()
-            for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
+    return {
+        f"{key}/{names[id(param)]}": value.detach()
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if torch.is_tensor(value) and value.dim() > 0
+    }
 
 
 def optimizer_meta(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> dict:
     """AdamW's state that is not a tensor, as JSON (param groups, scalars such as the step count by
     `field/param name`); `named`: the optimizer's parameters by name. Its tensors: `optimizer_tensors`."""
     names = {id(p): name for name, p in named.items()}
-    scalars = {f"{key}/{names[id(param)]}": float(value) for param, state in optimizer.state.items()
-               for key, value in state.items() if not (torch.is_tensor(value) and value.dim() > 0)}
-    return {"optimizer": "AdamW", "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                   for g in optimizer.param_groups], "scalars": scalars}
+    scalars = {
+        f"{key}/{names[id(param)]}": float(value)
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if not (torch.is_tensor(value) and value.dim() > 0)
+    }
+    return {
+        "optimizer": "AdamW",
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "scalars": scalars,
+    }
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor],
-                         tensors: dict[str, torch.Tensor], scalars: object, device: str, source: Path) -> None:
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    named: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    scalars: object,
+    device: str,
+    source: Path,
+) -> None:
     """The inverse of `optimizer_tensors` and `optimizer_meta`, every entry held to the optimizer's parameters
     `named` (BadInput naming `source`)."""
-    if not isinstance(scalars, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                for v in scalars.values()):
-        raise BadInput("optimizer state: expected {\"scalars\": {name: number}}", path=source)
+    if not isinstance(scalars, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in scalars.values()
+    ):
+        raise BadInput('optimizer state: expected {"scalars": {name: number}}', path=source)
     params = named
     for key, value in {**tensors, **scalars}.items():
         field, _, name = key.partition("/")
-        if name not in params or field not in ("step", "exp_avg", "exp_avg_sq") or (
-                torch.is_tensor(value) and value.shape != params[name].shape):
+        if (
+            name not in params
+            or field not in ("step", "exp_avg", "exp_avg_sq")
+            or (torch.is_tensor(value) and value.shape != params[name].shape)
+        ):
             raise BadInput(f"optimizer state {key!r} fits no parameter of the model", path=source)
         state = optimizer.state[params[name]]
         # a fused AdamW keeps its step count on the parameter's device (the for-loop one on the CPU)

@@ -1,16 +1,16 @@
 """Checks over run directories: the verdicts of `rlbench check` and `rlbench golden update`.
 
-    compare.py           the first index where two id sequences part, with context
-    tito.py              token-in-token-out drift: id comparison, drift-mode classification, findings
-    tito_audit.py        check tito --audit: a chat template over generated conversation shapes
-    tito_run.py          check tito RUN: trained vs sampled ids, canonical ids, evidence, re-render
-    tito_jsonl.py        check tito JSONL: trajectories {messages, token_ids} against the template's re-render
-    tito_report.py       what check tito reports: each finding where it is, the counts each lens kept
-    tito_builders.py     the token-in-token-out builders check tito --audit plays
-    tito_miles.py        Miles' TITO library (miles-tito-tokenizers) as rlbench uses it
-    logprobs.py          check logprobs: train-inference log-prob mismatch statistics and gates
-    golden.py            golden files (rlbench's and Megatron-LM's): format, reading, golden update
-    golden_tolerance.py  tolerance families, their defaults, --tolerance overrides
-    golden_compare.py    check golden: tiers, refusals with the reason, per-metric comparison, report
-    plot.py              check golden --plot: each metric against its golden band (matplotlib)
+compare.py           the first index where two id sequences part, with context
+tito.py              token-in-token-out drift: id comparison, drift-mode classification, findings
+tito_audit.py        check tito --audit: a chat template over generated conversation shapes
+tito_run.py          check tito RUN: trained vs sampled ids, canonical ids, evidence, re-render
+tito_jsonl.py        check tito JSONL: trajectories {messages, token_ids} against the template's re-render
+tito_report.py       what check tito reports: each finding where it is, the counts each lens kept
+tito_builders.py     the token-in-token-out builders check tito --audit plays
+tito_miles.py        Miles' TITO library (miles-tito-tokenizers) as rlbench uses it
+logprobs.py          check logprobs: train-inference log-prob mismatch statistics and gates
+golden.py            golden files (rlbench's and Megatron-LM's): format, reading, golden update
+golden_tolerance.py  tolerance families, their defaults, --tolerance overrides
+golden_compare.py    check golden: tiers, refusals with the reason, per-metric comparison, report
+plot.py              check golden --plot: each metric against its golden band (matplotlib)
 """

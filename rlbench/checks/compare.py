@@ -46,4 +46,4 @@ def locate(a: Sequence[int], b: Sequence[int], context: int = 4) -> Divergence |
     if index is None:
         return None
     start = max(0, index - context)
-    return Divergence(index, tuple(a[start: index + context + 1]), tuple(b[start: index + context + 1]), start)
+    return Divergence(index, tuple(a[start : index + context + 1]), tuple(b[start : index + context + 1]), start)

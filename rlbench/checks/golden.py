@@ -49,7 +49,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rlbench.checks.golden_tolerance import (  # noqa: F401 - re-exported: golden files hold tolerances
-    Tolerance, apply_override, default_tolerance, family_of, megatron_tolerance, parse_override, read_tolerance)
+    Tolerance,
+    apply_override,
+    default_tolerance,
+    family_of,
+    megatron_tolerance,
+    parse_override,
+    read_tolerance,
+)
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir, atomic_write
 from rlbench.rundir.jsonio import read_json
@@ -61,24 +68,45 @@ SCHEMA = "rlbench.golden/1"
 RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router", "ray")
 # Left out of the configuration identity: I/O settings, and placement (device, threads, deterministic),
 # which the exact tier checks as platform and determinism settings and the approx tier compares across.
-IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic",
-           "placement")
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic", "placement")
 # How requests reach the SGLang servers and how many there are: a request's result does not depend on
 # them (its seed travels with it), so they are left out too.
-TRANSPORT_KEYS = ("sglang_router_url", "external_engine_addrs", "num_engines", "sglang_server", "use_router",
-                  "max_inflight", "request_timeout", "request_attempts", "verify_engine_weights", "weights_dir")
+TRANSPORT_KEYS = (
+    "sglang_router_url",
+    "external_engine_addrs",
+    "num_engines",
+    "sglang_server",
+    "use_router",
+    "max_inflight",
+    "request_timeout",
+    "request_attempts",
+    "verify_engine_weights",
+    "weights_dir",
+)
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.
-LATER_KEYS = {("tp",): 1, ("dp",): 1, ("train", "megatron"): {}, ("rollout", "sglang"): {},
-              # slime's options (issue 21), each at the value that computes what rlbench computed before it
-              ("algo", "eps_clip_c"): None, ("algo", "normalize_advantages"): False,
-              ("algo", "per_token_loss"): False, ("algo", "use_tis"): False, ("algo", "tis_clip"): 2.0,
-              ("algo", "tis_clip_low"): 0.0, ("data", "apply_chat_template"): True,
-              ("data", "chat_template_kwargs"): {}, ("rollout", "stop_token_ids"): []}
+LATER_KEYS = {
+    ("tp",): 1,
+    ("dp",): 1,
+    ("train", "megatron"): {},
+    ("rollout", "sglang"): {},
+    # slime's options (issue 21), each at the value that computes what rlbench computed before it
+    ("algo", "eps_clip_c"): None,
+    ("algo", "normalize_advantages"): False,
+    ("algo", "per_token_loss"): False,
+    ("algo", "use_tis"): False,
+    ("algo", "tis_clip"): 2.0,
+    ("algo", "tis_clip_low"): 0.0,
+    ("data", "apply_chat_template"): True,
+    ("data", "chat_template_kwargs"): {},
+    ("rollout", "stop_token_ids"): [],
+}
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 TIERS = ("exact", "approx")
-MEGATRON_NOTE = ("Megatron-LM iteration k (its k-th optimizer step, counted from 1) is compared with rlbench step "
-                 "k - 1 (its k-th step, counted from 0)")
+MEGATRON_NOTE = (
+    "Megatron-LM iteration k (its k-th optimizer step, counted from 1) is compared with rlbench step "
+    "k - 1 (its k-th step, counted from 0)"
+)
 
 
 # --------------------------------------------------------------------------- golden files
@@ -94,9 +122,13 @@ class Series:
     absent: list[int] = field(default_factory=list)  # steps a Megatron-LM file marks "nan": no value, not compared
 
     def to_json(self) -> dict:
-        return {"start_step": self.start_step, "end_step": self.end_step, "step_interval": self.step_interval,
-                "values": {str(s): num_out(v) for s, v in sorted(self.values.items())},
-                "tolerance": self.tolerance.to_json()}
+        return {
+            "start_step": self.start_step,
+            "end_step": self.end_step,
+            "step_interval": self.step_interval,
+            "values": {str(s): num_out(v) for s, v in sorted(self.values.items())},
+            "tolerance": self.tolerance.to_json(),
+        }
 
 
 @dataclass
@@ -119,11 +151,10 @@ def num_out(v: float):
 
 def _num_in(v, path: Path, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {_short(v)}", path=path, field=where)
+        raise BadInput(f'expected a number or "nan"/"inf"/"-inf", got {_short(v)}', path=path, field=where)
     if isinstance(v, str):
         if v.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
-            raise BadInput(f"expected a number or \"nan\"/\"inf\"/\"-inf\", got {_short(v)}", path=path,
-                           field=where)
+            raise BadInput(f'expected a number or "nan"/"inf"/"-inf", got {_short(v)}', path=path, field=where)
         return float(v)
     return _float(v, path, where)
 
@@ -150,8 +181,11 @@ def _int_in(doc: dict, key: str, path: Path, where: str, minimum: int) -> int:
 def _shape_in(doc, path: Path, where: str, first: int) -> tuple[int, int, int]:
     """A series' start_step, end_step and step_interval, checked."""
     if not isinstance(doc, dict):
-        raise BadInput(f"expected an object with start_step, end_step, step_interval, values, got "
-                       f"{type(doc).__name__}", path=path, field=where)
+        raise BadInput(
+            f"expected an object with start_step, end_step, step_interval, values, got {type(doc).__name__}",
+            path=path,
+            field=where,
+        )
     start = _int_in(doc, "start_step", path, where, first)
     end = _int_in(doc, "end_step", path, where, start)
     return start, end, _int_in(doc, "step_interval", path, where, 1)
@@ -172,20 +206,29 @@ def _series_in(doc, path: Path, where: str) -> tuple[int, int, int, dict[int, fl
     if isinstance(raw, list):
         size = (end - start) // interval + 1  # len(grid) overflows past sys.maxsize
         if len(raw) != size:
-            raise BadInput(f"{len(raw)} values for the {size} steps {start}..{end} every {interval}",
-                           path=path, field=f"{where}.values")
+            raise BadInput(
+                f"{len(raw)} values for the {size} steps {start}..{end} every {interval}",
+                path=path,
+                field=f"{where}.values",
+            )
         items = list(zip(grid, raw))
     elif isinstance(raw, dict):
         items = []
         for key, v in raw.items():
             step = _step_in(key, path, where)
             if step not in grid:
-                raise BadInput(f"step {step} is off the series' grid {start}..{end} every {interval}",
-                               path=path, field=f"{where}.values")
+                raise BadInput(
+                    f"step {step} is off the series' grid {start}..{end} every {interval}",
+                    path=path,
+                    field=f"{where}.values",
+                )
             items.append((step, v))
     else:
-        raise BadInput(f"expected an object of step: value (or a list), got {type(raw).__name__}",
-                       path=path, field=f"{where}.values")
+        raise BadInput(
+            f"expected an object of step: value (or a list), got {type(raw).__name__}",
+            path=path,
+            field=f"{where}.values",
+        )
     if not items:
         raise BadInput("no values", path=path, field=f"{where}.values")
     values = {step: _num_in(v, path, f"{where}.values.{step}") for step, v in items}
@@ -200,16 +243,27 @@ def _megatron_series(doc, path: Path, where: str) -> tuple[int, int, int, dict[i
     start, end, interval = _shape_in(doc, path, where, 1)
     raw = doc.get("values")
     if not isinstance(raw, dict) or not raw:
-        got = "a list (an older layout that does not say each value's step)" if isinstance(raw, list) else \
-            "an empty object" if raw == {} else type(raw).__name__
-        raise BadInput(f"expected an object of step: value, as Megatron-LM writes it, got {got}", path=path,
-                       field=f"{where}.values")
+        got = (
+            "a list (an older layout that does not say each value's step)"
+            if isinstance(raw, list)
+            else "an empty object"
+            if raw == {}
+            else type(raw).__name__
+        )
+        raise BadInput(
+            f"expected an object of step: value, as Megatron-LM writes it, got {got}",
+            path=path,
+            field=f"{where}.values",
+        )
     values, absent = {}, []
     for key, v in raw.items():
         step = _step_in(key, path, where)
         if not (step == start or (start < step <= end and step % interval == 0)):
-            raise BadInput(f"step {step} is off the series' grid: {start}, then every multiple of {interval} "
-                           f"up to {end}", path=path, field=f"{where}.values")
+            raise BadInput(
+                f"step {step} is off the series' grid: {start}, then every multiple of {interval} up to {end}",
+                path=path,
+                field=f"{where}.values",
+            )
         value = _megatron_value(v, path, f"{where}.values.{key}")
         if value is None:
             absent.append(step)
@@ -217,8 +271,12 @@ def _megatron_series(doc, path: Path, where: str) -> tuple[int, int, int, dict[i
             values[step] = value
     steps = sorted([*values, *absent])
     if (steps[0], steps[-1]) != (start, end):
-        raise BadInput(f"start_step {_short(start)} and end_step {_short(end)} are not the first and last steps the "
-                       f"values hold ({steps[0]} and {steps[-1]}), as Megatron-LM writes them", path=path, field=where)
+        raise BadInput(
+            f"start_step {_short(start)} and end_step {_short(end)} are not the first and last steps the "
+            f"values hold ({steps[0]} and {steps[-1]}), as Megatron-LM writes them",
+            path=path,
+            field=where,
+        )
     return start, end, interval, values, sorted(absent)
 
 
@@ -228,36 +286,53 @@ def _megatron_value(v, path: Path, where: str) -> float | None:
     if isinstance(v, str) and v.strip().lower() == "nan":
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(_float(v, path, where)):
-        raise BadInput(f"expected a finite number or \"nan\" (Megatron-LM's mark of a step without a value), got "
-                       f"{_short(v)}", path=path, field=where)
+        raise BadInput(
+            f'expected a finite number or "nan" (Megatron-LM\'s mark of a step without a value), got {_short(v)}',
+            path=path,
+            field=where,
+        )
     return float(v)
 
 
 def is_megatron(doc) -> bool:
-    return (isinstance(doc, dict) and "schema" not in doc and bool(doc)
-            and all(isinstance(v, dict) and {"start_step", "end_step", "step_interval", "values"} <= set(v)
-                    for v in doc.values()))
+    return (
+        isinstance(doc, dict)
+        and "schema" not in doc
+        and bool(doc)
+        and all(
+            isinstance(v, dict) and {"start_step", "end_step", "step_interval", "values"} <= set(v)
+            for v in doc.values()
+        )
+    )
 
 
 def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golden:
     """Read and validate a golden file: rlbench's, or a Megatron-LM golden values file."""
     path = Path(path)
     if not path.is_file():
-        raise BadInput("no such golden file" if not path.exists() else
-                       "is a directory; give the golden file's path" if path.is_dir() else "not a file", path=path)
+        raise BadInput(
+            "no such golden file"
+            if not path.exists()
+            else "is a directory; give the golden file's path"
+            if path.is_dir()
+            else "not a file",
+            path=path,
+        )
     doc = read_json(path)
     rename = rename or {}
     names = doc if is_megatron(doc) else doc.get("metrics") if isinstance(doc, dict) else None
     unknown = sorted(set(rename) - set(names if isinstance(names, dict) else {}))
     if isinstance(names, dict) and unknown:
-        raise BadInput(f"{', '.join(map(repr, unknown))} matches no metric of {path} ({', '.join(names)})",
-                       field="--rename")
+        raise BadInput(
+            f"{', '.join(map(repr, unknown))} matches no metric of {path} ({', '.join(names)})", field="--rename"
+        )
     if is_megatron(doc):
         return _load_megatron(doc, path, rename)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         got = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise BadInput(f"expected {SCHEMA!r} (or a Megatron-LM golden values file), got {got!r}", path=path,
-                       field="schema")
+        raise BadInput(
+            f"expected {SCHEMA!r} (or a Megatron-LM golden values file), got {got!r}", path=path, field="schema"
+        )
     header, raw_metrics = doc.get("header"), doc.get("metrics")
     if not isinstance(header, dict):
         raise BadInput("expected an object", path=path, field="header")
@@ -274,8 +349,9 @@ def load_golden(path: str | Path, rename: dict[str, str] | None = None) -> Golde
     for name, series in raw_metrics.items():
         start, end, interval, values = _series_in(series, path, f"metrics.{name}")
         steps = sorted(values)
-        tol = read_tolerance(name, series.get("tolerance"), steps, [values[s] for s in steps], path,
-                            f"metrics.{name}.tolerance")
+        tol = read_tolerance(
+            name, series.get("tolerance"), steps, [values[s] for s in steps], path, f"metrics.{name}.tolerance"
+        )
         metrics[rename.get(name, name)] = Series(start, end, interval, values, tol)
     return Golden(path, "rlbench", header, metrics)
 
@@ -296,19 +372,30 @@ def _load_megatron(doc: dict, path: Path, rename: dict[str, str]) -> Golden:
             tol = Tolerance(family=family_of(target)[0])  # nothing to compare: check golden says so, by name
         elif tol is None:
             tol = default_tolerance(target, [s - 1 for s in steps], [values[s] for s in steps])
-            notes.append(f"{name}: Megatron-LM's comparison has no tolerance for it; rlbench's default for "
-                         f"{tol.family} applies")
+            notes.append(
+                f"{name}: Megatron-LM's comparison has no tolerance for it; rlbench's default for {tol.family} applies"
+            )
         elif tol.window is not None:
             tol = replace(tol, window=(tol.window[0] - 1, tol.window[1] - 1))
         if absent:
-            notes.append(f"{target}: the file holds \"nan\" (no value in Megatron-LM's logs) at {len(absent)} of its "
-                         f"{len(absent) + len(values)} steps, {_listed(absent)}: not compared")
-        metrics[target] = Series(start - 1, end - 1, interval, {s - 1: v for s, v in values.items()}, tol,
-                                 [s - 1 for s in absent])
+            notes.append(
+                f'{target}: the file holds "nan" (no value in Megatron-LM\'s logs) at {len(absent)} of its '
+                f"{len(absent) + len(values)} steps, {_listed(absent)}: not compared"
+            )
+        metrics[target] = Series(
+            start - 1, end - 1, interval, {s - 1: v for s, v in values.items()}, tol, [s - 1 for s in absent]
+        )
     platform = re.fullmatch(r"golden_values_(.+?)_(.+)\.json", path.name)
-    header = {"platform": f"megatron:{platform.group(2)}" if platform else "megatron:unknown",
-              "versions": {}, "config": None, "config_hash": None, "command": None,
-              "reason": "Megatron-LM golden values file", "history": [], "note": MEGATRON_NOTE}
+    header = {
+        "platform": f"megatron:{platform.group(2)}" if platform else "megatron:unknown",
+        "versions": {},
+        "config": None,
+        "config_hash": None,
+        "command": None,
+        "reason": "Megatron-LM golden values file",
+        "history": [],
+        "note": MEGATRON_NOTE,
+    }
     return Golden(path, "megatron", header, metrics, notes, step_offset=1)
 
 
@@ -384,8 +471,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None = None,
-                 overrides: list[tuple[str, dict]] = (), interval: int = 1) -> tuple[dict, dict]:
+def build_golden(
+    run: RunDir,
+    reason: str,
+    command: str,
+    previous: Golden | None = None,
+    overrides: list[tuple[str, dict]] = (),
+    interval: int = 1,
+) -> tuple[dict, dict]:
     """The golden document for `run` (and what changed against `previous`): every metric logged at
     every committed step, on a grid of `interval` steps; tolerances from the family defaults, with
     the overrides `previous` carried and the new ones applied. Returns (document, change summary)."""
@@ -409,8 +502,10 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
                 tol = apply_override(tol, override, name, steps, "--tolerance")
         metrics[name] = Series(steps[0], steps[-1], interval, values, tol)
     if not metrics:
-        raise BadInput("no metric is logged at every committed step: nothing to make a golden series of",
-                       path=run.root / "metrics.jsonl")
+        raise BadInput(
+            "no metric is logged at every committed step: nothing to make a golden series of",
+            path=run.root / "metrics.jsonl",
+        )
     for glob, _ in overrides:
         if not any(fnmatch.fnmatchcase(name, glob) for name in metrics):
             raise BadInput(f"{glob!r} matches no metric of the run ({', '.join(metrics)})", field="--tolerance")
@@ -419,18 +514,30 @@ def build_golden(run: RunDir, reason: str, command: str, previous: Golden | None
         "added": sorted(set(metrics) - set(old)),
         "removed": sorted(set(old) - set(metrics)),
         "changed": sorted(n for n in metrics if n in old and not same_series(old[n].values, metrics[n].values)),
-        "tolerance_changed": sorted(n for n in metrics if n in old
-                                    and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()),
+        "tolerance_changed": sorted(
+            n for n in metrics if n in old and old[n].tolerance.to_json() != metrics[n].tolerance.to_json()
+        ),
         "config_changed": previous is not None and previous.header.get("config_hash") != config_hash(identity),
-        "platform_changed": previous is not None and (previous.header.get("platform") != platform_of(manifest)
-                                                      or previous.header.get("numerics") != numerics_of(manifest)),
+        "platform_changed": previous is not None
+        and (
+            previous.header.get("platform") != platform_of(manifest)
+            or previous.header.get("numerics") != numerics_of(manifest)
+        ),
     }
     now = _now()
-    entry = {"date": now, "reason": reason.strip(), "command": command, "run_command": manifest.get("command"),
-             "run_created": manifest.get("created"), "platform": platform_of(manifest),
-             "numerics": numerics_of(manifest),
-             "versions": _versions(manifest), "config_hash": config_hash(identity),
-             "steps": [run.steps[0], run.steps[-1]], **changes}
+    entry = {
+        "date": now,
+        "reason": reason.strip(),
+        "command": command,
+        "run_command": manifest.get("command"),
+        "run_created": manifest.get("created"),
+        "platform": platform_of(manifest),
+        "numerics": numerics_of(manifest),
+        "versions": _versions(manifest),
+        "config_hash": config_hash(identity),
+        "steps": [run.steps[0], run.steps[-1]],
+        **changes,
+    }
     history = list(previous.header.get("history", [])) if previous is not None else []
     header = {
         "platform": platform_of(manifest),

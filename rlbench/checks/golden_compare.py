@@ -14,8 +14,20 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from rlbench.checks.golden import (TIERS, Golden, Tolerance, apply_override, config_identity, exact_versions, num_out,
-                                   numerics_of, platform_of, run_series, same_bits, same_series)
+from rlbench.checks.golden import (
+    TIERS,
+    Golden,
+    Tolerance,
+    apply_override,
+    config_identity,
+    exact_versions,
+    num_out,
+    numerics_of,
+    platform_of,
+    run_series,
+    same_bits,
+    same_series,
+)
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 
@@ -81,15 +93,26 @@ class GoldenReport:
             doc = asdict(m)
             for key in ("expected", "got"):
                 doc[key] = {str(s): num_out(v) for s, v in doc[key].items()}
-            doc["failures"] = [{k: num_out(v) if isinstance(v, float) else v for k, v in f.items()}
-                               for f in doc["failures"]]
+            doc["failures"] = [
+                {k: num_out(v) if isinstance(v, float) else v for k, v in f.items()} for f in doc["failures"]
+            ]
             return doc
 
-        return {"ok": self.ok, "tier": self.tier, "run": self.run, "golden": self.golden,
-                "golden_format": self.golden_format, "platform": self.platform, "notes": self.notes,
-                "failed": [m.name for m in self.failed], "ignored": self.ignored,
-                "not_in_golden": self.not_in_golden, "compared": self.compared,
-                "golden_step_offset": self.golden_step_offset, "metrics": [metric(m) for m in self.metrics]}
+        return {
+            "ok": self.ok,
+            "tier": self.tier,
+            "run": self.run,
+            "golden": self.golden,
+            "golden_format": self.golden_format,
+            "platform": self.platform,
+            "notes": self.notes,
+            "failed": [m.name for m in self.failed],
+            "ignored": self.ignored,
+            "not_in_golden": self.not_in_golden,
+            "compared": self.compared,
+            "golden_step_offset": self.golden_step_offset,
+            "metrics": [metric(m) for m in self.metrics],
+        }
 
 
 def _differences(golden: Golden, manifest: dict) -> list[str]:
@@ -127,8 +150,9 @@ def _dict_diff(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix[:-1]} (golden {a!r}, run {b!r})"]
 
 
-def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] = (),
-            overrides: list[tuple[str, dict]] = ()) -> GoldenReport:
+def compare(
+    run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] = (), overrides: list[tuple[str, dict]] = ()
+) -> GoldenReport:
     """Compare the run's committed metrics with the golden file. Raises BadInput (exit 2) when the
     comparison is meaningless: another configuration (both tiers), another platform, versions or
     determinism settings (exact tier), or a run that does not reach the golden's steps."""
@@ -142,15 +166,21 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
     identity = config_identity(manifest)
     if golden.header.get("config") is not None and golden.header["config"] != identity:
         diffs = _dict_diff(golden.header["config"], identity)
-        raise BadInput(f"the run's configuration is not the golden's: {'; '.join(diffs[:4])}"
-                       f"{f' and {len(diffs) - 4} more' if len(diffs) > 4 else ''}. A golden file holds one "
-                       "configuration's curve: make one for this configuration with `rlbench golden update`",
-                       path=golden.path, field="header.config")
+        raise BadInput(
+            f"the run's configuration is not the golden's: {'; '.join(diffs[:4])}"
+            f"{f' and {len(diffs) - 4} more' if len(diffs) > 4 else ''}. A golden file holds one "
+            "configuration's curve: make one for this configuration with `rlbench golden update`",
+            path=golden.path,
+            field="header.config",
+        )
     differences = _differences(golden, manifest)
     if differences and tier == "exact":
-        raise BadInput(f"the exact tier is meaningless here, bits are not expected to agree: "
-                       f"{'; '.join(differences)}. Compare within tolerances with --tier approx",
-                       path=golden.path, field="header")
+        raise BadInput(
+            f"the exact tier is meaningless here, bits are not expected to agree: "
+            f"{'; '.join(differences)}. Compare within tolerances with --tier approx",
+            path=golden.path,
+            field="header",
+        )
     notes += [f"compared across {d}" for d in differences]
     got = run_series(run)
     results, ignored = [], []
@@ -162,36 +192,66 @@ def compare(run: RunDir, golden: Golden, tier: str = "exact", ignore: list[str] 
         tol = series.tolerance
         steps = sorted(series.values)
         if not steps:
-            raise BadInput(f"the golden's {name} holds no value at any step (\"nan\" at each): nothing to compare; "
-                           f"leave it out with --ignore", path=golden.path)
+            raise BadInput(
+                f'the golden\'s {name} holds no value at any step ("nan" at each): nothing to compare; '
+                f"leave it out with --ignore",
+                path=golden.path,
+            )
         for glob, override in overrides:
             if fnmatch.fnmatchcase(name, glob):
                 tol = apply_override(tol, override, name, steps, "--tolerance")
         missing_steps = [s for s in steps if s not in committed]
         if missing_steps:
-            raise BadInput(f"the run's committed steps are {_span(run.steps)}; the golden's {name} needs "
-                           f"{_span(steps)}{_own_numbers(golden, steps)}: run it further (or --resume it) first",
-                           path=run.root)
+            raise BadInput(
+                f"the run's committed steps are {_span(run.steps)}; the golden's {name} needs "
+                f"{_span(steps)}{_own_numbers(golden, steps)}: run it further (or --resume it) first",
+                path=run.root,
+            )
         if name not in got:
-            hint = ("; --rename it to a metric the run logs, or --ignore it" if golden.format == "megatron" else "")
-            results.append(MetricResult(name, tol.kind, "missing", tol.to_json(), steps, band=tol.to_json(),
-                                        message=f"not logged by the run{hint}", expected=dict(series.values)))
+            hint = "; --rename it to a metric the run logs, or --ignore it" if golden.format == "megatron" else ""
+            results.append(
+                MetricResult(
+                    name,
+                    tol.kind,
+                    "missing",
+                    tol.to_json(),
+                    steps,
+                    band=tol.to_json(),
+                    message=f"not logged by the run{hint}",
+                    expected=dict(series.values),
+                )
+            )
             continue
         kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
         results.append(_compare_series(name, series.values, got[name], tol, kind))
     exact_able = [m for m in results if m.kind != "median" and m.status != "missing"]
-    if tier == "approx" and exact_able and all(m.got.keys() == m.expected.keys() and same_series(m.expected, m.got)
-                                               for m in exact_able):
-        notes.append("every compared value is equal bit for bit (the exact tier's preconditions are not met, "
-                     "but the bits agree)")
-    not_in_golden = sorted(n for n in got if n not in golden.metrics and not any(fnmatch.fnmatchcase(n, g)
-                                                                                 for g in ignore))
+    if (
+        tier == "approx"
+        and exact_able
+        and all(m.got.keys() == m.expected.keys() and same_series(m.expected, m.got) for m in exact_able)
+    ):
+        notes.append(
+            "every compared value is equal bit for bit (the exact tier's preconditions are not met, but the bits agree)"
+        )
+    not_in_golden = sorted(
+        n for n in got if n not in golden.metrics and not any(fnmatch.fnmatchcase(n, g) for g in ignore)
+    )
     for glob, _ in overrides:
         if not any(fnmatch.fnmatchcase(name, glob) for name in golden.metrics):
             raise BadInput(f"{glob!r} matches no metric of the golden file", field="--tolerance")
     platform = {"run": platform_of(manifest), "golden": golden.header.get("platform")}
-    return GoldenReport(str(run.root), str(golden.path), golden.format, tier, platform, notes, results, ignored,
-                        not_in_golden, golden.step_offset)
+    return GoldenReport(
+        str(run.root),
+        str(golden.path),
+        golden.format,
+        tier,
+        platform,
+        notes,
+        results,
+        ignored,
+        not_in_golden,
+        golden.step_offset,
+    )
 
 
 def _span(steps: list[int]) -> str:
@@ -205,11 +265,20 @@ def _own_numbers(golden: Golden, steps: list[int]) -> str:
     return f" (Megatron-LM iterations {_span([s + golden.step_offset for s in steps])})"
 
 
-def _compare_series(name: str, expected: dict[int, float], got: dict[int, float], tol: Tolerance,
-                    kind: str) -> MetricResult:
+def _compare_series(
+    name: str, expected: dict[int, float], got: dict[int, float], tol: Tolerance, kind: str
+) -> MetricResult:
     steps = sorted(expected)
-    result = MetricResult(name, kind, "pass", tol.to_json() if kind != "exact" else {"kind": "exact"}, steps,
-                          band=tol.to_json(), expected=dict(expected), got={s: got[s] for s in steps if s in got})
+    result = MetricResult(
+        name,
+        kind,
+        "pass",
+        tol.to_json() if kind != "exact" else {"kind": "exact"},
+        steps,
+        band=tol.to_json(),
+        expected=dict(expected),
+        got={s: got[s] for s in steps if s in got},
+    )
     absent = [s for s in steps if s not in got]
     if absent:
         result.status, result.message = "fail", f"not logged at step(s) {', '.join(map(str, absent[:5]))}"
@@ -227,8 +296,9 @@ def _compare_series(name: str, expected: dict[int, float], got: dict[int, float]
         if not low <= got_med <= limit:  # also fails on NaN
             result.status = "fail"
             ratio = got_med / exp_med if exp_med else math.inf
-            bounds = f"at most x{tol.max_ratio:g}" if tol.min_ratio is None else \
-                f"x{tol.min_ratio:g} to x{tol.max_ratio:g}"
+            bounds = (
+                f"at most x{tol.max_ratio:g}" if tol.min_ratio is None else f"x{tol.min_ratio:g} to x{tol.max_ratio:g}"
+            )
             result.message = f"median {got_med:.4g} is x{ratio:.2f} the golden's {exp_med:.4g} ({bounds})"
         return result
     deltas, inside = [], []
@@ -259,8 +329,7 @@ def _compare_series(name: str, expected: dict[int, float], got: dict[int, float]
     result.mean_bound = tol.mean_residual
     problems = []
     if len(result.failures) > tol.failing_steps:
-        problems.append(f"{len(result.failures)} of {len(steps)} steps outside the band (at most "
-                        f"{tol.failing_steps})")
+        problems.append(f"{len(result.failures)} of {len(steps)} steps outside the band (at most {tol.failing_steps})")
     if tol.mean_residual is not None and abs(result.mean_residual) > tol.mean_residual:
         problems.append(f"mean residual {result.mean_residual:+.4g} beyond +-{tol.mean_residual:g} (one-sided drift)")
     if problems:

@@ -31,8 +31,11 @@ class Tolerance:
     override: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        keys = {"exact": (), "approx": ("rtol", "atol", "failing_steps", "mean_residual"),
-                "median": ("max_ratio", "window")}[self.kind]
+        keys = {
+            "exact": (),
+            "approx": ("rtol", "atol", "failing_steps", "mean_residual"),
+            "median": ("max_ratio", "window"),
+        }[self.kind]
         if self.kind == "median" and self.min_ratio is not None:
             keys = ("max_ratio", "min_ratio", "window")
         doc = {"kind": self.kind, **{k: getattr(self, k) for k in keys}, "family": self.family}
@@ -55,8 +58,16 @@ FAMILIES: tuple[tuple[str, tuple[str, ...], dict], ...] = (
     ("fractions", ("*ratio*", "*frac*"), {"rtol": 0.0, "atol": 0.05}),
     ("other", ("*",), {"rtol": 0.05, "atol": 1e-6}),
 )
-_OVERRIDE_KEYS = {"kind": str, "rtol": float, "atol": float, "failing_steps": int, "mean_residual": float,
-                  "max_ratio": float, "min_ratio": float, "window": "range"}
+_OVERRIDE_KEYS = {
+    "kind": str,
+    "rtol": float,
+    "atol": float,
+    "failing_steps": int,
+    "mean_residual": float,
+    "max_ratio": float,
+    "min_ratio": float,
+    "window": "range",
+}
 
 # Megatron-LM's approximate comparison, per metric of its golden values files: NVIDIA/Megatron-LM at
 # d98e8a64ddf34856e74b24714e3bedb2f5a39553, tests/functional_tests/python_test_utils/
@@ -64,9 +75,18 @@ _OVERRIDE_KEYS = {"kind": str, "rtol": float, "atol": float, "failing_steps": in
 # common.py `pipeline`: np.isclose(actual, golden, rtol, atol=0) per step, at most min(max(N // 100, 1), 50) of the
 # N steps outside (none when N is 1), no mean-residual test. iteration-time is compared once, on the medians over
 # a steady window (`_megatron_window`); memory per step, like the losses.
-MEGATRON_RTOL = {"lm loss": 0.05, "mtp_1 loss": 0.05, "mtp_2 loss": 0.05, "total loss": 0.05, "num-zeros": 0.20,
-                 "mem-allocated-bytes": 0.05, "mem-max-allocated-bytes": 0.05, "generated_tokens": 0.05,
-                 "logprobs": 0.05, "iteration-time": 0.05}
+MEGATRON_RTOL = {
+    "lm loss": 0.05,
+    "mtp_1 loss": 0.05,
+    "mtp_2 loss": 0.05,
+    "total loss": 0.05,
+    "num-zeros": 0.20,
+    "mem-allocated-bytes": 0.05,
+    "mem-max-allocated-bytes": 0.05,
+    "generated_tokens": 0.05,
+    "logprobs": 0.05,
+    "iteration-time": 0.05,
+}
 
 
 def family_of(name: str) -> tuple[str, dict]:
@@ -91,8 +111,14 @@ def default_tolerance(name: str, steps: list[int], values: list[float]) -> Toler
     rtol, atol = spec["rtol"], spec["atol"]
     allowed = [atol + rtol * abs(v) for v in values if math.isfinite(v)] or [atol]
     fraction = min(0.5, 2 / math.sqrt(n)) if n else 0.5
-    return Tolerance(kind="approx", rtol=rtol, atol=atol, failing_steps=min(max(n // 100, 1), 50) if n > 1 else 0,
-                     mean_residual=_round_sig(fraction * statistics.fmean(allowed)), family=family)
+    return Tolerance(
+        kind="approx",
+        rtol=rtol,
+        atol=atol,
+        failing_steps=min(max(n // 100, 1), 50) if n > 1 else 0,
+        mean_residual=_round_sig(fraction * statistics.fmean(allowed)),
+        family=family,
+    )
 
 
 def megatron_tolerance(name: str, steps: list[int], count: int) -> Tolerance | None:
@@ -105,8 +131,9 @@ def megatron_tolerance(name: str, steps: list[int], count: int) -> Tolerance | N
     family = f"Megatron-LM {name}"
     if name == "iteration-time":
         # np.isclose(median_run, median_golden, rtol) for a positive golden median: within x(1 -+ rtol) of it
-        return Tolerance(kind="median", max_ratio=1 + rtol, min_ratio=1 - rtol, window=_megatron_window(steps),
-                         family=family)
+        return Tolerance(
+            kind="median", max_ratio=1 + rtol, min_ratio=1 - rtol, window=_megatron_window(steps), family=family
+        )
     # Megatron's allowance, but never every compared step: a "nan" step would pass there, it is not compared here
     failing = min(min(max(count // 100, 1), 50) if count > 1 else 0, max(len(steps) - 1, 0))
     return Tolerance(kind="approx", rtol=rtol, atol=0.0, failing_steps=failing, mean_residual=None, family=family)
@@ -172,8 +199,12 @@ def _coerce_override(key: str, value, where: str):
             raise ValueError
         return number
     except (TypeError, ValueError):
-        expected = {"range": "A:B with A <= B", str: f"one of {', '.join(KINDS)}", float: "a number >= 0",
-                    int: "an integer >= 0"}[kind]
+        expected = {
+            "range": "A:B with A <= B",
+            str: f"one of {', '.join(KINDS)}",
+            float: "a number >= 0",
+            int: "an integer >= 0",
+        }[kind]
         raise BadInput(f"{key}={value!r}: expected {expected}", field=where) from None
 
 
@@ -185,8 +216,11 @@ def apply_override(tol: Tolerance, override: dict, name: str, steps: list[int], 
     if kind == "median" and base.max_ratio is None:
         base = replace(base, max_ratio=2.0, window=_perf_window(steps))
     fields = {k: v for k, v in override.items() if k != "kind"}
-    allowed = {"exact": set(), "approx": {"rtol", "atol", "failing_steps", "mean_residual"},
-               "median": {"max_ratio", "min_ratio", "window"}}[kind]
+    allowed = {
+        "exact": set(),
+        "approx": {"rtol", "atol", "failing_steps", "mean_residual"},
+        "median": {"max_ratio", "min_ratio", "window"},
+    }[kind]
     wrong = sorted(set(fields) - allowed)
     if wrong:
         raise BadInput(f"{name}: {', '.join(wrong)} does not apply to a {kind} tolerance", field=where)
@@ -207,7 +241,8 @@ def read_tolerance(name: str, doc, steps: list[int], values: list[float], path: 
     override = doc.get("override") or {}
     if not isinstance(override, dict):
         raise BadInput("expected an object", path=path, field=f"{where}.override")
-    override = {k: _coerce_override(k, v, f"{path}: {where}.override.{k}") for k, v in override.items()
-                if k in _OVERRIDE_KEYS}
+    override = {
+        k: _coerce_override(k, v, f"{path}: {where}.override.{k}") for k, v in override.items() if k in _OVERRIDE_KEYS
+    }
     tol = apply_override(default, given, name, steps, f"{path}: {where}")
     return replace(tol, family=str(doc.get("family", tol.family)), override=override)

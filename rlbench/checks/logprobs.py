@@ -42,8 +42,14 @@ from rlbench.rundir import recording
 from rlbench.rundir.directory import read_run, step_name
 
 STATS = ("train_rollout_logprob_abs_diff", "token_mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
-GATE_OPTIONS = {"train_rollout_logprob_abs_diff": "--max-mean", "token_mean_abs": "--max-token-mean",
-                "p99_abs": "--max-p99", "max_abs": "--max-abs", "k3_kl": "--max-k3", "mean_exp_abs": "--max-exp"}
+GATE_OPTIONS = {
+    "train_rollout_logprob_abs_diff": "--max-mean",
+    "token_mean_abs": "--max-token-mean",
+    "p99_abs": "--max-p99",
+    "max_abs": "--max-abs",
+    "k3_kl": "--max-k3",
+    "mean_exp_abs": "--max-exp",
+}
 
 
 @dataclass
@@ -102,8 +108,9 @@ def statistics(delta: torch.Tensor, counts: list[int] | None = None) -> dict[str
     }
 
 
-def nucleus_logprobs(logits: torch.Tensor, targets: torch.Tensor, nuclei: Sequence[Sequence[int]],
-                     temperature: float) -> torch.Tensor:
+def nucleus_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, nuclei: Sequence[Sequence[int]], temperature: float
+) -> torch.Tensor:
     """log p(target) renormalised over each row's recorded top-p nucleus and the target itself, all
     other ids masked out after the temperature: slime's trainer under --rollout-top-p < 1
     (`_build_topp_keep_mask`), which is how its engine reported them. Rows of `logits` [R, V] predict
@@ -122,11 +129,12 @@ def nucleus_logprobs(logits: torch.Tensor, targets: torch.Tensor, nuclei: Sequen
 def sample_nuclei(tensors: dict[str, torch.Tensor], start: int, end: int) -> list[list[int]]:
     """The recorded nucleus of each token in tokens[start:end] (flat positions)."""
     ids, offsets = tensors["top_p_ids"], tensors["top_p_offsets"].tolist()
-    return [ids[offsets[j]: offsets[j + 1]].tolist() for j in range(start, end)]
+    return [ids[offsets[j] : offsets[j + 1]].tolist() for j in range(start, end)]
 
 
-def sequence_nucleus_logprobs(model, ids: torch.Tensor, prompt: int, nuclei: list[list[int]],
-                              temperature: float) -> torch.Tensor:
+def sequence_nucleus_logprobs(
+    model, ids: torch.Tensor, prompt: int, nuclei: list[list[int]], temperature: float
+) -> torch.Tensor:
     """The response log-probs of one sequence (ids[prompt:]) at batch size 1, each renormalised over
     its nucleus; a first token with no prefix to predict it gets 0, as `token_logprobs` gives it."""
     first = max(prompt, 1)
@@ -135,8 +143,9 @@ def sequence_nucleus_logprobs(model, ids: torch.Tensor, prompt: int, nuclei: lis
         return out
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0]
-    out[first - prompt:] = nucleus_logprobs(logits[first - 1: len(ids) - 1], ids[first:], nuclei[first - prompt:],
-                                            temperature).cpu()
+    out[first - prompt :] = nucleus_logprobs(
+        logits[first - 1 : len(ids) - 1], ids[first:], nuclei[first - prompt :], temperature
+    ).cpu()
     return out
 
 
@@ -157,8 +166,11 @@ class _Recomputer:
 
             here = weights_digest(named_weights(model))
             if here != recorded:
-                raise BadInput(f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
-                               f"({recorded[:12]}): another model or seed", path=config.model.path)
+                raise BadInput(
+                    f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
+                    f"({recorded[:12]}): another model or seed",
+                    path=config.model.path,
+                )
         self.trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed)
         self.temperature = config.rollout.temperature
         self.true_on_policy = config.rollout.true_on_policy
@@ -184,8 +196,9 @@ class _Recomputer:
             if sample.get("top_p"):
                 a, b = offsets[i], offsets[i + 1]
                 nuclei = sample_nuclei(tensors, a + prompts[i], b)
-                flat[a + prompts[i]: b] = sequence_nucleus_logprobs(self.trainer.model, tensors["tokens"][a:b],
-                                                                    prompts[i], nuclei, self.temperature)
+                flat[a + prompts[i] : b] = sequence_nucleus_logprobs(
+                    self.trainer.model, tensors["tokens"][a:b], prompts[i], nuclei, self.temperature
+                )
         return flat
 
 
@@ -194,8 +207,11 @@ def judged_samples(samples: list[dict]) -> tuple[list[bool], int, int]:
     without engine log-probs (has_rollout_logprobs false): the recording's 0.0 there is no log-prob."""
     removed = [bool(s.get("remove_sample")) for s in samples]
     without = [s.get("has_rollout_logprobs") is False for s in samples]
-    return ([not r and not w for r, w in zip(removed, without)], sum(removed),
-            sum(w and not r for r, w in zip(removed, without)))
+    return (
+        [not r and not w for r, w in zip(removed, without)],
+        sum(removed),
+        sum(w and not r for r, w in zip(removed, without)),
+    )
 
 
 def _gates(stats: dict[str, float], thresholds: dict[str, float], nonfinite: str) -> list[str]:
@@ -218,9 +234,15 @@ def _check_thresholds(thresholds: dict[str, float | None] | None) -> dict[str, f
     return thresholds
 
 
-def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, float] | None = None,
-                   recompute: bool = False, edges: Sequence[float] | None = None,
-                   steps: Sequence[int] | None = None, per_step: bool = True) -> LogprobReport:
+def check_logprobs(
+    run_dir: str | Path,
+    top: int = 10,
+    thresholds: dict[str, float] | None = None,
+    recompute: bool = False,
+    edges: Sequence[float] | None = None,
+    steps: Sequence[int] | None = None,
+    per_step: bool = True,
+) -> LogprobReport:
     """Every judged token's |trainer - rollout| log-prob over the run (or over `steps`, a subset of its
     committed steps), read a step at a time: statistics (overall, and per step unless `per_step` is
     false), the `top` worst tokens in their context, the gates, and with `edges` a histogram of |delta|
@@ -253,8 +275,10 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         else:
             trainer = tensors.get("old_logprobs")
             if trainer is None:
-                raise BadInput("the recording holds no trainer log-probs (a rollout-only or imported run); "
-                               "use --recompute", path=run.root)
+                raise BadInput(
+                    "the recording holds no trainer log-probs (a rollout-only or imported run); use --recompute",
+                    path=run.root,
+                )
         if trainer is None:
             skipped.append(step)
             continue
@@ -265,7 +289,7 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         offsets = tensors["offsets"]
         mask = tensors["loss_mask"].bool()
         for i in (i for i, ok in enumerate(judged) if not ok):
-            mask[int(offsets[i]):int(offsets[i + 1])] = False
+            mask[int(offsets[i]) : int(offsets[i + 1])] = False
         delta = (trainer - tensors["rollout_logprobs"]).double()[mask]
         running = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
         step_counts = (running[offsets[1:]] - running[offsets[:-1]]).tolist()
@@ -275,31 +299,54 @@ def check_logprobs(run_dir: str | Path, top: int = 10, thresholds: dict[str, flo
         candidates += _candidates(step, tensors, index, trainer, delta, top)
         if nonfinite is None and not bool(delta.isfinite().all()):
             nonfinite = (step, tensors, index, trainer, delta)
-        rows.append({"step": step, "tokens": int(delta.numel()), "samples": sum(c > 0 for c in step_counts),
-                     **(statistics(delta, step_counts) if per_step else {})})
+        rows.append(
+            {
+                "step": step,
+                "tokens": int(delta.numel()),
+                "samples": sum(c > 0 for c in step_counts),
+                **(statistics(delta, step_counts) if per_step else {}),
+            }
+        )
     if not deltas:
-        raise BadInput("no step could be recomputed (no checkpoint holds the weights any step sampled with)",
-                       path=run.root / "checkpoints")
+        raise BadInput(
+            "no step could be recomputed (no checkpoint holds the weights any step sampled with)",
+            path=run.root / "checkpoints",
+        )
     everything = torch.cat(deltas)
     if not everything.numel():
-        raise BadInput(f"undetermined: no trained token with engine log-probs to judge ({left_out['removed']} samples "
-                       f"removed, {left_out['without_logprobs']} without engine log-probs)", path=run.root)
+        raise BadInput(
+            f"undetermined: no trained token with engine log-probs to judge ({left_out['removed']} samples "
+            f"removed, {left_out['without_logprobs']} without engine log-probs)",
+            path=run.root,
+        )
     all_counts = [c for step_counts in counts for c in step_counts]
     stats = statistics(everything, all_counts)
     worst = _worst(candidates, top, tokenizer, vocab)
     first_nonfinite = _nonfinite(nonfinite, int((~everything.isfinite()).sum()))
-    notes = [f"recomputed steps {[row['step'] for row in rows]}; no exact weights for steps {skipped}"] \
-        if skipped else []
+    notes = (
+        [f"recomputed steps {[row['step'] for row in rows]}; no exact weights for steps {skipped}"] if skipped else []
+    )
     notes += _left_out_notes(left_out)
     if first_nonfinite:
         notes.append(first_nonfinite)
     histogram = None
     if edges is not None:
         histogram = abs_histogram(everything, edges)
-    return LogprobReport(str(run.root), "recomputed" if recompute else "recorded", [row["step"] for row in rows],
-                         int(everything.numel()), stats, rows, worst, thresholds,
-                         _gates(stats, thresholds, first_nonfinite), notes, sum(c > 0 for c in all_counts),
-                         **left_out, histogram=histogram)
+    return LogprobReport(
+        str(run.root),
+        "recomputed" if recompute else "recorded",
+        [row["step"] for row in rows],
+        int(everything.numel()),
+        stats,
+        rows,
+        worst,
+        thresholds,
+        _gates(stats, thresholds, first_nonfinite),
+        notes,
+        sum(c > 0 for c in all_counts),
+        **left_out,
+        histogram=histogram,
+    )
 
 
 def abs_histogram(delta: torch.Tensor, edges: Sequence[float]) -> list[int]:
@@ -334,12 +381,15 @@ def _nonfinite(first, total: int) -> str:
     offsets = tensors["offsets"]
     sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
     token = pos - int(offsets[sample]) - int(tensors["prompt_lengths"][sample])
-    return (f"{total} non-finite log-prob deltas; the first at step {step}, sample {sample}, response token {token} "
-            f"(trainer {float(trainer[pos])}, rollout {float(tensors['rollout_logprobs'][pos])})")
+    return (
+        f"{total} non-finite log-prob deltas; the first at step {step}, sample {sample}, response token {token} "
+        f"(trainer {float(trainer[pos])}, rollout {float(tensors['rollout_logprobs'][pos])})"
+    )
 
 
-def _candidates(step: int, tensors: dict, index: torch.Tensor, trainer: torch.Tensor, delta: torch.Tensor,
-                top: int) -> list[tuple]:
+def _candidates(
+    step: int, tensors: dict, index: torch.Tensor, trainer: torch.Tensor, delta: torch.Tensor, top: int
+) -> list[tuple]:
     """This step's `top` largest |delta| (ties: the earlier token first), each as (|delta|, step, sample,
     response token, token id, the 8 ids before it, trainer, rollout): the run's worst tokens are the
     largest of these, so no step's tensors outlive its turn, and only those are decoded."""
@@ -350,22 +400,43 @@ def _candidates(step: int, tensors: dict, index: torch.Tensor, trainer: torch.Te
         pos = int(index[k])
         sample = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
         start = int(offsets[sample])
-        out.append((float(delta[k].abs()), step, sample, pos - start - int(tensors["prompt_lengths"][sample]),
-                    int(tensors["tokens"][pos]), tensors["tokens"][max(start, pos - 8): pos].tolist(),
-                    float(trainer[pos]), float(tensors["rollout_logprobs"][pos])))
+        out.append(
+            (
+                float(delta[k].abs()),
+                step,
+                sample,
+                pos - start - int(tensors["prompt_lengths"][sample]),
+                int(tensors["tokens"][pos]),
+                tensors["tokens"][max(start, pos - 8) : pos].tolist(),
+                float(trainer[pos]),
+                float(tensors["rollout_logprobs"][pos]),
+            )
+        )
     return out
 
 
 def _worst(candidates: list[tuple], top: int, tokenizer, vocab: Vocab | None) -> list[WorstToken]:
     """The `top` largest |delta| of the run, in step and token order among equals (NaN first, as argsort);
     a padded id (no text: core/vocab.py) shows as `<padded id N>`."""
-    order = torch.argsort(torch.tensor([c[0] for c in candidates], dtype=torch.float64), descending=True,
-                          stable=True)[:top]
+    order = torch.argsort(torch.tensor([c[0] for c in candidates], dtype=torch.float64), descending=True, stable=True)[
+        :top
+    ]
     # no vocabulary only without a tokenizer (run_vocab): the ids as they are
     decode = (lambda ids: vocab.text(tokenizer, ids)) if vocab is not None else (lambda ids: str(ids))
     out = []
     for k in order.tolist():
         _, step, sample, token, token_id, context, trainer, rollout = candidates[k]
-        out.append(WorstToken(step, sample, token, token_id, decode([token_id]), decode(context), trainer, rollout,
-                              float(torch.tensor(trainer) - torch.tensor(rollout))))
+        out.append(
+            WorstToken(
+                step,
+                sample,
+                token,
+                token_id,
+                decode([token_id]),
+                decode(context),
+                trainer,
+                rollout,
+                float(torch.tensor(trainer) - torch.tensor(rollout)),
+            )
+        )
     return out

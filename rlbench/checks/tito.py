@@ -78,15 +78,22 @@ def render(tok, messages, tools, generation: bool, kwargs: dict | None = None) -
     compiled = _compiled(tok)
     kwargs = kwargs or {}
     if compiled is None:
-        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False,
-                                       **kwargs)
+        return tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kwargs
+        )
     from jinja2.runtime import new_context
 
     template, base = compiled
     # jinja's Template.render walks the template's globals (a ChainMap) twice on every call; with
     # them merged into `base` once, a shared context needs neither walk, and renders the same text.
-    variables = {**base, **kwargs, "messages": [_as_transformers_gives(m) for m in messages], "tools": tools,
-                 "documents": None, "add_generation_prompt": generation}
+    variables = {
+        **base,
+        **kwargs,
+        "messages": [_as_transformers_gives(m) for m in messages],
+        "tools": tools,
+        "documents": None,
+        "add_generation_prompt": generation,
+    }
     context = new_context(template.environment, template.name, template.blocks, variables, shared=True, globals=None)
     return template.environment.concat(template.root_render_func(context))
 
@@ -114,8 +121,9 @@ def _compiled(tok):
             tok._rlbench_template = None
         else:
             template = _compile_jinja_template(tok.chat_template) if tok.chat_template else None
-            tok._rlbench_template = None if template is None else \
-                (template, {**dict(template.globals), **tok.special_tokens_map})
+            tok._rlbench_template = (
+                None if template is None else (template, {**dict(template.globals), **tok.special_tokens_map})
+            )
     return tok._rlbench_template
 
 
@@ -123,8 +131,11 @@ def encode(tok, text: str) -> list[int]:
     # The Rust tokenizer directly: the same ids as tok.encode, without transformers' Python wrapper,
     # which costs three times the encoding itself (bench/tito_throughput.py).
     backend = getattr(tok, "backend_tokenizer", None)
-    return backend.encode(text, add_special_tokens=False).ids if backend is not None else \
-        tok.encode(text, add_special_tokens=False)
+    return (
+        backend.encode(text, add_special_tokens=False).ids
+        if backend is not None
+        else tok.encode(text, add_special_tokens=False)
+    )
 
 
 def decode_many(tok, sequences: list[list[int]]) -> list[str]:
@@ -150,8 +161,9 @@ def _byte_table(tok) -> dict[int, bytes] | None:
                 if b not in visible:
                     to_byte[chr(256 + extra)] = b
                     extra += 1
-            table = {i: bytes(to_byte[c] for c in token)
-                     for token, i in backend.get_vocab(with_added_tokens=False).items()}
+            table = {
+                i: bytes(to_byte[c] for c in token) for token, i in backend.get_vocab(with_added_tokens=False).items()
+            }
             table.update({i: t.content.encode() for i, t in tok.added_tokens_decoder.items()})
             tok._rlbench_bytes = table
     return tok._rlbench_bytes
@@ -179,14 +191,21 @@ def only_closing(tok, got: list[int], expected: list[int], truncated_last: bool)
     end-of-turn (or, after a truncated last turn, the end-of-turn the rendering closes it with)."""
     if expected[: len(got)] != list(got):
         return False
-    rest = list(expected[len(got):])
+    rest = list(expected[len(got) :])
     if truncated_last and rest[:1] == [tok.eos_token_id]:
         rest = rest[1:]
     return not decode(tok, rest).strip()
 
 
-def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: list[int],
-             truncated_ends: list[int], stops: frozenset[int] = frozenset()) -> tuple[str, bool]:
+def classify(
+    tok,
+    got: list[int],
+    expected: list[int],
+    index: int,
+    turn_ends: list[int],
+    truncated_ends: list[int],
+    stops: frozenset[int] = frozenset(),
+) -> tuple[str, bool]:
     """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering.
     Each test decodes only what it needs, in this order: a run check may classify many findings.
     `stops`: the ids that end a sampled turn (generation_config.json's), besides the end-of-turn."""
@@ -194,10 +213,11 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
     if index in truncated_ends and index < len(expected) and expected[index] in stops | {eos}:
         return "truncated", True
     end = min([e for e in turn_ends if e > index] or [len(got)])
-    segment = got[max(0, index - 3):end]
+    segment = got[max(0, index - 3) : end]
     window = slice(index, index + 8)
     whole_got, whole_exp, text_got, text_exp, text_segment = decode_many(
-        tok, [got, expected, got[window], expected[window], segment])
+        tok, [got, expected, got[window], expected[window], segment]
+    )
     # The same text with other ids, whitespace a rendering adds after the final end-of-turn aside.
     if whole_got == whole_exp or (index < min(len(got), len(expected)) and whole_got.rstrip() == whole_exp.rstrip()):
         return "reencode", True
@@ -210,8 +230,11 @@ def classify(tok, got: list[int], expected: list[int], index: int, turn_ends: li
     if index in turn_ends or (0 < index <= len(got) and got[index - 1] in stops | {eos}):  # at a turn boundary
         rest_got = decode(tok, got[index:]) if index < len(got) else ""
         rest_exp = decode(tok, expected[index:]) if index < len(expected) else ""
-        whitespace = not (text_got.strip() or text_exp.strip()) or \
-            (index >= len(got) and not rest_exp.strip()) or (index >= len(expected) and not rest_got.strip())
+        whitespace = (
+            not (text_got.strip() or text_exp.strip())
+            or (index >= len(got) and not rest_exp.strip())
+            or (index >= len(expected) and not rest_got.strip())
+        )
         if whitespace or _whitespace_token(tok, got, index) or _whitespace_token(tok, expected, index):
             return "separator", True
     if decode_drops(tok, got, index) != decode_drops(tok, expected, index):
@@ -232,8 +255,12 @@ def _stop_differs(tok, got: list[int], expected: list[int], index: int, stops: f
     e = expected[index] if index < len(expected) else None
     if g not in stops and e not in stops:
         return False
-    dropped = e in stops and g not in stops and decode_drops(tok, expected, index) and \
-        _same_without_specials(tok, got[index:index + 8], expected[index:index + 8])
+    dropped = (
+        e in stops
+        and g not in stops
+        and decode_drops(tok, expected, index)
+        and _same_without_specials(tok, got[index : index + 8], expected[index : index + 8])
+    )
     return not dropped
 
 
@@ -262,7 +289,7 @@ def _specials_dropped(tok, got: list[int], expected: list[int], index: int) -> b
                 return False
         else:
             return False
-    return _same_without_specials(tok, got[index:index + 8], expected[index:index + 8])
+    return _same_without_specials(tok, got[index : index + 8], expected[index : index + 8])
 
 
 def decode_drops(tok, ids: list[int], index: int) -> bool:
@@ -277,20 +304,38 @@ def _whitespace_token(tok, ids: list[int], index: int) -> bool:
     return index < len(ids) and not decode(tok, [ids[index]]).strip()
 
 
-def finding(tok, shape: str, where: str, got: list[int], expected: list[int], index: int, turn_ends: list[int],
-            truncated_ends: list[int], mode: tuple[str, bool] | None = None) -> Finding:
+def finding(
+    tok,
+    shape: str,
+    where: str,
+    got: list[int],
+    expected: list[int],
+    index: int,
+    turn_ends: list[int],
+    truncated_ends: list[int],
+    mode: tuple[str, bool] | None = None,
+) -> Finding:
     """The divergence at `index`, classified (unless `mode` is given), with the ids on both sides from
     the index on and the few ids before it, each with its text."""
     name, strict = mode or classify(tok, got, expected, index, turn_ends, truncated_ends)
-    context = list(got[max(0, index - CONTEXT): index])
-    exp, gt = list(expected[index: index + SHOWN]), list(got[index: index + SHOWN])
+    context = list(got[max(0, index - CONTEXT) : index])
+    exp, gt = list(expected[index : index + SHOWN]), list(got[index : index + SHOWN])
     context_text, exp_text, got_text = decode_many(tok, [context, exp, gt])
-    return Finding(shape, name, MODES[name][0], strict, index, context, exp, gt, context_text, exp_text, got_text,
-                   where)
+    return Finding(
+        shape, name, MODES[name][0], strict, index, context, exp, gt, context_text, exp_text, got_text, where
+    )
 
 
-def divergence(tok, shape: str, where: str, got: list[int], expected: list[int], turn_ends: list[int],
-               truncated_ends: list[int], truncated_last: bool = False) -> Finding | None:
+def divergence(
+    tok,
+    shape: str,
+    where: str,
+    got: list[int],
+    expected: list[int],
+    turn_ends: list[int],
+    truncated_ends: list[int],
+    truncated_last: bool = False,
+) -> Finding | None:
     """The first divergence of `got` from `expected` as a finding, or None: none, or only the closing
     whitespace / end-of-turn a rendering adds after the last sampled id."""
     index = first_divergence(got, expected)
@@ -299,8 +344,9 @@ def divergence(tok, shape: str, where: str, got: list[int], expected: list[int],
     return finding(tok, shape, where, got, expected, index, turn_ends, truncated_ends)
 
 
-def divergences(tok, got: list[int], expected: list[int], truncated_last: bool = False,
-                stops: frozenset[int] = frozenset()) -> list[tuple[int, int, int, int]]:
+def divergences(
+    tok, got: list[int], expected: list[int], truncated_last: bool = False, stops: frozenset[int] = frozenset()
+) -> list[tuple[int, int, int, int]]:
     """Every place where `got` and `expected` part, as (i1, i2, j1, j2): got[i1:i2] stands where expected has
     expected[j1:j2], the ids between blocks agreeing (difflib's longest-matching-block alignment). Left out: a last
     block that is only what a rendering closes with (only_closing), or a stop id sampled last that the rendering
@@ -309,8 +355,11 @@ def divergences(tok, got: list[int], expected: list[int], truncated_last: bool =
 
     if list(got) == list(expected):
         return []
-    blocks = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in
-              SequenceMatcher(None, got, expected, autojunk=False).get_opcodes() if tag != "equal"]
+    blocks = [
+        (i1, i2, j1, j2)
+        for tag, i1, i2, j1, j2 in SequenceMatcher(None, got, expected, autojunk=False).get_opcodes()
+        if tag != "equal"
+    ]
     blocks = _joined(tok, got, expected, blocks)
     if blocks and _closing(tok, got, expected, blocks[-1], truncated_last, stops):
         blocks.pop()
@@ -348,10 +397,21 @@ def _closing(tok, got, expected, block, truncated_last: bool, stops: frozenset[i
     return tail[-1:] != [] and tail[-1] in stops and not decode(tok, tail[:-1] + rest).strip()
 
 
-def block_findings(tok, shape: str, where: str, got: list[int], expected: list[int], turn_ends: list[int],
-                   truncated_ends: list[int], truncated_last: bool = False, stops: frozenset[int] = frozenset(),
-                   reasoning: tuple[str, ...] = (), extension: bool = False, hazard=None,
-                   compare=None) -> list[Finding]:
+def block_findings(
+    tok,
+    shape: str,
+    where: str,
+    got: list[int],
+    expected: list[int],
+    turn_ends: list[int],
+    truncated_ends: list[int],
+    truncated_last: bool = False,
+    stops: frozenset[int] = frozenset(),
+    reasoning: tuple[str, ...] = (),
+    extension: bool = False,
+    hazard=None,
+    compare=None,
+) -> list[Finding]:
     """A finding for each divergence of `got` from `expected` (divergences), each classified on its own: the
     expected side seen as if everything before the block had agreed. `reasoning`: the reasoning texts of the
     conversation's turns; a block that has one on a side only is mode 4 whatever markers surround it.
@@ -370,8 +430,11 @@ def block_findings(tok, shape: str, where: str, got: list[int], expected: list[i
         i1 = first_divergence(got, view)  # the alignment may put ids both sides share at a block's start
         if i1 is None:
             continue
-        mode = ("reasoning", True) if reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning) else \
-            classify(tok, got, view, i1, turn_ends, truncated_ends, stops)
+        mode = (
+            ("reasoning", True)
+            if reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning)
+            else classify(tok, got, view, i1, turn_ends, truncated_ends, stops)
+        )
         if hazard is not None and hazard(mode[0], i1, i2):
             mode = (mode[0], False)
         f = finding(tok, shape, where, got, view, i1, turn_ends, truncated_ends, mode=mode)

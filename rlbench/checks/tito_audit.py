@@ -46,13 +46,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.checks.tito import MODES, Finding, block_findings, decode, decode_drops, encode, finding
-from rlbench.checks.tito_builders import BuildError, PlainBuilder, PrefixBroken, assistant_start, make_builder, \
-    stop_ids, template_errors
+from rlbench.checks.tito_builders import (
+    BuildError,
+    PlainBuilder,
+    PrefixBroken,
+    assistant_start,
+    make_builder,
+    stop_ids,
+    template_errors,
+)
 from rlbench.errors import BadInput
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "evaluates an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "evaluates an arithmetic expression",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 def _user(text):
@@ -74,20 +86,51 @@ def conversation_shapes() -> dict[str, tuple[list[dict], list | None]]:
     return {
         "single-turn": ([_user("Is 7 even or odd?"), _assistant("odd")], None),
         "multi-turn": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")], None),
-        "tool-result": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
-                         {"role": "tool", "content": "7"}, _assistant("odd")], None),
-        "consecutive-tool-results": ([_user("Is 3 plus 4 even, and 6?"),
-                                      _assistant("", tool_calls=[_call("3+4"), _call("6")]),
-                                      {"role": "tool", "content": "7"}, {"role": "tool", "content": "6"},
-                                      _assistant("odd even")], None),
-        "reasoning": ([_user("Is 7 even or odd?"), _assistant("odd", reasoning_content="7 ends in 7"),
-                       _user("And 12?"), _assistant("even", reasoning_content="12 ends in 2")], None),
-        "truncated": ([_user("Is 7 even or odd?"), _assistant("The answer", truncated=True), _user("Go on."),
-                       _assistant("odd")], None),
-        "multi-turn-with-tools": ([_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"),
-                                   _assistant("even")], [CALCULATOR]),
-        "tool-result-with-tools": ([_user("Is 3 plus 4 even or odd?"), _assistant("", tool_calls=[_call("3+4")]),
-                                    {"role": "tool", "content": "7"}, _assistant("odd")], [CALCULATOR]),
+        "tool-result": (
+            [
+                _user("Is 3 plus 4 even or odd?"),
+                _assistant("", tool_calls=[_call("3+4")]),
+                {"role": "tool", "content": "7"},
+                _assistant("odd"),
+            ],
+            None,
+        ),
+        "consecutive-tool-results": (
+            [
+                _user("Is 3 plus 4 even, and 6?"),
+                _assistant("", tool_calls=[_call("3+4"), _call("6")]),
+                {"role": "tool", "content": "7"},
+                {"role": "tool", "content": "6"},
+                _assistant("odd even"),
+            ],
+            None,
+        ),
+        "reasoning": (
+            [
+                _user("Is 7 even or odd?"),
+                _assistant("odd", reasoning_content="7 ends in 7"),
+                _user("And 12?"),
+                _assistant("even", reasoning_content="12 ends in 2"),
+            ],
+            None,
+        ),
+        "truncated": (
+            [_user("Is 7 even or odd?"), _assistant("The answer", truncated=True), _user("Go on."), _assistant("odd")],
+            None,
+        ),
+        "multi-turn-with-tools": (
+            [_user("Is 7 even or odd?"), _assistant("odd"), _user("And 12?"), _assistant("even")],
+            [CALCULATOR],
+        ),
+        "tool-result-with-tools": (
+            [
+                _user("Is 3 plus 4 even or odd?"),
+                _assistant("", tool_calls=[_call("3+4")]),
+                {"role": "tool", "content": "7"},
+                _assistant("odd"),
+            ],
+            [CALCULATOR],
+        ),
     }
 
 
@@ -121,8 +164,20 @@ class AuditReport:
 
 def template_error(shape: str, exc: Exception, stage: str = "template error") -> Finding:
     message = " ".join(str(exc).split()) or exc.__class__.__name__
-    return Finding(shape, "template", MODES["template"][0], True, -1, [], [], [], "", "",
-                   f"{exc.__class__.__name__}: {message}", f"{stage}: {message}")
+    return Finding(
+        shape,
+        "template",
+        MODES["template"][0],
+        True,
+        -1,
+        [],
+        [],
+        [],
+        "",
+        "",
+        f"{exc.__class__.__name__}: {message}",
+        f"{stage}: {message}",
+    )
 
 
 @dataclass
@@ -135,12 +190,14 @@ class _Play:
     compare: object = None  # Miles' comparator, for the categories
 
 
-def audit_shape(tok, shape: str, messages: list[dict], tools, builder=None, stops: frozenset[int] | None = None,
-                compare=None) -> list[Finding]:
+def audit_shape(
+    tok, shape: str, messages: list[dict], tools, builder=None, stops: frozenset[int] | None = None, compare=None
+) -> list[Finding]:
     """Play a token-in-token-out builder over one conversation; return every divergence, or, where the template
     (or the builder) cannot render the conversation, what was found up to there and that error."""
-    play = _Play(tok, builder or PlainBuilder(tok, {}), stops if stops is not None else
-                 frozenset({tok.eos_token_id}), compare)
+    play = _Play(
+        tok, builder or PlainBuilder(tok, {}), stops if stops is not None else frozenset({tok.eos_token_id}), compare
+    )
     found: list[Finding] = []
     try:
         _audit_shape(play, shape, messages, tools, found)
@@ -159,19 +216,27 @@ def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: li
         prompt, turn = b.render(messages[:j], tools, True), b.render(messages[: j + 1], tools, False)
         following = b.render(messages[: turns[k + 1]], tools, True) if k + 1 < len(turns) else None
         if not turn.startswith(prompt):
-            found += _compare(play, state, shape, f"generation prompt vs turn {j}", encode(tok, prompt),
-                              encode(tok, turn), reasoning, extension=True,
-                              hazard=_empty_think(messages[j]))
+            found += _compare(
+                play,
+                state,
+                shape,
+                f"generation prompt vs turn {j}",
+                encode(tok, prompt),
+                encode(tok, turn),
+                reasoning,
+                extension=True,
+                hazard=_empty_think(messages[j]),
+            )
             buffer = _resync(play, state, shape, f"re-render before turn {j}", buffer, prompt, reasoning, found)
             common = _common_text_prefix(tok, prompt, turn)
             buffer, body = encode(tok, turn[:common]), turn[common:]
         else:
-            body = turn[len(prompt):]
+            body = turn[len(prompt) :]
         body, lost = _with_reasoning(body, messages[j], prompt)
         if lost:
             found.append(_lost_reasoning(shape, j))
         truncated = bool(messages[j].get("truncated"))
-        after = following[len(turn):] if following is not None and following.startswith(turn) else ""
+        after = following[len(turn) :] if following is not None and following.startswith(turn) else ""
         sampled = _sample(play, body, after, truncated)
         found += _decode_hazard(play, shape, j, buffer, sampled)
         state.spans.append((len(buffer), len(buffer) + len(sampled)))
@@ -187,13 +252,29 @@ def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: li
             if not isinstance(exc, PrefixBroken):
                 found.append(template_error(shape, exc, "builder error"))
             if not following.startswith(turn) or not isinstance(exc, PrefixBroken):
-                found += _compare(play, state, shape, f"prefix after turn {j}", encode(tok, turn),
-                                  encode(tok, following), reasoning, extension=True)
+                found += _compare(
+                    play,
+                    state,
+                    shape,
+                    f"prefix after turn {j}",
+                    encode(tok, turn),
+                    encode(tok, following),
+                    reasoning,
+                    extension=True,
+                )
             _resync(play, state, shape, f"re-render after turn {j}", buffer, turn, reasoning, found)
             buffer = encode(tok, following)
     final = encode(tok, b.render(messages, tools, False))
-    found += _compare(play, state, shape, "final re-render", buffer, final, reasoning,
-                      truncated_last=bool(messages[turns[-1]].get("truncated")))
+    found += _compare(
+        play,
+        state,
+        shape,
+        "final re-render",
+        buffer,
+        final,
+        reasoning,
+        truncated_last=bool(messages[turns[-1]].get("truncated")),
+    )
 
 
 @dataclass
@@ -205,22 +286,51 @@ class _State:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _compare(play: _Play, state: _State, shape: str, where: str, got: list[int], expected: list[int],
-             reasoning: tuple[str, ...], extension: bool = False, truncated_last: bool = False,
-             hazard=None) -> list[Finding]:
+def _compare(
+    play: _Play,
+    state: _State,
+    shape: str,
+    where: str,
+    got: list[int],
+    expected: list[int],
+    reasoning: tuple[str, ...],
+    extension: bool = False,
+    truncated_last: bool = False,
+    hazard=None,
+) -> list[Finding]:
     def is_hazard(mode: str, i1: int, i2: int) -> bool:
         if hazard is not None:
             return hazard
         sampled = any(s < max(i2, i1 + 1) and i1 < e for s, e in state.spans)
         return mode == "truncated" or (mode == "reencode" and sampled)
 
-    return block_findings(play.tok, shape, where, got, expected, state.turn_ends, state.truncated_ends,
-                          truncated_last, play.stops, reasoning, extension=extension, hazard=is_hazard,
-                          compare=play.compare)
+    return block_findings(
+        play.tok,
+        shape,
+        where,
+        got,
+        expected,
+        state.turn_ends,
+        state.truncated_ends,
+        truncated_last,
+        play.stops,
+        reasoning,
+        extension=extension,
+        hazard=is_hazard,
+        compare=play.compare,
+    )
 
 
-def _resync(play: _Play, state: _State, shape: str, where: str, buffer: list[int], text: str,
-            reasoning: tuple[str, ...], found: list[Finding]) -> list[int]:
+def _resync(
+    play: _Play,
+    state: _State,
+    shape: str,
+    where: str,
+    buffer: list[int],
+    text: str,
+    reasoning: tuple[str, ...],
+    found: list[Finding],
+) -> list[int]:
     """Before the shape goes on from the template's rendering `text`: the buffer so far against it."""
     found += _compare(play, state, shape, where, buffer, encode(play.tok, text), reasoning)
     return encode(play.tok, text)
@@ -254,14 +364,16 @@ def _with_reasoning(body: str, message: dict, prompt: str) -> tuple[str, bool]:
     empty = _EMPTY_THINK.search(body)
     if empty:
         inner = f"\n{reasoning}\n" if empty.group(1) else reasoning
-        return body[: empty.start()] + "<think>" + inner + "</think>" + body[empty.end():], False
+        return body[: empty.start()] + "<think>" + inner + "</think>" + body[empty.end() :], False
     if body.lstrip().startswith("</think>") and prompt.rstrip().endswith("<think>"):
         return reasoning + body, False
     return body, True
 
 
-NOT_REASONING = ("not a reasoning template: probe skipped (the template renders a turn's reasoning_content "
-                 "nowhere, not even in the last turn)")
+NOT_REASONING = (
+    "not a reasoning template: probe skipped (the template renders a turn's reasoning_content "
+    "nowhere, not even in the last turn)"
+)
 
 
 def _reasoning_probe(messages: list[dict]) -> bool:
@@ -281,7 +393,7 @@ def renders_reasoning(builder, messages: list[dict], tools) -> bool:
         whole = builder.render(messages, tools, False)
         for j in turns:
             prompt, turn = builder.render(messages[:j], tools, True), builder.render(messages[: j + 1], tools, False)
-            body = turn[len(prompt):] if turn.startswith(prompt) else turn
+            body = turn[len(prompt) :] if turn.startswith(prompt) else turn
             if not _with_reasoning(body, messages[j], prompt)[1] or _reasoning_in(whole, messages[j]):
                 return True
     except template_errors():
@@ -294,8 +406,20 @@ def _reasoning_in(text: str, message: dict) -> bool:
 
 
 def _lost_reasoning(shape: str, j: int) -> Finding:
-    return Finding(shape, "reasoning", MODES["reasoning"][0], True, -1, [], [], [], "", "", "",
-                   f"turn {j}: its reasoning is not in the template's rendering of the turn, even as the last turn")
+    return Finding(
+        shape,
+        "reasoning",
+        MODES["reasoning"][0],
+        True,
+        -1,
+        [],
+        [],
+        [],
+        "",
+        "",
+        "",
+        f"turn {j}: its reasoning is not in the template's rendering of the turn, even as the last turn",
+    )
 
 
 def _sample(play: _Play, body: str, after: str, truncated: bool) -> list[int]:
@@ -324,8 +448,19 @@ def _decode_hazard(play: _Play, shape: str, j: int, buffer: list[int], sampled: 
         return []
     dropped = next(i for i in range(len(content)) if decode_drops(tok, content, i))
     naive = encode(tok, decode(tok, content, skip_special_tokens=True))
-    return [finding(tok, shape, f"decode of turn {j}", buffer + naive, buffer + content, len(buffer) + dropped,
-                    [], [], mode=("special", False))]
+    return [
+        finding(
+            tok,
+            shape,
+            f"decode of turn {j}",
+            buffer + naive,
+            buffer + content,
+            len(buffer) + dropped,
+            [],
+            [],
+            mode=("special", False),
+        )
+    ]
 
 
 def _appended_roles(messages: list[dict]) -> set[str]:
@@ -334,8 +469,14 @@ def _appended_roles(messages: list[dict]) -> set[str]:
     return {m["role"] for m in messages[first:] if m["role"] != "assistant"}
 
 
-def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None, family: str | None = None,
-          kwargs: dict | None = None, roles: list[str] | None = None, strict: bool = False) -> AuditReport:
+def audit(
+    tokenizer_dir: str | Path,
+    shapes: list[str] | None = None,
+    family: str | None = None,
+    kwargs: dict | None = None,
+    roles: list[str] | None = None,
+    strict: bool = False,
+) -> AuditReport:
     """Every shape played with the builder (`family`: Miles' for that model family; None: rlbench's plain one)."""
     from rlbench.core.model import load_tokenizer
     from rlbench.checks.tito_miles import comparator
@@ -346,21 +487,32 @@ def audit(tokenizer_dir: str | Path, shapes: list[str] | None = None, family: st
     builder = make_builder(tok, family, kwargs or {}, roles)
     known = conversation_shapes()
     names = shapes or list(known)
-    report = AuditReport(str(tokenizer_dir), [], builder=builder.name, kwargs=dict(builder.kwargs),
-                         roles=list(builder.roles) if builder.roles is not None else None, fail_on_hazards=strict)
+    report = AuditReport(
+        str(tokenizer_dir),
+        [],
+        builder=builder.name,
+        kwargs=dict(builder.kwargs),
+        roles=list(builder.roles) if builder.roles is not None else None,
+        fail_on_hazards=strict,
+    )
     if builder.family is not None:
         report.notes += builder.family.notes
     stops = stop_ids(tok, tokenizer_dir)
     if not stops:  # nothing ends a sampled turn: no turn could be played
-        raise BadInput("expected an eos token (tokenizer_config.json eos_token, or generation_config.json "
-                       "eos_token_id) to end each sampled turn; the tokenizer has none", path=tokenizer_dir)
+        raise BadInput(
+            "expected an eos token (tokenizer_config.json eos_token, or generation_config.json "
+            "eos_token_id) to end each sampled turn; the tokenizer has none",
+            path=tokenizer_dir,
+        )
     compare = comparator(tok, builder.family, assistant_start(tok, builder))
     for name in names:
         messages, tools = known[name]
         extra = _appended_roles(messages) - set(builder.roles) if builder.roles is not None else set()
         if extra:
-            report.skipped[name] = (f"it appends {', '.join(sorted(extra))} after an assistant turn, which the "
-                                    f"{builder.name} builder is not allowed to (--tito-allowed-append-roles)")
+            report.skipped[name] = (
+                f"it appends {', '.join(sorted(extra))} after an assistant turn, which the "
+                f"{builder.name} builder is not allowed to (--tito-allowed-append-roles)"
+            )
             continue
         if _reasoning_probe(messages) and not renders_reasoning(builder, messages, tools):
             report.skipped[name] = NOT_REASONING

@@ -49,7 +49,7 @@ class PlainBuilder:
         history, grown = self.render(old, tools, False), self.render(new, tools, True)
         if not grown.startswith(history):
             raise PrefixBroken("the template's rendering of the longer conversation does not extend the history")
-        return list(buffer) + encode(self.tok, grown[len(history):])
+        return list(buffer) + encode(self.tok, grown[len(history) :])
 
 
 class FamilyBuilder:
@@ -77,8 +77,10 @@ class FamilyBuilder:
 def make_builder(tok, family: str | None, kwargs: dict, roles: list[str] | None):
     if family is None:
         if roles:
-            raise BadInput("append roles are what a Miles family's builder allows: give --tito-model too",
-                           field="--tito-allowed-append-roles")
+            raise BadInput(
+                "append roles are what a Miles family's builder allows: give --tito-model too",
+                field="--tito-allowed-append-roles",
+            )
         return PlainBuilder(tok, kwargs)
     return FamilyBuilder(tok, family, kwargs, roles)
 
@@ -88,8 +90,15 @@ def template_errors() -> tuple[type[Exception], ...]:
     cannot render: a finding for that conversation, never an internal error."""
     from jinja2 import TemplateError
 
-    errors: tuple[type[Exception], ...] = (TemplateError, ValueError, TypeError, KeyError, AttributeError,
-                                           IndexError, AssertionError)
+    errors: tuple[type[Exception], ...] = (
+        TemplateError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        AssertionError,
+    )
     try:
         from miles_tito_tokenizers.encoders.deepseek_v32 import DS32EncodingError
     except ImportError:  # pragma: no cover - a core dependency
@@ -102,7 +111,7 @@ def assistant_start(tok, builder) -> str | None:
     first special token and the role name after it ("<|im_start|>assistant", "<|assistant|>", "]~b]ai")."""
     try:
         probe = [{"role": "user", "content": "x"}]
-        prompt = builder.render(probe, None, True)[len(builder.render(probe, None, False)):]
+        prompt = builder.render(probe, None, True)[len(builder.render(probe, None, False)) :]
     except template_errors():
         return None
     specials = sorted((t.content for t in tok.added_tokens_decoder.values() if t.special), key=len, reverse=True)
@@ -110,7 +119,7 @@ def assistant_start(tok, builder) -> str | None:
     if at is None:
         return None
     start, token = at
-    name = re.match(r"[^\n<]*", prompt[start + len(token):]).group(0)
+    name = re.match(r"[^\n<]*", prompt[start + len(token) :]).group(0)
     return token + name
 
 

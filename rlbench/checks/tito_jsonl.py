@@ -42,19 +42,25 @@ def check_jsonl(path: Path, tok, tokenizer_dir, kwargs: dict) -> RunReport:
             unread[key] = unread.get(key, 0) + 1
         report.samples += 1
         report.sampled_rows += row.get("sampled") is not None
-        for found in _judge_row(tok, lineno, row, {**kwargs, **(row.get("chat_template_kwargs") or {})}, stops,
-                                compare):
+        for found in _judge_row(
+            tok, lineno, row, {**kwargs, **(row.get("chat_template_kwargs") or {})}, stops, compare
+        ):
             report.findings.append(SampleFinding(None, lineno, found.where, found))
     if unread:
-        report.notes.append("not read: " + ", ".join(f"{k} ({n} rows)" for k, n in sorted(unread.items())) +
-                            f"; a row's fields are {', '.join(ROW_KEYS)}")
+        report.notes.append(
+            "not read: "
+            + ", ".join(f"{k} ({n} rows)" for k, n in sorted(unread.items()))
+            + f"; a row's fields are {', '.join(ROW_KEYS)}"
+        )
     return report
 
 
 def _row(path: Path, lineno: int, line: str, vocab: int) -> dict:
     """One trajectory, its fields checked: refused with the line and the field that is wrong."""
-    shape = ('{"messages": [...], "token_ids": [...], optional "tools": [...], "chat_template_kwargs": {...}, '
-             '"sampled": [[the engine output ids of each assistant turn], ...]}')
+    shape = (
+        '{"messages": [...], "token_ids": [...], optional "tools": [...], "chat_template_kwargs": {...}, '
+        '"sampled": [[the engine output ids of each assistant turn], ...]}'
+    )
     try:
         row = json.loads(line)
         if not isinstance(row, dict):
@@ -63,8 +69,9 @@ def _row(path: Path, lineno: int, line: str, vocab: int) -> dict:
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise TypeError("messages")
-        if row.get("tools") is not None and not (isinstance(row["tools"], list) and
-                                                 all(isinstance(x, dict) for x in row["tools"])):
+        if row.get("tools") is not None and not (
+            isinstance(row["tools"], list) and all(isinstance(x, dict) for x in row["tools"])
+        ):
             raise TypeError("tools")
         if row.get("chat_template_kwargs") is not None and not isinstance(row["chat_template_kwargs"], dict):
             raise TypeError("chat_template_kwargs")
@@ -75,8 +82,11 @@ def _row(path: Path, lineno: int, line: str, vocab: int) -> dict:
             if len(row["sampled"]) != sum(m["role"] == "assistant" for m in messages):
                 raise ValueError("sampled: one list of ids per assistant message")
     except (ValueError, KeyError, TypeError) as exc:
-        what = str(exc) if isinstance(exc, ValueError) and str(exc).startswith(("sampled", "token id")) else \
-            f"{exc.__class__.__name__}: {exc}"
+        what = (
+            str(exc)
+            if isinstance(exc, ValueError) and str(exc).startswith(("sampled", "token id"))
+            else f"{exc.__class__.__name__}: {exc}"
+        )
         raise BadInput(f"line {lineno}: expected {shape} ({what})", path=path) from None
     return row
 
@@ -114,17 +124,29 @@ def _judge_row(tok, lineno: int, row: dict, kwargs: dict, stops: frozenset[int],
         return any(s < max(i2, i1 + 1) and i1 < e for s, e in spans)
 
     truncated = bool(messages and messages[-1].get("truncated"))
-    return found + block_findings(tok, label, "the chat template's re-render", ids, expected, ends, [],
-                                  truncated_last=truncated, stops=stops, reasoning=reasoning,
-                                  hazard=hazard if sampled is not None else None, compare=compare)
+    return found + block_findings(
+        tok,
+        label,
+        "the chat template's re-render",
+        ids,
+        expected,
+        ends,
+        [],
+        truncated_last=truncated,
+        stops=stops,
+        reasoning=reasoning,
+        hazard=hazard if sampled is not None else None,
+        compare=compare,
+    )
 
 
 def _text(message: dict) -> str:
     return message.get("content") if isinstance(message.get("content"), str) else ""
 
 
-def _place(tok, label: str, ids: list[int], sampled: list[list[int]], stops, reasoning,
-           before: list[str]) -> tuple[list, list]:
+def _place(
+    tok, label: str, ids: list[int], sampled: list[list[int]], stops, reasoning, before: list[str]
+) -> tuple[list, list]:
     """Where each sampled turn stands in the trained ids, in order ((start, end) spans), and a finding for each
     place where one does not stand there as it was sampled. `before`: the text of the message before each turn
     (what the trained ids render just before it)."""
@@ -151,14 +173,17 @@ def _aligned(tok, ids: list[int], turn: list[int], cursor: int, before: str = ""
 
     anchor = _anchor(tok, ids, turn, cursor, before)
     low = max(cursor, anchor - 8)
-    window = ids[low: max(low, anchor + len(turn) + 2)]
+    window = ids[low : max(low, anchor + len(turn) + 2)]
     blocks = [b for b in SequenceMatcher(None, window, turn, autojunk=False).get_matching_blocks() if b.size]
     if 2 * sum(b.size for b in blocks) < len(turn):  # few ids in common (a re-encoding): the anchor, the turn's length
         return max(cursor, anchor), max(cursor, anchor + len(turn))
     first, last = blocks[0], blocks[-1]
     at, head = low + first.a, decode(tok, turn[: first.b])
-    start = next((at - k for k in range(1, first.b + 5) if at - k >= cursor and decode(tok, ids[at - k: at]) == head),
-                 at) if head else at
+    start = (
+        next((at - k for k in range(1, first.b + 5) if at - k >= cursor and decode(tok, ids[at - k : at]) == head), at)
+        if head
+        else at
+    )
     return start, low + last.a + last.size
 
 
@@ -170,16 +195,18 @@ def _anchor(tok, ids: list[int], turn: list[int], cursor: int, before: str = "")
 
     rest = ids[cursor:]
     longest = SequenceMatcher(None, rest, turn, autojunk=False).find_longest_match(0, len(rest), 0, len(turn))
-    places = [cursor + longest.a - longest.b] + [p + 1 - len(turn) for p in range(cursor, len(ids))
-                                                 if turn and ids[p] == turn[-1]]
+    places = [cursor + longest.a - longest.b] + [
+        p + 1 - len(turn) for p in range(cursor, len(ids)) if turn and ids[p] == turn[-1]
+    ]
     after = _after_text(tok, ids, cursor, before.strip())
     if after is not None:
         places = list(range(after, min(len(ids), after + 12) + 1))
     text = decode(tok, turn)
 
     def alike(start: int) -> float:
-        return SequenceMatcher(None, decode(tok, ids[max(cursor, start): start + len(turn)]), text,
-                               autojunk=False).ratio()
+        return SequenceMatcher(
+            None, decode(tok, ids[max(cursor, start) : start + len(turn)]), text, autojunk=False
+        ).ratio()
 
     return max(places, key=lambda s: (alike(s), -s))
 
@@ -211,11 +238,12 @@ def _turn_findings(tok, label: str, k: int, ids, turn, start: int, end: int, sto
     # the trained ids after the turn continue both sides, so that what the turn lacks at its end stays at its end;
     # where the turn ends in them is taken where that leaves the fewest ids apart
     def apart(stop: int) -> list[tuple[int, int, int, int]]:
-        tail = list(ids[stop: stop + 40])
-        return [b for b in divergences(tok, ids[start: stop + 40], list(turn) + tail) if b[2] < len(turn)]
+        tail = list(ids[stop : stop + 40])
+        return [b for b in divergences(tok, ids[start : stop + 40], list(turn) + tail) if b[2] < len(turn)]
 
-    end = min(range(end, min(len(ids), end + 8) + 1),
-              key=lambda s: (sum(max(b[1] - b[0], b[3] - b[2]) for b in apart(s)), s))
+    end = min(
+        range(end, min(len(ids), end + 8) + 1), key=lambda s: (sum(max(b[1] - b[0], b[3] - b[2]) for b in apart(s)), s)
+    )
     blocks = apart(end)
     lost = _lost_reasoning(tok, turn, ids[start:end], reasoning[k] if k < len(reasoning) else "")
     found = []
@@ -231,8 +259,11 @@ def _turn_findings(tok, label: str, k: int, ids, turn, start: int, end: int, sto
             continue
         i1 = first_divergence(ids, view)  # the alignment may put ids both sides share at a block's start
         in_lost = lost is not None and b2 > lost[0] and b1 < lost[1]
-        mode = ("reasoning", True) if in_lost or reasoning_block(tok, ids[i1:i2], turn[b1:b2], reasoning) else \
-            classify(tok, ids, view, i1, [], [], stops)
+        mode = (
+            ("reasoning", True)
+            if in_lost or reasoning_block(tok, ids[i1:i2], turn[b1:b2], reasoning)
+            else classify(tok, ids, view, i1, [], [], stops)
+        )
         f = finding(tok, label, f"assistant turn {k}: sampled vs trained", ids, view, i1, [], [], mode=mode)
         f.expected_index = b1
         found.append(f)
@@ -263,6 +294,6 @@ def _find(ids: list[int], part: list[int], start: int) -> int | None:
     if not part:
         return start
     for i in range(start, len(ids) - len(part) + 1):
-        if ids[i] == part[0] and ids[i: i + len(part)] == part:
+        if ids[i] == part[0] and ids[i : i + len(part)] == part:
             return i
     return None

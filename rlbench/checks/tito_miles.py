@@ -47,31 +47,39 @@ def load_family(tok, name: str, kwargs: dict, roles: list[str] | None) -> Family
     from miles_tito_tokenizers import TITOTokenizerType, get_tito_tokenizer, resolve_fixed_chat_template
 
     if name not in families():
-        raise BadInput(f"unknown TITO model family {name!r}; one of {', '.join(families())}",
-                       field="--tito-model")
+        raise BadInput(f"unknown TITO model family {name!r}; one of {', '.join(families())}", field="--tito-model")
     roles = list(roles or ["tool"])
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
-        raise BadInput(f"unknown append role(s) {', '.join(unknown)}; Miles allows {', '.join(ROLES)}",
-                       field="--tito-allowed-append-roles")
+        raise BadInput(
+            f"unknown append role(s) {', '.join(unknown)}; Miles allows {', '.join(ROLES)}",
+            field="--tito-allowed-append-roles",
+        )
     fixed = None
     try:
-        if name != TITOTokenizerType.DEFAULT.value and \
-                TITOTokenizerType.get_tokenizer_class(TITOTokenizerType(name)).SUPPORTED_TEMPLATES:
+        if (
+            name != TITOTokenizerType.DEFAULT.value
+            and TITOTokenizerType.get_tokenizer_class(TITOTokenizerType(name)).SUPPORTED_TEMPLATES
+        ):
             fixed, _ = resolve_fixed_chat_template(name, set(roles))
-        tito = get_tito_tokenizer(tok, tokenizer_type=name, chat_template_kwargs=dict(kwargs),
-                                  allowed_append_roles=roles)
+        tito = get_tito_tokenizer(
+            tok, tokenizer_type=name, chat_template_kwargs=dict(kwargs), allowed_append_roles=roles
+        )
     except ValueError as exc:  # no template registered for these roles
         raise BadInput(" ".join(str(exc).split()), field="--tito-allowed-append-roles") from None
     except (AssertionError, KeyError, TypeError) as exc:  # the tokenizer lacks the family's markup
-        raise BadInput(f"the tokenizer cannot serve Miles' {name} builder ({exc.__class__.__name__}: "
-                       f"{' '.join(str(exc).split())[:160]})", field="--tito-model") from None
+        raise BadInput(
+            f"the tokenizer cannot serve Miles' {name} builder ({exc.__class__.__name__}: "
+            f"{' '.join(str(exc).split())[:160]})",
+            field="--tito-model",
+        ) from None
     _check_markup(tok, name, tito)
-    family = Family(name, tito, dict(tito.chat_template_kwargs), tuple(roles),
-                    Path(fixed).name if fixed else None)
+    family = Family(name, tito, dict(tito.chat_template_kwargs), tuple(roles), Path(fixed).name if fixed else None)
     if fixed and (tok.chat_template or "").strip() != Path(fixed).read_text(encoding="utf-8").strip():
-        family.notes.append(f"the tokenizer's chat template is not {Path(fixed).name}, the fixed template Miles ships "
-                            f"for {name} with append roles {', '.join(roles)}: the tokenizer's own is audited")
+        family.notes.append(
+            f"the tokenizer's chat template is not {Path(fixed).name}, the fixed template Miles ships "
+            f"for {name} with append roles {', '.join(roles)}: the tokenizer's own is audited"
+        )
     return family
 
 
@@ -84,8 +92,11 @@ def _check_markup(tok, name: str, tito) -> None:
     start = getattr(tito, "_assistant_start_str", None)
     opener = start is None or any(i in added for i in tok.encode(start, add_special_tokens=False))
     if not opener or any(i is None or i == tok.unk_token_id or not 0 <= i < len(tok) for i in ids):
-        raise BadInput(f"the tokenizer cannot serve Miles' {name} builder: it lacks the family's markup "
-                       f"({start or 'its turn tokens'})", field="--tito-model")
+        raise BadInput(
+            f"the tokenizer cannot serve Miles' {name} builder: it lacks the family's markup "
+            f"({start or 'its turn tokens'})",
+            field="--tito-model",
+        )
 
 
 def render(family: Family, messages: list[dict], tools, generation: bool) -> str:

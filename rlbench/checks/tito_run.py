@@ -49,13 +49,13 @@ def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Find
     for k in range(len(turns)):
         got = list(turns[k]["prompt_ids"]) + list(turns[k]["output_ids"])
         last = k + 1 == len(turns)
-        nxt, where = (list(trained), "the trained ids") if last else \
-            (list(turns[k + 1]["prompt_ids"]), f"turn {k + 1}'s prompt")
+        nxt, where = (
+            (list(trained), "the trained ids") if last else (list(turns[k + 1]["prompt_ids"]), f"turn {k + 1}'s prompt")
+        )
         index = first_divergence(got, nxt[: len(got)] if len(nxt) >= len(got) else nxt)
         if index is not None:
             truncated = [len(got)] if not turns[k]["output_ids"] or turns[k]["output_ids"][-1] != eos else []
-            return finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)],
-                           [] if last else truncated)
+            return finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)], [] if last else truncated)
     return None
 
 
@@ -89,8 +89,9 @@ class _Evidence:
         from rlbench.core.algo import sequence_logprobs
 
         if nucleus is not None:
-            trainer = sequence_nucleus_logprobs(self.model, torch.tensor(ids[: position + 1]), position, [nucleus],
-                                                self.temperature)[0]
+            trainer = sequence_nucleus_logprobs(
+                self.model, torch.tensor(ids[: position + 1]), position, [nucleus], self.temperature
+            )[0]
             return abs(float(trainer) - engine)
         with torch.no_grad():
             trainer = sequence_logprobs(self.model, torch.tensor(ids), self.temperature, "cpu")
@@ -111,8 +112,12 @@ def sampled_spans(ids: list[int], prompt: int, mask: list[int]) -> list[dict]:
     return turns
 
 
-def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_dir: str | Path | None = None,
-              kwargs: dict | None = None) -> RunReport:
+def check_run(
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    model_dir: str | Path | None = None,
+    kwargs: dict | None = None,
+) -> RunReport:
     """Every sample of a run directory (or a JSONL of {messages, token_ids}) held to the TITO rule. `kwargs`: the
     chat template kwargs (a run directory records its own, data.chat_template_kwargs, used where none are given)."""
     from rlbench.core.model import load_tokenizer
@@ -148,16 +153,19 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
                 report.removed += 1
                 continue
             report.samples += 1
-            ids = tokens[offsets[i]: offsets[i + 1]]
+            ids = tokens[offsets[i] : offsets[i + 1]]
             label = f"step {step} sample {i}"
             turns = sample.get("turns")
             if not turns:  # no engine ids recorded: judge by the evidence the recording has
                 report.lens = "evidence"
-                turns = sampled_spans(ids, int(tensors["prompt_lengths"][i]), mask[offsets[i]: offsets[i + 1]])
+                turns = sampled_spans(ids, int(tensors["prompt_lengths"][i]), mask[offsets[i] : offsets[i + 1]])
                 if evidence is None:
-                    evidence = _Evidence(model_dir, int(config.get("seed", 0)),
-                                         float((config.get("rollout") or {}).get("temperature", 1.0)),
-                                         (config.get("model") or {}).get("init"))
+                    evidence = _Evidence(
+                        model_dir,
+                        int(config.get("seed", 0)),
+                        float((config.get("rollout") or {}).get("temperature", 1.0)),
+                        (config.get("model") or {}).get("init"),
+                    )
                 engine = _EngineSide(tensors, offsets[i], sample)
                 _judge(tok, report, evidence, step, i, ids, int(tensors["prompt_lengths"][i]), turns, engine)
             else:
@@ -171,20 +179,31 @@ def check_run(path: str | Path, tokenizer_dir: str | Path | None = None, model_d
                 report.non_canonical += 1
                 if report.example is None:
                     k, got, again = odd
-                    report.example = {"step": step, "sample": i, "turn": k, "sampled": got, "canonical": again,
-                                      "text": decode(tok, got)}
+                    report.example = {
+                        "step": step,
+                        "sample": i,
+                        "turn": k,
+                        "sampled": got,
+                        "canonical": again,
+                        "text": decode(tok, got),
+                    }
     if report.lens == "evidence" and report.compared:
-        report.notes.append(f"{report.compared} samples held engine ids and were compared exactly; the others "
-                            "were judged by evidence")
+        report.notes.append(
+            f"{report.compared} samples held engine ids and were compared exactly; the others were judged by evidence"
+        )
     if report.padded_ids:
-        report.notes.append(f"{report.padded_samples} samples sampled {report.padded_ids} padded ids (>= the "
-                            f"tokenizer's {vocab.tokenizer} ids, < the model's {vocab.model}): valid and trained as "
-                            "sampled, but no text decodes to them: a pipeline that decodes and re-tokenises loses them")
+        report.notes.append(
+            f"{report.padded_samples} samples sampled {report.padded_ids} padded ids (>= the "
+            f"tokenizer's {vocab.tokenizer} ids, < the model's {vocab.model}): valid and trained as "
+            "sampled, but no text decodes to them: a pipeline that decodes and re-tokenises loses them"
+        )
     if report.removed:
         report.notes.append(f"{report.removed} samples removed by slime (remove_sample): not trained, not judged")
     if report.evidence.get("no_logprobs"):
-        report.notes.append(f"{report.evidence['no_logprobs']} non-canonical samples without engine log-probs: "
-                            "undetermined (no log-prob to hold to the trainer's)")
+        report.notes.append(
+            f"{report.evidence['no_logprobs']} non-canonical samples without engine log-probs: "
+            "undetermined (no log-prob to hold to the trainer's)"
+        )
     return report
 
 
@@ -216,8 +235,17 @@ class _EngineSide:
         return sample_nuclei(self.tensors, self.start + position, self.start + position + 1)[0]
 
 
-def _judge(tok, report: RunReport, evidence: _Evidence, step: int, i: int, ids: list[int], prompt: int,
-           turns: list[dict], engine_side: _EngineSide) -> None:
+def _judge(
+    tok,
+    report: RunReport,
+    evidence: _Evidence,
+    step: int,
+    i: int,
+    ids: list[int],
+    prompt: int,
+    turns: list[dict],
+    engine_side: _EngineSide,
+) -> None:
     """The evidence lens for one sample without engine ids: its first sampled span that is not the
     canonical encoding of its text, held to the engine's log-prob there."""
     for turn in turns:
@@ -240,8 +268,19 @@ def _judge(tok, report: RunReport, evidence: _Evidence, step: int, i: int, ids: 
         counts["sampled"] = counts.get("sampled", 0) + 1
         return
     counts["retokenised"] = counts.get("retokenised", 0) + 1
-    found = finding(tok, f"step {step} sample {i}", "response vs its canonical encoding", ids, ids[:start] + again,
-                    start + p, [], [], mode=("reencode", True))
-    found.where = (f"response token {start + p - prompt}: the engine's log-prob {engine:.4g} is not the trainer's for "
-                   f"this id (|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here")
+    found = finding(
+        tok,
+        f"step {step} sample {i}",
+        "response vs its canonical encoding",
+        ids,
+        ids[:start] + again,
+        start + p,
+        [],
+        [],
+        mode=("reencode", True),
+    )
+    found.where = (
+        f"response token {start + p - prompt}: the engine's log-prob {engine:.4g} is not the trainer's for "
+        f"this id (|delta| {delta:.3g} > {EVIDENCE_NATS}): it scored another id here"
+    )
     report.findings.append(SampleFinding(step, i, found.where, found))

@@ -42,9 +42,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback(invoke_without_command=True)
-def _group(ctx: typer.Context,
-           version: Annotated[Optional[bool], typer.Option("--version", help="Print rlbench's version and exit.",
-                                                           callback=_print_version, is_eager=True)] = None) -> None:
+def _group(
+    ctx: typer.Context,
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", help="Print rlbench's version and exit.", callback=_print_version, is_eager=True),
+    ] = None,
+) -> None:
     """Reproduce and debug LLM RL post-training runs: run, replay, diff, check."""
     if ctx.invoked_subcommand is None:  # bare `rlbench`: the help, and success
         stdout.print(ctx.get_help(), markup=False, highlight=False)
@@ -124,8 +128,12 @@ def _lines(total: int):
     def on_step(state) -> None:
         done = state.step + 1
         if done % PROGRESS_EVERY == 0 or done == total:
-            stderr.print(f"step {done}/{total} {_step_info(state, ' ')} "
-                         f"{time.monotonic() - began:.1f} s", markup=False, highlight=False, soft_wrap=True)
+            stderr.print(
+                f"step {done}/{total} {_step_info(state, ' ')} {time.monotonic() - began:.1f} s",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
     yield on_step
 
@@ -136,8 +144,14 @@ def _bar(total: int, start: int):
     run is built, and a bad one must leave one error line on stderr, not a progress line above it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                   TimeElapsedColumn(), console=stderr)
+    bar = Progress(
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=stderr,
+    )
     task = bar.add_task("run", total=total, completed=start, info="")
 
     def on_step(state) -> None:
@@ -160,6 +174,7 @@ def _bar(total: int, start: int):
 
 
 # ---------------------------------------------------------------- --help
+
 
 class _HelpTable(Table):
     """The table typer's rich help lays each panel out in (typer.rich_utils builds an options table from

@@ -16,32 +16,48 @@ from rlbench.cli.app import AsJson, Debug, app, render_table, stderr, stdout
 from rlbench.errors import BadInput
 
 
-check_app = typer.Typer(help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
-                             "(metrics against a golden log).",
-                        no_args_is_help=True)
+check_app = typer.Typer(
+    help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
+    "(metrics against a golden log).",
+    no_args_is_help=True,
+)
 app.add_typer(check_app, name="check")
 
 
 @check_app.command("logprobs")
 def check_logprobs(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    recompute: Annotated[bool, typer.Option("--recompute",
-                                            help="Recompute trainer log-probs with the exact weights each step "
-                                                 "sampled with (rollout-only runs; steps with a checkpoint) "
-                                                 "instead of reading the recorded ones.")] = False,
+    recompute: Annotated[
+        bool,
+        typer.Option(
+            "--recompute",
+            help="Recompute trainer log-probs with the exact weights each step "
+            "sampled with (rollout-only runs; steps with a checkpoint) "
+            "instead of reading the recorded ones.",
+        ),
+    ] = False,
     top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
-    max_mean: Annotated[Optional[float], typer.Option(help="Gate: train_rollout_logprob_abs_diff at most "
-                                                           "this: slime's metric, the per-sample mean "
-                                                           "|delta| (each sample's mean over its tokens, "
-                                                           "then over samples; its CI uses 0.1).")] = None,
-    max_token_mean: Annotated[Optional[float], typer.Option(help="Gate: token_mean_abs at most this: "
-                                                                 "the mean |delta| over all tokens "
-                                                                 "(longer samples weigh more).")] = None,
+    max_mean: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Gate: train_rollout_logprob_abs_diff at most "
+            "this: slime's metric, the per-sample mean "
+            "|delta| (each sample's mean over its tokens, "
+            "then over samples; its CI uses 0.1)."
+        ),
+    ] = None,
+    max_token_mean: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Gate: token_mean_abs at most this: the mean |delta| over all tokens (longer samples weigh more)."
+        ),
+    ] = None,
     max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
     max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
     max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
-    max_exp: Annotated[Optional[float], typer.Option(help="Gate: mean exp(|delta|) at "
-                                                          "most this (NeMo-RL: 1.05).")] = None,
+    max_exp: Annotated[
+        Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -53,31 +69,55 @@ exceeded."""
 
     from rlbench.checks.logprobs import check_logprobs as run_check
 
-    report = run_check(run_dir, top, {"train_rollout_logprob_abs_diff": max_mean, "token_mean_abs": max_token_mean,
-                                      "p99_abs": max_p99, "max_abs": max_abs, "k3_kl": max_k3,
-                                      "mean_exp_abs": max_exp}, recompute)
+    report = run_check(
+        run_dir,
+        top,
+        {
+            "train_rollout_logprob_abs_diff": max_mean,
+            "token_mean_abs": max_token_mean,
+            "p99_abs": max_p99,
+            "max_abs": max_abs,
+            "k3_kl": max_k3,
+            "mean_exp_abs": max_exp,
+        },
+        recompute,
+    )
     if as_json:
         stdout.print_json(json.dumps(asdict(report)))
     else:
         for note in report.notes:
             stderr.print(f"note: {note}", markup=False, highlight=False)
-        table = Table(title=f"log-prob mismatch, {report.tokens} tokens of {report.samples} samples over "
-                            f"{len(report.steps)} steps ({report.source} trainer log-probs)")
+        table = Table(
+            title=f"log-prob mismatch, {report.tokens} tokens of {report.samples} samples over "
+            f"{len(report.steps)} steps ({report.source} trainer log-probs)"
+        )
         table.add_column("statistic")
         table.add_column("value", justify="right")
         table.add_column("gate", justify="right")
         for name, value in report.stats.items():
             limit = report.thresholds.get(name)
-            table.add_row(name, f"{value:.6g}", "" if limit is None else f"<= {limit:g}",
-                          style="bold red" if limit is not None and not value <= limit else None)
+            table.add_row(
+                name,
+                f"{value:.6g}",
+                "" if limit is None else f"<= {limit:g}",
+                style="bold red" if limit is not None and not value <= limit else None,
+            )
         render_table(table)
         if report.worst:
             worst = Table(title="worst tokens")
             for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):
                 worst.add_column(col)
             for w in report.worst:
-                worst.add_row(str(w.step), str(w.sample), str(w.response_token), repr(w.text), repr(w.context[-30:]),
-                              f"{w.trainer:.6g}", f"{w.rollout:.6g}", f"{w.delta:+.3g}")
+                worst.add_row(
+                    str(w.step),
+                    str(w.sample),
+                    str(w.response_token),
+                    repr(w.text),
+                    repr(w.context[-30:]),
+                    f"{w.trainer:.6g}",
+                    f"{w.rollout:.6g}",
+                    f"{w.delta:+.3g}",
+                )
             render_table(worst)
         for failure in report.failures:
             stdout.print(f"[bold red]gate failed[/]: {failure}")
@@ -87,42 +127,82 @@ exceeded."""
 
 @check_app.command("tito")
 def check_tito(
-    target: Annotated[Optional[Path], typer.Argument(help="A run directory, or a JSONL of {messages, "
-                                                          "token_ids} trajectories (optional per row: tools, "
-                                                          "chat_template_kwargs, sampled: the engine's "
-                                                          "output ids of each assistant turn).")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory (for --audit and JSONL; a run "
-                                                           "directory names its own, and another one is "
-                                                           "refused). Its generation_config.json, where it "
-                                                           "has one, names the stop ids.")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="Model directory the samples were generated with "
-                                                       "(the run's own): lets a recording without engine "
-                                                       "ids (an imported dump) tell sampled from "
-                                                       "re-tokenised ids by their log-probs.")] = None,
-    audit: Annotated[bool, typer.Option("--audit",
-                                        help="Check the tokenizer's chat template for the prefix property "
-                                             "over generated conversation shapes.")] = False,
-    tito_model: Annotated[Optional[str], typer.Option("--tito-model",
-                                                      help="--audit with Miles' TITO builder for this model family "
-                                                           "(qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, "
-                                                           "kimi26, minimax_m25, minimax_m27, deepseekv32, "
-                                                           "deepseekv4, default), its registered template kwargs and "
-                                                           "merge rule; DeepSeek through its encoder. Without it, "
-                                                           "rlbench's plain append-only builder.")] = None,
-    roles: Annotated[Optional[list[str]], typer.Option("--tito-allowed-append-roles",
-                                                       help="Roles the --tito-model builder may append after an "
-                                                            "assistant turn (tool, user, system; comma-separated or "
-                                                            "repeated; Miles' default: tool). Shapes that append "
-                                                            "others are not audited, and counted.")] = None,
-    template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", "--apply-chat-template-kwargs",
-                                                           help="Chat template kwargs as a JSON object, e.g. "
-                                                                "'{\"enable_thinking\": true}' (slime's "
-                                                                "--apply-chat-template-kwargs spelling too): every "
-                                                                "rendering gets them, recorded in the result; a JSONL "
-                                                                "row's own chat_template_kwargs win.")] = None,
-    strict: Annotated[bool, typer.Option("--strict",
-                                         help="Hazards fail the check too: what only a naive pipeline breaks (a "
-                                              "re-render or a decode of the sampled ids).")] = False,
+    target: Annotated[
+        Optional[Path],
+        typer.Argument(
+            help="A run directory, or a JSONL of {messages, "
+            "token_ids} trajectories (optional per row: tools, "
+            "chat_template_kwargs, sampled: the engine's "
+            "output ids of each assistant turn)."
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Tokenizer directory (for --audit and JSONL; a run "
+            "directory names its own, and another one is "
+            "refused). Its generation_config.json, where it "
+            "has one, names the stop ids."
+        ),
+    ] = None,
+    model: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Model directory the samples were generated with "
+            "(the run's own): lets a recording without engine "
+            "ids (an imported dump) tell sampled from "
+            "re-tokenised ids by their log-probs."
+        ),
+    ] = None,
+    audit: Annotated[
+        bool,
+        typer.Option(
+            "--audit",
+            help="Check the tokenizer's chat template for the prefix property over generated conversation shapes.",
+        ),
+    ] = False,
+    tito_model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--tito-model",
+            help="--audit with Miles' TITO builder for this model family "
+            "(qwen3, qwen35, qwennext, glm47, nemotron3, kimi25, "
+            "kimi26, minimax_m25, minimax_m27, deepseekv32, "
+            "deepseekv4, default), its registered template kwargs and "
+            "merge rule; DeepSeek through its encoder. Without it, "
+            "rlbench's plain append-only builder.",
+        ),
+    ] = None,
+    roles: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--tito-allowed-append-roles",
+            help="Roles the --tito-model builder may append after an "
+            "assistant turn (tool, user, system; comma-separated or "
+            "repeated; Miles' default: tool). Shapes that append "
+            "others are not audited, and counted.",
+        ),
+    ] = None,
+    template_kwargs: Annotated[
+        Optional[str],
+        typer.Option(
+            "--chat-template-kwargs",
+            "--apply-chat-template-kwargs",
+            help="Chat template kwargs as a JSON object, e.g. "
+            "'{\"enable_thinking\": true}' (slime's "
+            "--apply-chat-template-kwargs spelling too): every "
+            "rendering gets them, recorded in the result; a JSONL "
+            "row's own chat_template_kwargs win.",
+        ),
+    ] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Hazards fail the check too: what only a naive pipeline breaks (a "
+            "re-render or a decode of the sampled ids).",
+        ),
+    ] = False,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -157,13 +237,19 @@ with --strict.
         if target is None:
             raise BadInput("give a run directory or JSONL, or --audit --tokenizer DIR", field="check tito")
         if tito_model is not None or roles:
-            raise BadInput("--tito-model and --tito-allowed-append-roles choose the builder --audit plays",
-                           field="--tito-model")
+            raise BadInput(
+                "--tito-model and --tito-allowed-append-roles choose the builder --audit plays", field="--tito-model"
+            )
         report = check_run(target, tokenizer, model, kwargs=kwargs if template_kwargs is not None else None)
-        findings = [(f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding)
-                    for f in report.findings]
-        doc = {**asdict(report), "rates": report.rates, "hazards": len(report.hazards),
-               "strict": report.strict or (strict and bool(findings))}
+        findings = [
+            (f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding) for f in report.findings
+        ]
+        doc = {
+            **asdict(report),
+            "rates": report.rates,
+            "hazards": len(report.hazards),
+            "strict": report.strict or (strict and bool(findings)),
+        }
         headline = _tito_headline(report)
     if as_json:
         stdout.print_json(json.dumps(doc))
@@ -181,8 +267,10 @@ def _template_kwargs(text: str | None) -> dict:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise BadInput(f"expected a JSON object, e.g. '{{\"enable_thinking\": true}}', got {text!r}",
-                       field="--chat-template-kwargs")
+        raise BadInput(
+            f"expected a JSON object, e.g. '{{\"enable_thinking\": true}}', got {text!r}",
+            field="--chat-template-kwargs",
+        )
     return value
 
 
@@ -190,35 +278,48 @@ def _audit_headline(report) -> str:
     who = f"Miles' {report.builder} builder" if report.builder != "plain" else "the plain append-only builder"
     kw = f", kwargs {json.dumps(report.kwargs, sort_keys=True)}" if report.kwargs else ""
     skipped = f" ({len(report.skipped)} not audited: see the notes)" if report.skipped else ""
-    return (f"{report.tokenizer}: the template keeps every one of {len(report.shapes)} shapes intact under {who}"
-            f"{kw}{skipped}")
+    return (
+        f"{report.tokenizer}: the template keeps every one of {len(report.shapes)} shapes intact under {who}"
+        f"{kw}{skipped}"
+    )
 
 
 def _tito_headline(report) -> str:
     if report.lens == "rendered":
         return _rendered_headline(report)
     if report.lens == "sampled":
-        return (f"{report.source}: no drift: the trained ids of all {report.samples} samples are the ids the engine "
-                "sampled (every turn compared)")
+        return (
+            f"{report.source}: no drift: the trained ids of all {report.samples} samples are the ids the engine "
+            "sampled (every turn compared)"
+        )
     no_model, no_logprobs = report.evidence.get("undetermined", 0), report.evidence.get("no_logprobs", 0)
     if no_model or no_logprobs:
-        why = [f"{no_model} without --model"] * bool(no_model) + \
-            [f"{no_logprobs} without engine log-probs"] * bool(no_logprobs)
-        return (f"{report.source}: the recording holds no engine ids; {no_model + no_logprobs} of {report.samples} "
-                "samples are not the canonical encoding of their text and cannot be told sampled from re-tokenised ("
-                f"{', '.join(why)}; the others are consistent with sampling)")
-    return (f"{report.source}: no drift found by evidence over {report.samples} samples (the recording holds no engine "
-            f"ids): {report.evidence.get('sampled', 0)} non-canonical samples were sampled so (log-probs agree)")
+        why = [f"{no_model} without --model"] * bool(no_model) + [f"{no_logprobs} without engine log-probs"] * bool(
+            no_logprobs
+        )
+        return (
+            f"{report.source}: the recording holds no engine ids; {no_model + no_logprobs} of {report.samples} "
+            "samples are not the canonical encoding of their text and cannot be told sampled from re-tokenised ("
+            f"{', '.join(why)}; the others are consistent with sampling)"
+        )
+    return (
+        f"{report.source}: no drift found by evidence over {report.samples} samples (the recording holds no engine "
+        f"ids): {report.evidence.get('sampled', 0)} non-canonical samples were sampled so (log-probs agree)"
+    )
 
 
 def _rendered_headline(report) -> str:
     """What a JSONL check compared, said as such: the re-render alone proves nothing about what was sampled."""
     n, k = report.samples, report.sampled_rows
     if k == n:
-        return (f"{report.source}: trained on what was sampled: in all {n} trajectories every assistant turn's "
-                "sampled ids stand unchanged in the trained ids, which are the chat template's re-render")
-    rest = f"equal to the chat template's re-render ({n - k} of {n} trajectories gave no sampled ids: what their " \
-           "engine sampled was not compared, and a naive pipeline's ids are this re-render by construction)"
+        return (
+            f"{report.source}: trained on what was sampled: in all {n} trajectories every assistant turn's "
+            "sampled ids stand unchanged in the trained ids, which are the chat template's re-render"
+        )
+    rest = (
+        f"equal to the chat template's re-render ({n - k} of {n} trajectories gave no sampled ids: what their "
+        "engine sampled was not compared, and a naive pipeline's ids are this re-render by construction)"
+    )
     return f"{report.source}: " + (f"{k} trajectories trained on what was sampled; the others " if k else "") + rest
 
 
@@ -230,20 +331,33 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
     for shape, why in getattr(report, "skipped", {}).items():
         stderr.print(f"note: shape {shape} not audited: {why}", markup=False, highlight=False, soft_wrap=True)
     if getattr(report, "kwargs", None):
-        stdout.print(f"chat template kwargs: {json.dumps(report.kwargs, sort_keys=True)}", markup=False,
-                     highlight=False, soft_wrap=True)
+        stdout.print(
+            f"chat template kwargs: {json.dumps(report.kwargs, sort_keys=True)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     if not findings:
         stdout.print(headline, markup=False, highlight=False, soft_wrap=True)
     else:
         strict = [f for _, f in findings if f.strict]
-        table = Table(title=f"token-in-token-out drift: {len(strict)} findings, {len(findings) - len(strict)} hazards "
-                            "(every divergence)")
+        table = Table(
+            title=f"token-in-token-out drift: {len(strict)} findings, {len(findings) - len(strict)} hazards "
+            "(every divergence)"
+        )
         for col in ("shape" if audit else "sample", "where", "mode", "Miles", "index", "before", "expected", "got"):
             table.add_column(col, overflow="fold")
         for label, f in findings[:50]:
-            table.add_row(label or f.shape, f.where, f"{f.number} {f.mode}" + ("" if f.strict else " (hazard)"),
-                          f.category, str(f.index), repr(f.context_text), f"{f.expected} {f.expected_text!r}",
-                          f"{f.got} {f.got_text!r}")
+            table.add_row(
+                label or f.shape,
+                f.where,
+                f"{f.number} {f.mode}" + ("" if f.strict else " (hazard)"),
+                f.category,
+                str(f.index),
+                repr(f.context_text),
+                f"{f.expected} {f.expected_text!r}",
+                f"{f.got} {f.got_text!r}",
+            )
         render_table(table)
         if len(findings) > 50:
             stdout.print(f"... and {len(findings) - 50} more (--json lists all)")
@@ -255,10 +369,14 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
             stdout.print(f"hazards only: {headline}", markup=False, highlight=False, soft_wrap=True)
     if not audit and report.samples and report.lens != "rendered":
         share = report.non_canonical / report.samples
-        stdout.print(f"canonical re-tokenisation: {report.non_canonical} of {report.samples} samples ({share:.1%}) "
-                     "were sampled as ids that are not the canonical encoding of their text. They trained as sampled; "
-                     "a pipeline that decoded and re-tokenised them would train on other ids (mode 1).",
-                     markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"canonical re-tokenisation: {report.non_canonical} of {report.samples} samples ({share:.1%}) "
+            "were sampled as ids that are not the canonical encoding of their text. They trained as sampled; "
+            "a pipeline that decoded and re-tokenised them would train on other ids (mode 1).",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 class Tier(str, Enum):
@@ -266,32 +384,55 @@ class Tier(str, Enum):
     approx = "approx"
 
 
-Tolerances = Annotated[Optional[list[str]], typer.Option("--tolerance",
-                                                         help="Per-metric tolerance override, "
-                                                              "METRIC-GLOB:key=value[,key=value]; keys kind "
-                                                              "(exact|approx|median), rtol, atol, "
-                                                              "failing_steps, mean_residual, max_ratio, "
-                                                              "min_ratio, window=A:B. Repeatable.")]
+Tolerances = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--tolerance",
+        help="Per-metric tolerance override, "
+        "METRIC-GLOB:key=value[,key=value]; keys kind "
+        "(exact|approx|median), rtol, atol, "
+        "failing_steps, mean_residual, max_ratio, "
+        "min_ratio, window=A:B. Repeatable.",
+    ),
+]
 
 
 @check_app.command("golden")
 def check_golden(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    golden: Annotated[Path, typer.Argument(help="A golden file (rlbench.golden/1, written by `rlbench golden update`) "
-                                                "or a Megatron-LM golden values file (approx tier, its own tolerances; "
-                                                "its iteration k is the run's step k - 1).")],
-    tier: Annotated[Tier, typer.Option(help="exact: every value bit for bit (refused, exit 2, across platforms or "
-                                            "versions). approx: each metric within its tolerance.")] = Tier.exact,
-    ignore: Annotated[Optional[list[str]], typer.Option("--ignore",
-                                                        help="Leave out metrics matching this glob "
-                                                             "(e.g. 'perf/*'). Repeatable.")] = None,
+    golden: Annotated[
+        Path,
+        typer.Argument(
+            help="A golden file (rlbench.golden/1, written by `rlbench golden update`) "
+            "or a Megatron-LM golden values file (approx tier, its own tolerances; "
+            "its iteration k is the run's step k - 1)."
+        ),
+    ],
+    tier: Annotated[
+        Tier,
+        typer.Option(
+            help="exact: every value bit for bit (refused, exit 2, across platforms or "
+            "versions). approx: each metric within its tolerance."
+        ),
+    ] = Tier.exact,
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option("--ignore", help="Leave out metrics matching this glob (e.g. 'perf/*'). Repeatable."),
+    ] = None,
     tolerance: Tolerances = None,
-    rename: Annotated[Optional[list[str]], typer.Option("--rename",
-                                                        help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a "
-                                                             "Megatron-LM file. Repeatable.")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot",
-                                                 help="Write a PNG: each compared metric, its golden values and "
-                                                      "tolerance band, failing steps marked.")] = None,
+    rename: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--rename", help="GOLDEN_NAME=RUN_NAME, e.g. 'lm loss=train/loss' for a Megatron-LM file. Repeatable."
+        ),
+    ] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot",
+            help="Write a PNG: each compared metric, its golden values and tolerance band, failing steps marked.",
+        ),
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -345,11 +486,18 @@ def _render_golden(report, plot: Path | None) -> None:
         span += f", the golden's {steps[0] + offset}..{steps[-1] + offset}"
     compared = f"{report.compared} values compared, {span}"
     if report.ok:
-        stdout.print(f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics ({compared}) of "
-                     f"{report.run} match {report.golden}", markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"golden check passed ({report.tier} tier): {len(report.metrics)} metrics ({compared}) of "
+            f"{report.run} match {report.golden}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
-        summary = Table(title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
-                              f"metrics regressed ({compared})")
+        summary = Table(
+            title=f"golden check, {report.tier} tier: {len(report.failed)} of {len(report.metrics)} "
+            f"metrics regressed ({compared})"
+        )
         for col in ("metric", "compared as", "what failed"):
             summary.add_column(col, overflow="fold")
         for m in report.failed:
@@ -362,9 +510,14 @@ def _render_golden(report, plot: Path | None) -> None:
             for col in ("metric", step, "expected", "got", "got - expected", "tolerance"):
                 table.add_column(col, justify="left" if col == "metric" else "right", overflow="fold")
             for m, f in rows[:40]:
-                table.add_row(m.name, f"{f.step} ({f.step + offset})" if offset else str(f.step), _fmt(f.expected),
-                              _fmt(f.got), f"{f.delta:+.3g}",
-                              "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}")
+                table.add_row(
+                    m.name,
+                    f"{f.step} ({f.step + offset})" if offset else str(f.step),
+                    _fmt(f.expected),
+                    _fmt(f.got),
+                    f"{f.delta:+.3g}",
+                    "exact" if m.kind == "exact" else f"+-{f.allowed:.3g}",
+                )
             render_table(table)
             if len(rows) > 40:
                 stdout.print(f"... and {len(rows) - 40} more failing steps (--json lists all)")
@@ -374,8 +527,12 @@ def _render_golden(report, plot: Path | None) -> None:
     if report.ignored:
         stdout.print(f"ignored: {', '.join(report.ignored)}", markup=False, highlight=False, soft_wrap=True)
     if report.not_in_golden:
-        stdout.print(f"not in the golden file (not compared): {', '.join(report.not_in_golden)}", markup=False,
-                     highlight=False, soft_wrap=True)
+        stdout.print(
+            f"not in the golden file (not compared): {', '.join(report.not_in_golden)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     if plot is not None:
         stdout.print(f"plot: {plot}", markup=False, highlight=False, soft_wrap=True)
 
@@ -405,8 +562,9 @@ is not a valid golden file is refused and left as it is."""
     run = read_run(run_dir)
     previous = g.load_golden(golden) if golden.exists() else None
     if previous is not None and previous.format != "rlbench":
-        raise BadInput("is a Megatron-LM golden values file; write the rlbench golden file to another path",
-                       path=golden)
+        raise BadInput(
+            "is a Megatron-LM golden values file; write the rlbench golden file to another path", path=golden
+        )
     command = shlex.join(["rlbench", *sys.argv[1:]])
     doc, changes = g.build_golden(run, reason, command, previous, overrides, step_interval)
     g.write_golden(golden, doc)
@@ -414,28 +572,47 @@ is not a valid golden file is refused and left as it is."""
         stderr.print(f"note: {run_dir}: {note}", markup=False, highlight=False, soft_wrap=True)
     metrics = doc["metrics"]
     first = next(iter(metrics.values()))
-    result = {"golden": str(golden), "run": str(run_dir), "metrics": len(metrics),
-              "steps": [first["start_step"], first["end_step"]], "step_interval": step_interval,
-              "history": len(doc["header"]["history"]), **changes}
+    result = {
+        "golden": str(golden),
+        "run": str(run_dir),
+        "metrics": len(metrics),
+        "steps": [first["start_step"], first["end_step"]],
+        "step_interval": step_interval,
+        "history": len(doc["header"]["history"]),
+        **changes,
+    }
     if as_json:
         stdout.print_json(json.dumps(result))
         return
     verb = "refreshed" if previous is not None else "wrote"
-    stdout.print(f"{verb} {golden}: {len(metrics)} metrics over steps {first['start_step']}..{first['end_step']} "
-                 f"(every {step_interval}), platform {doc['header']['platform']}; history: "
-                 f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}", markup=False, highlight=False,
-                 soft_wrap=True)
+    stdout.print(
+        f"{verb} {golden}: {len(metrics)} metrics over steps {first['start_step']}..{first['end_step']} "
+        f"(every {step_interval}), platform {doc['header']['platform']}; history: "
+        f"{result['history']} entr{'y' if result['history'] == 1 else 'ies'}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     for key in ("changed", "added", "removed", "tolerance_changed"):
         if changes[key]:
-            stdout.print(f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False,
-                         soft_wrap=True)
+            stdout.print(
+                f"{key.replace('_', ' ')}: {', '.join(changes[key])}", markup=False, highlight=False, soft_wrap=True
+            )
     if changes["config_changed"]:
-        stdout.print(f"note: the configuration differs from the one {golden} held; it now holds this run's",
-                     markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"note: the configuration differs from the one {golden} held; it now holds this run's",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     if changes["platform_changed"]:
         numerics = ", ".join(f"{k} {v}" for k, v in doc["header"]["numerics"].items())
-        stdout.print(f"note: the platform changed to {doc['header']['platform']}"
-                     f"{f' ({numerics})' if numerics else ''}", markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"note: the platform changed to {doc['header']['platform']}{f' ({numerics})' if numerics else ''}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def parse_renames(items: list[str] | None) -> dict[str, str]:

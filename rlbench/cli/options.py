@@ -60,8 +60,14 @@ def shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def config_option(path: str, *names: str, root: type = RunConfig, default_text: str | None = None,
-                  flag_value: Any = None, **kwargs: Any) -> Any:
+def config_option(
+    path: str,
+    *names: str,
+    root: type = RunConfig,
+    default_text: str | None = None,
+    flag_value: Any = None,
+    **kwargs: Any,
+) -> Any:
     """A typer option that sets the field `path` of `root`: its help is the field's help and the
     field's default (or `default_text`, where the field's default means "computed": None). A flag
     sets `flag_value` when given (`--no-record` sets record = False)."""
@@ -133,11 +139,15 @@ def disagreements(command: Callable, click_command) -> list[str]:
                 found.append(f"{label}: a flag sets a bool field to its non-default value")
         elif isinstance(expected, frozenset):
             if parsed != expected:
-                found.append(f"{label}: choices {sorted(parsed) if isinstance(parsed, frozenset) else parsed}, "
-                             f"the field takes {sorted(expected)}")
+                found.append(
+                    f"{label}: choices {sorted(parsed) if isinstance(parsed, frozenset) else parsed}, "
+                    f"the field takes {sorted(expected)}"
+                )
         elif parsed != expected:
-            found.append(f"{label}: parses {getattr(parsed, '__name__', parsed)}, "
-                         f"the field holds {getattr(expected, '__name__', expected)}")
+            found.append(
+                f"{label}: parses {getattr(parsed, '__name__', parsed)}, "
+                f"the field holds {getattr(expected, '__name__', expected)}"
+            )
         if param.default is not None and option.flag_value is None:
             found.append(f"{label}: defaults to {param.default!r} itself; an option left out must mean the config's")
         text = " ".join((param.help or "").split()).replace("\\[", "[")

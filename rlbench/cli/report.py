@@ -18,19 +18,28 @@ from rlbench.errors import BadInput
 def report(
     run_dir: Annotated[Path, typer.Argument(help="The run directory to show.")],
     run_b: Annotated[Optional[Path], typer.Argument(help="A second run: where the two part, overlaid curves.")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o",
-                                      help="The HTML file to write; must not exist yet.")] = Path("report.html"),
-    golden: Annotated[Optional[Path], typer.Option("--golden",
-                                                   help="A golden file (rlbench's or Megatron-LM's): its values and "
-                                                        "band on the curves, failing steps marked.")] = None,
-    rename: Annotated[Optional[list[str]], typer.Option("--rename",
-                                                        help="With --golden: GOLDEN_NAME=RUN_NAME, "
-                                                             "as for check golden.")] = None,
-    tier: Annotated[str, typer.Option("--tier",
-                                      help="With --golden: exact or approx, as for check golden.")] = "approx",
-    ignore: Annotated[Optional[list[str]], typer.Option("--ignore",
-                                                        help="With --golden: metrics not compared (glob patterns, e.g. "
-                                                             "'perf/*'), as for check golden.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write; must not exist yet.")] = Path(
+        "report.html"
+    ),
+    golden: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--golden",
+            help="A golden file (rlbench's or Megatron-LM's): its values and band on the curves, failing steps marked.",
+        ),
+    ] = None,
+    rename: Annotated[
+        Optional[list[str]], typer.Option("--rename", help="With --golden: GOLDEN_NAME=RUN_NAME, as for check golden.")
+    ] = None,
+    tier: Annotated[
+        str, typer.Option("--tier", help="With --golden: exact or approx, as for check golden.")
+    ] = "approx",
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--ignore", help="With --golden: metrics not compared (glob patterns, e.g. 'perf/*'), as for check golden."
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Write one HTML page (no network: styles, script and charts inline) with the run's metric curves (RUN_B \

@@ -83,10 +83,15 @@ def _render_summary(summary: dict) -> None:
     table = Table(title="rlbench run", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    rows = [("run directory", summary["out"] or "(not written)"), ("mode", summary["mode"]),
-            ("seed", str(summary["seed"])), ("initial weights", summary["weights"]), ("steps", str(summary["steps"])),
-            ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
-            ("reward, last 10 steps", f"{summary['reward_last10']:.3f}")]
+    rows = [
+        ("run directory", summary["out"] or "(not written)"),
+        ("mode", summary["mode"]),
+        ("seed", str(summary["seed"])),
+        ("initial weights", summary["weights"]),
+        ("steps", str(summary["steps"])),
+        ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
+        ("reward, last 10 steps", f"{summary['reward_last10']:.3f}"),
+    ]
     if summary["final_loss"] is not None:
         rows.append(("final train/loss", f"{summary['final_loss']:.5f}"))
     rows.append(("wall time", f"{summary['wall_time']:.1f} s"))
@@ -98,45 +103,62 @@ def _render_summary(summary: dict) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c",
-                                                   help="TOML file of settings (see rlbench/config_sections.py); "
-                                                        "CLI options override it.")] = None,
+    config: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config", "-c", help="TOML file of settings (see rlbench/config_sections.py); CLI options override it."
+        ),
+    ] = None,
     seed: Annotated[Optional[int], config_option("seed", min=0)] = None,
     steps: Annotated[Optional[int], config_option("steps", min=1)] = None,
     out: Annotated[Optional[Path], config_option("out", default_text="runs/run-<time>")] = None,
     mode: Annotated[Optional[Mode], config_option("mode")] = None,
     rollouts: Annotated[Optional[Path], config_option("rollouts")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Continue a killed run from its last checkpoint and committed "
-                                                        "step, with its recorded config.")] = None,
-    rollout_backend: Annotated[Optional[RolloutBackend], config_option("rollout.backend", "--rollout-backend",
-                                                                       "--rollout")] = None,
-    external_engine_addrs: Annotated[Optional[str], config_option("rollout.external_engine_addrs",
-                                                                  "--rollout-external-engine-addrs")] = None,
-    sglang_router_url: Annotated[Optional[str], config_option("rollout.sglang_router_url",
-                                                              "--sglang-router-url")] = None,
+    resume: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Continue a killed run from its last checkpoint and committed step, with its recorded config."
+        ),
+    ] = None,
+    rollout_backend: Annotated[
+        Optional[RolloutBackend], config_option("rollout.backend", "--rollout-backend", "--rollout")
+    ] = None,
+    external_engine_addrs: Annotated[
+        Optional[str], config_option("rollout.external_engine_addrs", "--rollout-external-engine-addrs")
+    ] = None,
+    sglang_router_url: Annotated[
+        Optional[str], config_option("rollout.sglang_router_url", "--sglang-router-url")
+    ] = None,
     num_engines: Annotated[Optional[int], config_option("rollout.num_engines", "--rollout-num-engines", min=1)] = None,
     sglang_server: Annotated[Optional[SGLangServer], config_option("rollout.sglang_server", "--sglang-server")] = None,
     placement: Annotated[Optional[Placement], config_option("placement.backend", "--placement")] = None,
     ray_address: Annotated[Optional[str], config_option("placement.ray_address", "--ray-address")] = None,
     ray_timeout: Annotated[Optional[float], config_option("placement.ray_timeout", "--ray-timeout", min=0)] = None,
-    trainer_backend: Annotated[Optional[TrainerBackend], config_option("train.backend", "--trainer-backend",
-                                                                       "--trainer")] = None,
+    trainer_backend: Annotated[
+        Optional[TrainerBackend], config_option("train.backend", "--trainer-backend", "--trainer")
+    ] = None,
     tp: Annotated[Optional[int], config_option("tp", "--tp", min=1)] = None,
     dp: Annotated[Optional[int], config_option("dp", "--dp", min=1)] = None,
     deterministic: Annotated[bool, config_option("deterministic", "--deterministic", flag_value=True)] = False,
-    custom_rm_path: Annotated[Optional[str], config_option("reward.custom_rm_path",
-                                                           default_text=f"the built-in {_DEFAULT.reward.verifier!r} "
-                                                                        "verifier")] = None,
+    custom_rm_path: Annotated[
+        Optional[str],
+        config_option("reward.custom_rm_path", default_text=f"the built-in {_DEFAULT.reward.verifier!r} verifier"),
+    ] = None,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
-    print_config: Annotated[bool, typer.Option("--print-config",
-                                               help="Print the configuration the command line resolves "
-                                                    "to (each slime argument with the rlbench settings "
-                                                    "it sets) and exit without running.")] = False,
-    as_json: Annotated[bool, typer.Option("--json",
-                                          help="Print the result as one JSON "
-                                               "document; no progress on stderr.")] = False,
+    print_config: Annotated[
+        bool,
+        typer.Option(
+            "--print-config",
+            help="Print the configuration the command line resolves "
+            "to (each slime argument with the rlbench settings "
+            "it sets) and exit without running.",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result as one JSON document; no progress on stderr.")
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
@@ -157,22 +179,29 @@ slime's defaults apply to the settings slime defines. An argument rlbench does n
     given = overrides(run, ctx.params)
     if resume is not None:
         names = {option.path: option.label(name) for name, option in RUN_FIELDS.items()}
-        refused = (["--config"] if config is not None else []) + [names[key.replace("__", ".")] for key in given] + (
-            ["--sglang-*"] if sglang_args else []) + list(slime_given)
+        refused = (
+            (["--config"] if config is not None else [])
+            + [names[key.replace("__", ".")] for key in given]
+            + (["--sglang-*"] if sglang_args else [])
+            + list(slime_given)
+        )
         if refused:
-            raise BadInput(f"--resume continues a run with its recorded config; drop {', '.join(refused)}",
-                           field="--resume")
+            raise BadInput(
+                f"--resume continues a run with its recorded config; drop {', '.join(refused)}", field="--resume"
+            )
         _resume(resume, as_json)
         return
     if (mode == Mode.train_only) != (rollouts is not None):
-        raise BadInput("train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)",
-                       field="--rollouts")
+        raise BadInput(
+            "train-only mode and --rollouts go together (--mode train-only --rollouts RUN_DIR)", field="--rollouts"
+        )
     resolved = run_config(ctx.args, config, given, rollouts, steps)
     cfg, notes, slime_fields = resolved.config, resolved.notes, resolved.slime
     if print_config:
         _print_config(cfg, slime_fields, as_json)
         return
     from rlbench.session import run as run_loop  # torch loads here, after the config is known good
+
     command = shlex.join(["rlbench", *sys.argv[1:]])
     if as_json:
         result = run_loop(cfg, command=command)
@@ -199,8 +228,11 @@ def _print_config(cfg: RunConfig, slime_fields: list, as_json: bool) -> None:
         for column in ("argument", "value", "rlbench setting"):
             table.add_column(column)
         for row in slime:
-            table.add_row(row["argument"], str(row["value"]),
-                          ", ".join(f"{path} = {value!r}" for path, value in row["sets"].items()) or "-")
+            table.add_row(
+                row["argument"],
+                str(row["value"]),
+                ", ".join(f"{path} = {value!r}" for path, value in row["sets"].items()) or "-",
+            )
         render_table(table)
     stdout.print_json(json.dumps(cfg.to_dict(), default=list))
 
@@ -217,10 +249,15 @@ def _resume(run_dir: Path, as_json: bool) -> None:
     else:
         with progress(total) as on_step:
             res = resume_run(run_dir, on_step=on_step)
-    doc = {"run_dir": res.run_dir, "committed_before": res.committed, "restarted_from_checkpoint": res.checkpoint,
-           "recomputed_and_verified": max(res.committed - res.checkpoint, 0), "discarded": res.discarded,
-           "complete": True,
-           "summary": _summary(res.result, read_run(run_dir).metrics) if res.result else None}
+    doc = {
+        "run_dir": res.run_dir,
+        "committed_before": res.committed,
+        "restarted_from_checkpoint": res.checkpoint,
+        "recomputed_and_verified": max(res.committed - res.checkpoint, 0),
+        "discarded": res.discarded,
+        "complete": True,
+        "summary": _summary(res.result, read_run(run_dir).metrics) if res.result else None,
+    }
     if as_json:
         stdout.print_json(json.dumps(doc))
         return
@@ -229,18 +266,26 @@ def _resume(run_dir: Path, as_json: bool) -> None:
         return
     for item in res.discarded:
         stderr.print(f"discarded (uncommitted): {item}", markup=False, highlight=False)
-    stdout.print(f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
-                 f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new")
+    stdout.print(
+        f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
+        f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new"
+    )
     _render_summary(doc["summary"])
 
 
 @app.command()
 def replay(
     run_dir: Annotated[Path, typer.Argument(help="The run directory whose recording is retrained on.")],
-    out: Annotated[Optional[Path], typer.Option(help="Where the replay writes its own run directory. "
-                                                     "\\[default: RUN_DIR.replay-<time>]")] = None,
-    steps: Annotated[Optional[str], typer.Option(help="A:B replays steps A..B-1, starting from the checkpoint after A "
-                                                      "steps. \\[default: all committed]")] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="Where the replay writes its own run directory. \\[default: RUN_DIR.replay-<time>]"),
+    ] = None,
+    steps: Annotated[
+        Optional[str],
+        typer.Option(
+            help="A:B replays steps A..B-1, starting from the checkpoint after A steps. \\[default: all committed]"
+        ),
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -259,9 +304,18 @@ that step, so `rlbench diff RUN_DIR OUT` shows where inside it. Writes only to i
         with progress(last, first) as on_step:
             res = replay_run(run_dir, out, steps, on_step=on_step)
     first, last = res.steps
-    doc = {"source": res.source, "out": res.out, "steps": [first, last], "reproduced": res.reproduced,
-           "ok": res.ok, "compared_stages": res.compared_stages, "checksums_compared": res.comparisons,
-           "checkpoints_verified": res.checkpoints_verified, "notes": res.notes, "first_difference": None}
+    doc = {
+        "source": res.source,
+        "out": res.out,
+        "steps": [first, last],
+        "reproduced": res.reproduced,
+        "ok": res.ok,
+        "compared_stages": res.compared_stages,
+        "checksums_compared": res.comparisons,
+        "checkpoints_verified": res.checkpoints_verified,
+        "notes": res.notes,
+        "first_difference": None,
+    }
     if res.diverged is not None:
         d = res.diverged
         doc["first_difference"] = {"step": d.step, "stage": d.stage, "expected": d.expected, "got": d.got}
@@ -280,27 +334,42 @@ def _render_replay(res) -> None:
     for note in res.notes:
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if res.ok:
-        stdout.print(f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
-                     f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
-                     f"({', '.join(res.compared_stages)}); checkpoints verified: "
-                     f"{counted(len(res.checkpoints_verified))}", markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
+            f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
+            f"({', '.join(res.compared_stages)}); checkpoints verified: "
+            f"{counted(len(res.checkpoints_verified))}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     d = res.diverged
-    stdout.print(f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
-                 f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)")
+    stdout.print(
+        f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
+        f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)"
+    )
     stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
 
 
 @app.command()
 def diff(
     run_a: Annotated[Path, typer.Argument(help="A run directory.")],
-    run_b: Annotated[Path, typer.Argument(help="Another run directory (a replay, a "
-                                               "resumed run, a run on other hardware...).")],
-    atol: Annotated[Optional[float], typer.Option(help="Compare recorded values within |a-b| <= atol + "
-                                                       "rtol*|b| instead of bit for bit.", min=0)] = None,
+    run_b: Annotated[
+        Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")
+    ],
+    atol: Annotated[
+        Optional[float],
+        typer.Option(help="Compare recorded values within |a-b| <= atol + rtol*|b| instead of bit for bit.", min=0),
+    ] = None,
     rtol: Annotated[Optional[float], typer.Option(help="Relative tolerance (see --atol).", min=0)] = None,
-    steps: Annotated[Optional[str], typer.Option(help="A:B compares steps A..B-1 only (both runs must have committed "
-                                                      "them). \\[default: every step either run committed]")] = None,
+    steps: Annotated[
+        Optional[str],
+        typer.Option(
+            help="A:B compares steps A..B-1 only (both runs must have committed "
+            "them). \\[default: every step either run committed]"
+        ),
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -329,16 +398,22 @@ def _render_diff(res) -> None:
     how = "bit for bit" if res.tolerance is None else f"within atol={res.tolerance[0]:g}, rtol={res.tolerance[1]:g}"
     for side, stages in res.stages_only.items():
         if stages:
-            stderr.print(f"note: stages only {side} records (not compared): {', '.join(stages)}", markup=False,
-                         highlight=False)
+            stderr.print(
+                f"note: stages only {side} records (not compared): {', '.join(stages)}", markup=False, highlight=False
+            )
     if res.first is None:
         from rlbench.replay.checkpoints import describe
 
         verified = ", ".join(f"{side} {n} steps" for side, n in res.recordings_verified.items())
         checkpoints = describe({side: len(done) for side, done in res.checkpoints_verified.items()})
-        stdout.print(f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
-                     f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); recordings verified: "
-                     f"{verified}; {checkpoints}", markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
+            f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); recordings verified: "
+            f"{verified}; {checkpoints}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     d = res.first
     stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")
@@ -374,16 +449,24 @@ app.add_typer(import_app, name="import")
 
 @import_app.command("slime")
 def import_slime(
-    dumps: Annotated[list[Path], typer.Argument(help="slime --save-debug-rollout-data files "
-                                                     "(torch.save of {rollout_id, samples}).")],
+    dumps: Annotated[
+        list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")
+    ],
     out: Annotated[Path, typer.Option(help="The run directory to create.")],
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (config.json, optional "
-                                                       "model.safetensors) that replay and train-only will "
-                                                       "train. \\[default: the fixture]")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised "
-                                                           "with. \\[default: the fixture]")] = None,
-    reward_key: Annotated[Optional[str], typer.Option(help="When rewards are dicts: the key "
-                                                           "to use (slime's --reward-key).")] = None,
+    model: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Model directory (config.json, optional "
+            "model.safetensors) that replay and train-only will "
+            "train. \\[default: the fixture]"
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. \\[default: the fixture]")
+    ] = None,
+    reward_key: Annotated[
+        Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -402,9 +485,13 @@ samples and evaluation dumps (eval_<id>) are refused.
     defaults = ModelConfig()
     # The model the dumps were sampled with: its checkpoint where it has one (recorded as model.init).
     init = "checkpoint" if model is not None and weight_files(model) else "random"
-    summary = run_import(dumps, out, ModelConfig(path=str(model or defaults.path), init=init,
-                                                 tokenizer=str(tokenizer or defaults.tokenizer)), reward_key,
-                         model_given=model is not None)
+    summary = run_import(
+        dumps,
+        out,
+        ModelConfig(path=str(model or defaults.path), init=init, tokenizer=str(tokenizer or defaults.tokenizer)),
+        reward_key,
+        model_given=model is not None,
+    )
     if as_json:
         stdout.print_json(json.dumps(summary))
     else:
@@ -414,11 +501,17 @@ samples and evaluation dumps (eval_<id>) are refused.
 def _render_import(summary: dict) -> None:
     sizes = sorted({s for step in summary["group_sizes"] for s in step})
     groups = f"groups of {sizes[0]}" if len(sizes) == 1 else f"groups of {sizes[0]} to {sizes[-1]} samples"
-    stdout.print(f"imported {summary['steps']} rollout ids ({summary['samples']} samples, {groups}) into "
-                 f"{summary['out']}", markup=False, highlight=False, soft_wrap=True)
-    lines = {"removed": "removed by slime (remove_sample): kept in their groups, not trained, not judged",
-             "without_logprobs": "without engine log-probs: the log-prob checks do not judge them",
-             "top_p": "with a recorded top-p nucleus"}
+    stdout.print(
+        f"imported {summary['steps']} rollout ids ({summary['samples']} samples, {groups}) into {summary['out']}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    lines = {
+        "removed": "removed by slime (remove_sample): kept in their groups, not trained, not judged",
+        "without_logprobs": "without engine log-probs: the log-prob checks do not judge them",
+        "top_p": "with a recorded top-p nucleus",
+    }
     for key, text in lines.items():
         if summary[key]:
             stdout.print(f"{summary[key]} samples {text}", markup=False, highlight=False, soft_wrap=True)

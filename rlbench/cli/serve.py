@@ -32,9 +32,9 @@ def _option(path: str, *names: str, **kwargs):
 @app.command()
 def serve(
     model_path: Annotated[Optional[Path], _option("model_path", default_text="the fixture model")] = None,
-    load_format: Annotated[Optional[LoadFormat], _option("load_format",
-                                                         default_text="auto with --model-path, "
-                                                                      "dummy for the fixture")] = None,
+    load_format: Annotated[
+        Optional[LoadFormat], _option("load_format", default_text="auto with --model-path, dummy for the fixture")
+    ] = None,
     tokenizer_path: Annotated[Optional[Path], _option("tokenizer_path", default_text="the fixture tokenizer")] = None,
     host: Annotated[Optional[str], _option("host")] = None,
     port: Annotated[Optional[int], _option("port", min=0, max=65535)] = None,
@@ -48,19 +48,25 @@ def serve(
     weight_version: Annotated[Optional[str], _option("weight_version")] = None,
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,
-    skip_tokenizer_init: Annotated[bool, _option("skip_tokenizer_init", "--skip-tokenizer-init",
-                                                 flag_value=True)] = False,
-    incremental_streaming_output: Annotated[bool, _option("incremental_streaming_output",
-                                                          "--incremental-streaming-output", flag_value=True)] = False,
-    stream_output: Annotated[bool, _option("incremental_streaming_output", "--stream-output", flag_value=True,
-                                           hidden=True)] = False,  # SGLang's earlier name, kept out of --help
+    skip_tokenizer_init: Annotated[
+        bool, _option("skip_tokenizer_init", "--skip-tokenizer-init", flag_value=True)
+    ] = False,
+    incremental_streaming_output: Annotated[
+        bool, _option("incremental_streaming_output", "--incremental-streaming-output", flag_value=True)
+    ] = False,
+    stream_output: Annotated[
+        bool, _option("incremental_streaming_output", "--stream-output", flag_value=True, hidden=True)
+    ] = False,  # SGLang's earlier name, kept out of --help
     max_request_bytes: Annotated[Optional[int], _option("max_request_bytes", min=1024)] = None,
-    api_key: Annotated[Optional[str], _option("api_key", "--api-key", envvar=SERVE_API_KEY_ENV, show_envvar=True,
-                                              default_text="none")] = None,
-    allow_unauthenticated: Annotated[bool, _option("allow_unauthenticated", "--allow-unauthenticated",
-                                                   flag_value=True)] = False,
-    weights_dir: Annotated[Optional[Path], _option("weights_dir",
-                                                   default_text="any readable path (loopback or keyed)")] = None,
+    api_key: Annotated[
+        Optional[str], _option("api_key", "--api-key", envvar=SERVE_API_KEY_ENV, show_envvar=True, default_text="none")
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool, _option("allow_unauthenticated", "--allow-unauthenticated", flag_value=True)
+    ] = False,
+    weights_dir: Annotated[
+        Optional[Path], _option("weights_dir", default_text="any readable path (loopback or keyed)")
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Serve the embedded engine behind SGLang's native HTTP API: /generate (batches, n, streaming), /health, \
@@ -85,8 +91,12 @@ otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop
     def announce(url: str) -> None:
         scope = "this machine only" if host in LOOPBACK else "every address of this machine"
         scope += "; requests need the api key" if config.api_key else "; no api key"
-        stdout.print(f"{LISTENING}{url} (bound to {host}: {scope}; SGLang's native API; Ctrl-C stops)",
-                     markup=False, highlight=False, soft_wrap=True)
+        stdout.print(
+            f"{LISTENING}{url} (bound to {host}: {scope}; SGLang's native API; Ctrl-C stops)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         stdout.file.flush()
 
     run_server(config, announce)

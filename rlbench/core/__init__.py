@@ -1,19 +1,19 @@
 """The loop's stages and what they read: backend protocols, seeding, data, rewards and the RL algorithm.
 
-    loop.py          one function per stage (rlbench/session.py calls them in order)
-    protocols.py     the backend interfaces: RolloutEngine, Trainer, RewardFn
-    context.py       Context, what the stages read (rlbench/session.py builds it), and check_made_with
-    types.py         the records between stages: Prompt, GenerateRequest, GenerateResult, Sample
-    samples.py       conversions between stages (engine results, samples, the trainer's batch)
-    seeding.py       derive_seed and the deterministic torch settings (CPU; GPU: --deterministic)
-    data.py          JSONL dataset validation, the seeded, resumable prompt cursor, prompt encoding
-    model.py         offline tokenizer and model loading, per-parameter seeded init
-    tensor_file.py   safetensors files made in one copy from where the tensors live
-    algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
-    reward.py        verifiers (parity, exact_match) and the --custom-rm-path contract
-    generate.py      the custom generate function contract (multi-turn, agentic): Trajectory, GenerateEnv
-    plugins.py       load a function by dotted path
-    metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
-    vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
-    weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
+loop.py          one function per stage (rlbench/session.py calls them in order)
+protocols.py     the backend interfaces: RolloutEngine, Trainer, RewardFn
+context.py       Context, what the stages read (rlbench/session.py builds it), and check_made_with
+types.py         the records between stages: Prompt, GenerateRequest, GenerateResult, Sample
+samples.py       conversions between stages (engine results, samples, the trainer's batch)
+seeding.py       derive_seed and the deterministic torch settings (CPU; GPU: --deterministic)
+data.py          JSONL dataset validation, the seeded, resumable prompt cursor, prompt encoding
+model.py         offline tokenizer and model loading, per-parameter seeded init
+tensor_file.py   safetensors files made in one copy from where the tensors live
+algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
+reward.py        verifiers (parity, exact_match) and the --custom-rm-path contract
+generate.py      the custom generate function contract (multi-turn, agentic): Trajectory, GenerateEnv
+plugins.py       load a function by dotted path
+metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
+vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
+weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
 """

@@ -65,8 +65,9 @@ class TrainStats:
     param_grads: dict[str, str]  # the same, per parameter: lets `diff` name the parameter
 
 
-def grpo_advantages(rewards: torch.Tensor, groups: int | torch.Tensor, normalize_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, groups: int | torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Group-normalised advantages. `groups`: a group size (rewards laid out group after group, all of
     that size) or each sample's group id (groups of any size, in any order). A group of one sample
     gets 0 (slime's std of one value is NaN; it turns the std off only when every group has one)."""
@@ -105,8 +106,9 @@ def normalised_rewards(rewards: torch.Tensor, groups: int | torch.Tensor, config
     return rewards.clone()
 
 
-def advantages(rewards: torch.Tensor, groups: int | torch.Tensor, token_counts: torch.Tensor,
-               config: AlgoConfig) -> torch.Tensor:
+def advantages(
+    rewards: torch.Tensor, groups: int | torch.Tensor, token_counts: torch.Tensor, config: AlgoConfig
+) -> torch.Tensor:
     """Each sample's advantage under `config` (the module docstring says how): its normalised reward
     (reinforce_plus_plus: its return, with gamma 1 the reward), whitened over the trained tokens
     (`token_counts` per sample) when `config.normalize_advantages`."""
@@ -121,8 +123,10 @@ def whiten(values: torch.Tensor, token_counts: torch.Tensor, eps: float = 1e-8) 
     counts = token_counts.double()
     total = counts.sum()
     if total == 0:
-        raise BadInput("no trained token in the step: there is nothing to whiten the advantages over",
-                       field="algo.normalize_advantages")
+        raise BadInput(
+            "no trained token in the step: there is nothing to whiten the advantages over",
+            field="algo.normalize_advantages",
+        )
     x = values.double()
     mean = (x * counts).sum() / total
     variance = ((x - mean).square() * counts).sum() / total
@@ -161,8 +165,12 @@ def _chunked(fn: Callable[..., torch.Tensor], logits: torch.Tensor, *others: tor
     keep = torch.is_grad_enabled() and logits.requires_grad
     from torch.utils.checkpoint import checkpoint
 
-    parts = [checkpoint(fn, logits[:, c], *(o[:, c] for o in others), use_reentrant=False) if keep
-             else fn(logits[:, c], *(o[:, c] for o in others)) for c in chunks]
+    parts = [
+        checkpoint(fn, logits[:, c], *(o[:, c] for o in others), use_reentrant=False)
+        if keep
+        else fn(logits[:, c], *(o[:, c] for o in others))
+        for c in chunks
+    ]
     return torch.cat(parts, dim=1)
 
 
@@ -172,6 +180,7 @@ def _picked_logprobs(temperature: float):
         if temperature > 0:
             scaled = scaled / temperature
         return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
     return picked
 
 
@@ -182,6 +191,7 @@ def _entropies(temperature: float):
             scaled = scaled / temperature
         logp = torch.log_softmax(scaled, dim=-1)
         return -(logp.exp() * logp).sum(-1)
+
     return entropy
 
 
@@ -189,7 +199,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """log p(token t | tokens < t) as [n, L], from the logits of the last k positions of `tokens`
     [n, L] (k = L: all of them); positions they do not predict get 0 (position 0 always)."""
     k, length = logits.shape[1], tokens.shape[1]
-    picked = _chunked(_picked_logprobs(temperature), logits[:, :-1], tokens[:, length - k + 1:])
+    picked = _chunked(_picked_logprobs(temperature), logits[:, :-1], tokens[:, length - k + 1 :])
     return torch.nn.functional.pad(picked, (length - k + 1, 0))
 
 
@@ -238,15 +248,21 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
 
 
-def policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 estimator: str, eps_low: float, eps_high: float, eps_c: float | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_terms(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str,
+    eps_low: float,
+    eps_high: float,
+    eps_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token, before aggregation: (policy loss, clipped 0/1, KL old->new, importance ratio) of
     `estimator`'s loss (the module docstring); gspo's ratio and KL are its sample's, on every token."""
     log_ratio = logp - old_logp
     if estimator == "gspo":
-        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-                     ).expand_as(logp)
+        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(logp)
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
     if estimator == "cispo":
@@ -260,15 +276,22 @@ def policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
     return loss, (clipped > unclipped).float(), -log_ratio, ratio
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, clip fraction, approx KL old->new) of PPO-clip, each aggregated with `sample_mean`."""
     loss, clipped, ppo_kl, _ = policy_terms(logp, old_logp, advantages, mask, "grpo", eps_low, eps_high)
     return sample_mean(loss, mask), sample_mean(clipped, mask).detach(), sample_mean(ppo_kl, mask).detach()
 
 
-def tis_terms(old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def tis_terms(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's vanilla TIS per token: the weight clamp(exp(old - rollout), low, high) and the metrics
     tis (the untruncated ratio), tis_clipfrac (truncated or not) and tis_abs (|ratio - 1|)."""
     ratio = torch.exp(old_logp - rollout_logp)
@@ -278,27 +301,42 @@ def tis_terms(old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, hi
 
 def loss_metric_names(config: AlgoConfig) -> tuple[str, ...]:
     """The train/* metrics `policy_loss` reports under `config`, in slime's names."""
-    return ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss") + (("kl_loss",) if config.kl_coef > 0 else ()) + (
-        ("ois", "tis", "tis_clipfrac", "tis_abs") if config.use_tis else ())
+    return (
+        ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
+        + (("kl_loss",) if config.kl_coef > 0 else ())
+        + (("ois", "tis", "tis_clipfrac", "tis_abs") if config.use_tis else ())
+    )
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                entropy: torch.Tensor, config: AlgoConfig, reduce: Callable[[torch.Tensor], torch.Tensor],
-                ref_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor,
+    config: AlgoConfig,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """slime's policy_loss_function on per-token tensors [n, L]: the loss pg_loss - entropy_coef *
     entropy + kl_coef * kl (each term aggregated with `reduce`) and its metrics (loss_metric_names).
     `entropy` per token (with a graph only when entropy_coef > 0); `ref_logp` when kl_coef > 0;
     `rollout_logp` when use_tis."""
     c = config
-    pg, clipped, ppo_kl, ratio = policy_terms(logp, old_logp, advantages, mask, c.advantage, c.eps_clip,
-                                              c.eps_clip_high, c.eps_clip_c)
+    pg, clipped, ppo_kl, ratio = policy_terms(
+        logp, old_logp, advantages, mask, c.advantage, c.eps_clip, c.eps_clip_high, c.eps_clip_c
+    )
     tis = {}
     if c.use_tis:
         weight, tis = tis_terms(old_logp, rollout_logp, c.tis_clip_low, c.tis_clip)
         pg, tis = pg * weight, {"ois": ratio, **tis}
-    metrics = {"pg_loss": reduce(pg), "pg_clipfrac": reduce(clipped).detach(), "ppo_kl": reduce(ppo_kl).detach(),
-               "entropy_loss": reduce(entropy)}
+    metrics = {
+        "pg_loss": reduce(pg),
+        "pg_clipfrac": reduce(clipped).detach(),
+        "ppo_kl": reduce(ppo_kl).detach(),
+        "entropy_loss": reduce(entropy),
+    }
     loss = metrics["pg_loss"] - c.entropy_coef * metrics["entropy_loss"] if c.entropy_coef > 0 else metrics["pg_loss"]
     if c.kl_coef > 0:
         metrics["kl_loss"] = reduce(kl_penalty(logp, ref_logp, c.kl_type))

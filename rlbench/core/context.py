@@ -60,7 +60,8 @@ def check_made_with(run: RunDir, tokenizer: str | Path | None = None, model: str
         path = Path(path) / "config.json" if key == "model_config" else Path(path)
         here = file_digest(path) if path.exists() else "missing"
         if here != hashes[key]:
-            raise BadInput(f"the recording in {run.root} was made with another {what} (sha256 {hashes[key][:12]}, "
-                           f"this one is {here[:12]})", path=path)
-
-
+            raise BadInput(
+                f"the recording in {run.root} was made with another {what} (sha256 {hashes[key][:12]}, "
+                f"this one is {here[:12]})",
+                path=path,
+            )

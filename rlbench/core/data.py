@@ -28,11 +28,16 @@ def _messages(value: object, path: Path, lineno: int, key: str) -> tuple[dict, .
     if isinstance(value, list) and value:
         for i, msg in enumerate(value):
             if not (isinstance(msg, dict) and msg.get("role") in _ROLES and isinstance(msg.get("content"), str)):
-                raise BadInput(f"line {lineno}: field '{key}[{i}]': expected a message "
-                               "{\"role\": system|user|assistant|tool, \"content\": str}", path=path)
+                raise BadInput(
+                    f"line {lineno}: field '{key}[{i}]': expected a message "
+                    '{"role": system|user|assistant|tool, "content": str}',
+                    path=path,
+                )
         return tuple(dict(m) for m in value)
-    raise BadInput(f"line {lineno}: field '{key}': expected a string or a non-empty list of messages, "
-                   f"got {type(value).__name__}", path=path)
+    raise BadInput(
+        f"line {lineno}: field '{key}': expected a string or a non-empty list of messages, got {type(value).__name__}",
+        path=path,
+    )
 
 
 def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str | None = "label") -> list[Prompt]:
@@ -50,8 +55,9 @@ def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str | 
         if not line.strip():
             continue
         if len(line) > MAX_LINE:
-            raise BadInput(f"line {lineno}: {len(line):,} characters, more than a prompt may hold ({MAX_LINE:,})",
-                           path=path)
+            raise BadInput(
+                f"line {lineno}: {len(line):,} characters, more than a prompt may hold ({MAX_LINE:,})", path=path
+            )
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -61,16 +67,20 @@ def load_dataset(path: str | Path, prompt_key: str = "prompt", label_key: str | 
         try:  # JSON may escape a lone surrogate, which no tokenizer can encode
             json.dumps(row, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise BadInput(f"line {lineno}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no text",
-                           path=path) from None
+            raise BadInput(
+                f"line {lineno}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no text", path=path
+            ) from None
         if not isinstance(row, dict):
             raise BadInput(f"line {lineno}: expected a JSON object, got {type(row).__name__}", path=path)
         if prompt_key not in row:
             raise BadInput(f"line {lineno}: field '{prompt_key}' missing", path=path)
         label = row.get(label_key) if label_key is not None else None
         if label_key is not None and not isinstance(label, str):
-            raise BadInput(f"line {lineno}: field '{label_key}': expected a string, got "
-                           f"{'nothing' if label is None else type(label).__name__}", path=path)
+            raise BadInput(
+                f"line {lineno}: field '{label_key}': expected a string, got "
+                f"{'nothing' if label is None else type(label).__name__}",
+                path=path,
+            )
         meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
         prompts.append(Prompt(len(prompts), _messages(row[prompt_key], path, lineno, prompt_key), label, meta))
     if not prompts:
@@ -101,12 +111,18 @@ class PromptCursor:
     def state(self, step: int) -> dict:
         """The cursor's position after `step` steps, for checkpoints and the manifest."""
         consumed = step * self.per_step
-        return {"consumed": consumed, "epoch": consumed // self.size, "offset": consumed % self.size,
-                "seed": self.seed, "shuffle": self.shuffle}
+        return {
+            "consumed": consumed,
+            "epoch": consumed // self.size,
+            "offset": consumed % self.size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
 
-def encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, source: str = "",
-                    template_kwargs: dict | None = None) -> dict[int, tuple[int, ...]]:
+def encode_prompts(
+    tokenizer, dataset: list[Prompt], limit: int = 1 << 30, source: str = "", template_kwargs: dict | None = None
+) -> dict[int, tuple[int, ...]]:
     """Each prompt tokenised once, up front: rendered by the chat template with a generation prompt
     (and `template_kwargs`), or, with `template_kwargs` None (no chat template), a string prompt's text
     as it is, without special tokens, as slime tokenises it. One that leaves no room for the response
@@ -119,8 +135,11 @@ def encode_prompts(tokenizer, dataset: list[Prompt], limit: int = 1 << 30, sourc
         if not ids:  # an engine has nothing to continue from (a chat template that renders nothing)
             raise BadInput(f"prompt {prompt.index} renders to no tokens", path=source)
         if len(ids) > limit:
-            raise BadInput(f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
-                           f"model's {limit} + max_new_tokens positions", path=source)
+            raise BadInput(
+                f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
+                f"model's {limit} + max_new_tokens positions",
+                path=source,
+            )
         encoded[prompt.index] = tuple(int(t) for t in ids)
     return encoded
 
@@ -131,16 +150,23 @@ def _encode(tokenizer, prompt: Prompt, source: str, template_kwargs: dict | None
     its own raise_exception, an error in what it computes)."""
     if template_kwargs is None:
         if len(prompt.messages) != 1 or prompt.messages[0].get("role") != "user":
-            raise BadInput(f"prompt {prompt.index} is a list of messages: without the chat template "
-                           "(data.apply_chat_template false) a prompt is a string", path=source)
+            raise BadInput(
+                f"prompt {prompt.index} is a list of messages: without the chat template "
+                "(data.apply_chat_template false) a prompt is a string",
+                path=source,
+            )
         return tokenizer(prompt.messages[0]["content"], add_special_tokens=False)["input_ids"]
     try:
-        return tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
-                                             **template_kwargs)
+        return tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
     except Exception as exc:  # noqa: BLE001 - whatever the template's code raises, it is the tokenizer's
         first = (str(exc).splitlines() or [""])[0][:160]
-        raise BadInput(f"the chat template cannot render prompt {prompt.index} ({exc.__class__.__name__}: {first})",
-                       path=getattr(tokenizer, "name_or_path", None) or None, field="chat_template") from None
+        raise BadInput(
+            f"the chat template cannot render prompt {prompt.index} ({exc.__class__.__name__}: {first})",
+            path=getattr(tokenizer, "name_or_path", None) or None,
+            field="chat_template",
+        ) from None
 
 
 @contextmanager

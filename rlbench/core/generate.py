@@ -31,8 +31,15 @@ class GenerateEnv:
 
     def sample(self, prompt_ids: list[int] | tuple[int, ...], seed: int, turn: int) -> GenerateResult:
         """One assistant turn from the engine; the turn's seed is derived from the sample's."""
-        request = GenerateRequest(tuple(prompt_ids), derive_seed(seed, "turn", turn), self.max_new_tokens,
-                                  self.temperature, self.stop_token_ids, self.top_k, self.top_p)
+        request = GenerateRequest(
+            tuple(prompt_ids),
+            derive_seed(seed, "turn", turn),
+            self.max_new_tokens,
+            self.temperature,
+            self.stop_token_ids,
+            self.top_k,
+            self.top_p,
+        )
         return self.engine.generate([request])[0]
 
 
@@ -56,8 +63,11 @@ def check_trajectory(traj: object, name: str) -> Trajectory:
         raise BadInput(f"returned {type(traj).__name__}, expected rlbench.core.generate.Trajectory", field=name)
     n = len(traj.response_ids)
     if len(traj.loss_mask) != n or len(traj.logprobs) != n:
-        raise BadInput(f"response_ids, loss_mask and logprobs must have one length, got {n}, "
-                       f"{len(traj.loss_mask)}, {len(traj.logprobs)}", field=name)
+        raise BadInput(
+            f"response_ids, loss_mask and logprobs must have one length, got {n}, "
+            f"{len(traj.loss_mask)}, {len(traj.logprobs)}",
+            field=name,
+        )
     if any(m not in (0, 1) for m in traj.loss_mask):
         raise BadInput("loss_mask holds values other than 0 and 1", field=name)
     if traj.finish_reason not in ("stop", "length", "abort"):

@@ -60,24 +60,50 @@ def step_requests(ctx: Context, state: StepState) -> list[GenerateRequest]:
     group, index in group), never its batch position."""
     cfg = ctx.config.rollout
     seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
-    return [GenerateRequest(ctx.prompt_ids[p.index], derive_seed(seed, "sample", state.step, g, j),
-                            cfg.max_new_tokens, cfg.temperature, ctx.stop_token_ids, cfg.top_k, cfg.top_p)
-            for g, p in enumerate(state.prompts) for j in range(cfg.n_samples_per_prompt)]
+    return [
+        GenerateRequest(
+            ctx.prompt_ids[p.index],
+            derive_seed(seed, "sample", state.step, g, j),
+            cfg.max_new_tokens,
+            cfg.temperature,
+            ctx.stop_token_ids,
+            cfg.top_k,
+            cfg.top_p,
+        )
+        for g, p in enumerate(state.prompts)
+        for j in range(cfg.n_samples_per_prompt)
+    ]
 
 
 def rollout(ctx: Context, state: StepState) -> None:
     n = ctx.config.rollout.n_samples_per_prompt
     requests = step_requests(ctx, state)
     if ctx.generate_fn is not None:
-        state.samples = [samples.from_trajectory(call_plugin(ctx.generate_fn, "generate function", ctx.generate_name,
-                                                             ctx.generate_env, state.prompts[i // n], req.prompt_ids,
-                                                             req.seed), ctx.generate_name,
-                                                 state.prompts[i // n], i // n, i, req)
-                         for i, req in enumerate(requests)]
+        state.samples = [
+            samples.from_trajectory(
+                call_plugin(
+                    ctx.generate_fn,
+                    "generate function",
+                    ctx.generate_name,
+                    ctx.generate_env,
+                    state.prompts[i // n],
+                    req.prompt_ids,
+                    req.seed,
+                ),
+                ctx.generate_name,
+                state.prompts[i // n],
+                i // n,
+                i,
+                req,
+            )
+            for i, req in enumerate(requests)
+        ]
     else:
         results = ctx.engine.generate(requests)
-        state.samples = [samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
-                         for i, (req, res) in enumerate(zip(requests, results))]
+        state.samples = [
+            samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
+            for i, (req, res) in enumerate(zip(requests, results))
+        ]
     state.tensors = samples.flatten(state.samples)
     _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the engine's log-probs")
     _checksum_rollout(state)
@@ -85,8 +111,11 @@ def rollout(ctx: Context, state: StepState) -> None:
 
 def reward(ctx: Context, state: StepState) -> None:
     for s in state.samples:
-        s.reward = score(ctx.reward_name, ctx.reward_fn,
-                         RewardInput(s.prompt.messages, s.response, s.prompt.label, s.finish_reason, s.prompt.metadata))
+        s.reward = score(
+            ctx.reward_name,
+            ctx.reward_fn,
+            RewardInput(s.prompt.messages, s.response, s.prompt.label, s.finish_reason, s.prompt.metadata),
+        )
     state.tensors["rewards"] = torch.tensor([s.reward for s in state.samples], dtype=torch.float32)
     _finite(state, "reward", "rewards", state.tensors["rewards"], ctx.reward_name)
     state.sample_meta = [s.metadata() for s in state.samples]
@@ -116,16 +145,24 @@ def _finite(state: StepState, stage: str, name: str, values: torch.Tensor, sourc
         sample = int(torch.searchsorted(offsets, torch.tensor(first), right=True)) - 1
         place = f"sample {sample}, token {first - int(offsets[sample])}"
     else:
-        place = {"losses": f"minibatch {first}", "train/grad_norm": "the mean over minibatches"}.get(name,
-                                                                                                  f"sample {first}")
-    raise NonFinite(f"step {state.step}, stage {stage}: {name} is {values.reshape(-1)[first].item()} at {place}"
-                    f"{f' ({source})' if source else ''}; the step was not committed, the committed steps are kept")
+        place = {"losses": f"minibatch {first}", "train/grad_norm": "the mean over minibatches"}.get(
+            name, f"sample {first}"
+        )
+    raise NonFinite(
+        f"step {state.step}, stage {stage}: {name} is {values.reshape(-1)[first].item()} at {place}"
+        f"{f' ({source})' if source else ''}; the step was not committed, the committed steps are kept"
+    )
 
 
 # Which recorded tensors each checksum covers, in order: one definition for the loop, replay and diff.
-RECORDED_DIGESTS = {"rollout_tokens": ("tokens", "offsets", "loss_mask"), "rollout_logprobs": ("rollout_logprobs",),
-                    "rewards": ("rewards",), "advantages": ("advantages",),
-                    "old_logprobs": ("old_logprobs", "ref_logprobs"), "loss": ("losses",)}
+RECORDED_DIGESTS = {
+    "rollout_tokens": ("tokens", "offsets", "loss_mask"),
+    "rollout_logprobs": ("rollout_logprobs",),
+    "rewards": ("rewards",),
+    "advantages": ("advantages",),
+    "old_logprobs": ("old_logprobs", "ref_logprobs"),
+    "loss": ("losses",),
+}
 
 
 def _digest(tensors: dict[str, torch.Tensor], key: str) -> str:
@@ -158,8 +195,9 @@ def _checksum_rewards(state: StepState) -> None:
 
 
 def advantage(ctx: Context, state: StepState) -> None:
-    state.tensors["advantages"] = algo.advantages(state.tensors["rewards"], groups(ctx, state),
-                                                  samples.token_counts(state.tensors), ctx.config.algo)
+    state.tensors["advantages"] = algo.advantages(
+        state.tensors["rewards"], groups(ctx, state), samples.token_counts(state.tensors), ctx.config.algo
+    )
     _finite(state, "advantage", "advantages", state.tensors["advantages"])
     state.checksums["advantages"] = _digest(state.tensors, "advantages")
 
@@ -174,21 +212,29 @@ def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
         ids = [m.get("group") for m in state.sample_meta]
         if not all(given) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in ids):
             first = next(i for i, g in enumerate(ids) if not isinstance(g, int) or isinstance(g, bool) or g < 0)
-            raise BadInput(f"{source}: sample {first}'s group is {ids[first]!r}; expected an integer >= 0 on every "
-                           "sample (or on none)", field="samples.group")
+            raise BadInput(
+                f"{source}: sample {first}'s group is {ids[first]!r}; expected an integer >= 0 on every "
+                "sample (or on none)",
+                field="samples.group",
+            )
         return torch.tensor(ids, dtype=torch.long)
     n = len(state.tensors["rewards"])
     if n % ctx.group_size:
-        raise BadInput(f"{source}: {n} samples do not make groups of n_samples_per_prompt = {ctx.group_size}, and "
-                       "its samples name no group", field="samples.group")
+        raise BadInput(
+            f"{source}: {n} samples do not make groups of n_samples_per_prompt = {ctx.group_size}, and "
+            "its samples name no group",
+            field="samples.group",
+        )
     return ctx.group_size
 
 
 def logprob(ctx: Context, state: StepState) -> None:
     state.batch = samples.train_batch(state.tensors)
     per_sample = ctx.config.rollout.true_on_policy
-    state.batch.old_logprobs = ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths,
-                                                    per_sample=per_sample) * state.batch.loss_mask
+    state.batch.old_logprobs = (
+        ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths, per_sample=per_sample)
+        * state.batch.loss_mask
+    )
     state.tensors["old_logprobs"] = recording.unpad(state.batch.old_logprobs, state.tensors["offsets"])
     _finite(state, "logprob", "old_logprobs", state.tensors["old_logprobs"], "the trainer's forward")
     if ctx.config.algo.kl_coef > 0:
@@ -197,16 +243,20 @@ def logprob(ctx: Context, state: StepState) -> None:
     known = torch.tensor([m.get("has_rollout_logprobs", True) is not False for m in state.sample_meta])
     if ctx.config.algo.use_tis:
         if not bool(known.all()):
-            raise BadInput(f"step {state.step}: sample {int((~known).nonzero()[0])} has no rollout log-probs, which "
-                           "TIS weighs by", field="algo.use_tis")
+            raise BadInput(
+                f"step {state.step}: sample {int((~known).nonzero()[0])} has no rollout log-probs, which TIS weighs by",
+                field="algo.use_tis",
+            )
         state.batch.rollout_logprobs = samples.padded_rollout_logprobs(state.tensors) * state.batch.loss_mask
     state.checksums["old_logprobs"] = _digest(state.tensors, "old_logprobs")
     if bool(known.any()):  # none: the metrics are left out (as slime, without rollout log-probs), never 0
         per_token = ctx.config.algo.per_token_loss
-        state.metrics["train/train_rollout_logprob_abs_diff"] = metrics.logprob_abs_diff(state.tensors, per_token,
-                                                                                         known)
+        state.metrics["train/train_rollout_logprob_abs_diff"] = metrics.logprob_abs_diff(
+            state.tensors, per_token, known
+        )
         state.metrics["train/rollout_logprob_abs_diff_token_mean"] = metrics.logprob_abs_diff_token_mean(
-            state.tensors, known)
+            state.tensors, known
+        )
 
 
 def train(ctx: Context, state: StepState) -> None:
@@ -228,8 +278,9 @@ def sync(ctx: Context, state: StepState) -> None:
     # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums.
     per_tensor = state.extra.get("param_digests", {}).get("weights")
     known = (state.checksums["weights"], per_tensor) if per_tensor is not None else None
-    state.checksums["engine_weights"] = weight_check.check_engine(ctx.engine, weights, f"step {state.step}, sync",
-                                                                  known)
+    state.checksums["engine_weights"] = weight_check.check_engine(
+        ctx.engine, weights, f"step {state.step}, sync", known
+    )
 
 
 def first_sync(ctx: Context, start: int) -> None:
@@ -257,8 +308,9 @@ def record(ctx: Context, state: StepState, commit: bool = True) -> None:
     if ctx.writer is None:
         return
     if commit:
-        ctx.writer.commit_step(state.step, state.tensors, state.sample_meta, state.checksums, state.metrics,
-                               state.extra)
+        ctx.writer.commit_step(
+            state.step, state.tensors, state.sample_meta, state.checksums, state.metrics, state.extra
+        )
     done = state.step + 1
     if ctx.trainer is not None and (done % ctx.config.checkpoint_every == 0 or done == ctx.config.steps):
         if commit or not ctx.writer.has_checkpoint(done):
@@ -266,10 +318,16 @@ def record(ctx: Context, state: StepState, commit: bool = True) -> None:
 
 
 def checkpoint(ctx: Context, steps_done: int) -> None:
-    ctx.writer.write_checkpoint(steps_done, ctx.trainer.save_checkpoint(),
-                                {"steps_done": steps_done,
-                                 "cursor": ctx.cursor.state(steps_done) if ctx.cursor is not None else None,
-                                 "weight_version": steps_done, "seed": ctx.config.seed})
+    ctx.writer.write_checkpoint(
+        steps_done,
+        ctx.trainer.save_checkpoint(),
+        {
+            "steps_done": steps_done,
+            "cursor": ctx.cursor.state(steps_done) if ctx.cursor is not None else None,
+            "weight_version": steps_done,
+            "seed": ctx.config.seed,
+        },
+    )
 
 
 @contextmanager
@@ -277,5 +335,3 @@ def timed(state: StepState, key: str):
     start = time.perf_counter()
     yield
     state.metrics[key] = time.perf_counter() - start
-
-

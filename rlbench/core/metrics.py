@@ -16,8 +16,9 @@ def rollout_metrics(tensors: dict[str, torch.Tensor], finish_reasons: list[str])
     }
 
 
-def logprob_abs_diff(tensors: dict[str, torch.Tensor], per_token: bool = False,
-                     known: torch.Tensor | None = None) -> float:
+def logprob_abs_diff(
+    tensors: dict[str, torch.Tensor], per_token: bool = False, known: torch.Tensor | None = None
+) -> float:
     """slime's train/train_rollout_logprob_abs_diff: |trainer log-prob - rollout log-prob| over trained
     tokens, reduced as slime reduces its loss: a mean within each sample, then over samples (a sample
     with no trained token counts, as 0); with `per_token` (slime --calculate-per-token-loss) the sum

@@ -47,8 +47,16 @@ def load_tokenizer(path: str | Path):
 
 # The sizes a model's config.json gives, each a count: held to [1, 2**31 - 1] before transformers reads them (it
 # warns about some and fails on others deep inside the model's construction).
-SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-         "intermediate_size", "head_dim", "max_position_embeddings")
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 def _check_sizes(path: Path) -> None:
@@ -59,8 +67,11 @@ def _check_sizes(path: Path) -> None:
         return
     for key in SIZES if isinstance(table, dict) else ():
         value = table.get(key)
-        if key in table and value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                                   or not 1 <= value < 2**31):
+        if (
+            key in table
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31)
+        ):
             raise BadInput(f"expected an integer in [1, 2**31 - 1], got {value!r}", path=path, field=key)
 
 
@@ -76,8 +87,10 @@ def load_model_config(path: str | Path):
     except RecursionError:
         raise BadInput("cannot load model config: nested too deeply", path=path / "config.json") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise BadInput(f"cannot load model config ({exc.__class__.__name__}: {str(exc).splitlines()[0]})",
-                       path=path / "config.json") from None
+        raise BadInput(
+            f"cannot load model config ({exc.__class__.__name__}: {str(exc).splitlines()[0]})",
+            path=path / "config.json",
+        ) from None
 
 
 def init_weights_(model: torch.nn.Module, master_seed: int, std: float) -> None:
@@ -111,9 +124,12 @@ def weight_files(path: str | Path) -> list[Path]:
         return [path / name for name in sorted(set(_index(path / INDEX).values()))]
     unread = [name for name in _UNREAD if (path / name).is_file()]
     if unread or any(path.glob("pytorch_model-*.bin")):
-        raise BadInput(f"holds {(unread or ['pytorch_model-*.bin'])[0]}, a pickle or another framework's weights, and "
-                       "no model.safetensors: rlbench loads no pickle; save the model as safetensors first "
-                       "(transformers' save_pretrained writes them)", path=path)
+        raise BadInput(
+            f"holds {(unread or ['pytorch_model-*.bin'])[0]}, a pickle or another framework's weights, and "
+            "no model.safetensors: rlbench loads no pickle; save the model as safetensors first "
+            "(transformers' save_pretrained writes them)",
+            path=path,
+        )
     return []
 
 
@@ -124,8 +140,11 @@ def _index(index: Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BadInput(f"cannot read the index ({exc.__class__.__name__})", path=index) from None
     weight_map = table.get("weight_map") if isinstance(table, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
         raise BadInput("expected a non-empty object of tensor name -> shard file", path=index, field="weight_map")
     for name in sorted(set(weight_map.values())):
         shard = index.parent / name
@@ -142,20 +161,23 @@ def initial_weights(path: str | Path, init: str, seed: int) -> dict:
     files = weight_files(path)
     if init == "checkpoint":
         if not files:
-            raise BadInput(f"no weights here (neither {SINGLE} nor {INDEX}); model.init = \"random\" starts from "
-                           "random weights", path=path)
-        return {"init": "checkpoint", "path": str(Path(path)),
-                "files": {f.name: file_digest(f) for f in files}}
+            raise BadInput(
+                f'no weights here (neither {SINGLE} nor {INDEX}); model.init = "random" starts from random weights',
+                path=path,
+            )
+        return {"init": "checkpoint", "path": str(Path(path)), "files": {f.name: file_digest(f) for f in files}}
     if init == "random":
         if files:
-            raise BadInput(f"model.init is random, but the directory holds weights ({files[0].name}); "
-                           "model.init = \"checkpoint\" loads them", path=path)
+            raise BadInput(
+                f"model.init is random, but the directory holds weights ({files[0].name}); "
+                'model.init = "checkpoint" loads them',
+                path=path,
+            )
         return {"init": "random", "seed": seed}
     raise BadInput(f"expected one of {', '.join(INITS)}, got {init!r}", field="model.init")
 
 
-def build_model(path: str | Path, master_seed: int, dtype: str = "float32", device: str = "cpu", *,
-                init: str):
+def build_model(path: str | Path, master_seed: int, dtype: str = "float32", device: str = "cpu", *, init: str):
     """The policy: a transformers causal LM from `path`'s config.json, with the checkpoint's weights
     (`init="checkpoint"`: the single file or every shard of the index; bf16/fp16 weights are cast
     to `dtype`) or seeded random weights (`init="random"`, a directory without weights)."""
@@ -189,12 +211,17 @@ def load_checkpoint_(model: torch.nn.Module, files: list[Path]) -> None:
             listed = {name for name, shard in index.items() if shard == file.name}
             if set(tensors) != listed:
                 extra, absent = sorted(set(tensors) - listed), sorted(listed - set(tensors))
-                raise BadInput(f"the shard does not hold what the index says (not listed: {extra[:3]}, "
-                               f"missing: {absent[:3]})", path=file)
+                raise BadInput(
+                    f"the shard does not hold what the index says (not listed: {extra[:3]}, missing: {absent[:3]})",
+                    path=file,
+                )
         for name, tensor in tensors.items():
             if name in params and (tuple(tensor.shape) != tuple(params[name].shape) or not tensor.is_floating_point()):
-                raise BadInput(f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
-                               f"tensor of shape {tuple(params[name].shape)}", path=file)
+                raise BadInput(
+                    f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
+                    f"tensor of shape {tuple(params[name].shape)}",
+                    path=file,
+                )
             origin[name] = file
             merged[name] = tensor
     tied = {name: merged.pop(name) for name in list(merged) if name in aliases}  # checked once loaded
@@ -202,8 +229,10 @@ def load_checkpoint_(model: torch.nn.Module, files: list[Path]) -> None:
     for name, tensor in tied.items():
         here = aliases[name].detach()
         if tuple(tensor.shape) != tuple(here.shape) or not torch.equal(tensor.to(here.dtype), here):
-            raise BadInput(f"'{name}' is tied to another weight in this model's config but differs from it "
-                           "in the checkpoint", path=origin[name])
+            raise BadInput(
+                f"'{name}' is tied to another weight in this model's config but differs from it in the checkpoint",
+                path=origin[name],
+            )
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -214,8 +243,9 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:  # sorted by name: `load` hands them out in a per-process hash order, and order reaches state dicts
         return dict(sorted(load(Path(path).read_bytes()).items()))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise BadInput(f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})",
-                       path=path) from None
+        raise BadInput(
+            f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})", path=path
+        ) from None
 
 
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -228,13 +258,18 @@ def load_named_(model: torch.nn.Module, weights: dict[str, torch.Tensor], source
     params = dict(model.named_parameters())
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:
-        raise BadInput(f"weight names do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})",
-                       path=str(source))
+        raise BadInput(
+            f"weight names do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})",
+            path=str(source),
+        )
     with torch.no_grad():
         for name, tensor in weights.items():
             if tuple(tensor.shape) != tuple(params[name].shape) or not tensor.is_floating_point():
-                raise BadInput(f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
-                               f"tensor of shape {tuple(params[name].shape)}", path=str(source))
+                raise BadInput(
+                    f"'{name}' is {tensor.dtype} of shape {tuple(tensor.shape)}, the model expects a float "
+                    f"tensor of shape {tuple(params[name].shape)}",
+                    path=str(source),
+                )
             params[name].copy_(tensor)
 
 

@@ -26,8 +26,9 @@ def load_function(path: str, option: str) -> Callable:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - the plugin's module failed while importing (SyntaxError, SystemExit)
-        raise BadInput(f"importing module '{module_name}' raised {exc.__class__.__name__}: {exc}",
-                       field=option) from exc
+        raise BadInput(
+            f"importing module '{module_name}' raised {exc.__class__.__name__}: {exc}", field=option
+        ) from exc
     fn = getattr(module, attr, None)
     if fn is None:
         raise BadInput(f"module '{module_name}' has no attribute '{attr}'", field=option)
@@ -44,7 +45,8 @@ def call_plugin(fn: Callable, name: str, option: str, *args, **kwargs):
     except KeyboardInterrupt:
         raise
     except SystemExit as exc:
-        raise BadInput(f"{name} called sys.exit({exc.code!r}); a plugin returns a value instead",
-                       field=option) from None
+        raise BadInput(
+            f"{name} called sys.exit({exc.code!r}); a plugin returns a value instead", field=option
+        ) from None
     except BaseException as exc:  # noqa: BLE001 - a plugin's bug, named, with the cause kept for --debug
         raise BadInput(f"{name} raised {exc.__class__.__name__}: {exc}", field=option) from exc

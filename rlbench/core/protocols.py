@@ -49,8 +49,13 @@ class Trainer(Protocol):
 
     is_main: bool
 
-    def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
-                 per_sample: bool = False) -> torch.Tensor:
+    def logprobs(
+        self,
+        tokens: torch.Tensor,
+        reference: bool = False,
+        lengths: torch.Tensor | None = None,
+        per_sample: bool = False,
+    ) -> torch.Tensor:
         """[n, L] log-prob of each token of right-padded `tokens` given its prefix, under the current
         (or the reference) policy; position 0 gets 0. `per_sample`: one sequence at a time at its
         own length (`lengths`), the batch-invariant forward true on-policy shares with the engine."""

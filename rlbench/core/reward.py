@@ -54,8 +54,10 @@ def load_reward_fn(verifier: str, custom_rm_path: str | None) -> tuple[str, Call
     if custom_rm_path:
         return custom_rm_path, load_function(custom_rm_path, "--custom-rm-path")
     if verifier not in BUILTIN:
-        raise BadInput(f"unknown verifier {verifier!r} (built-in: {', '.join(BUILTIN)}; "
-                       "or give --custom-rm-path)", field="reward.verifier")
+        raise BadInput(
+            f"unknown verifier {verifier!r} (built-in: {', '.join(BUILTIN)}; or give --custom-rm-path)",
+            field="reward.verifier",
+        )
     return verifier, BUILTIN[verifier]
 
 
@@ -65,8 +67,13 @@ FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored and trained as float32
 def score(name: str, fn: Callable[[RewardInput], float], sample: RewardInput) -> float:
     """Call a verifier and hold it to its contract (a finite real number, finite as float32 too)."""
     value = call_plugin(fn, "reward function", name, sample)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or abs(value) > FLOAT32_MAX:
-        raise BadInput(f"reward function returned {value!r}; expected a finite number (within float32's range)",
-                       field=name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or abs(value) > FLOAT32_MAX
+    ):
+        raise BadInput(
+            f"reward function returned {value!r}; expected a finite number (within float32's range)", field=name
+        )
     return float(value)

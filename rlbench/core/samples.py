@@ -14,9 +14,11 @@ from rlbench.rundir import recording
 def prompt_tensors(prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """What the `data` stage is checksummed as: which rows, and the token ids they render to."""
     ids = [prompt_ids[p.index] for p in prompts]
-    return {"prompt_index": torch.tensor([p.index for p in prompts], dtype=torch.long),
-            "prompt_lengths": torch.tensor([len(x) for x in ids], dtype=torch.long),
-            "prompt_tokens": torch.tensor([t for x in ids for t in x], dtype=torch.long)}
+    return {
+        "prompt_index": torch.tensor([p.index for p in prompts], dtype=torch.long),
+        "prompt_lengths": torch.tensor([len(x) for x in ids], dtype=torch.long),
+        "prompt_tokens": torch.tensor([t for x in ids for t in x], dtype=torch.long),
+    }
 
 
 def recorded_prompt_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -24,26 +26,43 @@ def recorded_prompt_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch
     groups = tensors["group_index"]
     firsts = [i for i in range(groups.numel()) if i == 0 or groups[i] != groups[i - 1]]
     starts, lengths = tensors["offsets"][firsts], tensors["prompt_lengths"][firsts]
-    tokens = [tensors["tokens"][int(a): int(a) + int(n)] for a, n in zip(starts, lengths)]
-    return {"prompt_index": tensors["prompt_index"][firsts].clone(), "prompt_lengths": lengths.clone(),
-            "prompt_tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)}
+    tokens = [tensors["tokens"][int(a) : int(a) + int(n)] for a, n in zip(starts, lengths)]
+    return {
+        "prompt_index": tensors["prompt_index"][firsts].clone(),
+        "prompt_lengths": lengths.clone(),
+        "prompt_tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long),
+    }
 
 
 def flatten(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """A step's samples as the recording's flat tensors (rlbench/rundir/recording.py's layout)."""
-    return recording.pack([s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                          [s.loss_mask for s in samples], [s.rollout_log_probs for s in samples],
-                          [s.prompt.index for s in samples], [s.group_index for s in samples])
+    return recording.pack(
+        [s.prompt_ids for s in samples],
+        [s.response_ids for s in samples],
+        [s.loss_mask for s in samples],
+        [s.rollout_log_probs for s in samples],
+        [s.prompt.index for s in samples],
+        [s.group_index for s in samples],
+    )
 
 
 def to_sample(tokenizer, prompt: Prompt, group: int, index: int, req: GenerateRequest, res: GenerateResult) -> Sample:
-    return Sample(group_index=group, index=index, prompt=prompt, prompt_ids=req.prompt_ids,
-                  response_ids=res.output_ids, response=tokenizer.decode(res.output_ids, skip_special_tokens=True),
-                  rollout_log_probs=res.logprobs, loss_mask=(1,) * len(res.output_ids),
-                  finish_reason=res.finish_reason, seed=req.seed, engine_id=res.engine_id,
-                  weight_version=res.weight_version,
-                  # the engine's own ids, kept apart from the trained ones: what `check tito` holds them to
-                  extra={"turns": [{"prompt_ids": list(req.prompt_ids), "output_ids": list(res.output_ids)}]})
+    return Sample(
+        group_index=group,
+        index=index,
+        prompt=prompt,
+        prompt_ids=req.prompt_ids,
+        response_ids=res.output_ids,
+        response=tokenizer.decode(res.output_ids, skip_special_tokens=True),
+        rollout_log_probs=res.logprobs,
+        loss_mask=(1,) * len(res.output_ids),
+        finish_reason=res.finish_reason,
+        seed=req.seed,
+        engine_id=res.engine_id,
+        weight_version=res.weight_version,
+        # the engine's own ids, kept apart from the trained ones: what `check tito` holds them to
+        extra={"turns": [{"prompt_ids": list(req.prompt_ids), "output_ids": list(res.output_ids)}]},
+    )
 
 
 def from_trajectory(traj, name: str, prompt: Prompt, group: int, index: int, req: GenerateRequest) -> Sample:
@@ -51,13 +70,21 @@ def from_trajectory(traj, name: str, prompt: Prompt, group: int, index: int, req
     from rlbench.core.generate import check_trajectory
 
     traj = check_trajectory(traj, name)
-    return Sample(group_index=group, index=index, prompt=prompt,
-                  prompt_ids=tuple(traj.prompt_ids) if traj.prompt_ids is not None else req.prompt_ids,
-                  response_ids=tuple(traj.response_ids), response=traj.answer,
-                  rollout_log_probs=tuple(traj.logprobs), loss_mask=tuple(traj.loss_mask),
-                  finish_reason=traj.finish_reason, seed=req.seed, engine_id=traj.engine_id,
-                  weight_version=traj.weight_version,
-                  extra={"conversation": traj.messages, "turns": traj.turns})
+    return Sample(
+        group_index=group,
+        index=index,
+        prompt=prompt,
+        prompt_ids=tuple(traj.prompt_ids) if traj.prompt_ids is not None else req.prompt_ids,
+        response_ids=tuple(traj.response_ids),
+        response=traj.answer,
+        rollout_log_probs=tuple(traj.logprobs),
+        loss_mask=tuple(traj.loss_mask),
+        finish_reason=traj.finish_reason,
+        seed=req.seed,
+        engine_id=traj.engine_id,
+        weight_version=traj.weight_version,
+        extra={"conversation": traj.messages, "turns": traj.turns},
+    )
 
 
 def token_counts(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -20,12 +20,40 @@ import struct
 import torch
 
 # safetensors' Dtype enum in its declaration order (files sort by it, descending), and torch's names for each
-_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64",
-          "U64")
-_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
-           torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16",
-           torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
-           torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64"}
+_ORDER = (
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+)
+_DTYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+}
 _RANK = {name: i for i, name in enumerate(_ORDER)}
 
 
@@ -49,8 +77,11 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
     for key in order:
         tensor = tensors[key]
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + size]}
+        header[key] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)
@@ -62,5 +93,5 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = N
             tensor = tensors[key]
             begin, end = header[key]["data_offsets"]  # type: ignore[index]
             if end > begin:  # the slice is aligned to the element size (widest first), so it views as the dtype
-                buffer[start + begin:start + end].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                buffer[start + begin : start + end].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
     return memoryview(buffer.numpy())

@@ -57,8 +57,12 @@ class Vocab:
         for key in ID_TENSORS:
             ids = tensors.get(key)
             if ids is not None and ids.numel() and int(ids.max()) >= self.model:
-                raise BadInput(f"token id {int(ids.max())} is outside the model's vocabulary ({self.model} ids; "
-                               f"the tokenizer has {self.tokenizer})", path=path, field=key)
+                raise BadInput(
+                    f"token id {int(ids.max())} is outside the model's vocabulary ({self.model} ids; "
+                    f"the tokenizer has {self.tokenizer})",
+                    path=path,
+                    field=key,
+                )
 
     def text(self, tok, ids: list[int]) -> str:
         """`ids` as text with the tokenizer `tok` (their ids as a list without one); each padded id shown as
@@ -89,8 +93,7 @@ def run_vocab(manifest: dict, path: Path, tokenizer=None) -> Vocab | None:
             if not valid_id(value, 2**31) or value < 1:
                 raise BadInput(f"expected an integer in [1, 2**31 - 1], got {value!r}", path=path, field=field)
         if tok > model:
-            raise BadInput(f"expected at most vocab.model ({model}) ids, got {tok}", path=path,
-                           field="vocab.tokenizer")
+            raise BadInput(f"expected at most vocab.model ({model}) ids, got {tok}", path=path, field="vocab.tokenizer")
         return Vocab(model, tok)
     size = len(tokenizer) if tokenizer is not None else None
     model_dir = ((manifest.get("config") or {}).get("model") or {}).get("path")

@@ -32,8 +32,9 @@ def _first_element(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return int(differ[0]) if differ.numel() else None
 
 
-def first_difference(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor],
-                     labels: tuple[str, str]) -> str | None:
+def first_difference(
+    expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], labels: tuple[str, str]
+) -> str | None:
     """Where `got` first differs from `expected` (names, dtypes, shapes, then bytes); None when equal."""
     missing, extra = [n for n in expected if n not in got], [n for n in got if n not in expected]
     if missing or extra:
@@ -53,19 +54,26 @@ def first_difference(expected: Mapping[str, torch.Tensor], got: Mapping[str, tor
     place = list(torch.unravel_index(torch.tensor(index), a.shape)) if a.dim() else []
     where = f"{name}[{', '.join(str(int(i)) for i in place)}]"
     more = f"; {len(differing)} tensors differ" if len(differing) > 1 else ""
-    return (f"{where} (element {index} of {a.numel()}): {labels[0]} {a.reshape(-1)[index].item()!r}, "
-            f"{labels[1]} {b.reshape(-1)[index].item()!r}{more}")
+    return (
+        f"{where} (element {index} of {a.numel()}): {labels[0]} {a.reshape(-1)[index].item()!r}, "
+        f"{labels[1]} {b.reshape(-1)[index].item()!r}{more}"
+    )
 
 
-def check(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], when: str,
-          labels: tuple[str, str] = ("trainer", "engine")) -> None:
+def check(
+    expected: Mapping[str, torch.Tensor],
+    got: Mapping[str, torch.Tensor],
+    when: str,
+    labels: tuple[str, str] = ("trainer", "engine"),
+) -> None:
     found = first_difference(expected, got, labels)
     if found is not None:
         raise WeightMismatch(f"{when}: {labels[1]} weights differ from the {labels[0]}'s at {found}")
 
 
-def check_engine(engine, weights: Mapping[str, torch.Tensor], when: str,
-                 digests: tuple[str, dict[str, str]] | None = None) -> str:
+def check_engine(
+    engine, weights: Mapping[str, torch.Tensor], when: str, digests: tuple[str, dict[str, str]] | None = None
+) -> str:
     """Every copy of the weights `engine` holds is `weights`, bit for bit; returns their digest (the
     `engine_weights` checksum: the digest of what the engine holds, proven equal to `weights`). `digests`:
     `weights_digests(weights)` where the caller has it already (the train stage's, of the same export)."""

@@ -61,8 +61,10 @@ def get(ref, died):
 def _trainer_died(why: str):
     from rlbench.backends.megatron.launch import RankDied
 
-    return RankDied(f"the trainer actor (the trainer's rank 0) died ({why}); the run stopped (its committed steps "
-                    "are kept: rlbench run --resume RUN continues it)")
+    return RankDied(
+        f"the trainer actor (the trainer's rank 0) died ({why}); the run stopped (its committed steps "
+        "are kept: rlbench run --resume RUN continues it)"
+    )
 
 
 def _engine_died(why: str):
@@ -83,8 +85,9 @@ class RayTrainer:
         return get(ref, _trainer_died)
 
     def logprobs(self, tokens, reference=False, lengths=None, per_sample=False):
-        return unpack(self._get(self.actor.logprobs.remote(pack({"tokens": tokens, "lengths": lengths}), reference,
-                                                           per_sample)))["logprobs"]
+        return unpack(
+            self._get(self.actor.logprobs.remote(pack({"tokens": tokens, "lengths": lengths}), reference, per_sample))
+        )["logprobs"]
 
     def train_step(self, batch, step):
         from rlbench.core.algo import TrainStats
@@ -167,21 +170,29 @@ class Placement:
         for resource in sorted({r for bundle in bundles for r in bundle}):
             need = sum(bundle.get(resource, 0) for bundle in bundles)
             if have.get(resource, 0) < need:
-                raise BadInput(f"the Ray cluster has {have.get(resource, 0):g} {resource} in all, the run needs "
-                               f"{need:g} (one for each trainer rank and engine: {len(bundles)} bundles)",
-                               field="placement")
+                raise BadInput(
+                    f"the Ray cluster has {have.get(resource, 0):g} {resource} in all, the run needs "
+                    f"{need:g} (one for each trainer rank and engine: {len(bundles)} bundles)",
+                    field="placement",
+                )
         self.group = placement_group(bundles, strategy="PACK")
         ready, _ = self.ray.wait([self.group.ready()], timeout=300)
         if not ready:
-            raise BadInput(f"Ray cannot place {len(bundles)} bundles {bundles[0]} within 300 s (available: "
-                           f"{self.ray.available_resources()})", field="placement")
+            raise BadInput(
+                f"Ray cannot place {len(bundles)} bundles {bundles[0]} within 300 s (available: "
+                f"{self.ray.available_resources()})",
+                field="placement",
+            )
 
     def actor(self, cls, bundle: int, resources: dict, *args):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
-        handle = self.ray.remote(cls).options(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
-                                             scheduling_strategy=strategy).remote(*args)
+        handle = (
+            self.ray.remote(cls)
+            .options(num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy)
+            .remote(*args)
+        )
         self.actors.append(handle)
         return handle
 
@@ -239,8 +250,10 @@ def local_cpus(config, bundles: int) -> int:
     cpus = given or registry.available_cpus()
     if cpus < bundles:
         where = "placement.num_cpus" if given else f"this machine has {cpus} (placement.num_cpus may say more)"
-        raise BadInput(f"expected at least {bundles} CPUs (one for each trainer rank and each engine), got {cpus}: "
-                       f"{where}", field="placement.num_cpus" if given else "placement")
+        raise BadInput(
+            f"expected at least {bundles} CPUs (one for each trainer rank and each engine), got {cpus}: {where}",
+            field="placement.num_cpus" if given else "placement",
+        )
     return cpus
 
 
@@ -259,6 +272,7 @@ def _place(placement: Placement, config, model, start: int, init_checkpoint: Pat
     if registry.rolls_out(config) and config.rollout.backend == "hf":
         engine = RayEngine(placement.actor(EngineActor, ranks, bundle, config_json, weights, start), placement)
     elif registry.rolls_out(config):
+
         def start_servers(fleet, client) -> None:
             actors = [placement.actor(ServerActor, ranks + i, bundle) for i in range(engines)]
             from rlbench.backends.sglang.client import api_key

@@ -65,8 +65,7 @@ class TrainerActor:
         config = _config(config_json)
         config = config.replace(device=_actor_device(config.device))
         configure_determinism(config.threads, config.device, config.deterministic)
-        model = build_model(config.model.path, config.seed, config.model.dtype, config.device,
-                            init=config.model.init)
+        model = build_model(config.model.path, config.seed, config.model.dtype, config.device, init=config.model.init)
         load_named_(model, unpack(weights), source="the driver's initial weights")
         self.trainer = registry.make_trainer(config, model, RankActors())
         self.checkpoints: Path | None = None  # made by the first load; the placement removes it (remove_checkpoints)
@@ -79,9 +78,18 @@ class TrainerActor:
         from rlbench.core.algo import TrainBatch
 
         given = unpack(tensors)
-        stats = self.trainer.train_step(TrainBatch(given["tokens"], given["loss_mask"], given["advantages"],
-                                                   given["old_logprobs"], given.get("ref_logprobs"),
-                                                   given.get("lengths"), given.get("rollout_logprobs")), step)
+        stats = self.trainer.train_step(
+            TrainBatch(
+                given["tokens"],
+                given["loss_mask"],
+                given["advantages"],
+                given["old_logprobs"],
+                given.get("ref_logprobs"),
+                given.get("lengths"),
+                given.get("rollout_logprobs"),
+            ),
+            step,
+        )
         return stats.metrics, pack({"losses": stats.losses}), stats.grads_digest, stats.param_grads
 
     def export_hf_weights(self):
@@ -142,8 +150,11 @@ class RankActors:
         group, workers = get_current_placement_group(), []
         for rank in range(1, world):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
-            handle = ray.remote(RankActor).options(num_cpus=1, num_gpus=int(own.startswith("cuda")),
-                                                  scheduling_strategy=strategy).remote()
+            handle = (
+                ray.remote(RankActor)
+                .options(num_cpus=1, num_gpus=int(own.startswith("cuda")), scheduling_strategy=strategy)
+                .remote()
+            )
             workers.append(RankWorker(handle, handle.work.remote(self.host, port, rank, world, own)))
         return workers
 

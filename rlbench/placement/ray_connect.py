@@ -120,13 +120,15 @@ def init_within(address: str, seconds: float, timeout: float) -> None:
         thread.start()
         thread.join(seconds)
     if not outcome:
-        raise BadInput(f"{address}: Ray did not connect within {timeout:g} s (--ray-timeout)",
-                       field="placement.ray_address")
+        raise BadInput(
+            f"{address}: Ray did not connect within {timeout:g} s (--ray-timeout)", field="placement.ray_address"
+        )
     if outcome[0] is not None:
         exc = outcome[0]
         first = (str(exc).splitlines() or [""])[0][:200]
-        raise BadInput(f"{address}: Ray refused the connection ({exc.__class__.__name__}: {first})",
-                       field="placement.ray_address")
+        raise BadInput(
+            f"{address}: Ray refused the connection ({exc.__class__.__name__}: {first})", field="placement.ray_address"
+        )
 
 
 @contextmanager

@@ -1,9 +1,9 @@
 """Features built on the loop and the run directory: replay, diff, resume, slime import.
 
-    replay.py   replay a recording with no engine, verifying each stage; the train-only config
-    resume.py   cut a killed run back to its committed steps and continue it
-    diff.py     the first differing (step, stage) and where inside it; tolerance mode
-    checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
-    slime.py    import slime's debug rollout dumps (torch.load with weights_only=True)
-    pickled.py  what a refused dump's pickle names, read from its opcodes, none run
+replay.py   replay a recording with no engine, verifying each stage; the train-only config
+resume.py   cut a killed run back to its committed steps and continue it
+diff.py     the first differing (step, stage) and where inside it; tolerance mode
+checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
+slime.py    import slime's debug rollout dumps (torch.load with weights_only=True)
+pickled.py  what a refused dump's pickle names, read from its opcodes, none run
 """

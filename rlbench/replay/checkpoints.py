@@ -77,8 +77,11 @@ def _verify(path: Path, done: int, weights: str) -> None:
     state = read_json(path / "state.json")
     if not isinstance(state, dict) or state.get("steps_done") != done:
         got = state.get("steps_done") if isinstance(state, dict) else state
-        raise BadInput(f"expected steps_done {done} (the directory's number), got {got!r}", path=path / "state.json",
-                       field="steps_done")
+        raise BadInput(
+            f"expected steps_done {done} (the directory's number), got {got!r}",
+            path=path / "state.json",
+            field="steps_done",
+        )
     model = path / "model.safetensors"
     hf = load_safetensors(model)
     if weights_digest(hf) != weights:
@@ -101,12 +104,17 @@ def _verify_torch(path: Path) -> None:
     meta = read_json(path / "optimizer.json")
     expected = meta.get("tensors_checksum") if isinstance(meta, dict) else None
     if not isinstance(expected, str):
-        raise BadInput("expected the optimizer tensors' checksum (a string)", path=path / "optimizer.json",
-                       field="tensors_checksum")
+        raise BadInput(
+            "expected the optimizer tensors' checksum (a string)",
+            path=path / "optimizer.json",
+            field="tensors_checksum",
+        )
     tensors = load_safetensors(path / "optimizer.safetensors")
     if tensors_digest(sorted(tensors.items())) != expected:
-        raise BadInput(f"its tensors do not match optimizer.json's tensors_checksum: {DAMAGED}",
-                       path=path / "optimizer.safetensors")
+        raise BadInput(
+            f"its tensors do not match optimizer.json's tensors_checksum: {DAMAGED}",
+            path=path / "optimizer.safetensors",
+        )
 
 
 def _verify_megatron(path: Path, hf: dict) -> None:
@@ -125,8 +133,11 @@ def _verify_megatron(path: Path, hf: dict) -> None:
     except (TypeError, KeyError, ValueError):
         raise BadInput("expected tp, dims and optimizer.shard_checksums", path=path / "layout.json") from None
     if not isinstance(sums, list) or len(sums) != tp:
-        raise BadInput(f"expected {tp} shard checksums, got {sums!r}"[:200], path=path / "layout.json",
-                       field="optimizer.shard_checksums")
+        raise BadInput(
+            f"expected {tp} shard checksums, got {sums!r}"[:200],
+            path=path / "layout.json",
+            field="optimizer.shard_checksums",
+        )
     for r in range(tp):
         shard = path / f"optimizer-tp{r:02d}.safetensors"
         if tensors_digest(sorted(load_safetensors(shard).items())) != sums[r]:
@@ -142,8 +153,9 @@ def _verify_megatron(path: Path, hf: dict) -> None:
             expected = {k: v for k, v in expected.items() if k not in replicated}
             held = {k: v for k, v in held.items() if k not in replicated}
         if tensors_digest(sorted(held.items())) != tensors_digest(sorted(expected.items())):
-            raise BadInput(f"its tensors are not rank {r}'s part of the verified model.safetensors: {DAMAGED}",
-                           path=shard)
+            raise BadInput(
+                f"its tensors are not rank {r}'s part of the verified model.safetensors: {DAMAGED}", path=shard
+            )
 
 
 def counted(n: int) -> str:

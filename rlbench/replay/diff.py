@@ -80,8 +80,11 @@ def verify_recordings(run: RunDir) -> int:
         tensors, _ = recording.read_step(run.root, step)
         for key, digest in recorded_checksums(tensors).items():
             if key in rows[step] and rows[step][key] != digest:
-                raise BadInput(f"the recording of step {step} does not match checksums.jsonl at {key} (an edited or "
-                               "mixed-up file)", path=run.root / "rollouts" / f"{step_name(step)}.safetensors")
+                raise BadInput(
+                    f"the recording of step {step} does not match checksums.jsonl at {key} (an edited or "
+                    "mixed-up file)",
+                    path=run.root / "rollouts" / f"{step_name(step)}.safetensors",
+                )
     return len(run.steps)
 
 
@@ -122,15 +125,19 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
         n = min(len(lengths_a), len(lengths_b))
         sample = next((i for i in range(n) if lengths_a[i] != lengths_b[i]), n)
         if sample < n:  # same samples, other lengths: compare that sample's tokens
-            sa = a[int(ta["offsets"][sample]): int(ta["offsets"][sample + 1])]
-            sb = b[int(tb["offsets"][sample]): int(tb["offsets"][sample + 1])]
+            sa = a[int(ta["offsets"][sample]) : int(ta["offsets"][sample + 1])]
+            sb = b[int(tb["offsets"][sample]) : int(tb["offsets"][sample + 1])]
             m = min(len(sa), len(sb))
             token = next((i for i in range(m) if sa[i] != sb[i]), m)
             prompt = int(ta["prompt_lengths"][sample])
             part = f"response token {token - prompt}" if token >= prompt else "prompt"
-            return Difference(step, stage, f"sample {sample}, token {token} ({part}); lengths {len(sa)} vs {len(sb)}",
-                              sa[token].item() if token < len(sa) else "(end)",
-                              sb[token].item() if token < len(sb) else "(end)")
+            return Difference(
+                step,
+                stage,
+                f"sample {sample}, token {token} ({part}); lengths {len(sa)} vs {len(sb)}",
+                sa[token].item() if token < len(sa) else "(end)",
+                sb[token].item() if token < len(sb) else "(end)",
+            )
         return Difference(step, stage, f"sample count {len(lengths_a)} vs {len(lengths_b)}")
     if a.shape != b.shape:
         return Difference(step, stage, f"tensor '{key}' shape {tuple(a.shape)} vs {tuple(b.shape)}")
@@ -141,8 +148,16 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
     delta = (a.double() - b.double()).abs()
     worst = int(delta.argmax())
     where = _token_place(ta, first) if key in TOKEN_STAGES.values() else f"sample {first}"
-    diff = Difference(step, stage, where, a[first].item(), b[first].item(), float(delta.max()), int((~same).sum()),
-                      _max_rel(a[~same], b[~same]) if a.is_floating_point() else None)
+    diff = Difference(
+        step,
+        stage,
+        where,
+        a[first].item(),
+        b[first].item(),
+        float(delta.max()),
+        int((~same).sum()),
+        _max_rel(a[~same], b[~same]) if a.is_floating_point() else None,
+    )
     if worst != first:
         place = _token_place(ta, worst) if key in TOKEN_STAGES.values() else f"sample {worst}"
         diff.notes.append(f"largest difference at {place}: {a[worst].item()!r} vs {b[worst].item()!r}")
@@ -156,11 +171,13 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
     differing = [name for name in da if da.get(name) != db.get(name)]
     if not da or not db:
         return Difference(step, stage, "no per-parameter digests recorded")
-    result = Difference(step, stage, f"parameter {differing[0]}" if differing else "no parameter differs",
-                        count=len(differing))
+    result = Difference(
+        step, stage, f"parameter {differing[0]}" if differing else "no parameter differs", count=len(differing)
+    )
     if len(differing) > 1:
-        result.notes.append(f"{len(differing)} parameters differ: {', '.join(differing[:5])}"
-                            f"{', ...' if len(differing) > 5 else ''}")
+        result.notes.append(
+            f"{len(differing)} parameters differ: {', '.join(differing[:5])}{', ...' if len(differing) > 5 else ''}"
+        )
     ca = run_a.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
     cb = run_b.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
     if differing and ca.is_file() and cb.is_file():
@@ -170,8 +187,9 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
         name = differing[0]
         delta = (wa[name].double() - wb[name].double()).abs()
         result.max_abs = float(delta.max())
-        result.notes.append(f"weights after step {step}: {name} max |delta| {result.max_abs:.3e} at flat index "
-                            f"{int(delta.argmax())}")
+        result.notes.append(
+            f"weights after step {step}: {name} max |delta| {result.max_abs:.3e} at flat index {int(delta.argmax())}"
+        )
     return result
 
 
@@ -202,8 +220,11 @@ def _stage_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) 
     if stage in ("grads", "weights"):
         return _compare_params(run_a, run_b, step, stage, ma, mb) if tol is None else None
     if stage == "engine_weights":  # no values recorded: only the checksum speaks
-        return Difference(step, stage, "engine weights differ while the trainer's agree: the sync stage") \
-            if tol is None else None
+        return (
+            Difference(step, stage, "engine weights differ while the trainer's agree: the sync stage")
+            if tol is None
+            else None
+        )
     return Difference(step, stage, "differs")
 
 
@@ -239,13 +260,17 @@ def _span(text: str, run_a: RunDir, run_b: RunDir) -> range:
     for side, run in (("A", run_a), ("B", run_b)):
         missing = [s for s in range(first, last) if s not in set(run.steps)]
         if missing:
-            raise BadInput(f"{side} has not committed step(s) {missing[0]}..{missing[-1]} of {first}..{last - 1}",
-                           path=run.root / "metrics.jsonl", field="--steps")
+            raise BadInput(
+                f"{side} has not committed step(s) {missing[0]}..{missing[-1]} of {first}..{last - 1}",
+                path=run.root / "metrics.jsonl",
+                field="--steps",
+            )
     return range(first, last)
 
 
-def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | None = None,
-         steps: str | None = None) -> DiffResult:
+def diff(
+    a: str | Path, b: str | Path, atol: float | None = None, rtol: float | None = None, steps: str | None = None
+) -> DiffResult:
     """The first difference between runs A and B (None: none), over every step both committed, or over
     `steps` ("A:B") only; every other step either side committed makes them differ."""
     tol = _tolerance(atol, rtol)
@@ -270,11 +295,17 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
     only = {"A": [k for k in keys_a if k not in keys_b], "B": [k for k in keys_b if k not in keys_a]}
     steps = sorted(set(sums_a) & set(sums_b))
     notes = run_a.notes + run_b.notes + checkpoints["A"].notes + checkpoints["B"].notes
-    notes += [f"{side} recorded no values (--no-record): its checksums were compared, not verified against "
-              "recordings" for side, count in verified.items() if count == 0]
+    notes += [
+        f"{side} recorded no values (--no-record): its checksums were compared, not verified against recordings"
+        for side, count in verified.items()
+        if count == 0
+    ]
     if not stages:
-        raise BadInput(f"the runs share no stage (A: {', '.join(keys_a)}; B: {', '.join(keys_b)}): nothing to compare",
-                       path=run_b.root / "manifest.json", field="stages")
+        raise BadInput(
+            f"the runs share no stage (A: {', '.join(keys_a)}; B: {', '.join(keys_b)}): nothing to compare",
+            path=run_b.root / "manifest.json",
+            field="stages",
+        )
     first, comparisons = None, 0
     for step in steps:
         for stage in stages:
@@ -285,8 +316,12 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
             if tol is not None and first is None and stage in METRIC_OF_STAGE:
                 first = _metric_difference(run_a, run_b, step, stage, tol)
             if tol is None and first is None:  # the checksums say they differ, whatever the values shown say
-                first = Difference(step, stage, "checksums differ, though no recorded value that diff compares "
-                                   "does (another field, a dtype or a shape)")
+                first = Difference(
+                    step,
+                    stage,
+                    "checksums differ, though no recorded value that diff compares "
+                    "does (another field, a dtype or a shape)",
+                )
             if first is not None:
                 break
         if first is not None:
@@ -294,12 +329,28 @@ def diff(a: str | Path, b: str | Path, atol: float | None = None, rtol: float | 
     if first is None and set(sums_a) != set(sums_b):
         extra = sorted(set(sums_a) ^ set(sums_b))
         side = "A" if extra[0] in sums_a else "B"
-        first = Difference(extra[0], "steps", f"step {extra[0]} is committed in {side} only (A committed "
-                           f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree")
+        first = Difference(
+            extra[0],
+            "steps",
+            f"step {extra[0]} is committed in {side} only (A committed "
+            f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree",
+        )
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
-    return DiffResult(str(run_a.root), str(run_b.root), steps, stages, tol, first, around, notes, comparisons, only,
-                      verified, {side: v.steps_done for side, v in checkpoints.items()},
-                      layout_advice(run_a.manifest, run_b.manifest, first))
+    return DiffResult(
+        str(run_a.root),
+        str(run_b.root),
+        steps,
+        stages,
+        tol,
+        first,
+        around,
+        notes,
+        comparisons,
+        only,
+        verified,
+        {side: v.steps_done for side, v in checkpoints.items()},
+        layout_advice(run_a.manifest, run_b.manifest, first),
+    )
 
 
 def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:
@@ -310,8 +361,16 @@ def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol)
         return None
     if bool(_close(torch.tensor(va, dtype=torch.float64), torch.tensor(vb, dtype=torch.float64), tol)):
         return None
-    return Difference(step, stage, f"metric {key}", va, vb, abs(va - vb), 1,
-                      _max_rel(torch.tensor([va], dtype=torch.float64), torch.tensor([vb], dtype=torch.float64)))
+    return Difference(
+        step,
+        stage,
+        f"metric {key}",
+        va,
+        vb,
+        abs(va - vb),
+        1,
+        _max_rel(torch.tensor([va], dtype=torch.float64), torch.tensor([vb], dtype=torch.float64)),
+    )
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
@@ -345,9 +404,11 @@ def layout_advice(manifest_a: dict, manifest_b: dict, first: Difference | None) 
     if None in layouts[0] + layouts[1] or layouts[0] == layouts[1] or None in dtypes or dtypes == ["float64"] * 2:
         return None
     shown = "; ".join(f"{side}: tp {tp}, dp {dp}, {dtype}" for side, (tp, dp), dtype in zip("AB", layouts, dtypes))
-    return (f"the runs differ in parallel layout ({shown}) and part by {first.max_rel:.2g} relative, a gap float32 "
-            "rounding can make: TP/DP reduction order alone moves float32 values by ~1e-6 relative at the first "
-            "update, and more as the runs train apart, while a real bug such as an unreduced q/k-norm gradient parts "
-            "them by as little as 3e-6. To tell which, rerun both with dtype = \"float64\" in the [model] table of "
-            "--config (the CPU and the embedded engine only), where that noise is ~1e-16 and a bug stays as large, "
-            "and compare them with --rtol 1e-12")
+    return (
+        f"the runs differ in parallel layout ({shown}) and part by {first.max_rel:.2g} relative, a gap float32 "
+        "rounding can make: TP/DP reduction order alone moves float32 values by ~1e-6 relative at the first "
+        "update, and more as the runs train apart, while a real bug such as an unreduced q/k-norm gradient parts "
+        'them by as little as 3e-6. To tell which, rerun both with dtype = "float64" in the [model] table of '
+        "--config (the CPU and the embedded engine only), where that noise is ~1e-16 and a bug stays as large, "
+        "and compare them with --rtol 1e-12"
+    )

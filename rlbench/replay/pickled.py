@@ -17,8 +17,13 @@ import zipfile
 from pathlib import Path
 
 # Pickle's own machinery for building an object of a class: not what the file holds.
-MACHINERY = {"copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__", "builtins.object",
-             "__builtin__.object"}
+MACHINERY = {
+    "copyreg._reconstructor",
+    "copyreg.__newobj__",
+    "copyreg.__newobj_ex__",
+    "builtins.object",
+    "__builtin__.object",
+}
 _STRINGS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 _GETS = {"GET", "BINGET", "LONG_BINGET"}
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
@@ -60,7 +65,7 @@ def _scan(stream: io.BytesIO, names: list[str]) -> None:
             names.append(".".join(str(arg).split(" ", 1)))
             recent.append(None)
         elif kind == "STACK_GLOBAL":
-            module, name = (recent[-2:] if len(recent) >= 2 else [None, None])
+            module, name = recent[-2:] if len(recent) >= 2 else [None, None]
             names.append(f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else "(unnamed)")
             recent.append(None)
         elif kind in _STRINGS:
@@ -100,5 +105,7 @@ def what_it_holds(names: list[str]) -> str:
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     if any(n.split(".", 1)[0] == "PIL" for n in names):
         return f"holds {shown} objects (a multimodal dump; rlbench reads text rollouts)"
-    return (f"holds {shown} objects, which rlbench does not load (it reads plain data and tensors only, with "
-            "torch.load(weights_only=True))")
+    return (
+        f"holds {shown} objects, which rlbench does not load (it reads plain data and tensors only, with "
+        "torch.load(weights_only=True))"
+    )

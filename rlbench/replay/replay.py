@@ -57,8 +57,9 @@ def parse_range(text: str | None, committed: int) -> tuple[int, int]:
     except ValueError:
         raise BadInput(f"expected A:B (step numbers), got {text!r}", field="--steps") from None
     if not sep or not 0 <= first < last <= committed:
-        raise BadInput(f"expected A:B with 0 <= A < B <= {committed} (the committed steps), got {text!r}",
-                       field="--steps")
+        raise BadInput(
+            f"expected A:B with 0 <= A < B <= {committed} (the committed steps), got {text!r}", field="--steps"
+        )
     return first, last
 
 
@@ -67,8 +68,12 @@ def default_out(source: Path) -> Path:
     return source.parent / f"{source.name}.replay-{stamp}"
 
 
-def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None,
-           on_step: Callable[[StepState], None] | None = None) -> ReplayResult:
+def replay(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    steps: str | None = None,
+    on_step: Callable[[StepState], None] | None = None,
+) -> ReplayResult:
     source = read_run(run_dir)
     source.require_checksums()
     if not source.steps:
@@ -82,11 +87,13 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
         init = source.root / "checkpoints" / step_name(first)
         if not (init / "state.json").is_file():
             have = sorted(p.name for p in (source.root / "checkpoints").iterdir() if p.name.isdigit())
-            raise BadInput(f"no checkpoint after {first} steps to start from (have: {', '.join(have) or 'none'})",
-                           field="--steps")
+            raise BadInput(
+                f"no checkpoint after {first} steps to start from (have: {', '.join(have) or 'none'})", field="--steps"
+            )
     out = Path(out) if out is not None else default_out(source.root)
-    config = source_config(source).replace(mode="train-only", rollouts=str(source.root), out=str(out), steps=last,
-                                           record=True)
+    config = source_config(source).replace(
+        mode="train-only", rollouts=str(source.root), out=str(out), steps=last, record=True
+    )
     expect = {row["step"]: row for row in source.checksums}
     done, compared = [], []
 
@@ -94,8 +101,10 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
         """Count what `run` compared at this step: the stages both the source and the replay have."""
         stages = [k for k in CHECKSUM_KEYS if k in expect[state.step] and k in state.checksums]
         if not stages:
-            raise BadInput(f"step {state.step}: the replay and the recording share no checksummed stage",
-                           path=source.root / "checksums.jsonl")
+            raise BadInput(
+                f"step {state.step}: the replay and the recording share no checksummed stage",
+                path=source.root / "checksums.jsonl",
+            )
         done.append(state.step)
         compared.append(stages)
         if on_step is not None:
@@ -107,12 +116,32 @@ def replay(run_dir: str | Path, out: str | Path | None = None, steps: str | None
     try:
         result = run(config, step_done, start=first, init_checkpoint=init, expect=expect)
     except Diverged as diverged:
-        return ReplayResult(str(source.root), str(out), (first, last), len(done), diverged, common(), None,
-                            sum(map(len, compared)), checkpoints.steps_done, checkpoints.notes)
+        return ReplayResult(
+            str(source.root),
+            str(out),
+            (first, last),
+            len(done),
+            diverged,
+            common(),
+            None,
+            sum(map(len, compared)),
+            checkpoints.steps_done,
+            checkpoints.notes,
+        )
     if done != list(range(first, last)):  # every step of the range compared, or no verdict
         raise AssertionError(f"replay compared steps {done}, expected {first}..{last - 1}")
-    return ReplayResult(str(source.root), str(out), (first, last), len(done), None, common(), result,
-                        sum(map(len, compared)), checkpoints.steps_done, checkpoints.notes)
+    return ReplayResult(
+        str(source.root),
+        str(out),
+        (first, last),
+        len(done),
+        None,
+        common(),
+        result,
+        sum(map(len, compared)),
+        checkpoints.steps_done,
+        checkpoints.notes,
+    )
 
 
 def recorded_overrides(config: RunConfig, recorded: RunConfig) -> list[str]:
@@ -120,8 +149,11 @@ def recorded_overrides(config: RunConfig, recorded: RunConfig) -> list[str]:
     out = []
     for section in ("model", "data", "rollout", "reward"):
         mine, theirs = getattr(config, section).__dict__, getattr(recorded, section).__dict__
-        out += [f"{section}.{key}: the recording's {theirs[key]!r}, not {mine[key]!r}" for key in mine
-                if mine[key] != theirs.get(key)]
+        out += [
+            f"{section}.{key}: the recording's {theirs[key]!r}, not {mine[key]!r}"
+            for key in mine
+            if mine[key] != theirs.get(key)
+        ]
     return out
 
 
@@ -136,5 +168,12 @@ def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None
         raise BadInput(f"the recording has {committed} committed steps, --steps asks for {steps}", field="--steps")
     if committed == 0:
         raise BadInput("the recording has no committed step", path=source.root / "metrics.jsonl")
-    return config.replace(mode="train-only", rollouts=str(source.root), steps=steps or committed,
-                          model=recorded.model, data=recorded.data, rollout=recorded.rollout, reward=recorded.reward)
+    return config.replace(
+        mode="train-only",
+        rollouts=str(source.root),
+        steps=steps or committed,
+        model=recorded.model,
+        data=recorded.data,
+        rollout=recorded.rollout,
+        reward=recorded.reward,
+    )

@@ -82,8 +82,11 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
     foreign = foreign_entries(run_dir)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise BadInput(f"holds what rlbench did not write: {shown}. Resume writes and deletes only inside a run "
-                       "directory of its own making; move these away first", path=run_dir)
+        raise BadInput(
+            f"holds what rlbench did not write: {shown}. Resume writes and deletes only inside a run "
+            "directory of its own making; move these away first",
+            path=run_dir,
+        )
     source = read_run(run_dir)
     source.require_checksums()  # the committed steps it recomputes are verified by them
     root = source.root
@@ -98,8 +101,7 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
     discarded = cut_back(root, committed)
     hit("resume.cut_back")
     checkpoints = [int(p.name) for p in (root / "checkpoints").iterdir() if p.name.isdigit()]
-    start = committed if config.mode == "rollout-only" else max([c for c in checkpoints if c <= committed],
-                                                                default=0)
+    start = committed if config.mode == "rollout-only" else max([c for c in checkpoints if c <= committed], default=0)
     init = root / "checkpoints" / step_name(start) if start > 0 and config.mode != "rollout-only" else None
     expect = {row["step"]: row for row in source.checksums}
     result = run(config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True)

@@ -37,19 +37,52 @@ from rlbench.config import ModelConfig, RunConfig
 from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 
-STATUS_TO_FINISH = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "abort",
-                    "pending": "abort"}
-USED = ("group_index", "index", "prompt", "tokens", "response", "response_length", "label", "reward", "loss_mask",
-        "rollout_log_probs", "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "remove_sample", "status")
-KEPT = ("rollout_id", "weight_versions", "apply_chat_template_kwargs", "rollout_routed_experts", "teacher_log_probs",
-        "metadata", "generate_function_path", "custom_rm_path", "train_metadata", "session_id", "non_generation_time",
-        "spec_info", "prefix_cache_info")
+STATUS_TO_FINISH = {
+    "completed": "stop",
+    "truncated": "length",
+    "aborted": "abort",
+    "failed": "abort",
+    "pending": "abort",
+}
+USED = (
+    "group_index",
+    "index",
+    "prompt",
+    "tokens",
+    "response",
+    "response_length",
+    "label",
+    "reward",
+    "loss_mask",
+    "rollout_log_probs",
+    "rollout_top_p_token_ids",
+    "rollout_top_p_token_offsets",
+    "remove_sample",
+    "status",
+)
+KEPT = (
+    "rollout_id",
+    "weight_versions",
+    "apply_chat_template_kwargs",
+    "rollout_routed_experts",
+    "teacher_log_probs",
+    "metadata",
+    "generate_function_path",
+    "custom_rm_path",
+    "train_metadata",
+    "session_id",
+    "non_generation_time",
+    "spec_info",
+    "prefix_cache_info",
+)
 REFUSED = ("multimodal_inputs", "multimodal_train_inputs", "multimodal_train_input_id")
 FIELDS = {**{f: "used" for f in USED}, **{f: "kept" for f in KEPT}, **{f: "refused" for f in REFUSED}}
 # Kept, but slime trains with them where rlbench's replay does not: named in the summary when set.
-NOT_TRAINED = {"teacher_log_probs": "on-policy distillation (--use-opd) is not modelled",
-               "train_metadata": "per-sample training metadata (custom losses) is not modelled",
-               "rollout_routed_experts": "routing replay (--use-rollout-routing-replay) is not modelled"}
+NOT_TRAINED = {
+    "teacher_log_probs": "on-policy distillation (--use-opd) is not modelled",
+    "train_metadata": "per-sample training metadata (custom losses) is not modelled",
+    "rollout_routed_experts": "routing replay (--use-rollout-routing-replay) is not modelled",
+}
 MEDIA_PARTS = ("image", "image_url", "video", "video_url", "audio", "input_audio")
 
 
@@ -68,13 +101,18 @@ def load_dump(path: Path) -> dict:
         if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
             raise BadInput(_refusal(path, lines), path=path) from None
         raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {lines[0][:120]})", path=path) from None
-    if not isinstance(dump, dict) or not isinstance(dump.get("rollout_id"), int) or \
-            not isinstance(dump.get("samples"), list):
+    if (
+        not isinstance(dump, dict)
+        or not isinstance(dump.get("rollout_id"), int)
+        or not isinstance(dump.get("samples"), list)
+    ):
         raise BadInput("expected {'rollout_id': int, 'samples': [Sample.to_dict(), ...]}", path=path)
     if is_eval_dump(path, dump["rollout_id"]):
-        raise BadInput(f"an evaluation dump (slime writes eval_{dump['rollout_id']} in the --save-debug-rollout-data "
-                       "template for its eval rollouts): not training data; import the training dumps only",
-                       path=path)
+        raise BadInput(
+            f"an evaluation dump (slime writes eval_{dump['rollout_id']} in the --save-debug-rollout-data "
+            "template for its eval rollouts): not training data; import the training dumps only",
+            path=path,
+        )
     return dump
 
 
@@ -89,8 +127,9 @@ def _refusal(path: Path, lines: list[str]) -> str:
         return f"refused: the dump {what_it_holds(names)}"
     reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])
     reason = reason.split(" Please use", 1)[0].removeprefix("WeightsUnpickler error: ")[:160]
-    return f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles nothing else " \
-           f"({reason})"
+    return (
+        f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles nothing else ({reason})"
+    )
 
 
 def is_eval_dump(path: Path, rollout_id: int) -> bool:
@@ -152,8 +191,11 @@ def _messages(prompt, path: Path, where: str) -> list[dict]:
                 if not isinstance(kind, str):
                     raise BadInput(f"{where}[{k}].content: expected content parts {{type, ...}}", path=path)
                 if kind in MEDIA_PARTS:
-                    raise BadInput(f"{where}[{k}].content: a '{kind}' part: multimodal samples are not supported "
-                                   "(rlbench's models are text only)", path=path)
+                    raise BadInput(
+                        f"{where}[{k}].content: a '{kind}' part: multimodal samples are not supported "
+                        "(rlbench's models are text only)",
+                        path=path,
+                    )
         elif content is not None and not isinstance(content, str):
             raise BadInput(f"{where}[{k}].content: expected a string, null or a list of content parts", path=path)
     return _plain(prompt, path, where)
@@ -169,11 +211,18 @@ def _nucleus(raw: dict, path: Path, where: str, n: int) -> tuple[list[int], list
         raise BadInput(f"{where}.{missing}: None, while its pair is set (slime records both or neither)", path=path)
     ids = _ints(ids, path, f"{where}.rollout_top_p_token_ids")
     offsets = _ints(offsets, path, f"{where}.rollout_top_p_token_offsets")
-    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids) or \
-            any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise BadInput(f"{where}.rollout_top_p_token_offsets: expected response_length + 1 = {n + 1} non-decreasing "
-                       f"offsets from 0 to {len(ids)} (the number of nucleus ids), got {len(offsets)} from "
-                       f"{offsets[:1]} to {offsets[-1:]}", path=path)
+    if (
+        len(offsets) != n + 1
+        or offsets[0] != 0
+        or offsets[-1] != len(ids)
+        or any(b < a for a, b in zip(offsets, offsets[1:]))
+    ):
+        raise BadInput(
+            f"{where}.rollout_top_p_token_offsets: expected response_length + 1 = {n + 1} non-decreasing "
+            f"offsets from 0 to {len(ids)} (the number of nucleus ids), got {len(offsets)} from "
+            f"{offsets[:1]} to {offsets[-1:]}",
+            path=path,
+        )
     return ids, offsets
 
 
@@ -181,8 +230,9 @@ def _reward(raw: dict, path: Path, where: str, reward_key: str | None) -> float:
     reward = raw.get("reward")
     if isinstance(reward, dict):
         if reward_key is None or reward_key not in reward:
-            raise BadInput(f"{where}.reward is a dict ({', '.join(map(str, reward))}); name one with --reward-key",
-                           path=path)
+            raise BadInput(
+                f"{where}.reward is a dict ({', '.join(map(str, reward))}); name one with --reward-key", path=path
+            )
         reward = reward[reward_key]
     if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
         raise BadInput(f"{where}.reward: expected a finite number, got {reward!r}", path=path)
@@ -197,13 +247,19 @@ def _spans(raw: dict, path: Path, where: str) -> tuple[list[int], int, list[int]
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(tokens):
         raise BadInput(f"{where}.response_length: expected an integer in [0, {len(tokens)}], got {n!r}", path=path)
     mask = [1] * n if raw.get("loss_mask") is None else _ints(raw["loss_mask"], path, f"{where}.loss_mask", high=1)
-    logprobs = _floats(raw.get("rollout_log_probs"), path, f"{where}.rollout_log_probs") \
-        if raw.get("rollout_log_probs") is not None else None
+    logprobs = (
+        _floats(raw.get("rollout_log_probs"), path, f"{where}.rollout_log_probs")
+        if raw.get("rollout_log_probs") is not None
+        else None
+    )
     for name, values in (("loss_mask", mask), ("rollout_log_probs", logprobs)):
         if values is not None and len(values) != n:  # slime's own invariant
-            hint = (": the engine scored another number of tokens than the sample holds, so its response ids are "
-                    "not the ones it sampled (re-tokenised after generation? token-in-token-out drift, mode 1)"
-                    if name == "rollout_log_probs" else "")
+            hint = (
+                ": the engine scored another number of tokens than the sample holds, so its response ids are "
+                "not the ones it sampled (re-tokenised after generation? token-in-token-out drift, mode 1)"
+                if name == "rollout_log_probs"
+                else ""
+            )
             raise BadInput(f"{where}.{name}: {len(values)} values, response_length is {n}{hint}", path=path)
     return tokens, n, mask, logprobs
 
@@ -222,8 +278,10 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
         raise BadInput(f"{where}: expected a dict (Sample.to_dict())", path=path)
     for name in REFUSED:
         if raw.get(name) is not None:
-            raise BadInput(f"{where}.{name}: set, and multimodal samples are not supported (rlbench's models are "
-                           "text only)", path=path)
+            raise BadInput(
+                f"{where}.{name}: set, and multimodal samples are not supported (rlbench's models are text only)",
+                path=path,
+            )
     tokens, n, mask, logprobs = _spans(raw, path, where)
     nucleus = _nucleus(raw, path, where, n)
     reward = _reward(raw, path, where, reward_key)
@@ -236,8 +294,10 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
         raise BadInput(f"{where}.index: expected an integer, got {index!r}", path=path)
     status = raw.get("status", "completed")
     if status not in STATUS_TO_FINISH:
-        raise BadInput(f"{where}.status: expected one of slime's statuses ({', '.join(STATUS_TO_FINISH)}), got "
-                       f"{status!r}", path=path)
+        raise BadInput(
+            f"{where}.status: expected one of slime's statuses ({', '.join(STATUS_TO_FINISH)}), got {status!r}",
+            path=path,
+        )
     removed = raw.get("remove_sample", False)
     if not isinstance(removed, bool):
         raise BadInput(f"{where}.remove_sample: expected true or false, got {removed!r}", path=path)
@@ -249,15 +309,36 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
     versions = raw.get("weight_versions") or []
     if not isinstance(versions, list):
         raise BadInput(f"{where}.weight_versions: expected a list, got {type(versions).__name__}", path=path)
-    return {"tokens": tokens, "prompt_length": len(tokens) - n, "loss_mask": mask, "logprobs": logprobs,
-            "nucleus": nucleus, "reward": reward, "group_index": group, "index": index,
-            "meta": {"index": index, "group_index": group, "prompt_index": group, "group": group,
-                     "messages": messages, "label": _plain(raw.get("label"), path, f"{where}.label"),
-                     "response": raw.get("response") or "", "response_length": n,
-                     "finish_reason": STATUS_TO_FINISH[status], "status": status, "seed": None, "engine_id": "slime",
-                     "weight_version": str(versions[-1]) if versions else None, "reward": reward,
-                     "remove_sample": removed, "has_rollout_logprobs": logprobs is not None,
-                     "top_p": nucleus is not None, "slime": _kept(raw, path, where)}}
+    return {
+        "tokens": tokens,
+        "prompt_length": len(tokens) - n,
+        "loss_mask": mask,
+        "logprobs": logprobs,
+        "nucleus": nucleus,
+        "reward": reward,
+        "group_index": group,
+        "index": index,
+        "meta": {
+            "index": index,
+            "group_index": group,
+            "prompt_index": group,
+            "group": group,
+            "messages": messages,
+            "label": _plain(raw.get("label"), path, f"{where}.label"),
+            "response": raw.get("response") or "",
+            "response_length": n,
+            "finish_reason": STATUS_TO_FINISH[status],
+            "status": status,
+            "seed": None,
+            "engine_id": "slime",
+            "weight_version": str(versions[-1]) if versions else None,
+            "reward": reward,
+            "remove_sample": removed,
+            "has_rollout_logprobs": logprobs is not None,
+            "top_p": nucleus is not None,
+            "slime": _kept(raw, path, where),
+        },
+    }
 
 
 def _nucleus_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -279,10 +360,14 @@ def _nucleus_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
 def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
     from rlbench.rundir.recording import pack
 
-    tensors = pack([r["tokens"][: r["prompt_length"]] for r in rows], [r["tokens"][r["prompt_length"]:] for r in rows],
-                   [r["loss_mask"] for r in rows],
-                   [r["logprobs"] if r["logprobs"] is not None else [0.0] * len(r["loss_mask"]) for r in rows],
-                   [r["group_index"] for r in rows], [r["group_index"] for r in rows])
+    tensors = pack(
+        [r["tokens"][: r["prompt_length"]] for r in rows],
+        [r["tokens"][r["prompt_length"] :] for r in rows],
+        [r["loss_mask"] for r in rows],
+        [r["logprobs"] if r["logprobs"] is not None else [0.0] * len(r["loss_mask"]) for r in rows],
+        [r["group_index"] for r in rows],
+        [r["group_index"] for r in rows],
+    )
     tensors["rewards"] = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
     if any(r["nucleus"] is not None for r in rows):
         tensors.update(_nucleus_tensors(rows))
@@ -291,8 +376,10 @@ def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 def _read_step(dump: dict, path: Path, reward_key: str | None, vocab: int, vocabulary: str) -> list[dict]:
     """One dump's samples, ordered by (group, index), their ids held to the vocabulary."""
-    rows = sorted((_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
-                  key=lambda r: (r["group_index"], r["index"]))
+    rows = sorted(
+        (_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
+        key=lambda r: (r["group_index"], r["index"]),
+    )
     if not rows:
         raise BadInput("no samples", path=path, field="samples")
     too_big = max(max([*r["tokens"], *(r["nucleus"] or ([], []))[0]], default=0) for r in rows)
@@ -312,17 +399,21 @@ def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
     """Counts of what the summary names, and its notes: kept fields slime trains with that replay
     does not use, fields slime's Sample does not declare, compact rollouts."""
     rows = [r for _, _, step_rows in steps for r in step_rows]
-    counts = {"removed": sum(r["meta"]["remove_sample"] for r in rows),
-              "without_logprobs": sum(not r["meta"]["has_rollout_logprobs"] for r in rows),
-              "top_p": sum(r["meta"]["top_p"] for r in rows)}
+    counts = {
+        "removed": sum(r["meta"]["remove_sample"] for r in rows),
+        "without_logprobs": sum(not r["meta"]["has_rollout_logprobs"] for r in rows),
+        "top_p": sum(r["meta"]["top_p"] for r in rows),
+    }
     notes = []
     for name, why in NOT_TRAINED.items():
         n = sum(r["meta"]["slime"].get(name) is not None for r in rows)
         if n:
             notes.append(f"{name} kept in {n} samples' metadata, not used by replay: {why}")
     if counts["top_p"]:
-        notes.append(f"top-p nucleus of {counts['top_p']} samples kept: check logprobs --recompute renormalises over "
-                     "it; replay trains on full-vocabulary log-probs (slime renormalises there too)")
+        notes.append(
+            f"top-p nucleus of {counts['top_p']} samples kept: check logprobs --recompute renormalises over "
+            "it; replay trains on full-vocabulary log-probs (slime renormalises there too)"
+        )
     unknown = sorted({k for r in rows for k in r["meta"]["slime"] if k not in FIELDS and k != "reward"})
     if unknown:
         notes.append(f"fields slime's Sample does not declare, kept in the samples' metadata: {', '.join(unknown)}")
@@ -330,14 +421,17 @@ def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
         ids = [r["meta"]["slime"].get("rollout_id") for r in step_rows]
         shared = sum(1 for x in ids if x is not None and ids.count(x) > 1)
         if shared:
-            notes.append(f"rollout id {rollout_id}: {shared} samples share a Sample.rollout_id with siblings (a "
-                         "compact rollout): slime averages their loss over the rollout's tokens together, replay per "
-                         "sample")
+            notes.append(
+                f"rollout id {rollout_id}: {shared} samples share a Sample.rollout_id with siblings (a "
+                "compact rollout): slime averages their loss over the rollout's tokens together, replay per "
+                "sample"
+            )
     return counts, notes
 
 
-def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None,
-                 model_given: bool = True) -> dict:
+def import_slime(
+    dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None, model_given: bool = True
+) -> dict:
     """Write the dumps as a recording at `out`; return a summary. Token ids are held to the model's
     vocabulary when a model was given (`model_given`), else to the tokenizer's."""
     from rlbench.core.model import load_tokenizer
@@ -358,13 +452,27 @@ def import_slime(dumps: list[Path], out: Path, model: ModelConfig, reward_key: s
     sizes = [_group_sizes(rows) for _, _, rows in steps]
     _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)))
     flat = sorted({s for step_sizes in sizes for s in step_sizes})
-    return {"out": str(out), "steps": len(steps), "rollout_ids": [rid for rid, _, _ in steps],
-            "samples": sum(len(rows) for _, _, rows in steps), "samples_per_step": [len(rows) for _, _, rows in steps],
-            "group_size": flat[0] if len(flat) == 1 else None, "group_sizes": sizes, **counts, "notes": notes}
+    return {
+        "out": str(out),
+        "steps": len(steps),
+        "rollout_ids": [rid for rid, _, _ in steps],
+        "samples": sum(len(rows) for _, _, rows in steps),
+        "samples_per_step": [len(rows) for _, _, rows in steps],
+        "group_size": flat[0] if len(flat) == 1 else None,
+        "group_sizes": sizes,
+        **counts,
+        "notes": notes,
+    }
 
 
-def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], out: Path, model: ModelConfig,
-           dumps: list[Path], vocab: Vocab) -> None:
+def _write(
+    steps: list[tuple[int, Path, list[dict]]],
+    sizes: list[list[int]],
+    out: Path,
+    model: ModelConfig,
+    dumps: list[Path],
+    vocab: Vocab,
+) -> None:
     """The recording: a rollout-only manifest (its vocabulary: the one the ids were held to, core/vocab.py)
     and one committed step per dump. The dumps do not say slime's batch settings: prompts per step and
     samples per prompt are the largest of the dumps' (groups may differ in size), and one optimizer step
@@ -378,17 +486,39 @@ def _write(steps: list[tuple[int, Path, list[dict]]], sizes: list[list[int]], ou
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
     config = RunConfig(steps=len(steps), mode="rollout-only", out=str(out), model=model)
-    config = config.replace(data=config.data.__class__(path=str(dumps[0]), prompts_per_step=max(map(len, sizes))),
-                            rollout=config.rollout.__class__(n_samples_per_prompt=max(map(max, sizes))),
-                            train=config.train.__class__(minibatches=1))
-    manifest = json.loads(json.dumps({
-        "schema": SCHEMA, "checksum": CHECKSUM, "config": config.to_dict(), "seed": config.seed, "mode": "rollout-only",
-        "stages": ["data", "rollout", "reward"], "reward_fn": "imported", "versions": versions(),
-        "device": "cpu", "imported": {"from": "slime", "files": [str(p) for _, p, _ in steps],
-                                      "rollout_ids": [rid for rid, _, _ in steps], "group_sizes": sizes},
-        "hashes": {"model_config": file_digest(Path(model.path) / "config.json"),
-                   "tokenizer": file_digest(Path(model.tokenizer)), "initial_weights": None, "dataset": None},
-        "vocab": vocab.as_manifest()}))
+    config = config.replace(
+        data=config.data.__class__(path=str(dumps[0]), prompts_per_step=max(map(len, sizes))),
+        rollout=config.rollout.__class__(n_samples_per_prompt=max(map(max, sizes))),
+        train=config.train.__class__(minibatches=1),
+    )
+    manifest = json.loads(
+        json.dumps(
+            {
+                "schema": SCHEMA,
+                "checksum": CHECKSUM,
+                "config": config.to_dict(),
+                "seed": config.seed,
+                "mode": "rollout-only",
+                "stages": ["data", "rollout", "reward"],
+                "reward_fn": "imported",
+                "versions": versions(),
+                "device": "cpu",
+                "imported": {
+                    "from": "slime",
+                    "files": [str(p) for _, p, _ in steps],
+                    "rollout_ids": [rid for rid, _, _ in steps],
+                    "group_sizes": sizes,
+                },
+                "hashes": {
+                    "model_config": file_digest(Path(model.path) / "config.json"),
+                    "tokenizer": file_digest(Path(model.tokenizer)),
+                    "initial_weights": None,
+                    "dataset": None,
+                },
+                "vocab": vocab.as_manifest(),
+            }
+        )
+    )
     writer = RunWriter(out, manifest)
     try:
         for step, (rollout_id, _, rows) in enumerate(steps):

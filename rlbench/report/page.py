@@ -37,8 +37,16 @@ document.querySelectorAll('button[data-fold]').forEach(function (button) {
 });
 """
 
-VERDICT_CLASS = {"no difference": "ok", "no drift": "ok", "passed": "ok", "measured": "ok", "differ": "bad",
-                 "drift": "bad", "failed": "bad", "undetermined": "und"}
+VERDICT_CLASS = {
+    "no difference": "ok",
+    "no drift": "ok",
+    "passed": "ok",
+    "measured": "ok",
+    "differ": "bad",
+    "drift": "bad",
+    "failed": "bad",
+    "undetermined": "und",
+}
 
 
 def e(value) -> str:
@@ -53,13 +61,17 @@ def render(data: dict) -> str:
     if len(runs) > 1:
         sections.append(_divergence(data))
     sections += [_mismatch(data), _tito(data), _manifest(data)]
-    nav = "".join(f'<a href="#{sid}">{e(name)}</a>' for sid, name in
-                  [("verdicts", "verdicts"), ("metrics", "metrics"), ("timings", "timings")] +
-                  ([("divergence", "divergence")] if len(runs) > 1 else []) +
-                  [("mismatch", "log-prob mismatch"), ("tito", "TITO"), ("manifest", "manifest")])
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>'
-            f'<style>{STYLE}</style></head><body><header><h1>{e(title)}</h1><nav>{nav}</nav></header>'
-            f'<main>{"".join(sections)}</main><script>{SCRIPT}</script></body></html>\n')
+    nav = "".join(
+        f'<a href="#{sid}">{e(name)}</a>'
+        for sid, name in [("verdicts", "verdicts"), ("metrics", "metrics"), ("timings", "timings")]
+        + ([("divergence", "divergence")] if len(runs) > 1 else [])
+        + [("mismatch", "log-prob mismatch"), ("tito", "TITO"), ("manifest", "manifest")]
+    )
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>'
+        f"<style>{STYLE}</style></head><body><header><h1>{e(title)}</h1><nav>{nav}</nav></header>"
+        f"<main>{''.join(sections)}</main><script>{SCRIPT}</script></body></html>\n"
+    )
 
 
 def _section(sid: str, title: str, body: str) -> str:
@@ -67,12 +79,21 @@ def _section(sid: str, title: str, body: str) -> str:
 
 
 def _verdicts(data: dict) -> str:
-    rows = "".join(f'<tr><td>{e(v["check"])}</td><td class="{VERDICT_CLASS.get(v["verdict"], "")}">'
-                   f'{e(v["verdict"])}</td><td>{e(v["detail"])}</td></tr>' for v in data["verdicts"])
-    runs = "".join(f'<tr><td>{"AB"[i]}</td><td>{e(r["path"])}</td><td>{r["steps"]} committed steps</td>'
-                   f'<td>{e("; ".join(r["notes"]))}</td></tr>' for i, r in enumerate(data["runs"]))
-    return _section("verdicts", "Verdicts", f"<table>{runs}</table><table><tr><th>check</th><th>verdict</th>"
-                                            f"<th>what it compared</th></tr>{rows}</table>")
+    rows = "".join(
+        f'<tr><td>{e(v["check"])}</td><td class="{VERDICT_CLASS.get(v["verdict"], "")}">'
+        f"{e(v['verdict'])}</td><td>{e(v['detail'])}</td></tr>"
+        for v in data["verdicts"]
+    )
+    runs = "".join(
+        f"<tr><td>{'AB'[i]}</td><td>{e(r['path'])}</td><td>{r['steps']} committed steps</td>"
+        f"<td>{e('; '.join(r['notes']))}</td></tr>"
+        for i, r in enumerate(data["runs"])
+    )
+    return _section(
+        "verdicts",
+        "Verdicts",
+        f"<table>{runs}</table><table><tr><th>check</th><th>verdict</th><th>what it compared</th></tr>{rows}</table>",
+    )
 
 
 def _marks(data: dict, name: str) -> list[int]:
@@ -89,7 +110,7 @@ def _metrics(data: dict) -> str:
         if name in golden:
             series.append(("golden", golden[name]["expected"], "2 2"))
         charts.append(svg.line_chart(name, series, _marks(data, name), golden.get(name, {}).get("band", [])))
-    note = ("Red dashed lines: the first divergence" + (" and the golden's failing steps" if golden else "") + ".")
+    note = "Red dashed lines: the first divergence" + (" and the golden's failing steps" if golden else "") + "."
     return _section("metrics", "Metrics", f'<p>{e(note)}</p><div class="grid">{"".join(charts)}</div>')
 
 
@@ -106,43 +127,61 @@ def _tokens(side: dict, differ: set[int]) -> str:
     cells = []
     for i, (token, text) in enumerate(zip(side["ids"], side["text"])):
         kind = "diff" if i in differ else "prompt" if i < side["prompt"] else ""
-        cells.append(f'<span class="tok {kind}" title="position {i}, log-prob {side["logprobs"][i]:.6g}">'
-                     f'{token}<br>{e(repr(text)[1:-1])}</span>')
+        cells.append(
+            f'<span class="tok {kind}" title="position {i}, log-prob {side["logprobs"][i]:.6g}">'
+            f"{token}<br>{e(repr(text)[1:-1])}</span>"
+        )
     return f'<div class="tokens">{"".join(cells)}</div>'
 
 
 def _divergence(data: dict) -> str:
     first = data.get("divergence")
     if first is None:
-        return _section("divergence", "Where the runs part", "<p class=\"ok\">No difference: every checksum of every "
-                        "committed step agrees (the verdicts say how many were compared).</p>")
-    body = (f'<p>First divergence at <b>step {first["step"]}</b>, stage <b>{e(first["stage"])}</b>: '
-            f'{e(first["where"])}</p>')
+        return _section(
+            "divergence",
+            "Where the runs part",
+            '<p class="ok">No difference: every checksum of every '
+            "committed step agrees (the verdicts say how many were compared).</p>",
+        )
+    body = (
+        f"<p>First divergence at <b>step {first['step']}</b>, stage <b>{e(first['stage'])}</b>: {e(first['where'])}</p>"
+    )
     sample = first.get("sample")
     if sample:
         differ = set(sample["differ"])
-        body += (f'<p>Sample {sample["index"]} of step {first["step"]}: {len(differ)} positions differ '
-                 f'(highlighted; the prompt is shaded; hover a token for its log-prob).</p>'
-                 f'<h3>A</h3>{_tokens(sample["a"], differ)}<h3>B</h3>{_tokens(sample["b"], differ)}')
+        body += (
+            f"<p>Sample {sample['index']} of step {first['step']}: {len(differ)} positions differ "
+            f"(highlighted; the prompt is shaded; hover a token for its log-prob).</p>"
+            f"<h3>A</h3>{_tokens(sample['a'], differ)}<h3>B</h3>{_tokens(sample['b'], differ)}"
+        )
     return _section("divergence", "Where the runs part", body)
 
 
 def _mismatch(data: dict) -> str:
     m = data["mismatch"]
     if not m["tokens"]:
-        return _section("mismatch", "Train-inference log-prob mismatch",
-                        '<p class="und">Undetermined: the recording holds no trainer log-probs.</p>')
+        return _section(
+            "mismatch",
+            "Train-inference log-prob mismatch",
+            '<p class="und">Undetermined: the recording holds no trainer log-probs.</p>',
+        )
     stats = ", ".join(f"{k} {v:.3g}" for k, v in m["stats"].items())
-    rows = "".join(f'<tr><td>{w["step"]}</td><td>{w["sample"]}</td><td>{w["token"]}</td><td>{w["id"]}</td>'
-                   f'<td><code>{e(w["text"])}</code></td><td><code>{e(w["context"])}</code></td>'
-                   f'<td>{w["trainer"]:.6g}</td><td>{w["rollout"]:.6g}</td><td>{w["delta"]:.3g}</td></tr>'
-                   for w in m["worst"])
-    table = ("<table><tr><th>step</th><th>sample</th><th>response token</th><th>id</th><th>text</th>"
-             f"<th>context</th><th>trainer</th><th>rollout</th><th>delta</th></tr>{rows}</table>")
-    span = f'{m["steps"]} steps' if m["steps"] == m["of"] else f'{m["steps"]} of {m["of"]} steps, evenly spread'
-    body = (f'<p>{m["tokens"]} judged tokens of {e(span)}; {e(stats)}</p>'
-            + svg.histogram("|trainer - rollout| log-prob per token (log-scale counts)", m["counts"], m["labels"])
-            + f'<h3>Worst tokens <button data-fold="worst">hide</button></h3><div id="worst">{table}</div>')
+    rows = "".join(
+        f"<tr><td>{w['step']}</td><td>{w['sample']}</td><td>{w['token']}</td><td>{w['id']}</td>"
+        f"<td><code>{e(w['text'])}</code></td><td><code>{e(w['context'])}</code></td>"
+        f"<td>{w['trainer']:.6g}</td><td>{w['rollout']:.6g}</td><td>{w['delta']:.3g}</td></tr>"
+        for w in m["worst"]
+    )
+    table = (
+        "<table><tr><th>step</th><th>sample</th><th>response token</th><th>id</th><th>text</th>"
+        f"<th>context</th><th>trainer</th><th>rollout</th><th>delta</th></tr>{rows}</table>"
+    )
+    span = f"{m['steps']} steps" if m["steps"] == m["of"] else f"{m['steps']} of {m['of']} steps, evenly spread"
+    body = (
+        f"<p>{m['tokens']} judged tokens of {e(span)}; {e(stats)}</p>"
+        + svg.histogram("|trainer - rollout| log-prob per token (log-scale counts)", m["counts"], m["labels"])
+        + f'<h3>Worst tokens <button data-fold="worst">hide</button></h3><div id="worst">{table}</div>'
+    )
     return _section("mismatch", "Train-inference log-prob mismatch", body)
 
 
@@ -157,12 +196,17 @@ def _tito(data: dict) -> str:
     if not t["findings"]:
         body = f'<p class="ok">No finding: {t["compared"]} of {t["samples"]} samples held to the engine\'s ids.</p>'
     else:
-        rows = "".join(f'<tr><td>{f["step"]}</td><td>{f["sample"]}</td><td>{e(f["mode"])}</td><td>{e(f["where"])}</td>'
-                       f'<td>{f["index"]}</td><td><code>{e(f["context"])}</code></td>'
-                       f'<td><code>{_ids(f["expected"])}</code><br>{e(f["expected_text"])}</td>'
-                       f'<td><code>{_ids(f["got"])}</code><br>{e(f["got_text"])}</td></tr>' for f in t["findings"])
-        body = ("<table><tr><th>step</th><th>sample</th><th>mode</th><th>where</th><th>first differing id</th>"
-                "<th>agreed context</th><th>expected ids / text</th><th>got ids / text</th></tr>" + rows + "</table>")
+        rows = "".join(
+            f"<tr><td>{f['step']}</td><td>{f['sample']}</td><td>{e(f['mode'])}</td><td>{e(f['where'])}</td>"
+            f"<td>{f['index']}</td><td><code>{e(f['context'])}</code></td>"
+            f"<td><code>{_ids(f['expected'])}</code><br>{e(f['expected_text'])}</td>"
+            f"<td><code>{_ids(f['got'])}</code><br>{e(f['got_text'])}</td></tr>"
+            for f in t["findings"]
+        )
+        body = (
+            "<table><tr><th>step</th><th>sample</th><th>mode</th><th>where</th><th>first differing id</th>"
+            "<th>agreed context</th><th>expected ids / text</th><th>got ids / text</th></tr>" + rows + "</table>"
+        )
     notes = "".join(f"<li>{e(n)}</li>" for n in t.get("notes", []))
     return _section("tito", "TITO findings", body + (f"<ul>{notes}</ul>" if notes else ""))
 
@@ -171,6 +215,8 @@ def _manifest(data: dict) -> str:
     blocks = []
     for i, run in enumerate(data["runs"]):
         text = json.dumps(run["manifest"], indent=1, sort_keys=True, default=str)
-        blocks.append(f'<h3>{"AB"[i]}: {e(run["path"])} <button data-fold="manifest-{i}">hide</button></h3>'
-                      f'<pre id="manifest-{i}">{e(text)}</pre>')
+        blocks.append(
+            f'<h3>{"AB"[i]}: {e(run["path"])} <button data-fold="manifest-{i}">hide</button></h3>'
+            f'<pre id="manifest-{i}">{e(text)}</pre>'
+        )
     return _section("manifest", "Manifest", "".join(blocks))

@@ -16,6 +16,8 @@ CHECKSUM = "wordsum/1"
 def older_checksums(got: object) -> str:
     """Why a run directory or recording whose checksum algorithm is `got` (None: not named) cannot be read."""
     if got is None:
-        return (f"written with sha256 checksums by an older rlbench; this rlbench checksums with {CHECKSUM} and "
-                "cannot verify them: read it with the rlbench that wrote it, or run it again")
+        return (
+            f"written with sha256 checksums by an older rlbench; this rlbench checksums with {CHECKSUM} and "
+            "cannot verify them: read it with the rlbench that wrote it, or run it again"
+        )
     return f"checksums of algorithm {got!r}; this rlbench reads {CHECKSUM!r} only"

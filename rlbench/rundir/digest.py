@@ -106,10 +106,10 @@ def _tail_word(data, full: int):
     """The last nbytes % 8 bytes, zero-padded to one word (numpy or torch, as `data`)."""
     if isinstance(data, np.ndarray):
         tail = np.zeros(8, dtype=np.uint8)
-        tail[:data.size - full] = data[full:]
+        tail[: data.size - full] = data[full:]
         return int(tail.view(np.uint64)[0])
     tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
-    tail[:data.numel() - full] = data[full:]
+    tail[: data.numel() - full] = data[full:]
     return tail.view(torch.int64)
 
 
@@ -121,10 +121,10 @@ def _host_lanes(data: np.ndarray) -> tuple[int, int]:
     a, lanes = a_table(), [0, 0]
     b = b_table(chunks + 1)[chunks] if chunks else (1, 1)  # the last chunk's multipliers (chunk 0's are 1)
     if chunks:
-        sums = (words[:chunks * CHUNK].reshape(chunks, CHUNK) @ a.T) * b_table(chunks)[:chunks]
+        sums = (words[: chunks * CHUNK].reshape(chunks, CHUNK) @ a.T) * b_table(chunks)[:chunks]
         lanes = [int(x) for x in sums.sum(axis=0, dtype=np.uint64)]
     if rest:
-        sums = a[:, :rest] @ words[chunks * CHUNK:]
+        sums = a[:, :rest] @ words[chunks * CHUNK :]
         lanes = [lanes[0] + int(sums[0]) * int(b[0]), lanes[1] + int(sums[1]) * int(b[1])]
     if full < data.size:  # the last word, zero-padded, at position n
         word = _tail_word(data, full)
@@ -149,12 +149,12 @@ def _device_lanes(data: torch.Tensor, fused: bool | None = None) -> torch.Tensor
     chunks, rest = divmod(n, CHUNK)
     b = _on_device("B", chunks + 1, data.device)
     parts = []
-    grid = words[:chunks * CHUNK].view(chunks, CHUNK)
+    grid = words[: chunks * CHUNK].view(chunks, CHUNK)
     for g in range(0, chunks, GROUP):
-        block = grid[g:g + GROUP]
-        parts.append(((block.unsqueeze(1) * a).sum(dim=2) * b[g:g + block.shape[0]]).sum(dim=0))
+        block = grid[g : g + GROUP]
+        parts.append(((block.unsqueeze(1) * a).sum(dim=2) * b[g : g + block.shape[0]]).sum(dim=0))
     if rest:
-        sums = (words[chunks * CHUNK:] * a[:, :rest]).sum(dim=1)
+        sums = (words[chunks * CHUNK :] * a[:, :rest]).sum(dim=1)
         parts.append(sums * b[chunks] if chunks else sums)  # chunk 0's multiplier is 1
     if full < data.numel():  # the last word, zero-padded, at position n
         parts.append(_tail_word(data, full) * a[:, rest] * b[chunks])
@@ -184,8 +184,20 @@ def _chunk_kernel():
             return None
 
         @triton.jit
-        def chunk_sums(base, offsets, counts, owner, place, slot, a, b, out, CHUNK: tl.constexpr,
-                       BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        def chunk_sums(
+            base,
+            offsets,
+            counts,
+            owner,
+            place,
+            slot,
+            a,
+            b,
+            out,
+            CHUNK: tl.constexpr,
+            BLOCK: tl.constexpr,
+            MASKED: tl.constexpr,
+        ):
             g = tl.program_id(0).to(tl.int64)
             t = tl.load(owner + g)
             c = tl.load(place + g)
@@ -228,7 +240,7 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
         address = data.data_ptr()
         if nbytes >= 8:
             if address % 8:  # an unaligned view: its whole words copied to aligned memory (kept alive in `datas`)
-                data = datas[i] = _byte_view(data)[:nbytes // 8 * 8].clone()
+                data = datas[i] = _byte_view(data)[: nbytes // 8 * 8].clone()
                 address = data.data_ptr()
             if base is None:
                 base = _byte_view(data)[:8].view(torch.int64)
@@ -246,8 +258,18 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     place = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(whole) - whole, whole)
     partial = np.flatnonzero(chunks > whole)  # the tensors with a last, partial chunk
     ends = np.cumsum(chunks)
-    tables = [offsets, counts, owner, place, starts[owner] + place, partial, whole[partial],
-              starts[partial] + whole[partial], ends, ends - chunks]
+    tables = [
+        offsets,
+        counts,
+        owner,
+        place,
+        starts[owner] + place,
+        partial,
+        whole[partial],
+        starts[partial] + whole[partial],
+        ends,
+        ends - chunks,
+    ]
     # One copy to the device, from pinned memory and not waited for (a blocking copy would wait for all the work
     # queued before it: a trainer's backward). Each part starts 16 bytes aligned (Triton compiles a variant per
     # pointer alignment).
@@ -255,8 +277,7 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     bounds = np.cumsum([0] + [part.size for part in parts])
     host = torch.from_numpy(np.concatenate(parts))
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    offsets_, counts_, *programs, ends_, begins_ = (table[lo:lo + part.size]
-                                                    for lo, part in zip(bounds[:-1], tables))
+    offsets_, counts_, *programs, ends_, begins_ = (table[lo : lo + part.size] for lo, part in zip(bounds[:-1], tables))
     total = int(chunks.sum())
     a = _on_device("A", 0, device)
     b = _on_device("B", int(max(chunks.max(initial=0), whole.max(initial=0))) + 1, device)
@@ -265,8 +286,21 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for (owner_, place_, slot_), masked in ((programs[:3], False), (programs[3:6], True)):
             if owner_.numel():
-                _chunk_kernel()[(owner_.numel(),)](base, offsets_, counts_, owner_, place_, slot_, a, b, out,
-                                                   CHUNK=CHUNK, BLOCK=_BLOCK, MASKED=masked, num_warps=_WARPS)
+                _chunk_kernel()[(owner_.numel(),)](
+                    base,
+                    offsets_,
+                    counts_,
+                    owner_,
+                    place_,
+                    slot_,
+                    a,
+                    b,
+                    out,
+                    CHUNK=CHUNK,
+                    BLOCK=_BLOCK,
+                    MASKED=masked,
+                    num_warps=_WARPS,
+                )
     result = _segment_totals(out, ends_, begins_)
     for row in np.flatnonzero(tails):  # the last word, zero-padded, at position n
         chunk, rest = divmod(int(counts[row]), CHUNK)
@@ -285,12 +319,14 @@ def _device_lanes_many(datas: list[torch.Tensor]) -> torch.Tensor:
     zeros = torch.zeros(max(c * span - d.numel() for c, d in zip(chunks, datas)), dtype=torch.uint8, device=device)
     pieces = []
     for data, count in zip(datas, chunks):
-        pieces += [data, zeros[:count * span - data.numel()]]
+        pieces += [data, zeros[: count * span - data.numel()]]
     words = torch.cat(pieces).view(torch.int64).view(-1, CHUNK)
     a, b = _on_device("A", 0, device), _on_device("B", max(chunks) + 1, device)
     place = torch.from_numpy(np.concatenate([np.arange(c) for c in chunks] + [np.zeros(0, np.int64)])).to(device)
-    sums = torch.cat([(words[g:g + GROUP].unsqueeze(1) * a).sum(dim=2) for g in range(0, words.shape[0], GROUP)]
-                     or [torch.zeros(0, 2, dtype=torch.int64, device=device)])
+    sums = torch.cat(
+        [(words[g : g + GROUP].unsqueeze(1) * a).sum(dim=2) for g in range(0, words.shape[0], GROUP)]
+        or [torch.zeros(0, 2, dtype=torch.int64, device=device)]
+    )
     ends = torch.from_numpy(np.cumsum(chunks)).to(device)
     return _segment_totals(sums * b[place], ends, ends - torch.tensor(chunks, device=device))
 
@@ -402,7 +438,7 @@ class Digests:
                 pair = next(fetched)
                 record = header + pair[0].to_bytes(8, "little") + pair[1].to_bytes(8, "little")
             elif isinstance(value[0], torch.Tensor):
-                record = header + batches[id(value[0])][16 * value[1]: 16 * value[1] + 16]
+                record = header + batches[id(value[0])][16 * value[1] : 16 * value[1] + 16]
             else:
                 record = header + value[0].to_bytes(8, "little") + value[1].to_bytes(8, "little")
             for key in keys:
@@ -426,8 +462,9 @@ def _fetch(pending: list[torch.Tensor]) -> list[tuple[int, int]]:
 def tensors_digest(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
     """Checksum of named tensors, in the order given (pass a dict sorted by name for weights)."""
     digests = Digests([None])
-    digests.add_all((name, tensor, (None,)) for name, tensor in (tensors.items() if isinstance(tensors, Mapping)
-                                                                   else tensors))
+    digests.add_all(
+        (name, tensor, (None,)) for name, tensor in (tensors.items() if isinstance(tensors, Mapping) else tensors)
+    )
     return digests.hexdigests()[None]
 
 

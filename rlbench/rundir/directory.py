@@ -46,12 +46,28 @@ if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
 
 # checksums.jsonl: the digests each stage of the loop adds to a step's line, in loop order.
-STAGE_CHECKSUMS = {"data": ("data",), "rollout": ("rollout_tokens", "rollout_logprobs"), "reward": ("rewards",),
-                   "recorded": ("data", "rollout_tokens", "rollout_logprobs", "rewards"),
-                   "advantage": ("advantages",), "logprob": ("old_logprobs",), "train": ("loss", "grads", "weights"),
-                   "sync": ("engine_weights",)}
-CHECKSUM_KEYS = ("data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
-                 "grads", "weights", "engine_weights")
+STAGE_CHECKSUMS = {
+    "data": ("data",),
+    "rollout": ("rollout_tokens", "rollout_logprobs"),
+    "reward": ("rewards",),
+    "recorded": ("data", "rollout_tokens", "rollout_logprobs", "rewards"),
+    "advantage": ("advantages",),
+    "logprob": ("old_logprobs",),
+    "train": ("loss", "grads", "weights"),
+    "sync": ("engine_weights",),
+}
+CHECKSUM_KEYS = (
+    "data",
+    "rollout_tokens",
+    "rollout_logprobs",
+    "rewards",
+    "advantages",
+    "old_logprobs",
+    "loss",
+    "grads",
+    "weights",
+    "engine_weights",
+)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -93,7 +109,7 @@ def append_line(path: Path, obj: dict) -> None:
             fh.write(line[: len(line) // 2])
             fh.flush()
             hit("metrics.half_written")
-            line = line[len(line) // 2:]
+            line = line[len(line) // 2 :]
         fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())
@@ -114,10 +130,15 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
         notes.append(f"{path.name}: ignored a torn last line (a write was cut off)")
     for lineno, line in enumerate(lines[:-1], start=1):
         row = parse_json(line, path, f"JSON at line {lineno}")
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool) \
-                or row["step"] < 0:
-            raise BadInput(f"line {lineno}: not a step record (expected an object with an integer 'step' >= 0)",
-                           path=path)
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("step"), int)
+            or isinstance(row["step"], bool)
+            or row["step"] < 0
+        ):
+            raise BadInput(
+                f"line {lineno}: not a step record (expected an object with an integer 'step' >= 0)", path=path
+            )
         rows.append(row)
     return rows, notes
 
@@ -212,8 +233,9 @@ class RunWriter:
             try:
                 os.rename(tmp, root)  # onto nothing, or onto an empty directory
             except OSError:
-                raise BadInput("--out was claimed by another run meanwhile; nothing was overwritten",
-                               path=root) from None
+                raise BadInput(
+                    "--out was claimed by another run meanwhile; nothing was overwritten", path=root
+                ) from None
         except BaseException:
             lock.release()
             shutil.rmtree(tmp, ignore_errors=True)
@@ -234,13 +256,23 @@ class RunWriter:
                 old = json.loads(existing.read_text())
             except ValueError:
                 old = {}
-            differs = sorted(k for k in set(old.get("config", {})) | set(manifest["config"])
-                             if old.get("config", {}).get(k) != manifest["config"].get(k))
+            differs = sorted(
+                k
+                for k in set(old.get("config", {})) | set(manifest["config"])
+                if old.get("config", {}).get(k) != manifest["config"].get(k)
+            )
             what = f"a different run (config differs in: {', '.join(differs)})" if differs else "this run"
             raise BadInput(f"--out already holds {what}; nothing was overwritten, choose a new --out", path=root)
 
-    def commit_step(self, step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
-                    checksums: dict[str, str], metrics: dict[str, float], extra: dict | None = None) -> None:
+    def commit_step(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        samples: list[dict],
+        checksums: dict[str, str],
+        metrics: dict[str, float],
+        extra: dict | None = None,
+    ) -> None:
         """Queue the step's recording, then its checksums, then its metrics line (the commit)."""
         from rlbench.rundir.recording import encode_step
 
@@ -334,8 +366,11 @@ class RunDir:
         """The checksums each committed step of this run must have, from the stages its manifest names."""
         stages = self.manifest.get("stages")
         if not isinstance(stages, list) or not all(s in STAGE_CHECKSUMS for s in stages):
-            raise BadInput(f"expected a list of stages from {', '.join(STAGE_CHECKSUMS)}, got {stages!r}",
-                           path=self.root / "manifest.json", field="stages")
+            raise BadInput(
+                f"expected a list of stages from {', '.join(STAGE_CHECKSUMS)}, got {stages!r}",
+                path=self.root / "manifest.json",
+                field="stages",
+            )
         keys = {k for stage in stages for k in STAGE_CHECKSUMS[stage]}
         return [k for k in CHECKSUM_KEYS if k in keys]
 
@@ -348,16 +383,26 @@ class RunDir:
         rows = {row["step"]: row for row in self.checksums}
         missing = [s for s in self.steps if s not in rows]
         if missing:
-            raise BadInput(f"no checksums for committed step(s) {_steps_text(missing)} of {len(self.steps)} "
-                           "(truncated or edited)", path=path)
+            raise BadInput(
+                f"no checksums for committed step(s) {_steps_text(missing)} of {len(self.steps)} (truncated or edited)",
+                path=path,
+            )
         keys = self.checksum_keys
         for step in self.steps:
             row = rows[step]
-            bad = [k for k in keys if not (isinstance(row.get(k), str) and len(row[k]) == 64
-                                           and all(c in "0123456789abcdef" for c in row[k]))]
+            bad = [
+                k
+                for k in keys
+                if not (
+                    isinstance(row.get(k), str) and len(row[k]) == 64 and all(c in "0123456789abcdef" for c in row[k])
+                )
+            ]
             if bad:
-                raise BadInput(f"step {step}: expected a checksum (64 hex digits) for {', '.join(bad)} (the run's "
-                               f"stages {', '.join(self.manifest['stages'])} record them)", path=path)
+                raise BadInput(
+                    f"step {step}: expected a checksum (64 hex digits) for {', '.join(bad)} (the run's "
+                    f"stages {', '.join(self.manifest['stages'])} record them)",
+                    path=path,
+                )
 
 
 _FILES = {"manifest.json", "metrics.jsonl", "checksums.jsonl", LOCK_NAME}
@@ -378,8 +423,9 @@ def foreign_entries(root: Path) -> list[str]:
         if path.is_symlink():
             found.append(f"{rel} (a link)")
         elif len(parts) == 1:
-            ok = (parts[0] in ("rollouts", "checkpoints") and path.is_dir()) or \
-                (path.is_file() and (parts[0] in _FILES or re.fullmatch(r"\.[\w.]+\.tmp", parts[0])))
+            ok = (parts[0] in ("rollouts", "checkpoints") and path.is_dir()) or (
+                path.is_file() and (parts[0] in _FILES or re.fullmatch(r"\.[\w.]+\.tmp", parts[0]))
+            )
             if not ok:
                 found.append(str(rel))
         elif parts[0] == "rollouts":
@@ -406,8 +452,9 @@ def _one_line_per_step(rows: list[dict], path: Path) -> None:
             earlier = rows[first[step]]
             differ = [k for k in dict.fromkeys([*earlier, *row]) if earlier.get(k) != row.get(k)]
             how = f"differing at {', '.join(differ[:3])}" if differ else "the same again"
-            raise BadInput(f"line {i + 1}: a second line for step {step} (line {first[step] + 1} is the first), "
-                           f"{how}", path=path)
+            raise BadInput(
+                f"line {i + 1}: a second line for step {step} (line {first[step] + 1} is the first), {how}", path=path
+            )
         first[step] = i
 
 
@@ -421,7 +468,7 @@ def _numbers_only(metrics: list[dict], path: Path) -> None:
 
 def _shown(value: object, width: int = 60) -> str:
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def read_run(root: str | Path) -> RunDir:
@@ -438,8 +485,12 @@ def read_run(root: str | Path) -> RunDir:
         raise BadInput(older_checksums(manifest.get("checksum")), path=path, field="checksum")
     for key, kind in (("config", dict), ("stages", list), ("mode", str)):
         if not isinstance(manifest.get(key), kind):
-            raise BadInput(f"expected {kind.__name__ if kind is not dict else 'an object'}, got "
-                           f"{type(manifest.get(key)).__name__}", path=path, field=key)
+            raise BadInput(
+                f"expected {kind.__name__ if kind is not dict else 'an object'}, got "
+                f"{type(manifest.get(key)).__name__}",
+                path=path,
+                field=key,
+            )
     from rlbench.rundir.sections import check_sections
 
     check_sections(manifest, path)

@@ -50,8 +50,11 @@ class RunLock:
             holder = _holder(fd)
             os.close(fd)
             who = f"pid {holder}" if holder else "another process"
-            raise BadInput(f"{who} is writing this run directory (it holds {path.name}); wait for it to end, or "
-                           "choose another directory", path=self.root) from None
+            raise BadInput(
+                f"{who} is writing this run directory (it holds {path.name}); wait for it to end, or "
+                "choose another directory",
+                path=self.root,
+            ) from None
         self.fd = fd
         _HELD[key] = [fd, 1]
         return self

@@ -21,10 +21,21 @@ if TYPE_CHECKING:
     from rlbench.config import RunConfig
     from rlbench.rundir.directory import RunDir
 
-def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...], reward_fn: str,
-             versions: dict[str, str | None], device_name: str | None, determinism: dict, weights: dict | None,
-             hashes: dict[str, str | None], vocab: dict[str, int] | None = None,
-             source: RunDir | None = None) -> dict:
+
+def manifest(
+    config: RunConfig,
+    *,
+    command: str | None,
+    stages: tuple[str, ...],
+    reward_fn: str,
+    versions: dict[str, str | None],
+    device_name: str | None,
+    determinism: dict,
+    weights: dict | None,
+    hashes: dict[str, str | None],
+    vocab: dict[str, int] | None = None,
+    source: RunDir | None = None,
+) -> dict:
     """The manifest of a run of `config`: `command` is the command line that asked for it, `stages` the
     loop's stages in its mode, `reward_fn` the verifier's name, `weights` where the initial weights came
     from (a checkpoint's files, or a seed), `hashes` the sha256 of its input files and the checksum (`checksum`,
@@ -42,8 +53,12 @@ def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...],
         "stages": list(stages),
         "reward_fn": reward_fn,
         "versions": versions,
-        "platform": {"system": platform.system(), "machine": platform.machine(),
-                     "platform": platform.platform(), "processor": platform.processor()},
+        "platform": {
+            "system": platform.system(),
+            "machine": platform.machine(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },
         "device": config.device,
         "device_name": device_name,
         "determinism": determinism,
@@ -53,6 +68,9 @@ def manifest(config: RunConfig, *, command: str | None, stages: tuple[str, ...],
         "vocab": vocab,
     }
     if source is not None:
-        made["source"] = {"run": str(source.root), "steps": len(source.steps),
-                          "created": source.manifest.get("created")}
+        made["source"] = {
+            "run": str(source.root),
+            "steps": len(source.steps),
+            "created": source.manifest.get("created"),
+        }
     return made

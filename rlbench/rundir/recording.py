@@ -46,13 +46,26 @@ from rlbench.rundir.algorithm import SCHEMA, older_checksums
 from rlbench.rundir.digest import ALGORITHM, tensors_digest
 from rlbench.rundir.jsonio import read_bytes, read_json
 
-REQUIRED = ("tokens", "offsets", "prompt_lengths", "prompt_index", "group_index", "loss_mask", "rollout_logprobs",
-            "rewards")
+REQUIRED = (
+    "tokens",
+    "offsets",
+    "prompt_lengths",
+    "prompt_index",
+    "group_index",
+    "loss_mask",
+    "rollout_logprobs",
+    "rewards",
+)
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
-         logprobs: Sequence[Sequence[float]], prompt_index: Sequence[int], group_index: Sequence[int]
-         ) -> dict[str, torch.Tensor]:
+def pack(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    prompt_index: Sequence[int],
+    group_index: Sequence[int],
+) -> dict[str, torch.Tensor]:
     """The layout above from plain per-sample lists (prompt and response spans split); the loss mask
     and log-probs are response-aligned (a generate function's mask is 0 on tool tokens)."""
     lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long)
@@ -97,18 +110,28 @@ def _samples_digest(samples: list) -> str:
     return hashlib.sha256(json.dumps(samples, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def encode_step(step: int, tensors: dict[str, torch.Tensor], samples: list[dict],
-                extra: dict | None = None) -> tuple[bytes, bytes]:
+def encode_step(
+    step: int, tensors: dict[str, torch.Tensor], samples: list[dict], extra: dict | None = None
+) -> tuple[bytes, bytes]:
     """The two files of a step's recording, as bytes: (safetensors, json)."""
     from safetensors.torch import save
 
     tensors = {k: v.contiguous() for k, v in sorted(tensors.items())}
     # One metadata key holding sorted JSON: safetensors writes `__metadata__` from a Rust
     # HashMap, so two or more keys come out in a per-process order and the bytes differ.
-    header = {"rlbench": json.dumps({"schema": SCHEMA, "step": step, "checksum": ALGORITHM,
-                                     "tensors_checksum": tensors_digest(tensors)}, sort_keys=True)}
-    meta = {"schema": SCHEMA, "step": step, **(extra or {}), "samples": samples,
-            "samples_sha256": _samples_digest(samples)}
+    header = {
+        "rlbench": json.dumps(
+            {"schema": SCHEMA, "step": step, "checksum": ALGORITHM, "tensors_checksum": tensors_digest(tensors)},
+            sort_keys=True,
+        )
+    }
+    meta = {
+        "schema": SCHEMA,
+        "step": step,
+        **(extra or {}),
+        "samples": samples,
+        "samples_sha256": _samples_digest(samples),
+    }
     return save(tensors, metadata=header), _step_json(meta)
 
 
@@ -138,15 +161,19 @@ def read_step(root: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         tensors = dict(sorted(load(raw).items()))  # `load` gives a per-process hash order
         header_len = int.from_bytes(raw[:8], "little")
-        header = json.loads(json.loads(raw[8:8 + header_len])["__metadata__"]["rlbench"])
+        header = json.loads(json.loads(raw[8 : 8 + header_len])["__metadata__"]["rlbench"])
         if not isinstance(header, dict):
             raise TypeError("the rlbench metadata is not an object")
     except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
-        raise BadInput(f"corrupt or truncated safetensors ({exc.__class__.__name__}: {str(exc)[:80]})",
-                       path=st_path) from None
+        raise BadInput(
+            f"corrupt or truncated safetensors ({exc.__class__.__name__}: {str(exc)[:80]})", path=st_path
+        ) from None
     if header.get("schema") != SCHEMA or header.get("step") != step:
-        raise BadInput(f"expected schema {SCHEMA!r} and step {step}, got {header.get('schema')!r} and "
-                       f"{header.get('step')!r}", path=st_path, field="__metadata__")
+        raise BadInput(
+            f"expected schema {SCHEMA!r} and step {step}, got {header.get('schema')!r} and {header.get('step')!r}",
+            path=st_path,
+            field="__metadata__",
+        )
     if header.get("checksum") != ALGORITHM:
         raise BadInput(older_checksums(header.get("checksum")), path=st_path, field="__metadata__")
     if tensors_digest(dict(sorted(tensors.items()))) != header.get("tensors_checksum"):
@@ -176,16 +203,30 @@ def finish_reasons(root: Path, step: int, samples: list[dict]) -> list[str]:
         reason = sample.get("finish_reason")
         if reason not in FINISH_REASONS:
             got = "nothing" if "finish_reason" not in sample else repr(reason)
-            raise BadInput(f"expected one of {', '.join(FINISH_REASONS)}, got {got}", path=path,
-                           field=f"samples[{i}].finish_reason")
+            raise BadInput(
+                f"expected one of {', '.join(FINISH_REASONS)}, got {got}",
+                path=path,
+                field=f"samples[{i}].finish_reason",
+            )
     return [sample["finish_reason"] for sample in samples]
 
 
-DTYPES = {"tokens": torch.int64, "offsets": torch.int64, "prompt_lengths": torch.int64, "prompt_index": torch.int64,
-          "group_index": torch.int64, "loss_mask": torch.uint8, "rollout_logprobs": torch.float32,
-          "rewards": torch.float32, "advantages": torch.float32, "old_logprobs": torch.float32,
-          "ref_logprobs": torch.float32, "losses": torch.float32, "top_p_ids": torch.int64,
-          "top_p_offsets": torch.int64}
+DTYPES = {
+    "tokens": torch.int64,
+    "offsets": torch.int64,
+    "prompt_lengths": torch.int64,
+    "prompt_index": torch.int64,
+    "group_index": torch.int64,
+    "loss_mask": torch.uint8,
+    "rollout_logprobs": torch.float32,
+    "rewards": torch.float32,
+    "advantages": torch.float32,
+    "old_logprobs": torch.float32,
+    "ref_logprobs": torch.float32,
+    "losses": torch.float32,
+    "top_p_ids": torch.int64,
+    "top_p_offsets": torch.int64,
+}
 
 
 def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
@@ -196,8 +237,11 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
             raise BadInput(f"tensor '{key}' missing", path=path)
     for key, tensor in t.items():
         if key in DTYPES and (tensor.dtype != DTYPES[key] or tensor.dim() != 1):
-            raise BadInput(f"tensor '{key}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected a flat "
-                           f"{DTYPES[key]} tensor", path=path)
+            raise BadInput(
+                f"tensor '{key}' is {tensor.dtype} of shape {tuple(tensor.shape)}, expected a flat "
+                f"{DTYPES[key]} tensor",
+                path=path,
+            )
     for key in ("tokens", "prompt_index", "group_index"):
         if t[key].numel() and int(t[key].min()) < 0:
             raise BadInput(f"tensor '{key}' holds {int(t[key].min())}; ids and indices are >= 0", path=path)
@@ -237,7 +281,13 @@ def _check_nucleus(t: dict[str, torch.Tensor], total: int, path: Path) -> None:
     ids, offsets = t["top_p_ids"], t["top_p_offsets"]
     if ids.numel() and int(ids.min()) < 0:
         raise BadInput(f"tensor 'top_p_ids' holds {int(ids.min())}; ids are >= 0", path=path)
-    if offsets.numel() != total + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or \
-            bool((offsets[1:] < offsets[:-1]).any()):
-        raise BadInput(f"tensor 'top_p_offsets' is not a monotone split of 'top_p_ids' with one span per token "
-                       f"({total} tokens)", path=path)
+    if (
+        offsets.numel() != total + 1
+        or int(offsets[0]) != 0
+        or int(offsets[-1]) != ids.numel()
+        or bool((offsets[1:] < offsets[:-1]).any())
+    ):
+        raise BadInput(
+            f"tensor 'top_p_offsets' is not a monotone split of 'top_p_ids' with one span per token ({total} tokens)",
+            path=path,
+        )

@@ -12,8 +12,7 @@ from pathlib import Path
 from rlbench.errors import BadInput
 
 # The manifest's own sections that are objects when written; null is read as absent (a run without them).
-OBJECT_SECTIONS = ("versions", "platform", "determinism", "weights", "numerics", "hashes", "vocab", "source",
-                   "engines")
+OBJECT_SECTIONS = ("versions", "platform", "determinism", "weights", "numerics", "hashes", "vocab", "source", "engines")
 
 
 def _config_tables() -> list[str]:
@@ -26,8 +25,11 @@ def _config_tables() -> list[str]:
         value = getattr(config, section.name)
         if dataclasses.is_dataclass(value):
             tables.append(f"config.{section.name}")
-            tables += [f"config.{section.name}.{f.name}" for f in dataclasses.fields(value)
-                       if isinstance(getattr(value, f.name), dict)]
+            tables += [
+                f"config.{section.name}.{f.name}"
+                for f in dataclasses.fields(value)
+                if isinstance(getattr(value, f.name), dict)
+            ]
     return tables
 
 
@@ -35,9 +37,11 @@ def check_sections(made: dict, path: Path) -> None:
     """Every section of the manifest `made` (read from `path`) that is written as an object is one, or absent:
     BadInput naming the file and the field otherwise. The config's tables may not be null (a config always has
     them); the manifest's own sections may (older runs wrote some as null). Values inside are the readers'."""
+
     def refuse(field: str, got: object) -> BadInput:
-        return BadInput(f"expected an object (a table), got {'null' if got is None else type(got).__name__}",
-                        path=path, field=field)
+        return BadInput(
+            f"expected an object (a table), got {'null' if got is None else type(got).__name__}", path=path, field=field
+        )
 
     for key in OBJECT_SECTIONS:
         if made.get(key) is not None and not isinstance(made[key], dict):

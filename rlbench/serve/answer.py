@@ -45,8 +45,9 @@ class Prompt:
 
 
 @torch.no_grad()
-def prompt_logprobs(model, ids: tuple[int, ...], start: int, temperature: float, top_n: int, device: str,
-                    probe: tuple[int, ...] = ()) -> Prompt:
+def prompt_logprobs(
+    model, ids: tuple[int, ...], start: int, temperature: float, top_n: int, device: str, probe: tuple[int, ...] = ()
+) -> Prompt:
     """The prompt's log-probs under the model (one teacher-forced forward of the prompt alone, at the
     request's temperature; greedy at 1): token p's is log_softmax(logits[p - 1])[ids[p]]; the first
     returned token's is None, as in SGLang (its prefix is not scored); likewise the top and probed ones."""
@@ -82,11 +83,19 @@ class Answers:
     def text(self, item: Item, output_ids: tuple[int, ...], finish: Finish | None) -> str:
         sampling = item.sampling
         ids = list(output_ids)
-        if finish is not None and finish.kind == "stop" and isinstance(finish.matched, int) \
-                and not sampling.no_stop_trim and ids:
+        if (
+            finish is not None
+            and finish.kind == "stop"
+            and isinstance(finish.matched, int)
+            and not sampling.no_stop_trim
+            and ids
+        ):
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens,
-                                     spaces_between_special_tokens=sampling.spaces_between_special_tokens)
+        text = self.tokenizer.decode(
+            ids,
+            skip_special_tokens=sampling.skip_special_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+        )
         if finish is not None and finish.kind == "stop" and isinstance(finish.matched, str):
             at = text.find(finish.matched)
             if at >= 0:
@@ -103,12 +112,22 @@ class Answers:
         finish = job.finish if final else None
         if final and finish.kind == "abort" and finish.message == WAITING_ABORT:
             return self._waiting_abort(item, job, with_text)
-        meta = {"id": item.rid, "finish_reason": _finish_reason(finish, item), "prompt_tokens": len(item.prompt_ids),
-                "weight_version": self.weight_version(), "num_retractions": job.retractions}
+        meta = {
+            "id": item.rid,
+            "finish_reason": _finish_reason(finish, item),
+            "prompt_tokens": len(item.prompt_ids),
+            "weight_version": self.weight_version(),
+            "num_retractions": job.retractions,
+        }
         if item.return_logprob:
             self._logprobs(meta, item, job, prompt, with_text)
-        meta.update({"reasoning_tokens": 0, "completion_tokens": len(job.output_ids),
-                     "cached_tokens": 0 if prompt is not None else job.cached})
+        meta.update(
+            {
+                "reasoning_tokens": 0,
+                "completion_tokens": len(job.output_ids),
+                "cached_tokens": 0 if prompt is not None else job.cached,
+            }
+        )
         if final:
             meta["weight_versions"] = _spans(job, self.weight_version(), len(job.output_ids))
             meta["e2e_latency"] = time.perf_counter() - job.arrived
@@ -118,8 +137,12 @@ class Answers:
         return out
 
     def _waiting_abort(self, item: Item, job: Job, with_text: bool) -> dict:
-        meta = {"id": item.rid, "finish_reason": {"type": "abort", "message": WAITING_ABORT},
-                "weight_version": self.weight_version(), "e2e_latency": time.perf_counter() - job.arrived}
+        meta = {
+            "id": item.rid,
+            "finish_reason": {"type": "abort", "message": WAITING_ABORT},
+            "weight_version": self.weight_version(),
+            "e2e_latency": time.perf_counter() - job.arrived,
+        }
         if item.return_logprob:
             self._logprobs(meta, item, job, None, with_text)
         meta["completion_tokens"] = 0
@@ -132,12 +155,14 @@ class Answers:
         meta["output_token_logprobs"] = self.entries(zip(job.logprobs, job.output_ids), with_text)
         meta["output_token_logprobs_length"] = len(job.output_ids)
         if item.top_logprobs_num > 0:
-            meta["input_top_logprobs"] = [None if t is None else self.entries(t, with_text)
-                                          for t in (prompt.top if prompt else [])]
+            meta["input_top_logprobs"] = [
+                None if t is None else self.entries(t, with_text) for t in (prompt.top if prompt else [])
+            ]
             meta["output_top_logprobs"] = [self.entries(t, with_text) for t in job.top]
         if item.probe:
-            meta["input_token_ids_logprobs"] = [None if t is None else self.entries(t, with_text)
-                                                for t in (prompt.probed if prompt else [])]
+            meta["input_token_ids_logprobs"] = [
+                None if t is None else self.entries(t, with_text) for t in (prompt.probed if prompt else [])
+            ]
             meta["output_token_ids_logprobs"] = [self.entries(t, with_text) for t in job.probed]
 
 
@@ -158,7 +183,7 @@ def delta(chunk: dict, ids_sent: int, text_sent: str, final: bool) -> tuple[dict
     if "text" not in chunk:
         return out, text_sent
     text = chunk["text"] if final else chunk["text"].rstrip("\ufffd")
-    new = text[len(text_sent):] if text.startswith(text_sent) else ""
+    new = text[len(text_sent) :] if text.startswith(text_sent) else ""
     return {"text": new, **out}, text_sent + new
 
 

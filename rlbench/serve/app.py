@@ -37,8 +37,10 @@ from rlbench.serve.weights import LoadFailed
 from rlbench.serve.worker import Job
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
-FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
-           "the operation will not be performed.)\n")
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
 PARSE_OFF_LOOP = 256 << 10  # bodies larger than this are parsed on a thread: the event loop keeps serving
 
 
@@ -51,21 +53,26 @@ def build_app(state) -> Starlette:
     routes = [Route(path, h.healthy, methods=["GET"]) for path in ("/health", "/health_generate")]
     routes += [Route(path, h.server_info, methods=["GET"]) for path in ("/server_info", "/get_server_info")]
     routes += [Route(path, h.model_info, methods=["GET"]) for path in ("/model_info", "/get_model_info")]
-    routes += [Route("/ready", h.ready, methods=["GET"]),
-               Route("/generate", h.generate, methods=["POST", "PUT"]),
-               Route("/abort_request", h.abort_request, methods=["POST"]),
-               Route("/pause_generation", h.pause_generation, methods=["POST"]),
-               Route("/continue_generation", h.continue_generation, methods=["POST"]),
-               Route("/update_weights_from_disk", h.update_weights_from_disk, methods=["POST"]),
-               Route("/update_weight_version", h.update_weight_version, methods=["POST"]),
-               Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
-               Route("/weights_checker", h.weights_checker, methods=["GET", "POST"]),
-               Route("/get_weights_by_name", h.get_weights_by_name, methods=["GET", "POST"]),
-               Route("/v1/loads", h.loads, methods=["GET"])]
+    routes += [
+        Route("/ready", h.ready, methods=["GET"]),
+        Route("/generate", h.generate, methods=["POST", "PUT"]),
+        Route("/abort_request", h.abort_request, methods=["POST"]),
+        Route("/pause_generation", h.pause_generation, methods=["POST"]),
+        Route("/continue_generation", h.continue_generation, methods=["POST"]),
+        Route("/update_weights_from_disk", h.update_weights_from_disk, methods=["POST"]),
+        Route("/update_weight_version", h.update_weight_version, methods=["POST"]),
+        Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
+        Route("/weights_checker", h.weights_checker, methods=["GET", "POST"]),
+        Route("/get_weights_by_name", h.get_weights_by_name, methods=["GET", "POST"]),
+        Route("/v1/loads", h.loads, methods=["GET"]),
+    ]
     key = state.config.api_key
-    return Starlette(routes=routes, lifespan=h.lifespan,
-                     middleware=[Middleware(ApiKey, key=key)] if key else [],
-                     exception_handlers={gates.RequestError: refused, HTTPException: http_error, Exception: internal})
+    return Starlette(
+        routes=routes,
+        lifespan=h.lifespan,
+        middleware=[Middleware(ApiKey, key=key)] if key else [],
+        exception_handlers={gates.RequestError: refused, HTTPException: http_error, Exception: internal},
+    )
 
 
 class Handlers:
@@ -109,11 +116,22 @@ class Handlers:
     async def loads(self, _request: Request) -> Response:
         """SGLang's /v1/loads, its core section: what runs and what waits."""
         running, waiting = self.state.worker.counts()
-        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                "max_total_num_tokens": self.state.context_len * self.state.config.decode_batch_size}
-        return _json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "version": self.state.version, "accelerator": None, "num_accelerators": 1,
-                               "loads": [load]})
+        load = {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "max_total_num_tokens": self.state.context_len * self.state.config.decode_batch_size,
+        }
+        return _json_response(
+            {
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "version": self.state.version,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+        )
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -133,8 +151,10 @@ class Handlers:
             return StreamingResponse(self._stream(call), media_type="text/event-stream")
         jobs, prompts = await self._start(call)
         done = await asyncio.gather(*(job.future for job in jobs))
-        items = [self.answers.build(item, job, prompt, call.return_text_in_logprobs, final=True)
-                 for item, job, prompt in zip(call.items, done, prompts)]
+        items = [
+            self.answers.build(item, job, prompt, call.return_text_in_logprobs, final=True)
+            for item, job, prompt in zip(call.items, done, prompts)
+        ]
         return _json_response(items if call.batched else items[0])
 
     async def _start(self, call: rq.GenerateCall) -> tuple[list[Job], list]:
@@ -156,13 +176,34 @@ class Handlers:
         prompts = []
         for item in call.items:
             start = item.logprob_start_len if item.return_logprob else -1
-            prompts.append(None if start < 0 else await state.worker.call(
-                lambda i=item, s=start: prompt_logprobs(state.engine.model, i.prompt_ids, s, i.request.temperature,
-                                                        i.top_logprobs_num, state.config.device, i.probe)))
-        jobs = [Job(item.request, item.rid, top_n=item.top_logprobs_num if item.return_logprob else 0,
-                    bias=dict(item.sampling.logit_bias), probe=item.probe if item.return_logprob else (),
-                    stop_strings=item.sampling.stop, text_of=self._text_of(item), stream=call.stream)
-                for item in call.items]
+            prompts.append(
+                None
+                if start < 0
+                else await state.worker.call(
+                    lambda i=item, s=start: prompt_logprobs(
+                        state.engine.model,
+                        i.prompt_ids,
+                        s,
+                        i.request.temperature,
+                        i.top_logprobs_num,
+                        state.config.device,
+                        i.probe,
+                    )
+                )
+            )
+        jobs = [
+            Job(
+                item.request,
+                item.rid,
+                top_n=item.top_logprobs_num if item.return_logprob else 0,
+                bias=dict(item.sampling.logit_bias),
+                probe=item.probe if item.return_logprob else (),
+                stop_strings=item.sampling.stop,
+                text_of=self._text_of(item),
+                stream=call.stream,
+            )
+            for item in call.items
+        ]
         state.worker.submit(jobs)
         return jobs, prompts
 
@@ -214,8 +255,10 @@ class Handlers:
 
     async def abort_request(self, request: Request) -> Response:
         """SGLang's /abort_request {rid, abort_all}: 200 with an empty body."""
-        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
-                       {"rid": (str, type(None)), "abort_all": bool})
+        body = _fields(
+            await _json(request, self.state.config.max_request_bytes, required=True),
+            {"rid": (str, type(None)), "abort_all": bool},
+        )
         self.state.worker.abort(body.get("rid") or "", bool(body.get("abort_all", False)))
         return Response(status_code=200)
 
@@ -240,11 +283,13 @@ class Handlers:
         try:
             timeout = float(request.query_params.get("timeout", 0.0))
         except ValueError:
-            raise gates.pydantic_error("timeout", "float_parsing", "Input should be a valid number",
-                                    request.query_params.get("timeout")) from None
+            raise gates.pydantic_error(
+                "timeout", "float_parsing", "Input should be a valid number", request.query_params.get("timeout")
+            ) from None
         if not timeout >= 0:
-            raise gates.pydantic_error("timeout", "greater_than_equal", "Input should be greater than or equal to 0",
-                                    timeout)
+            raise gates.pydantic_error(
+                "timeout", "greater_than_equal", "Input should be greater than or equal to 0", timeout
+            )
         worker, deadline = self.state.worker, time.monotonic() + timeout
         while worker.busy(count_waiting=worker.paused is None) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -258,11 +303,23 @@ class Handlers:
         requests before it; take its weight version. SGLang's answer: {success, message,
         num_paused_requests}, 400 when it failed (the served weights then unchanged)."""
         state = self.state
-        body = _fields(await _json(request, state.config.max_request_bytes, required=True), {
-            "model_path": str, "load_format": (str, type(None)), "abort_all_requests": bool,
-            "weight_version": (str, type(None)), "is_async": bool, "torch_empty_cache": bool, "keep_pause": bool,
-            "recapture_cuda_graph": bool, "token_step": int, "flush_cache": bool, "manifest": (dict, type(None))},
-            required=("model_path",))
+        body = _fields(
+            await _json(request, state.config.max_request_bytes, required=True),
+            {
+                "model_path": str,
+                "load_format": (str, type(None)),
+                "abort_all_requests": bool,
+                "weight_version": (str, type(None)),
+                "is_async": bool,
+                "torch_empty_cache": bool,
+                "keep_pause": bool,
+                "recapture_cuda_graph": bool,
+                "token_step": int,
+                "flush_cache": bool,
+                "manifest": (dict, type(None)),
+            },
+            required=("model_path",),
+        )
         refused = [k for k in ("is_async", "keep_pause", "manifest") if body.get(k)]
         if refused:
             return _update_answer(False, f"rlbench serve does not implement {refused[0]} (docs/sglang-ray.md)")
@@ -284,8 +341,11 @@ class Handlers:
             await state.worker.call(torch.cuda.empty_cache)
         # recapture_cuda_graph: there are no CUDA graphs to capture; token_step: 0.5.23 answers nothing of it.
         if body.get("flush_cache", True) and state.worker.busy(count_waiting=False):
-            return _update_answer(False, "Weights were updated, but the cache was not flushed because requests are "
-                                         "still running or queued. Retract or finish them, then call /flush_cache.")
+            return _update_answer(
+                False,
+                "Weights were updated, but the cache was not flushed because requests are "
+                "still running or queued. Retract or finish them, then call /flush_cache.",
+            )
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
         return _update_answer(True, message)
@@ -296,19 +356,29 @@ class Handlers:
             self.state.worker.version_changed(old)
 
     async def update_weight_version(self, request: Request) -> Response:
-        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
-                       {"new_version": str, "abort_all_requests": bool}, required=("new_version",))
+        body = _fields(
+            await _json(request, self.state.config.max_request_bytes, required=True),
+            {"new_version": str, "abort_all_requests": bool},
+            required=("new_version",),
+        )
         if body.get("abort_all_requests", True):
             self.state.worker.abort(abort_all=True)
         self._set_version(body["new_version"])
-        return _json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
-                               "new_version": body["new_version"]})
+        return _json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"],
+            }
+        )
 
     async def weights_checker(self, request: Request) -> Response:
         """SGLang's /weights_checker (weights.py): checksum by default, snapshot, compare, reset_tensors."""
         body = await _json(request, self.state.config.max_request_bytes, required=False)
-        body = _fields(body if body is not None else {}, {
-            "action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str})
+        body = _fields(
+            body if body is not None else {},
+            {"action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str},
+        )
         selector = body.get("selector", "all")
         if selector not in ("target", "draft", "all"):
             raise gates.pydantic_error(
@@ -334,8 +404,11 @@ class Handlers:
     async def get_weights_by_name(self, request: Request) -> Response:
         """The first `truncate_size` rows of the named parameter (a tied lm_head reads the embeddings), as
         SGLang's model answers; an unknown name is its 400."""
-        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True),
-                       {"name": str, "truncate_size": int}, required=("name",))
+        body = _fields(
+            await _json(request, self.state.config.max_request_bytes, required=True),
+            {"name": str, "truncate_size": int},
+            required=("name",),
+        )
         size = body.get("truncate_size", 100)
 
         def read() -> Any:
@@ -357,14 +430,17 @@ class Handlers:
 async def _error_events(exc: gates.RequestError):
     """A ValueError after a stream began, as SGLang sends it: in-band, then [DONE]."""
     message = exc.body["error"]["message"] if isinstance(exc.body.get("error"), dict) else str(exc.body)
-    yield _event({"error": {"message": message, "type": "invalid_request_error", "code": exc.status,
-                            "retryable": False}})
+    yield _event(
+        {"error": {"message": message, "type": "invalid_request_error", "code": exc.status, "retryable": False}}
+    )
     yield b"data: [DONE]\n\n"
 
 
 def _no_text(_text: str) -> list[int]:
-    raise gates.value("The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
-                   "input_ids or re-initialize the engine with skip_tokenizer_init=False.")
+    raise gates.value(
+        "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
+        "input_ids or re-initialize the engine with skip_tokenizer_init=False."
+    )
 
 
 def outside_root(path: str, root: Path | None) -> str | None:
@@ -378,13 +454,16 @@ def outside_root(path: str, root: Path | None) -> str | None:
         return f"Failed to get weights iterator: {exc.__class__.__name__}: {str(exc)[:200]}."
     if resolved == root or root in resolved.parents:
         return None
-    return (f"Failed to update weights: {path} is outside the directory this server reads weights from ({root}; "
-            f"rlbench serve --weights-dir). Nothing was changed.")
+    return (
+        f"Failed to update weights: {path} is outside the directory this server reads weights from ({root}; "
+        f"rlbench serve --weights-dir). Nothing was changed."
+    )
 
 
 def _update_answer(success: bool, message: str) -> Response:
-    return _json_response({"success": success, "message": message, "num_paused_requests": 0},
-                          status_code=200 if success else 400)
+    return _json_response(
+        {"success": success, "message": message, "num_paused_requests": 0}, status_code=200 if success else 400
+    )
 
 
 def _fields(body: Any, kinds: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
@@ -404,8 +483,13 @@ def _fields(body: Any, kinds: dict[str, Any], required: tuple[str, ...] = ()) ->
 
 
 def _kind_name(kind: Any) -> str:
-    names = {str: "a valid string", bool: "a valid boolean", int: "a valid integer", dict: "a valid dictionary",
-             list: "a valid list"}
+    names = {
+        str: "a valid string",
+        bool: "a valid boolean",
+        int: "a valid integer",
+        dict: "a valid dictionary",
+        list: "a valid list",
+    }
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(names.get(k, "null") for k in kinds)
 
@@ -448,10 +532,15 @@ async def _json(request: Request, limit: int, required: bool = True) -> Any:
             raise gates.pydantic_error("", "missing", "Field required", None)
         return None
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if content_type != "application/json" and not (content_type.startswith("application/")
-                                                   and content_type.endswith("+json")):
-        raise gates.pydantic_error("", "model_attributes_type",
-                                "Input should be a valid dictionary or object to extract fields from", raw[:200])
+    if content_type != "application/json" and not (
+        content_type.startswith("application/") and content_type.endswith("+json")
+    ):
+        raise gates.pydantic_error(
+            "",
+            "model_attributes_type",
+            "Input should be a valid dictionary or object to extract fields from",
+            raw[:200],
+        )
     route = f"{request.method} {request.url.path}"
     if len(raw) > PARSE_OFF_LOOP:
         return await asyncio.to_thread(_loads, raw, route)
@@ -491,4 +580,3 @@ def _json_response(content: Any, status_code: int = 200, headers: dict | None = 
     except TypeError:
         raw = json.dumps(content).encode()
     return Response(content=raw, status_code=status_code, headers=headers, media_type="application/json")
-

@@ -19,8 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbench.core.types import GenerateRequest
-from rlbench.serve.request_gates import (I64, MAX_BATCH, MAX_STOP_COUNT, SAMPLING_EPS, TOP_K_ALL, UNSUPPORTED_FIELDS,
-                                         UNSUPPORTED_SAMPLING, check_contract, check_envelope, value)
+from rlbench.serve.request_gates import (
+    I64,
+    MAX_BATCH,
+    MAX_STOP_COUNT,
+    SAMPLING_EPS,
+    TOP_K_ALL,
+    UNSUPPORTED_FIELDS,
+    UNSUPPORTED_SAMPLING,
+    check_contract,
+    check_envelope,
+    value,
+)
 
 # ---- 3. normalisation and values (ValueError: {"error": {"message"}}) --------------------------------
 
@@ -100,8 +110,10 @@ def _sampling(params: dict, vocab: int) -> Sampling:
         raise value(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stop)}")
     for key, default in UNSUPPORTED_SAMPLING.items():
         if get(key) not in (None, default) and get(key) not in ("", [], {}):
-            raise value(f"rlbench serve does not implement sampling_params.{key} (got {str(get(key))[:60]}); "
-                        f"leave it at {default!r} (docs/sglang-ray.md, what rlbench serve refuses)")
+            raise value(
+                f"rlbench serve does not implement sampling_params.{key} (got {str(get(key))[:60]}); "
+                f"leave it at {default!r} (docs/sglang-ray.md, what rlbench serve refuses)"
+            )
     stops = tuple(sorted({int(t) for t in (get("stop_token_ids") or [])}))  # one outside the vocabulary never matches
     n = 1 if get("n") is None else get("n")
     interval = 1 if get("stream_interval") is None else get("stream_interval")
@@ -111,9 +123,22 @@ def _sampling(params: dict, vocab: int) -> Sampling:
     def flag(key: str, default: bool) -> bool:
         return default if get(key) is None else bool(get(key))
 
-    return Sampling(max_new, 0.0 if greedy else temperature, top_p, top_k, seed, stops, stop, flag("ignore_eos", False),
-                    flag("skip_special_tokens", True), flag("spaces_between_special_tokens", True),
-                    flag("no_stop_trim", False), n, interval, _logit_bias(get("logit_bias") or {}, vocab))
+    return Sampling(
+        max_new,
+        0.0 if greedy else temperature,
+        top_p,
+        top_k,
+        seed,
+        stops,
+        stop,
+        flag("ignore_eos", False),
+        flag("skip_special_tokens", True),
+        flag("spaces_between_special_tokens", True),
+        flag("no_stop_trim", False),
+        n,
+        interval,
+        _logit_bias(get("logit_bias") or {}, vocab),
+    )
 
 
 def _logit_bias(bias: dict, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -152,8 +177,9 @@ def _probes(body: dict, count: int, n: int, batched: bool, vocab: int) -> list[t
             if not isinstance(token, int) or isinstance(token, bool):
                 raise value("token_ids_logprob must be a flat list of integers.")
             if not 0 <= token < vocab:
-                raise value(f"token_ids_logprob contains out-of-vocabulary token id {token}; valid range is "
-                            f"[0, {vocab}).")
+                raise value(
+                    f"token_ids_logprob contains out-of-vocabulary token id {token}; valid range is [0, {vocab})."
+                )
     return [tuple(row) for row in rows]
 
 
@@ -186,8 +212,9 @@ def _prompts(body: dict, encode: Callable[[str], list[int]]) -> tuple[list[list[
     return (list(ids) if ids_batched else [ids]), batched, "input_ids"
 
 
-def parse_generate(body: Any, vocab: int, encode: Callable[[str], list[int]],
-                   new_rid: Callable[[], str] = lambda: uuid.uuid4().hex) -> GenerateCall:
+def parse_generate(
+    body: Any, vocab: int, encode: Callable[[str], list[int]], new_rid: Callable[[], str] = lambda: uuid.uuid4().hex
+) -> GenerateCall:
     """A parsed JSON /generate body through SGLang's three gates, or RequestError with the answer of the
     gate that refuses it. The context length is checked later (`limit_items`), per item, as SGLang does."""
     body = check_envelope(body)
@@ -196,8 +223,10 @@ def parse_generate(body: Any, vocab: int, encode: Callable[[str], list[int]],
         raise value("Either text, input_ids or input_embeds should be provided.")
     for key, default in UNSUPPORTED_FIELDS.items():
         if body.get(key) not in (None, default, [], {}):
-            raise value(f"rlbench serve does not implement {key} (got {str(body[key])[:60]}) (docs/sglang-ray.md, "
-                        "what rlbench serve refuses)")
+            raise value(
+                f"rlbench serve does not implement {key} (got {str(body[key])[:60]}) (docs/sglang-ray.md, "
+                "what rlbench serve refuses)"
+            )
     prompts, batched, source = _prompts(body, encode)
     params = body.get("sampling_params")
     params_of = (lambda i: params[i] if i < len(params) else None) if isinstance(params, list) else (lambda i: params)
@@ -224,15 +253,26 @@ def parse_generate(body: Any, vocab: int, encode: Callable[[str], list[int]],
             raise value(f"The input_ids {outside[:4]} are outside the vocabulary [0, {vocab - 1}].")
         sampling = _sampling(params_of(i) or {}, vocab)
         for copy in range(n):
-            items.append(Item(rids[i * n + copy] if n > 1 else rids[i], tuple(ids), sampling,
-                              bool(_pick(body.get("return_logprob"), i, False)),
-                              int(_pick(body.get("logprob_start_len"), i, -1)),
-                              int(_pick(body.get("top_logprobs_num"), i, 0)), probes[i]))
+            items.append(
+                Item(
+                    rids[i * n + copy] if n > 1 else rids[i],
+                    tuple(ids),
+                    sampling,
+                    bool(_pick(body.get("return_logprob"), i, False)),
+                    int(_pick(body.get("logprob_start_len"), i, -1)),
+                    int(_pick(body.get("top_logprobs_num"), i, 0)),
+                    probes[i],
+                )
+            )
     for index, item in enumerate(items):
         item.index = index
-    return GenerateCall(items, batched or n > 1, bool(body.get("stream", False)),
-                        bool(body.get("return_text_in_logprobs", False)),
-                        {"return_prompt_token_ids": bool(body.get("return_prompt_token_ids", False))})
+    return GenerateCall(
+        items,
+        batched or n > 1,
+        bool(body.get("stream", False)),
+        bool(body.get("return_text_in_logprobs", False)),
+        {"return_prompt_token_ids": bool(body.get("return_prompt_token_ids", False))},
+    )
 
 
 def _rids(rid: Any, count: int, n: int, batched: bool, new_rid: Callable[[], str]) -> list[str]:
@@ -265,26 +305,34 @@ def limit_items(call: GenerateCall, context_len: int, eos: tuple[int, ...], defa
     for item in call.items:
         length, sampling = len(item.prompt_ids), item.sampling
         if length >= context_len:
-            raise value(f"The input ({length} tokens) is longer than the model's context length ({context_len} "
-                        "tokens).")
+            raise value(
+                f"The input ({length} tokens) is longer than the model's context length ({context_len} tokens)."
+            )
         wanted = sampling.max_new_tokens
         if wanted is not None and wanted + length > context_len:
-            raise value(f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
-                        f"You requested a total of {wanted + length} tokens: {length} tokens from the input messages "
-                        f"and {wanted} tokens for the completion. Please reduce the number of tokens in the input "
-                        "messages or the completion to fit within the limit.")
+            raise value(
+                f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                f"You requested a total of {wanted + length} tokens: {length} tokens from the input messages "
+                f"and {wanted} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
         if length >= max_input:
-            raise value(f"Input length ({length} tokens) exceeds the maximum allowed length ({max_input} tokens). "
-                        "Use a shorter input or enable --allow-auto-truncate.")
+            raise value(
+                f"Input length ({length} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate."
+            )
         start = item.logprob_start_len if item.return_logprob else -1
         if start < -1:
             raise value(f"logprob_start_len must be -1 (output tokens only) or a prompt position, got {start}.")
         if start > length:
-            raise value(f"req.logprob_start_len={start} is higher than the number of input tokens "
-                        f"len(req.origin_input_ids)={length}. Please use a smaller logprob_start_len.")
+            raise value(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={length}. Please use a smaller logprob_start_len."
+            )
         max_new = max(0, min(TOP_K_ALL if wanted is None else wanted, max_req_len - length - 1))
         stops = () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids) | set(eos)))
         top_k = -1 if sampling.top_k >= TOP_K_ALL else sampling.top_k  # every token: the engine's -1
         seed = default_seed if sampling.seed is None else sampling.seed
-        item.request = GenerateRequest(item.prompt_ids, seed, max_new, sampling.temperature, stops, top_k,
-                                       sampling.top_p)
+        item.request = GenerateRequest(
+            item.prompt_ids, seed, max_new, sampling.temperature, stops, top_k, sampling.top_p
+        )

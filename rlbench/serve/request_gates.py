@@ -26,23 +26,72 @@ MAX_STOP_COUNT = 32  # SGLang: at most this many stop strings
 MAX_BATCH = 4096  # items of one /generate (after n): more is refused, not queued (rlbench's bound)
 I64 = (-(2**63), 2**63 - 1)
 
-SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
-                   "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-                   "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
-                   "custom_params", "beam_width", "watermark", "choice")
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
 # Sampling fields the embedded engine does not implement: accepted at SGLang's default (or its "unset") only.
-UNSUPPORTED_SAMPLING = {"stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                        "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None, "regex": None,
-                        "ebnf": None, "structural_tag": None, "beam_width": None,
-                        "watermark": None, "choice": None}
+UNSUPPORTED_SAMPLING = {
+    "stop_regex": None,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": None,
+}
 # Top-level fields rlbench serve does not implement: accepted at their default (or null) only.
-UNSUPPORTED_FIELDS = {"input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-                      "return_hidden_states": False, "return_routed_experts": False,
-                      "return_indexer_topk": False, "lora_path": None, "session_params": None, "session_id": None,
-                      "custom_logit_processor": None, "return_sampling_mask": None, "bootstrap_host": None,
-                      "max_thinking_tokens": None, "return_flat_raw_top_logprobs": False,
-                      "return_flat_raw_output_top_logprobs": False, "positional_embed_overrides": None}
+UNSUPPORTED_FIELDS = {
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "return_indexer_topk": False,
+    "lora_path": None,
+    "session_params": None,
+    "session_id": None,
+    "custom_logit_processor": None,
+    "return_sampling_mask": None,
+    "bootstrap_host": None,
+    "max_thinking_tokens": None,
+    "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_output_top_logprobs": False,
+    "positional_embed_overrides": None,
+}
 
 
 class RequestError(Exception):
@@ -68,8 +117,9 @@ def value(message: str, status: int = 400) -> RequestError:
 
 def http_error(status: int, message: str) -> RequestError:
     """An HTTPException as SGLang answers it (`type` is the status as text)."""
-    return RequestError({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
-                        status)
+    return RequestError(
+        {"object": "error", "message": message, "type": str(status), "param": None, "code": status}, status
+    )
 
 
 def pydantic_error(loc: str, kind: str, msg: str, got: Any) -> RequestError:
@@ -81,8 +131,13 @@ def pydantic_error(loc: str, kind: str, msg: str, got: Any) -> RequestError:
 def json_invalid(position: int, why: str, route: str) -> RequestError:
     """A body orjson cannot parse (SGLang 0.5.23's ORJSONRequest: a UTF-8 byte-order mark, NaN, Infinity, bad
     UTF-8, broken JSON), as FastAPI reports it on any route that takes a body: `json_invalid` at the offset."""
-    error = {"type": "json_invalid", "loc": ("body", position), "msg": "JSON decode error", "input": {},
-             "ctx": {"error": why}}
+    error = {
+        "type": "json_invalid",
+        "loc": ("body", position),
+        "msg": "JSON decode error",
+        "input": {},
+        "ctx": {"error": why},
+    }
     return _validation(error, route)
 
 
@@ -173,8 +228,9 @@ def _token_rows(x: Any) -> str | None:
 _ENVELOPE: dict[str, Callable[[Any], bool]] = {
     "rid": _optional(_one_or_list(_is_str)),
     "text": _optional(_one_or_list(_is_str)),
-    "sampling_params": _optional(lambda x: isinstance(x, dict) or (isinstance(x, list) and all(
-        isinstance(e, dict) for e in x))),
+    "sampling_params": _optional(
+        lambda x: isinstance(x, dict) or (isinstance(x, list) and all(isinstance(e, dict) for e in x))
+    ),
     "return_logprob": _optional(_one_or_list(_lax_bool)),
     "logprob_start_len": _optional(_one_or_list(_lax_int)),
     "top_logprobs_num": _optional(_one_or_list(_lax_int)),
@@ -195,8 +251,9 @@ _ENVELOPE: dict[str, Callable[[Any], bool]] = {
 def check_envelope(body: Any) -> dict:
     """The body as pydantic would take it into GenerateReqInput, or its 400 (envelope)."""
     if not isinstance(body, dict):
-        raise pydantic_error("", "dataclass_type", "Input should be a dictionary or an instance of GenerateReqInput",
-                             body)
+        raise pydantic_error(
+            "", "dataclass_type", "Input should be a dictionary or an instance of GenerateReqInput", body
+        )
     for key, ok in _ENVELOPE.items():
         if key in body and not ok(body[key]):
             raise pydantic_error(key, "type_error", f"Input is not a valid {key}", body[key])
@@ -255,6 +312,7 @@ def _or_list(kind: str, each: Callable[..., None]) -> Callable[[Any], None]:
             _seq(v, each)
         else:
             each(v, f"a value or an array of values for {kind}")
+
     return check
 
 
@@ -272,15 +330,33 @@ def _optional_each(each: Callable[..., None]) -> Callable[..., None]:
 
 
 _CONTRACT_SAMPLING: dict[str, Callable[[Any], None]] = {
-    "max_new_tokens": _int, "stop": _or_list("StringOrList", _str), "stop_token_ids": lambda v: _seq(v, _int),
-    "stop_regex": _or_list("StringOrList", _str), "temperature": _number, "top_p": _number, "top_k": _int,
-    "min_p": _number, "frequency_penalty": _number, "presence_penalty": _number, "repetition_penalty": _number,
-    "min_new_tokens": _int, "n": _int, "json_schema": _str, "regex": _str, "ebnf": _str, "structural_tag": _str,
-    "ignore_eos": _bool, "skip_special_tokens": _bool, "spaces_between_special_tokens": _bool,
-    "no_stop_trim": _bool, "stream_interval": _int, "sampling_seed": _int, "beam_width": _int,
+    "max_new_tokens": _int,
+    "stop": _or_list("StringOrList", _str),
+    "stop_token_ids": lambda v: _seq(v, _int),
+    "stop_regex": _or_list("StringOrList", _str),
+    "temperature": _number,
+    "top_p": _number,
+    "top_k": _int,
+    "min_p": _number,
+    "frequency_penalty": _number,
+    "presence_penalty": _number,
+    "repetition_penalty": _number,
+    "min_new_tokens": _int,
+    "n": _int,
+    "json_schema": _str,
+    "regex": _str,
+    "ebnf": _str,
+    "structural_tag": _str,
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool,
+    "no_stop_trim": _bool,
+    "stream_interval": _int,
+    "sampling_seed": _int,
+    "beam_width": _int,
     "logit_bias": lambda v: (_expect(isinstance(v, dict), v, "a map"), [_number(e) for e in v.values()]),
-    "custom_params": lambda v: None, "watermark": lambda v: _expect(isinstance(v, dict), v,
-                                                                    "struct WatermarkRequestConfig"),
+    "custom_params": lambda v: None,
+    "watermark": lambda v: _expect(isinstance(v, dict), v, "struct WatermarkRequestConfig"),
     "choice": lambda v: _seq(v, _str),
 }
 
@@ -296,17 +372,31 @@ def _contract_sampling(v: Any, expected: str = "struct SamplingParams") -> None:
 
 
 _CONTRACT: dict[str, Callable[[Any], None]] = {
-    "rid": _or_list("StringOrList", _str), "text": _or_list("StringOrList", _str), "input_ids": _token_ids_or_list,
-    "stream": _bool, "return_logprob": _or_list("BoolOrList", _bool),
-    "logprob_start_len": _or_list("Int64OrList", _int), "top_logprobs_num": _or_list("Int64OrList", _int),
-    "token_ids_logprob": _token_ids_or_list, "return_hidden_states": _or_list("BoolOrList", _bool),
-    "return_text_in_logprobs": _bool, "routed_dp_rank": _int, "priority": _int, "session_id": _str,
-    "routing_key": _str, "extra_key": _or_list("StringOrList", _str), "cache_salt": _or_list("StringOrList", _str),
+    "rid": _or_list("StringOrList", _str),
+    "text": _or_list("StringOrList", _str),
+    "input_ids": _token_ids_or_list,
+    "stream": _bool,
+    "return_logprob": _or_list("BoolOrList", _bool),
+    "logprob_start_len": _or_list("Int64OrList", _int),
+    "top_logprobs_num": _or_list("Int64OrList", _int),
+    "token_ids_logprob": _token_ids_or_list,
+    "return_hidden_states": _or_list("BoolOrList", _bool),
+    "return_text_in_logprobs": _bool,
+    "routed_dp_rank": _int,
+    "priority": _int,
+    "session_id": _str,
+    "routing_key": _str,
+    "extra_key": _or_list("StringOrList", _str),
+    "cache_salt": _or_list("StringOrList", _str),
     "lora_path": _or_list("OptionalStringOrList", _optional_each(_str)),
     "custom_logit_processor": _or_list("OptionalStringOrList", _optional_each(_str)),
-    "require_reasoning": _bool, "return_sampling_mask": _or_list("BoolOrList", _bool),
-    "sampling_params": lambda v: _seq(v, _contract_sampling) if isinstance(v, list) else _contract_sampling(
-        v, "a value or an array of values for SamplingParamsOrList"),
+    "require_reasoning": _bool,
+    "return_sampling_mask": _or_list("BoolOrList", _bool),
+    "sampling_params": lambda v: (
+        _seq(v, _contract_sampling)
+        if isinstance(v, list)
+        else _contract_sampling(v, "a value or an array of values for SamplingParamsOrList")
+    ),
 }
 
 
@@ -323,5 +413,3 @@ def check_contract(body: dict) -> None:
                 raise contract(f"invalid value: integer `{x}`, expected u64")
         elif key in _CONTRACT and x is not None:
             _CONTRACT[key](x)
-
-

@@ -38,55 +38,81 @@ LOAD_FORMATS = {"auto": "checkpoint", "dummy": "random"}
 class ServeConfig:
     """SGLang's server argument names where SGLang has one (--model-path, --random-seed, ...)."""
 
-    model_path: str = setting(str(FIXTURES / "models" / "tiny-qwen3"),
+    model_path: str = setting(
+        str(FIXTURES / "models" / "tiny-qwen3"),
         "Model directory: config.json and its weights (model.safetensors, or the shards of "
-        "model.safetensors.index.json).")
+        "model.safetensors.index.json).",
+    )
     tokenizer_path: str = setting(str(FIXTURES / "tokenizers" / "qwen-tiny"), "Tokenizer directory.")
-    load_format: Literal["auto", "dummy"] = setting("dummy",
+    load_format: Literal["auto", "dummy"] = setting(
+        "dummy",
         "SGLang's --load-format: auto loads the model directory's safetensors; dummy starts from seeded random "
-        "weights (--random-seed), for a directory without weights.")
-    host: str = setting("127.0.0.1",
+        "weights (--random-seed), for a directory without weights.",
+    )
+    host: str = setting(
+        "127.0.0.1",
         "Address to bind. Beyond loopback (0.0.0.0: every machine that can reach this one) it needs --api-key, "
-        "or --allow-unauthenticated.")
+        "or --allow-unauthenticated.",
+    )
     port: int = setting(30000, "Port to bind; 0 takes a free one (the first line printed says which).")
-    random_seed: int = setting(1234,
-        "Seed of the initial weights with --load-format dummy (the run's --seed gives the same weights).")
+    random_seed: int = setting(
+        1234, "Seed of the initial weights with --load-format dummy (the run's --seed gives the same weights)."
+    )
     dtype: Literal["float32", "bfloat16"] = setting("float32", "Parameter dtype.")
     device: str = setting("cpu", "cpu or cuda[:N].")
     threads: int = setting(1, "torch CPU threads (a request's bits depend on it: keep the run's).")
-    decode: Literal["batched", "per-sample"] = setting("batched",
-        "The engine's decode path (rollout.decode): keep the run's to get its bits.")
-    decode_batch_size: int = setting(64,
-        "Rows of every batched decode forward (rollout.decode_batch_size): keep the run's.")
-    batch_wait_ms: float = setting(2.0,
-        "While requests keep arriving this close together, gather them into one engine batch.")
+    decode: Literal["batched", "per-sample"] = setting(
+        "batched", "The engine's decode path (rollout.decode): keep the run's to get its bits."
+    )
+    decode_batch_size: int = setting(
+        64, "Rows of every batched decode forward (rollout.decode_batch_size): keep the run's."
+    )
+    batch_wait_ms: float = setting(
+        2.0, "While requests keep arriving this close together, gather them into one engine batch."
+    )
     weight_version: str = setting("default", "The weight version reported until the first update.")
     served_model_name: str | None = None
-    context_length: int | None = setting(None,
+    context_length: int | None = setting(
+        None,
         "SGLang's --context-length: prompt + new tokens per request (default: the model's max_position_embeddings, "
-        "which it may not exceed).")
-    skip_tokenizer_init: bool = setting(False,
-        "SGLang's --skip-tokenizer-init: no tokenizer; requests send input_ids, answers carry no text.")
-    prefix_cache_mb: int = setting(1024,
+        "which it may not exceed).",
+    )
+    skip_tokenizer_init: bool = setting(
+        False, "SGLang's --skip-tokenizer-init: no tokenizer; requests send input_ids, answers carry no text."
+    )
+    prefix_cache_mb: int = setting(
+        1024,
         "Memory for the prompt prefills kept between requests (0: none kept): a prompt prefilled before is not "
-        "computed again, bit for bit the same answer (docs/sglang-ray.md).")
-    incremental_streaming_output: bool = setting(False,
+        "computed again, bit for bit the same answer (docs/sglang-ray.md).",
+    )
+    incremental_streaming_output: bool = setting(
+        False,
         "SGLang's --incremental-streaming-output (--stream-output before it): each stream chunk carries only what "
-        "is new since the last (output ids, text, output log-probs); without it chunks are cumulative.")
-    max_request_bytes: int = setting(16 << 20,
+        "is new since the last (output ids, text, output log-probs); without it chunks are cumulative.",
+    )
+    max_request_bytes: int = setting(
+        16 << 20,
         "Largest request body read (a larger one is answered 413 before it is read). SGLang sets none: this "
-        "bounds what one client can make the server parse.")
-    api_key: str | None = setting(None,
+        "bounds what one client can make the server parse.",
+    )
+    api_key: str | None = setting(
+        None,
         f"SGLang's --api-key: every request but /health*, /ready* and /metrics* must send 'Authorization: Bearer "
-        f"KEY' (401 otherwise). Read from {SERVE_API_KEY_ENV} when set there; it is never printed or reported.")
-    allow_unauthenticated: bool = setting(False,
+        f"KEY' (401 otherwise). Read from {SERVE_API_KEY_ENV} when set there; it is never printed or reported.",
+    )
+    allow_unauthenticated: bool = setting(
+        False,
         "Serve beyond loopback without --api-key: anyone who reaches the port can generate, read the weights and "
-        "load new ones.")
-    weights_dir: str | None = setting(None,
+        "load new ones.",
+    )
+    weights_dir: str | None = setting(
+        None,
         "/update_weights_from_disk reads only below this directory (default: any directory this process can read, "
-        "as SGLang's server; required with --host beyond loopback and no --api-key).")
-    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting("warning",
-        "uvicorn's log level.")
+        "as SGLang's server; required with --host beyond loopback and no --api-key).",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = setting(
+        "warning", "uvicorn's log level."
+    )
 
     def __post_init__(self) -> None:
         for key in ("model_path", "tokenizer_path", "host", "weight_version"):
@@ -95,27 +121,42 @@ class ServeConfig:
         number(self.random_seed, "--random-seed", 0, 2**63 - 1, integer=True)
         check(self.dtype in ("float32", "bfloat16"), "--dtype", "float32 or bfloat16", self.dtype)
         check(self.load_format in LOAD_FORMATS, "--load-format", "auto or dummy", self.load_format)
-        check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "--device", "cpu, cuda or cuda:N",
-               self.device)
+        check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "--device", "cpu, cuda or cuda:N", self.device)
         number(self.threads, "--threads", 1, 1024, integer=True)
         check(self.decode in ("batched", "per-sample"), "--decode", "batched or per-sample", self.decode)
         number(self.decode_batch_size, "--decode-batch-size", 1, 100_000, integer=True)
         number(self.batch_wait_ms, "--batch-wait-ms", 0, 10_000)
-        check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"), "--log-level",
-               "one of critical, error, warning, info, debug, trace", self.log_level)
+        check(
+            self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+            "--log-level",
+            "one of critical, error, warning, info, debug, trace",
+            self.log_level,
+        )
         if self.context_length is not None:
             number(self.context_length, "--context-length", 8, 1 << 24, integer=True)
-        check(isinstance(self.skip_tokenizer_init, bool), "--skip-tokenizer-init", "true or false",
-              self.skip_tokenizer_init)
+        check(
+            isinstance(self.skip_tokenizer_init, bool),
+            "--skip-tokenizer-init",
+            "true or false",
+            self.skip_tokenizer_init,
+        )
         number(self.prefix_cache_mb, "prefix_cache_mb", 0, 1 << 30, integer=True)
-        check(isinstance(self.incremental_streaming_output, bool), "--incremental-streaming-output", "true or false",
-              self.incremental_streaming_output)
+        check(
+            isinstance(self.incremental_streaming_output, bool),
+            "--incremental-streaming-output",
+            "true or false",
+            self.incremental_streaming_output,
+        )
         number(self.max_request_bytes, "--max-request-bytes", 1024, 1 << 34, integer=True)
         if self.api_key is not None:
             if not isinstance(self.api_key, str) or not self.api_key.strip():  # the value is never echoed
                 raise BadInput("expected a non-empty string", field="--api-key")
-        check(isinstance(self.allow_unauthenticated, bool), "--allow-unauthenticated", "true or false",
-              self.allow_unauthenticated)
+        check(
+            isinstance(self.allow_unauthenticated, bool),
+            "--allow-unauthenticated",
+            "true or false",
+            self.allow_unauthenticated,
+        )
         if self.weights_dir is not None:
             text(self.weights_dir, "--weights-dir")
         if self.host not in LOOPBACK and self.api_key is None:
@@ -126,9 +167,12 @@ class ServeConfig:
                     field="--host",
                 )
             if self.weights_dir is None:
-                raise BadInput(f"refusing to serve on {self.host} without a key and without --weights-dir: anyone "
-                               f"who reaches the port could make it load any file it can read; give --weights-dir "
-                               f"DIR (updates read only below it) or --api-key", field="--weights-dir")
+                raise BadInput(
+                    f"refusing to serve on {self.host} without a key and without --weights-dir: anyone "
+                    f"who reaches the port could make it load any file it can read; give --weights-dir "
+                    f"DIR (updates read only below it) or --api-key",
+                    field="--weights-dir",
+                )
 
     def __repr__(self) -> str:  # the key stays out of every repr, log and error
         shown = {k: v for k, v in asdict(self).items() if k != "api_key"}
@@ -163,10 +207,12 @@ class ServerState:
         self.version = __version__
         self.determinism = configure_determinism(config.threads, config.device)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
-        model = build_model(config.model_path, config.random_seed, config.dtype, config.device,
-                            init=LOAD_FORMATS[config.load_format])
-        self.engine = HFEngine(model, device=config.device, engine_id="serve", decode=config.decode,
-                               batch_size=config.decode_batch_size)
+        model = build_model(
+            config.model_path, config.random_seed, config.dtype, config.device, init=LOAD_FORMATS[config.load_format]
+        )
+        self.engine = HFEngine(
+            model, device=config.device, engine_id="serve", decode=config.decode, batch_size=config.decode_batch_size
+        )
         del model
         if config.prefix_cache_mb:
             from rlbench.backends.prompt_cache import PromptCache
@@ -175,8 +221,10 @@ class ServerState:
         self.vocab = model_vocab(config.model_path)  # core/vocab.py: the ids the engine samples and accepts
         positions = int(getattr(self.engine.model.config, "max_position_embeddings", None) or 1 << 30)
         if config.context_length is not None and config.context_length > positions:
-            raise BadInput(f"expected at most the model's max_position_embeddings ({positions}), got "
-                           f"{config.context_length}", field="--context-length")
+            raise BadInput(
+                f"expected at most the model's max_position_embeddings ({positions}), got {config.context_length}",
+                field="--context-length",
+            )
         self.context_len = config.context_length or positions
         self.eos = eos_ids(config.model_path, self.engine.model.config, self.tokenizer)
         self.model_path = config.model_path
@@ -206,24 +254,46 @@ class ServerState:
     def server_info(self) -> dict:
         """SGLang's /server_info: the server's arguments, flat, then the scheduler's figures and its version."""
         public = {k: v for k, v in asdict(self.config).items() if k != "api_key"}
-        return {**public, "model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
-                "served_model_name": self.served_model_name, "load_format": self.load_format,
-                "weight_version": self.weight_version, "context_length": self.context_len, "vocab_size": self.vocab,
-                "determinism": self.determinism, "status": "ready",
-                "max_total_num_tokens": self.context_len * self.config.decode_batch_size,
-                "max_req_input_len": self.context_len - 6, "startup_time": self.started,
-                "internal_states": [{"paused": self.worker.paused}], "version": self.version,
-                "frontend": "rlbench serve", "server": "rlbench serve"}
+        return {
+            **public,
+            "model_path": self.model_path,
+            "port": self.port,
+            "tp_size": 1,
+            "dp_size": 1,
+            "served_model_name": self.served_model_name,
+            "load_format": self.load_format,
+            "weight_version": self.weight_version,
+            "context_length": self.context_len,
+            "vocab_size": self.vocab,
+            "determinism": self.determinism,
+            "status": "ready",
+            "max_total_num_tokens": self.context_len * self.config.decode_batch_size,
+            "max_req_input_len": self.context_len - 6,
+            "startup_time": self.started,
+            "internal_states": [{"paused": self.worker.paused}],
+            "version": self.version,
+            "frontend": "rlbench serve",
+            "server": "rlbench serve",
+        }
 
     def model_info(self) -> dict:
         config = self.engine.model.config
-        return {"model_path": self.model_path, "served_model_name": self.served_model_name,
-                "tokenizer_path": None if self.tokenizer is None else self.config.tokenizer_path,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "load_format": self.load_format, "reasoning_parser": None, "tool_call_parser": None,
-                "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None)}
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.served_model_name,
+            "tokenizer_path": None if self.tokenizer is None else self.config.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": self.load_format,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
 
 
 def eos_ids(model_path: str, config, tokenizer) -> tuple[int, ...]:
@@ -269,8 +339,9 @@ def _server(state: ServerState, config: ServeConfig):
 
     from rlbench.serve.app import build_app
 
-    return uvicorn.Server(uvicorn.Config(build_app(state), log_level=config.log_level, access_log=False,
-                                         timeout_graceful_shutdown=5))
+    return uvicorn.Server(
+        uvicorn.Config(build_app(state), log_level=config.log_level, access_log=False, timeout_graceful_shutdown=5)
+    )
 
 
 def serve(config: ServeConfig, announce) -> None:
@@ -295,8 +366,9 @@ class ServingThread:
         self.state.port = self.sock.getsockname()[1]
         self.url = url_of(self.sock)
         self.server = _server(self.state, config)  # off the main thread, uvicorn leaves signals alone
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="rlbench-serve")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="rlbench-serve"
+        )
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:

@@ -42,8 +42,9 @@ def read_candidate(model: torch.nn.Module, path: str, load_format: str, seed: in
     from rlbench.core.model import init_weights_, load_checkpoint_, weight_files
 
     if load_format not in FORMATS:
-        raise LoadFailed(f"Failed to get model loader: load_format {load_format!r} (rlbench serve reads "
-                         f"{', '.join(FORMATS)}).")
+        raise LoadFailed(
+            f"Failed to get model loader: load_format {load_format!r} (rlbench serve reads {', '.join(FORMATS)})."
+        )
     try:
         directory = Path(path)
         files = weight_files(directory) if directory.is_dir() else []
@@ -84,14 +85,26 @@ def overall_checksum(checksums: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-PARALLELISM = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-               "rank": 0, "size": 1}
+PARALLELISM = {
+    "role": "target",
+    "tp_rank": 0,
+    "tp_size": 1,
+    "dp_rank": 0,
+    "dp_size": 1,
+    "pp_rank": 0,
+    "pp_size": 1,
+    "rank": 0,
+    "size": 1,
+}
 
 
 def checksum_answer(model: torch.nn.Module) -> dict:
     checksums = {name: tensor_hash(tensor) for name, tensor in state(model)}
-    rank = {"checksums": checksums, "per_gpu_checksum": overall_checksum(checksums),
-            "parallelism_info": [dict(PARALLELISM)]}
+    rank = {
+        "checksums": checksums,
+        "per_gpu_checksum": overall_checksum(checksums),
+        "parallelism_info": [dict(PARALLELISM)],
+    }
     engine = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
     return {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
 
@@ -128,8 +141,10 @@ class Checker:
             expected = self.snapshot[name]
             if not torch.equal(expected, actual):
                 diff = (expected.float() - actual.float()).abs()
-                errors.append(f"name={name} max_abs_err={float(diff.max())} mean_abs_err={float(diff.mean())} "
-                              f"num_exceed={int((diff > 0).sum())} ")
+                errors.append(
+                    f"name={name} max_abs_err={float(diff.max())} mean_abs_err={float(diff.mean())} "
+                    f"num_exceed={int((diff > 0).sum())} "
+                )
         if errors:
             raise AssertionError("check tensor equality failed:\n" + "\n".join(errors))
         self.snapshot = None

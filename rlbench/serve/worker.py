@@ -270,9 +270,12 @@ class EngineWorker:
                 jobs.append(job)
         if not jobs:
             return
-        decoding = Decoding.fresh(len(jobs), {i: job.top_n for i, job in enumerate(jobs)},
-                                  {i: job.bias for i, job in enumerate(jobs)},
-                                  {i: job.probe for i, job in enumerate(jobs)})
+        decoding = Decoding.fresh(
+            len(jobs),
+            {i: job.top_n for i, job in enumerate(jobs)},
+            {i: job.bias for i, job in enumerate(jobs)},
+            {i: job.probe for i, job in enumerate(jobs)},
+        )
         batch = Batch(jobs, decoding, self.engine.steps([job.request for job in jobs], decoding))
         for row, job in enumerate(jobs):
             job.batch, job.row = batch, row

@@ -21,9 +21,20 @@ import re
 from rlbench.core.generate import GenerateEnv, Trajectory
 from rlbench.core.types import Prompt
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluates + - * of small integers",
-                                           "parameters": {"type": "object", "properties": {"expression": {
-                                               "type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "evaluates + - * of small integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 _CALL = re.compile(r"<tool_call>\s*calculator\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -39,8 +50,13 @@ def calculator(expression: str) -> str:
             return -value(node.operand)
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
             left, right = value(node.left), value(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) \
+            return (
+                left + right
+                if isinstance(node.op, ast.Add)
+                else left - right
+                if isinstance(node.op, ast.Sub)
                 else left * right
+            )
         raise ValueError(type(node).__name__)
 
     try:
@@ -86,12 +102,22 @@ def generate_tito(env: GenerateEnv, prompt: Prompt, prompt_ids, seed: int) -> Tr
             before = _render(tok, messages, False)
             messages.append(_environment(messages, tok.decode(list(result.output_ids))))
             after = _render(tok, messages, True)
-            suffix = tok.encode(after[len(before):], add_special_tokens=False)
+            suffix = tok.encode(after[len(before) :], add_special_tokens=False)
             buffer += suffix
             mask += [0] * len(suffix)
             logprobs += [0.0] * len(suffix)
-    return Trajectory(buffer[start:], mask, logprobs, result.finish_reason, messages[-1]["content"], messages,
-                      turns, result.engine_id, result.weight_version, prompt_ids=buffer[:start])
+    return Trajectory(
+        buffer[start:],
+        mask,
+        logprobs,
+        result.finish_reason,
+        messages[-1]["content"],
+        messages,
+        turns,
+        result.engine_id,
+        result.weight_version,
+        prompt_ids=buffer[:start],
+    )
 
 
 def generate_naive(env: GenerateEnv, prompt: Prompt, prompt_ids, seed: int) -> Trajectory:
@@ -118,10 +144,19 @@ def generate_naive(env: GenerateEnv, prompt: Prompt, prompt_ids, seed: int) -> T
     mask = [0] * (len(response) - trained) + [1] * trained
     last = sampled_logprobs[-1][:trained] + [0.0] * max(0, trained - len(sampled_logprobs[-1]))
     logprobs = [0.0] * (len(response) - trained) + last
-    return Trajectory(response, mask, logprobs, result.finish_reason, messages[-1]["content"], messages, turns,
-                      result.engine_id, result.weight_version, prompt_ids=full[:start])
+    return Trajectory(
+        response,
+        mask,
+        logprobs,
+        result.finish_reason,
+        messages[-1]["content"],
+        messages,
+        turns,
+        result.engine_id,
+        result.weight_version,
+        prompt_ids=full[:start],
+    )
 
 
 def _prefix_ids(tok, messages) -> list[int]:
     return tok.encode(_render(tok, messages, True), add_special_tokens=False)
-

@@ -92,21 +92,26 @@ def test_generate_answers_in_sglangs_shape(client, sglang_url, vocab):
 
 def test_the_same_seed_gives_the_same_tokens(client, sglang_url, vocab):
     request = _request(seed=11)
-    first, second = (wire.parse_answer(_generate(client, sglang_url, _body(request)), sglang_url, request, vocab)
-                     for _ in range(2))
+    first, second = (
+        wire.parse_answer(_generate(client, sglang_url, _body(request)), sglang_url, request, vocab) for _ in range(2)
+    )
     assert (first.output_ids, first.logprobs) == (second.output_ids, second.logprobs)
 
 
 def test_greedy_is_repeatable(client, sglang_url, vocab):
     request = _request(temperature=0.0)
-    first, second = (wire.parse_answer(_generate(client, sglang_url, _body(request)), sglang_url, request, vocab)
-                     for _ in range(2))
+    first, second = (
+        wire.parse_answer(_generate(client, sglang_url, _body(request)), sglang_url, request, vocab) for _ in range(2)
+    )
     assert first.output_ids == second.output_ids
 
 
 def test_a_batch_answers_a_list_in_order(client, sglang_url, vocab):
-    body = {"input_ids": [list(PROMPT), list(PROMPT[:4])], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": [list(PROMPT), list(PROMPT[:4])],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+    }
     answers = _generate(client, sglang_url, body)
     assert isinstance(answers, list) and len(answers) == 2
     for item, prompt in zip(answers, body["input_ids"]):
@@ -116,12 +121,16 @@ def test_a_batch_answers_a_list_in_order(client, sglang_url, vocab):
     assert single["output_ids"] == answers[1]["output_ids"]
 
 
-@pytest.mark.parametrize("change", [
-    {"sampling_params": {"max_new_tokens": 2, "top_p": -1.0}},
-    {"sampling_params": {"max_new_tokens": 2, "temperature": -0.5}},
-    {"sampling_params": {"max_new_tokens": -3}},
-    {"input_ids": []},
-], ids=["top_p", "temperature", "max_new_tokens", "empty-input"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sampling_params": {"max_new_tokens": 2, "top_p": -1.0}},
+        {"sampling_params": {"max_new_tokens": 2, "temperature": -0.5}},
+        {"sampling_params": {"max_new_tokens": -3}},
+        {"input_ids": []},
+    ],
+    ids=["top_p", "temperature", "max_new_tokens", "empty-input"],
+)
 def test_a_malformed_request_is_a_4xx_and_the_server_answers_on(client, sglang_url, change):
     body = {**_body(_request()), **change}
     status, data = client.run(client.call("POST", f"{sglang_url}/generate", body))

@@ -18,16 +18,22 @@ C = digest.CHUNK
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     g = torch.Generator().manual_seed(11)
-    datas = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-             for n in (0, 3, 8, 8 * C - 8, 8 * C, 8 * C + 5, 8 * (2 * C + 3) + 7)]
-    datas += [torch.randn(33, 7, generator=g).to(torch.bfloat16), torch.randn(40, 9, generator=g).T,
-              torch.randn(1001, generator=g).to(torch.bfloat16)[1:],
-              torch.randint(0, 256, (8 * C + 20,), dtype=torch.uint8, generator=g)[3:]]
+    datas = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        for n in (0, 3, 8, 8 * C - 8, 8 * C, 8 * C + 5, 8 * (2 * C + 3) + 7)
+    ]
+    datas += [
+        torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        torch.randn(40, 9, generator=g).T,
+        torch.randn(1001, generator=g).to(torch.bfloat16)[1:],
+        torch.randint(0, 256, (8 * C + 20,), dtype=torch.uint8, generator=g)[3:],
+    ]
     host = [digest.lanes(d) for d in datas]
     rows = digest._fused_lanes(datas)
     assert [digest.to_unsigned(r) for r in rows] == host
-    assert all(digest.to_unsigned(digest._device_lanes(digest._byte_view(d), fused=True)) == h
-               for d, h in zip(datas, host))
+    assert all(
+        digest.to_unsigned(digest._device_lanes(digest._byte_view(d), fused=True)) == h for d, h in zip(datas, host)
+    )
     batch = digest.Digests([None])
     for i, d in enumerate(datas):  # add_all's GPU branch: each entry a row of one batch
         nbytes = d.numel() * d.element_size()

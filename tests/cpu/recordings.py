@@ -34,7 +34,9 @@ def response_positions(tensors: dict[str, torch.Tensor], sample: int) -> range:
 
 def bump_response_token(root: Path, step: int, sample: int, index: int) -> None:
     """Change response token `index` of `sample` at `step` to another id (+1 mod 300), consistently."""
+
     def change(t, meta):
         pos = response_positions(t, sample)[index]
         t["tokens"][pos] = (t["tokens"][pos] + 1) % 300
+
     edit_step(root, step, change)

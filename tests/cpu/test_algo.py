@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 
 from rlbench.config import AlgoConfig, RunConfig, config_from_dict, load_config
 from rlbench.core import algo, loop, metrics
-from rlbench.core.algo import (grpo_advantages, kl_penalty, ppo_clip_loss, sample_mean, sequence_logprobs,
-                                token_entropy, token_logprobs)
+from rlbench.core.algo import (
+    grpo_advantages,
+    kl_penalty,
+    ppo_clip_loss,
+    sample_mean,
+    sequence_logprobs,
+    token_entropy,
+    token_logprobs,
+)
 from rlbench.errors import BadInput
 from tests.helpers import TableLogits
 
@@ -45,8 +52,9 @@ def test_grpo_group_means_are_zero(case, normalize_std):
     adv = grpo_advantages(rewards, group_size, normalize_std=normalize_std)
     assert adv.shape == rewards.shape
     assert torch.isfinite(adv).all()
-    torch.testing.assert_close(adv.view(-1, group_size).mean(dim=1), torch.zeros(len(rewards) // group_size),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        adv.view(-1, group_size).mean(dim=1), torch.zeros(len(rewards) // group_size), atol=1e-5, rtol=0
+    )
 
 
 @PROPERTY
@@ -107,8 +115,9 @@ def test_grpo_matches_hand_computation():
     tiny = grpo_advantages(torch.tensor([0.0, 2e-6]), 2)
     std = math.sqrt(2) * 1e-6
     assert tiny.tolist() == pytest.approx([-1e-6 / (std + 1e-6), 1e-6 / (std + 1e-6)], rel=1e-4)
-    assert grpo_advantages(torch.tensor([0.0, 2e-6]), 2, eps=0.0).tolist() == pytest.approx([-1 / math.sqrt(2),
-                                                                                            1 / math.sqrt(2)], rel=1e-4)
+    assert grpo_advantages(torch.tensor([0.0, 2e-6]), 2, eps=0.0).tolist() == pytest.approx(
+        [-1 / math.sqrt(2), 1 / math.sqrt(2)], rel=1e-4
+    )
 
 
 # ---------------------------------------------------------------- PPO-clip loss
@@ -242,6 +251,7 @@ def test_kl_estimators_match_definitions():
 
 def _by_hand(table, tokens, mask, adv, old, ref, temperature, eps_low, eps_high, kl_type):
     """(pg, entropy, kl) of the trainer's loss, in Python floats from the definitions in algo.py's docstring."""
+
     def log_softmax(row):
         top = max(row)
         norm = top + math.log(sum(math.exp(x - top) for x in row))
@@ -284,12 +294,19 @@ def test_trainer_loss_is_pg_minus_entropy_plus_kl_by_hand(kl_type):
     # old log-probs that put ratios on both sides of both bounds, and a reference apart from the policy
     old = (exact - torch.tensor([[0.0, 0.2, -0.5, 0.05], [0.0, -0.3, 0.15, 0.0]])).tolist()
     ref = (exact + torch.tensor([[0.0, 0.4, -0.7, 0.1], [0.0, 0.3, -0.2, 0.0]])).tolist()
-    algo_config = AlgoConfig(eps_clip=eps_low, eps_clip_high=eps_high, kl_coef=kl_coef, kl_type=kl_type,
-                             entropy_coef=entropy_coef)
-    trainer = TorchTrainer(TableLogits(table), TrainConfig(minibatches=1, micro_batch_size=2), algo_config,
-                           temperature, seed=0)
-    batch = TrainBatch(torch.tensor(tokens), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv),
-                       torch.tensor(old), torch.tensor(ref))
+    algo_config = AlgoConfig(
+        eps_clip=eps_low, eps_clip_high=eps_high, kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef
+    )
+    trainer = TorchTrainer(
+        TableLogits(table), TrainConfig(minibatches=1, micro_batch_size=2), algo_config, temperature, seed=0
+    )
+    batch = TrainBatch(
+        torch.tensor(tokens),
+        torch.tensor(mask, dtype=torch.float32),
+        torch.tensor(adv),
+        torch.tensor(old),
+        torch.tensor(ref),
+    )
     metrics = trainer.train_step(batch, step=0).metrics
     hand = _by_hand(table.tolist(), tokens, mask, adv, old, ref, temperature, eps_low, eps_high, kl_type)
     assert metrics["train/pg_loss"] == pytest.approx(hand["pg"], rel=1e-5)
@@ -349,10 +366,10 @@ def test_logprobs_and_entropy_from_the_last_positions_only(keep):
     logits = torch.randn(2, 6, 9, generator=gen)
     tokens = torch.randint(0, 9, (2, 6), generator=gen)
     full, part = token_logprobs(logits, tokens, 0.7), token_logprobs(logits[:, -keep:], tokens, 0.7)
-    assert part.shape == full.shape and torch.equal(part[:, -(keep - 1):], full[:, -(keep - 1):])
+    assert part.shape == full.shape and torch.equal(part[:, -(keep - 1) :], full[:, -(keep - 1) :])
     assert not part[:, : 6 - keep + 1].any()
     whole, tail = token_entropy(logits, 0.7), token_entropy(logits[:, -keep:], 0.7, 6)
-    assert tail.shape == whole.shape and torch.equal(tail[:, -(keep - 1):], whole[:, -(keep - 1):])
+    assert tail.shape == whole.shape and torch.equal(tail[:, -(keep - 1) :], whole[:, -(keep - 1) :])
 
 
 def test_sequence_logprobs_is_one_unpadded_row_of_token_logprobs():
@@ -423,8 +440,12 @@ def test_groups_by_id_are_each_normalised_on_their_own(case, normalize_std):
 def test_consecutive_ids_equal_the_group_size(case, normalize_std):
     rewards, group_size = case
     ids = torch.arange(len(rewards)) // group_size
-    torch.testing.assert_close(grpo_advantages(rewards, ids, normalize_std),
-                               grpo_advantages(rewards, group_size, normalize_std), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        grpo_advantages(rewards, ids, normalize_std),
+        grpo_advantages(rewards, group_size, normalize_std),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 def test_a_group_of_one_gets_zero_and_a_constant_group_exactly_zero():
@@ -458,8 +479,9 @@ def test_whiten_weighs_each_sample_by_its_trained_tokens():
     tokens = torch.tensor([1.0, 1.0, 1.0, 3.0])
     expected = (values - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)  # unbiased, over the 4 tokens
     torch.testing.assert_close(algo.whiten(values, counts), expected)
-    got = algo.advantages(values, torch.tensor([0, 1, 2]), counts, _config(advantage="reinforce_plus_plus",
-                                                                           normalize_advantages=True))
+    got = algo.advantages(
+        values, torch.tensor([0, 1, 2]), counts, _config(advantage="reinforce_plus_plus", normalize_advantages=True)
+    )
     torch.testing.assert_close(got, expected)
     one = algo.whiten(torch.tensor([2.0, 5.0]), torch.tensor([1, 0]))  # one token: no Bessel correction, variance 0
     assert one.tolist() == pytest.approx([0.0, 3 / math.sqrt(1e-8)])
@@ -537,29 +559,51 @@ def test_per_token_reducer_counts_a_removed_sample_as_one_token():
 
 def test_policy_loss_metric_names_follow_the_options():
     assert algo.loss_metric_names(_config()) == ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
-    assert algo.loss_metric_names(_config(kl_coef=0.1, use_tis=True))[4:] == ("kl_loss", "ois", "tis",
-                                                                             "tis_clipfrac", "tis_abs")
+    assert algo.loss_metric_names(_config(kl_coef=0.1, use_tis=True))[4:] == (
+        "kl_loss",
+        "ois",
+        "tis",
+        "tis_clipfrac",
+        "tis_abs",
+    )
 
 
 # ---------------------------------------------------------------- AlgoConfig
 
 
-@pytest.mark.parametrize("key, value", [
-    ("advantage", "ppo"), ("normalize_std", 1), ("eps_clip", 0), ("eps_clip_high", -0.1), ("eps_clip_c", 1.0),
-    ("eps_clip_c", "3"), ("kl_coef", -1), ("kl_type", "k4"), ("entropy_coef", math.inf),
-    ("normalize_advantages", "yes"), ("per_token_loss", None), ("use_tis", 0), ("tis_clip", 0), ("tis_clip_low", -1),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("advantage", "ppo"),
+        ("normalize_std", 1),
+        ("eps_clip", 0),
+        ("eps_clip_high", -0.1),
+        ("eps_clip_c", 1.0),
+        ("eps_clip_c", "3"),
+        ("kl_coef", -1),
+        ("kl_type", "k4"),
+        ("entropy_coef", math.inf),
+        ("normalize_advantages", "yes"),
+        ("per_token_loss", None),
+        ("use_tis", 0),
+        ("tis_clip", 0),
+        ("tis_clip_low", -1),
+    ],
+)
 def test_algo_config_refuses_by_name(key, value):
     with pytest.raises(BadInput, match=f"algo.{key}: expected"):
         AlgoConfig(**{key: value})
 
 
-@pytest.mark.parametrize("changes, key, fix", [
-    ({"advantage": "cispo", "eps_clip_c": 3.0}, "eps_clip_c", None),
-    ({"advantage": "reinforce_plus_plus"}, "normalize_advantages", True),
-    ({"advantage": "reinforce_plus_plus_baseline"}, "normalize_advantages", True),
-    ({"tis_clip": 1.5, "tis_clip_low": 1.6}, "tis_clip_low", 1.5),
-])
+@pytest.mark.parametrize(
+    "changes, key, fix",
+    [
+        ({"advantage": "cispo", "eps_clip_c": 3.0}, "eps_clip_c", None),
+        ({"advantage": "reinforce_plus_plus"}, "normalize_advantages", True),
+        ({"advantage": "reinforce_plus_plus_baseline"}, "normalize_advantages", True),
+        ({"tis_clip": 1.5, "tis_clip_low": 1.6}, "tis_clip_low", 1.5),
+    ],
+)
 def test_algo_config_refuses_what_slime_refuses_or_ignores(changes, key, fix):
     with pytest.raises(BadInput, match=f"algo.{key}: expected"):
         AlgoConfig(**changes)
@@ -570,14 +614,20 @@ def test_algo_config_from_toml_and_from_an_older_manifest(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[algo]\nadvantage = "gspo"\neps_clip_c = 3\nkl_type = "low_var_kl"\nper_token_loss = true\n')
     algo_config = load_config(path).algo
-    assert (algo_config.advantage, algo_config.eps_clip_c, algo_config.kl_type, algo_config.per_token_loss) == \
-        ("gspo", 3.0, "low_var_kl", True)
+    assert (algo_config.advantage, algo_config.eps_clip_c, algo_config.kl_type, algo_config.per_token_loss) == (
+        "gspo",
+        3.0,
+        "low_var_kl",
+        True,
+    )
     path.write_text('[algo]\neps_clip_c = "high"\n')
     with pytest.raises(BadInput, match="algo.eps_clip_c: expected a number"):
         load_config(path)
     table = RunConfig().to_dict()
-    table["algo"] = {k: table["algo"][k] for k in ("advantage", "normalize_std", "eps_clip", "eps_clip_high",
-                                                    "kl_coef", "kl_type", "entropy_coef")}  # before issue 21
+    table["algo"] = {
+        k: table["algo"][k]
+        for k in ("advantage", "normalize_std", "eps_clip", "eps_clip_high", "kl_coef", "kl_type", "entropy_coef")
+    }  # before issue 21
     assert config_from_dict(table, "manifest.json").algo == AlgoConfig()
     assert config_from_dict(RunConfig(algo=algo_config).to_dict(), "manifest.json").algo == algo_config
 
@@ -632,16 +682,18 @@ def _trainer(**algo_changes):
     from rlbench.config import TrainConfig
 
     table = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    return TorchTrainer(TableLogits(table), TrainConfig(minibatches=2, micro_batch_size=2),
-                        AlgoConfig(**algo_changes), 1.0, seed=0)
+    return TorchTrainer(
+        TableLogits(table), TrainConfig(minibatches=2, micro_batch_size=2), AlgoConfig(**algo_changes), 1.0, seed=0
+    )
 
 
 def test_trainer_refuses_samples_that_do_not_split_into_minibatches_and_tis_without_rollout_logprobs():
     from rlbench.core.algo import TrainBatch
 
     def batch(n):
-        return TrainBatch(torch.zeros(n, 4, dtype=torch.long), torch.ones(n, 4), torch.zeros(n), torch.zeros(n, 4),
-                          None)
+        return TrainBatch(
+            torch.zeros(n, 4, dtype=torch.long), torch.ones(n, 4), torch.zeros(n), torch.zeros(n, 4), None
+        )
 
     with pytest.raises(BadInput, match="train.minibatches: step 0 has 3 samples, which do not split into 2"):
         _trainer().train_step(batch(3), 0)
@@ -655,9 +707,10 @@ def _logprob_stage(meta: list[dict], **algo_changes):
     tensors["rollout_logprobs"] = -tensors.pop("old_logprobs")  # the trainer's below are 0: |delta| as above
     state = _state(meta, 2)
     state.tensors.update(tensors)
-    ctx = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(true_on_policy=False),
-                                                 algo=AlgoConfig(**algo_changes)),
-                          trainer=SimpleNamespace(logprobs=lambda tokens, **kwargs: torch.zeros(tokens.shape)))
+    ctx = SimpleNamespace(
+        config=SimpleNamespace(rollout=SimpleNamespace(true_on_policy=False), algo=AlgoConfig(**algo_changes)),
+        trainer=SimpleNamespace(logprobs=lambda tokens, **kwargs: torch.zeros(tokens.shape)),
+    )
     loop.logprob(ctx, state)
     return state
 

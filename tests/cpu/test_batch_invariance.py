@@ -17,6 +17,7 @@ from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import GenerateRequest
 from tests.helpers import ROWS, NaiveEngine, batches, check_property, engine_request, moved
 
+
 @pytest.fixture(scope="module")
 def setup():
     config = load_config()
@@ -98,8 +99,9 @@ def test_grouped_attention_is_sdpa_to_rounding_and_keeps_the_property(setup):
     mask = torch.rand(3, 1, 5, 7, generator=g) > 0.3
     mask[..., 0] = True  # no row without a visible key
     got, _ = batched_forward.grouped_attention(None, q, k, v, mask, scaling=0.125)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                            attn_mask=mask, scale=0.125).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.125
+    ).transpose(1, 2)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
     engines, prompts, eos, model = setup
     grouped = HFEngine(model, batch_size=ROWS)
@@ -188,8 +190,11 @@ def test_fused_norms_are_the_models_own_to_rounding_and_only_on_the_batched_path
 def _prefills_counted(engine, monkeypatch) -> list:
     """The shapes of the prompt forwards `engine` runs from now on (a decode step's ids are one column)."""
     shapes, forward = [], engine.forward_logits
-    monkeypatch.setattr(engine, "forward_logits", lambda ids, *rest: (
-        shapes.append(tuple(ids.shape)) if ids.shape[1] > 1 else None, forward(ids, *rest))[1])
+    monkeypatch.setattr(
+        engine,
+        "forward_logits",
+        lambda ids, *rest: (shapes.append(tuple(ids.shape)) if ids.shape[1] > 1 else None, forward(ids, *rest))[1],
+    )
     return shapes
 
 

@@ -27,10 +27,19 @@ def test_statistics_by_hand():
     # 0, 1, ..., 100 in some order, signs mixed: p99 is 99, mean 50, max 100
     spread = torch.tensor([(-1) ** k * float((37 * k) % 101) for k in range(101)], dtype=torch.float64)
     stats = statistics(spread)
-    assert (stats["p99_abs"], stats["token_mean_abs"], stats["max_abs"]) == (pytest.approx(99.0), pytest.approx(50.0),
-                                                                             100.0)
-    assert statistics(torch.zeros(0)) == {"train_rollout_logprob_abs_diff": 0.0, "token_mean_abs": 0.0, "p99_abs": 0.0,
-                                          "max_abs": 0.0, "k3_kl": 0.0, "mean_exp_abs": 0.0}
+    assert (stats["p99_abs"], stats["token_mean_abs"], stats["max_abs"]) == (
+        pytest.approx(99.0),
+        pytest.approx(50.0),
+        100.0,
+    )
+    assert statistics(torch.zeros(0)) == {
+        "train_rollout_logprob_abs_diff": 0.0,
+        "token_mean_abs": 0.0,
+        "p99_abs": 0.0,
+        "max_abs": 0.0,
+        "k3_kl": 0.0,
+        "mean_exp_abs": 0.0,
+    }
 
 
 def test_slimes_per_sample_mean_and_the_token_mean_part_on_unequal_lengths():
@@ -104,8 +113,10 @@ def test_gates_through_the_cli(run_small, tmp_path):
 
 def _samples(prompts=(3, 3)):
     """Two samples' token ids: `prompts[s]` prompt ids (1, then 50...) and 2 response ids (60 + 2s, 61 + 2s)."""
-    return [[1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
-            for s, p in enumerate(prompts)]
+    return [
+        [1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
+        for s, p in enumerate(prompts)
+    ]
 
 
 def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=({}, {}), **manifest):
@@ -115,17 +126,29 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
     from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
-    manifest = {"schema": SCHEMA, "checksum": CHECKSUM, "config": config or _config(), "mode": "full",
-                "stages": ["data"], "hashes": {}, **manifest}
+    manifest = {
+        "schema": SCHEMA,
+        "checksum": CHECKSUM,
+        "config": config or _config(),
+        "mode": "full",
+        "stages": ["data"],
+        "hashes": {},
+        **manifest,
+    }
     writer = RunWriter(root, manifest, record=True)
     samples = _samples(prompts)
     for step, (trainer, rollout) in enumerate(steps):
         mask = torch.tensor([0] * prompts[0] + [1, 1] + [0] * prompts[1] + [1, 1], dtype=torch.uint8)
-        tensors = {"tokens": torch.tensor(samples[0] + samples[1]),
-                   "offsets": torch.tensor([0, len(samples[0]), len(samples[0]) + len(samples[1])]),
-                   "prompt_lengths": torch.tensor(prompts), "prompt_index": torch.tensor([0, 0]),
-                   "group_index": torch.tensor([0, 0]), "loss_mask": mask, "rewards": torch.tensor([1.0, 0.0]),
-                   "rollout_logprobs": torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(rollout))}
+        tensors = {
+            "tokens": torch.tensor(samples[0] + samples[1]),
+            "offsets": torch.tensor([0, len(samples[0]), len(samples[0]) + len(samples[1])]),
+            "prompt_lengths": torch.tensor(prompts),
+            "prompt_index": torch.tensor([0, 0]),
+            "group_index": torch.tensor([0, 0]),
+            "loss_mask": mask,
+            "rewards": torch.tensor([1.0, 0.0]),
+            "rollout_logprobs": torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(rollout)),
+        }
         if old_logprobs:
             tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
         writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": f"{step:064x}"}, {"train/loss": 0.0})
@@ -134,8 +157,10 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
 
 
 def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
-    run = _recorded(tmp_path / "r", [([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]),
-                                      ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0])])
+    run = _recorded(
+        tmp_path / "r",
+        [([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]), ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0])],
+    )
     report = check_logprobs(run, top=2, thresholds={"max_abs": 0.4, "token_mean_abs": 1.0, "p99_abs": None})
     assert (report.run, report.source, report.steps, report.tokens, report.notes) == (
         str(run),
@@ -147,8 +172,10 @@ def test_recorded_mismatch_statistics_worst_tokens_and_gates(tmp_path):
     deltas = [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.125, 0.0]
     assert report.stats == statistics(torch.tensor(deltas, dtype=torch.float64), [2, 2, 2, 2])
     assert report.stats["max_abs"] == 0.5 and report.stats["token_mean_abs"] == pytest.approx(0.875 / 8)
-    assert [(r["step"], r["tokens"], r["samples"], r["max_abs"]) for r in report.per_step] == [(0, 4, 2, 0.5),
-                                                                                              (1, 4, 2, 0.125)]
+    assert [(r["step"], r["tokens"], r["samples"], r["max_abs"]) for r in report.per_step] == [
+        (0, 4, 2, 0.5),
+        (1, 4, 2, 0.125),
+    ]
     assert report.thresholds == {"max_abs": 0.4, "token_mean_abs": 1.0}  # a gate of None is no gate
     assert report.failures == ["max_abs 0.5 > 0.4"]
     first, second = report.worst
@@ -170,8 +197,9 @@ def test_a_gate_passes_on_finite_numbers_only(tmp_path):
     assert report.notes == [note]
     assert report.failures == [f"train_rollout_logprob_abs_diff is nan ({note}): a gate passes only on finite numbers"]
     later = _recorded(tmp_path / "later", [([-1.0] * 4, [-1.0] * 4), ([-1.0, -1.0, float("inf"), -1.0], [-1.0] * 4)])
-    assert check_logprobs(later).notes == ["1 non-finite log-prob deltas; the first at step 1, sample 1, response "
-                                           "token 0 (trainer inf, rollout -1.0)"]
+    assert check_logprobs(later).notes == [
+        "1 non-finite log-prob deltas; the first at step 1, sample 1, response token 0 (trainer inf, rollout -1.0)"
+    ]
     for bad in (float("nan"), -1.0, float("inf"), "1"):
         with pytest.raises(BadInput, match="expected a finite number >= 0") as info:
             check_logprobs(run, thresholds={"max_abs": bad})
@@ -182,8 +210,10 @@ def test_a_recording_without_trainer_logprobs_needs_recompute(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.0] * 4)], old_logprobs=False)
     with pytest.raises(BadInput) as info:
         check_logprobs(run)
-    assert str(info.value) == f"{run}: the recording holds no trainer log-probs (a rollout-only or imported run); " \
-                              "use --recompute"
+    assert (
+        str(info.value) == f"{run}: the recording holds no trainer log-probs (a rollout-only or imported run); "
+        "use --recompute"
+    )
     empty = _recorded(tmp_path / "e", [])
     with pytest.raises(BadInput) as info:
         check_logprobs(empty)
@@ -209,8 +239,11 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
     run = _recorded(tmp_path / "r", [(own[mask].tolist(), own[mask].tolist())] * 2, old_logprobs=False)
     manifest_path = run / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "mode": "rollout-only",
-                                         "hashes": {"initial_weights": weights_digest(named_weights(model))}}))
+    manifest_path.write_text(
+        json.dumps(
+            {**manifest, "mode": "rollout-only", "hashes": {"initial_weights": weights_digest(named_weights(model))}}
+        )
+    )
     report = check_logprobs(run, recompute=True)
     assert (report.source, report.steps, report.tokens, report.notes) == ("recomputed", [0, 1], 8, [])
     assert report.stats["max_abs"] < 1e-5
@@ -218,13 +251,17 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
     with pytest.raises(BadInput) as info:
         check_logprobs(run, recompute=True)
     here = weights_digest(named_weights(model))[:12]
-    assert str(info.value) == f"{config.model.path}: the model's initial weights ({here}) are not the ones the run " \
-                              "recorded (000000000000): another model or seed"
+    assert (
+        str(info.value) == f"{config.model.path}: the model's initial weights ({here}) are not the ones the run "
+        "recorded (000000000000): another model or seed"
+    )
     manifest_path.write_text(json.dumps(manifest))  # a full run: weights change every step, and no checkpoint
     with pytest.raises(BadInput) as info:
         check_logprobs(run, recompute=True)
-    assert str(info.value) == f"{run / 'checkpoints'}: no step could be recomputed (no checkpoint holds the weights " \
-                              "any step sampled with)"
+    assert (
+        str(info.value) == f"{run / 'checkpoints'}: no step could be recomputed (no checkpoint holds the weights "
+        "any step sampled with)"
+    )
 
 
 def test_p99_of_more_values_than_torch_quantile_takes():
@@ -238,7 +275,8 @@ def test_worst_tokens_ten_by_default_ties_in_recording_order(tmp_path):
     run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.5] * 4)] * 6)  # 24 tokens, each 0.5 apart
     worst = check_logprobs(run).worst
     assert [(w.step, w.sample, w.response_token) for w in worst] == [
-        (step, sample, token) for step in range(3) for sample in (0, 1) for token in (0, 1)][:10]
+        (step, sample, token) for step in range(3) for sample in (0, 1) for token in (0, 1)
+    ][:10]
 
 
 def test_gates_at_zero_and_on_statistics_that_exist(tmp_path):
@@ -250,8 +288,10 @@ def test_gates_at_zero_and_on_statistics_that_exist(tmp_path):
     with pytest.raises(BadInput) as info:
         check_logprobs(same, thresholds={"p50_abs": 1.0})
     assert (info.value.field, str(info.value)) == (
-        "p50_abs", "p50_abs: no such statistic to gate on (one of train_rollout_logprob_abs_diff, token_mean_abs, "
-                   "p99_abs, max_abs, k3_kl, mean_exp_abs)")
+        "p50_abs",
+        "p50_abs: no such statistic to gate on (one of train_rollout_logprob_abs_diff, token_mean_abs, "
+        "p99_abs, max_abs, k3_kl, mean_exp_abs)",
+    )
 
 
 def _config(**sections):
@@ -284,11 +324,16 @@ def test_token_ids_are_held_to_the_runs_model_vocabulary_and_the_tokenizer_shows
     small = _recorded(tmp_path / "small", steps, config=config, vocab={"model": 63, "tokenizer": 4})
     with pytest.raises(BadInput) as info:
         check_logprobs(small)
-    assert str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: tokens: token id 63 is outside the " \
-                              "model's vocabulary (63 ids; the tokenizer has 4)"
+    assert (
+        str(info.value) == f"{small / 'rollouts' / '000000.safetensors'}: tokens: token id 63 is outside the "
+        "model's vocabulary (63 ids; the tokenizer has 4)"
+    )
     [worst] = check_logprobs(_recorded(tmp_path / "padded", steps, config=config), top=1).worst
-    assert (worst.token_id, worst.text, worst.context) == (61, "<padded id 61>",
-                                                           "odd<padded id 50><padded id 51><padded id 60>")
+    assert (worst.token_id, worst.text, worst.context) == (
+        61,
+        "<padded id 61>",
+        "odd<padded id 50><padded id 51><padded id 60>",
+    )
     # a run whose tokenizer is gone: the ids themselves are shown
     gone = _recorded(tmp_path / "gone", steps, config=_config(model={"tokenizer": str(tmp_path / "gone-tokenizer")}))
     [worst] = check_logprobs(gone, top=1).worst
@@ -306,8 +351,9 @@ def test_worst_tokens_context_is_the_eight_ids_before_within_the_sample(tmp_path
     # a sample with an empty prompt: its first token is its own, not the sample's before it
     run = _recorded(tmp_path / "empty", [([-1.0, -1.0, float("nan"), -1.0], [-1.0, -1.0, -2.5, -1.0])], prompts=(3, 0))
     report = check_logprobs(run, top=1)
-    assert report.notes == ["1 non-finite log-prob deltas; the first at step 0, sample 1, response token 0 "
-                            "(trainer nan, rollout -2.5)"]
+    assert report.notes == [
+        "1 non-finite log-prob deltas; the first at step 0, sample 1, response token 0 (trainer nan, rollout -2.5)"
+    ]
     assert (report.worst[0].sample, report.worst[0].response_token, report.worst[0].context) == (1, 0, "")
 
 
@@ -349,8 +395,11 @@ def test_recompute_on_a_full_run_loads_each_steps_checkpoint(tmp_path):
     config = load_config()
     model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     first, third = _weights(model, 0.0), _weights(model, 0.05)
-    rollout = [_sampled_with(model, first, config.rollout.temperature), [-1.0] * 4,
-               _sampled_with(model, third, config.rollout.temperature)]
+    rollout = [
+        _sampled_with(model, first, config.rollout.temperature),
+        [-1.0] * 4,
+        _sampled_with(model, third, config.rollout.temperature),
+    ]
     run = _recorded(tmp_path / "r", [(r, r) for r in rollout], old_logprobs=False)
     _checkpoint(run, 0, first)
     _checkpoint(run, 2, third)
@@ -370,8 +419,13 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
     model = model_module.build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     sampled_with = _weights(model, 0.05)
     rollout = _sampled_with(model, sampled_with, config.rollout.temperature)
-    run = _recorded(tmp_path / "r", [(rollout, rollout)] * 2, old_logprobs=False, mode="rollout-only",
-                    config=_config(rollout={"true_on_policy": True}))
+    run = _recorded(
+        tmp_path / "r",
+        [(rollout, rollout)] * 2,
+        old_logprobs=False,
+        mode="rollout-only",
+        config=_config(rollout={"true_on_policy": True}),
+    )
     _checkpoint(run, 0, sampled_with)
     _checkpoint(run, 1, _weights(model, 0.1))
     loads, load = [], model_module.load_safetensors
@@ -418,19 +472,22 @@ def test_removed_samples_and_samples_without_engine_logprobs_are_not_judged_but_
     steps = [([-1.0, -1.0, -1.0, -1.0], [-1.0, -1.25, -3.0, -3.0])]
     judged = check_logprobs(_recorded(tmp_path / "all", steps))
     assert (judged.samples, judged.tokens, judged.stats["max_abs"]) == (2, 4, 2.0)
-    for flag, count, note in (({"remove_sample": True}, "removed", "1 samples removed by slime (remove_sample): "
-                                                                   "not trained, not judged"),
-                              ({"has_rollout_logprobs": False}, "without_logprobs",
-                               "1 samples without engine log-probs: not judged")):
-        report = check_logprobs(_recorded(tmp_path / count, steps, meta=({"has_rollout_logprobs": True}, flag)),
-                                thresholds={"max_abs": 0.5})
+    for flag, count, note in (
+        ({"remove_sample": True}, "removed", "1 samples removed by slime (remove_sample): not trained, not judged"),
+        ({"has_rollout_logprobs": False}, "without_logprobs", "1 samples without engine log-probs: not judged"),
+    ):
+        report = check_logprobs(
+            _recorded(tmp_path / count, steps, meta=({"has_rollout_logprobs": True}, flag)), thresholds={"max_abs": 0.5}
+        )
         assert (report.samples, report.tokens, getattr(report, count), report.notes) == (1, 2, 1, [note])
         assert report.stats["max_abs"] == 0.25 and report.failures == []
     nothing = _recorded(tmp_path / "none", steps, meta=({"has_rollout_logprobs": False}, {"remove_sample": True}))
     with pytest.raises(BadInput) as info:
         check_logprobs(nothing, thresholds={"max_abs": 0.5})
-    assert str(info.value) == f"{nothing}: undetermined: no trained token with engine log-probs to judge (1 samples " \
-                              "removed, 1 without engine log-probs)"
+    assert (
+        str(info.value) == f"{nothing}: undetermined: no trained token with engine log-probs to judge (1 samples "
+        "removed, 1 without engine log-probs)"
+    )
     res = run_cli("check", "logprobs", str(tmp_path / "removed"), "--max-mean", "0.2")  # sample 0 alone: 0.125
     assert res.returncode == 0 and "1 samples removed by slime" in res.stderr and "of 1 samples" in res.stdout
     res = run_cli("check", "logprobs", str(tmp_path / "all"), "--max-mean", "0.2", "--json")  # (0.125 + 2) / 2

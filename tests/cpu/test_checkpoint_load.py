@@ -26,8 +26,10 @@ def _checkpoint(tmp_path, shards: int = 2, dtype=torch.float32, seed: int = 99, 
     directory = tmp_path / name
     directory.mkdir()
     shutil.copy(f"{ModelConfig().path}/config.json", directory)
-    weights = {k: v.to(dtype).contiguous() for k, v in
-               named_weights(build_model(ModelConfig().path, seed, init="random")).items()}
+    weights = {
+        k: v.to(dtype).contiguous()
+        for k, v in named_weights(build_model(ModelConfig().path, seed, init="random")).items()
+    }
     if shards == 1:
         save_file(weights, str(directory / "model.safetensors"))
         return directory, weights
@@ -38,9 +40,14 @@ def _checkpoint(tmp_path, shards: int = 2, dtype=torch.float32, seed: int = 99, 
         part = names[k::shards]
         save_file({n: weights[n] for n in part}, str(directory / file))
         weight_map.update({n: file for n in part})
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
-         "weight_map": weight_map}))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+                "weight_map": weight_map,
+            }
+        )
+    )
     return directory, weights
 
 
@@ -90,7 +97,9 @@ def test_a_run_from_a_sharded_checkpoint_starts_from_its_weights_and_says_so(tmp
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["config"]["model"]["init"] == "checkpoint"
     assert manifest["weights"]["init"] == "checkpoint" and sorted(manifest["weights"]["files"]) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert manifest["hashes"]["initial_weights"] == weights_digest(dict(sorted(weights.items())))
 
 
@@ -108,8 +117,7 @@ def test_the_default_run_says_it_starts_from_random_weights(tmp_path):
 def test_a_missing_shard_is_named(tmp_path):
     directory, _ = _checkpoint(tmp_path, 2)
     (directory / "model-00002-of-00002.safetensors").unlink()
-    _one_line(_run(tmp_path, directory), "model.safetensors.index.json", "model-00002-of-00002.safetensors",
-              "missing")
+    _one_line(_run(tmp_path, directory), "model.safetensors.index.json", "model-00002-of-00002.safetensors", "missing")
 
 
 def test_a_shard_of_the_wrong_shape_is_named(tmp_path):
@@ -131,8 +139,9 @@ def test_a_shard_that_does_not_hold_what_the_index_says_is_named(tmp_path):
     _one_line(_run(tmp_path, directory), "the shard does not hold what the index says", moved)
 
 
-@pytest.mark.parametrize("index", ['{"weight_map": {}}', '[1, 2]', '{"weight_map": {"a": "../x.safetensors"}}',
-                                   "{not json"])
+@pytest.mark.parametrize(
+    "index", ['{"weight_map": {}}', "[1, 2]", '{"weight_map": {"a": "../x.safetensors"}}', "{not json"]
+)
 def test_a_broken_index_is_bad_input(tmp_path, index):
     directory, _ = _checkpoint(tmp_path, 2)
     (directory / "model.safetensors.index.json").write_text(index)
@@ -166,8 +175,10 @@ def test_a_tied_alias_is_taken_only_equal_to_what_it_is_tied_to(tmp_path):
     tensors = load_file(str(directory / "model.safetensors"))
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(directory / "model.safetensors"))
-    assert torch.equal(named_weights(build_model(directory, 0, init="checkpoint"))["model.embed_tokens.weight"],
-                       weights["model.embed_tokens.weight"])
+    assert torch.equal(
+        named_weights(build_model(directory, 0, init="checkpoint"))["model.embed_tokens.weight"],
+        weights["model.embed_tokens.weight"],
+    )
     tensors["lm_head.weight"][0, 0] += 1
     save_file(tensors, str(directory / "model.safetensors"))
     with pytest.raises(BadInput, match="lm_head.weight' is tied"):

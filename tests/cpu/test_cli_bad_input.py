@@ -43,6 +43,7 @@ GOOD_ROWS = [
 
 # --- helpers -------------------------------------------------------------------------------
 
+
 def assert_bad_input(res, *needles: str) -> str:
     """Exit 2, no traceback, and exactly one stderr line, "rlbench: error: ...", holding each needle.
 
@@ -62,8 +63,7 @@ def assert_bad_input(res, *needles: str) -> str:
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
     """Every path under root (directories as None, files as their bytes)."""
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(root.rglob("*"))}
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
 def write_config(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
@@ -81,11 +81,13 @@ def write_dataset(tmp_path: Path, lines: list[str], name: str = "data.jsonl") ->
 def run_with_dataset(tmp_path: Path, dataset: Path, *extra: str):
     """`rlbench run` over `dataset` with a small config; the out directory is tmp_path/out."""
     cfg = write_config(tmp_path, SMALL_TOML.replace("[data]\n", f"[data]\npath = {json.dumps(str(dataset))}\n"))
-    return run_cli("run", "--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "out"), *extra,
-                   cwd=tmp_path, timeout=120)
+    return run_cli(
+        "run", "--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "out"), *extra, cwd=tmp_path, timeout=120
+    )
 
 
 # --- 1-3: the dataset ----------------------------------------------------------------------
+
 
 def test_missing_dataset(tmp_path):
     cfg = write_config(tmp_path, '[data]\npath = "nope.jsonl"\n')  # relative: to the config's folder
@@ -106,10 +108,13 @@ def test_malformed_jsonl_line(tmp_path):
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
 
-@pytest.mark.parametrize("bad_row, got", [
-    pytest.param({"prompt": "Is 4 even or odd?"}, "nothing", id="label-missing"),
-    pytest.param({"prompt": "Is 4 even or odd?", "label": 1}, "int", id="label-not-a-string"),
-])
+@pytest.mark.parametrize(
+    "bad_row, got",
+    [
+        pytest.param({"prompt": "Is 4 even or odd?"}, "nothing", id="label-missing"),
+        pytest.param({"prompt": "Is 4 even or odd?", "label": 1}, "int", id="label-not-a-string"),
+    ],
+)
 def test_bad_label_field(tmp_path, bad_row, got):
     rows = [json.dumps(r) for r in GOOD_ROWS]
     rows[1] = json.dumps(bad_row)  # line 2
@@ -121,19 +126,23 @@ def test_bad_label_field(tmp_path, bad_row, got):
 
 # --- 4-5: the command line -----------------------------------------------------------------
 
+
 def test_unknown_option(tmp_path):
     res = run_cli("run", "--bogus", "--out", str(tmp_path / "out"), cwd=tmp_path, timeout=60)
     assert_bad_input(res, "--bogus")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("args, option", [
-    pytest.param(("--steps", "0"), "--steps", id="steps-0"),
-    pytest.param(("--steps", "abc"), "--steps", id="steps-abc"),
-    pytest.param(("--mode", "sideways"), "--mode", id="mode-sideways"),
-    pytest.param(("--seed", "-1"), "--seed", id="seed-negative"),
-    pytest.param(("--threads", "0"), "--threads", id="threads-0"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        pytest.param(("--steps", "0"), "--steps", id="steps-0"),
+        pytest.param(("--steps", "abc"), "--steps", id="steps-abc"),
+        pytest.param(("--mode", "sideways"), "--mode", id="mode-sideways"),
+        pytest.param(("--seed", "-1"), "--seed", id="seed-negative"),
+        pytest.param(("--threads", "0"), "--threads", id="threads-0"),
+    ],
+)
 def test_invalid_option_value(tmp_path, args, option):
     res = run_cli("run", *args, "--out", str(tmp_path / "out"), cwd=tmp_path, timeout=60)
     assert_bad_input(res, option)
@@ -148,6 +157,7 @@ def test_invalid_value_caught_after_parsing(tmp_path):
 
 
 # --- 6: the config file --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "text, needles",
@@ -202,6 +212,7 @@ def test_unreadable_config_file(tmp_path, kind):
 
 # --- 7: an --out that is not new ------------------------------------------------------------
 
+
 def test_out_holds_a_run(tmp_path):
     """A real one-step run, then the CLI twice more into its directory: another seed, then the
     same config. Both are refused, and the directory stays byte for byte as it was."""
@@ -213,8 +224,9 @@ def test_out_holds_a_run(tmp_path):
     before = snapshot(out)
     assert any(v is not None for v in before.values())
 
-    res = run_cli("run", "--steps", "1", "--seed", "7", "--out", str(out), "--config", str(cfg), *JSON,
-                  cwd=tmp_path, timeout=120)
+    res = run_cli(
+        "run", "--steps", "1", "--seed", "7", "--out", str(out), "--config", str(cfg), *JSON, cwd=tmp_path, timeout=120
+    )
     assert snapshot(out) == before, "a run into a directory holding a different run modified it"
     assert_bad_input(res, str(out), "a different run", "seed")
 
@@ -250,18 +262,34 @@ def test_out_is_a_file(tmp_path):
 PLUGIN = "NOT_CALLABLE = 3\n\n\ndef reward(sample):\n    return 0.0\n"
 
 
-@pytest.mark.parametrize("path, needles", [
-    pytest.param("no_such_module_rlbench_test.reward", ("cannot import", "no_such_module_rlbench_test"),
-                 id="missing-module"),
-    pytest.param("rm_plugin.no_such_function", ("no attribute", "no_such_function"), id="missing-attribute"),
-    pytest.param("rm_plugin.NOT_CALLABLE", ("not callable", "rm_plugin.NOT_CALLABLE"), id="not-callable"),
-])
+@pytest.mark.parametrize(
+    "path, needles",
+    [
+        pytest.param(
+            "no_such_module_rlbench_test.reward", ("cannot import", "no_such_module_rlbench_test"), id="missing-module"
+        ),
+        pytest.param("rm_plugin.no_such_function", ("no attribute", "no_such_function"), id="missing-attribute"),
+        pytest.param("rm_plugin.NOT_CALLABLE", ("not callable", "rm_plugin.NOT_CALLABLE"), id="not-callable"),
+    ],
+)
 def test_bad_custom_rm_path(tmp_path, path, needles):
     (tmp_path / "rm_plugin.py").write_text(PLUGIN)
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
     # cwd=tmp_path: `python -m` puts the working directory on sys.path, so rm_plugin is importable
-    res = run_cli("run", "--steps", "1", "--config", str(cfg), "--custom-rm-path", path,
-                  "--out", str(tmp_path / "out"), *JSON, cwd=tmp_path, timeout=120)
+    res = run_cli(
+        "run",
+        "--steps",
+        "1",
+        "--config",
+        str(cfg),
+        "--custom-rm-path",
+        path,
+        "--out",
+        str(tmp_path / "out"),
+        *JSON,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert_bad_input(res, "--custom-rm-path", *needles)
     assert not (tmp_path / "out").exists(), "the out directory was created before the input was validated"
 
@@ -270,13 +298,26 @@ def test_custom_rm_module_fails_to_import(tmp_path):
     """A plugin module that fails to import with something other than ImportError."""
     (tmp_path / "broken_plugin.py").write_text("def reward(:\n")  # a SyntaxError, not an ImportError
     cfg = write_config(tmp_path, SMALL_TOML, "small.toml")
-    res = run_cli("run", "--steps", "1", "--config", str(cfg), "--custom-rm-path", "broken_plugin.reward",
-                  "--out", str(tmp_path / "out"), *JSON, cwd=tmp_path, timeout=120)
+    res = run_cli(
+        "run",
+        "--steps",
+        "1",
+        "--config",
+        str(cfg),
+        "--custom-rm-path",
+        "broken_plugin.reward",
+        "--out",
+        str(tmp_path / "out"),
+        *JSON,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert_bad_input(res, "--custom-rm-path", "broken_plugin")
     assert not (tmp_path / "out").exists()
 
 
 # --- 9: the same rule without --json, progress bar and all ---------------------------------------
+
 
 @pytest.mark.parametrize("case", ["dataset", "custom-rm-path", "out-not-a-run"])
 def test_runtime_error_plain_output(tmp_path, case):
@@ -288,8 +329,10 @@ def test_runtime_error_plain_output(tmp_path, case):
         cfg = write_config(tmp_path, '[data]\npath = "nope.jsonl"\n')
         args, needles = ("--config", str(cfg)), (str((tmp_path / "nope.jsonl").resolve()), "not found")
     elif case == "custom-rm-path":
-        args, needles = ("--config", str(cfg), "--custom-rm-path", "no_such_module_rlbench_test.reward"), \
-            ("--custom-rm-path",)
+        args, needles = (
+            ("--config", str(cfg), "--custom-rm-path", "no_such_module_rlbench_test.reward"),
+            ("--custom-rm-path",),
+        )
     else:
         out.mkdir()
         (out / "todo.txt").write_bytes(b"keep me\n")
@@ -299,7 +342,9 @@ def test_runtime_error_plain_output(tmp_path, case):
     assert snapshot(tmp_path) == before, "bad input changed the files"
     assert_bad_input(res, *needles)
 
+
 # --- 10: --debug ---------------------------------------------------------------------------------
+
 
 def test_debug_shows_traceback_config_error(tmp_path):
     cfg = write_config(tmp_path, 'steps = "many"\n')
@@ -313,8 +358,9 @@ def test_debug_shows_traceback_config_error(tmp_path):
 
 def test_debug_shows_traceback_dataset_error(tmp_path):
     cfg = write_config(tmp_path, '[data]\npath = "nope.jsonl"\n')
-    res = run_cli("run", "--config", str(cfg), "--out", str(tmp_path / "out"), "--json", "--debug",
-                  cwd=tmp_path, timeout=120)
+    res = run_cli(
+        "run", "--config", str(cfg), "--out", str(tmp_path / "out"), "--json", "--debug", cwd=tmp_path, timeout=120
+    )
     assert res.returncode == 2, res.stderr
     assert "Traceback" in res.stderr and "BadInput" in res.stderr
     last = res.stderr.strip().splitlines()[-1]
@@ -322,7 +368,7 @@ def test_debug_shows_traceback_dataset_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-HIDER = '''import os, sys
+HIDER = """import os, sys
 HIDDEN = set(os.environ["RLBENCH_TEST_HIDE"].split(","))
 
 
@@ -334,7 +380,7 @@ class Hide:  # as if the package were not installed: importing it (or a module u
 
 
 sys.meta_path.insert(0, Hide())
-'''
+"""
 
 
 @pytest.mark.parametrize(
@@ -382,8 +428,15 @@ def test_a_missing_extra_is_one_line_with_its_pip_line_before_anything_starts(tm
     else:
         args += ["--out", str(tmp_path / "out")] if args[0] == "run" else []
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "hide"), "RLBENCH_TEST_HIDE": hidden}
-    res = subprocess.run([sys.executable, "-m", "rlbench.cli", *args], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stdout + res.stderr
     assert "listening" not in res.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()

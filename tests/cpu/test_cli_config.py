@@ -41,17 +41,22 @@ def test_every_option_that_sets_a_setting_is_declared_from_its_field(name):
 
 
 def test_the_run_table_is_what_the_resume_refusal_reads():
-    assert RUN_FIELDS["rollout_backend"] == FieldOption("rollout.backend", RUN_FIELDS["seed"].root, None,
-                                                        ("--rollout-backend", "--rollout"))
+    assert RUN_FIELDS["rollout_backend"] == FieldOption(
+        "rollout.backend", RUN_FIELDS["seed"].root, None, ("--rollout-backend", "--rollout")
+    )
     assert RUN_FIELDS["no_record"].flag_value is False
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--seed", "3"], "--seed"), (["--trainer", "torch", "--tp", "1"], "--trainer, --tp"),
-    (["--no-record", "--deterministic"], "--deterministic, --no-record"),
-    (["--rollout-external-engine-addrs", "a:1"], "--rollout-external-engine-addrs"),
-    (["-c", "x.toml", "--device", "cpu"], "--config, --device"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--seed", "3"], "--seed"),
+        (["--trainer", "torch", "--tp", "1"], "--trainer, --tp"),
+        (["--no-record", "--deterministic"], "--deterministic, --no-record"),
+        (["--rollout-external-engine-addrs", "a:1"], "--rollout-external-engine-addrs"),
+        (["-c", "x.toml", "--device", "cpu"], "--config, --device"),
+    ],
+)
 def test_resume_refuses_every_setting_by_its_name(tmp_path, args, named):
     res = cli("run", "--resume", str(tmp_path / "r"), *args)
     assert res.returncode == 2 and f"drop {named}" in res.stderr, res.stderr
@@ -63,6 +68,7 @@ def test_version():
 
 
 # ---------------------------------------------------------------- the checker, on options that drift
+
 
 class Backend(str, Enum):
     hf = "hf"
@@ -107,8 +113,7 @@ def test_the_checker_catches_help_and_default_that_drift(monkeypatch):
     assert any("help" in f for f in disagreements(command, click_command))
     monkeypatch.undo()
     monkeypatch.setattr(param, "help", param.help.replace("85", "60"))
-    assert any("does not show the field's default ([default: 85])" in f for f in disagreements(command,
-                                                                                                click_command))
+    assert any("does not show the field's default ([default: 85])" in f for f in disagreements(command, click_command))
     assert options.shown(()) == "none" and options.shown(True) == "true" and options.shown(None) == "none"
 
 
@@ -149,4 +154,8 @@ def test_rlbench_run_resolves_its_command_line_through_the_library_function(tmp_
     assert resolved.config.data.prompts_per_step == 2 and resolved.config.rollout.n_samples_per_prompt == 4
     assert resolved.config.rollout.sglang == {"mem-fraction-static": "0.5"} and resolved.notes == []
     assert resolved.config.steps == 3 and {name for name, _, _ in resolved.slime} >= {
-        "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len"}
+        "--num-rollout",
+        "--rollout-batch-size",
+        "--n-samples-per-prompt",
+        "--rollout-max-response-len",
+    }

@@ -41,6 +41,7 @@ def _findings_table(rows: int, width: int) -> Table:
 
 # ---------------------------------------------------------------- tables
 
+
 def test_a_table_that_fits_is_drawn_whole_with_its_title_on_a_line_of_its_own():
     text = _printed(_findings_table(2, 10))
     lines = text.splitlines()
@@ -54,8 +55,15 @@ def test_a_table_wider_than_80_columns_is_one_record_per_row_never_a_word_per_li
     text = _printed(_findings_table(2, 60))
     assert text.splitlines() == [
         "token-in-token-out drift: findings",
-        "- shape: shape-0", "  where: final re-render", f"  before: {'x' * 60}", "  got: [0, 2] '<|im_start|>user'",
-        "- shape: shape-1", "  where: final re-render", f"  before: {'x' * 60}", "  got: [1, 2] '<|im_start|>user'"]
+        "- shape: shape-0",
+        "  where: final re-render",
+        f"  before: {'x' * 60}",
+        "  got: [0, 2] '<|im_start|>user'",
+        "- shape: shape-1",
+        "  where: final re-render",
+        f"  before: {'x' * 60}",
+        "  got: [1, 2] '<|im_start|>user'",
+    ]
 
 
 def test_a_table_without_headers_is_key_value_lines_and_empty_cells_are_left_out():
@@ -94,9 +102,15 @@ def test_check_tito_audit_piped_through_cat_says_each_finding_on_its_own_lines(t
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
 
     def run(*extra):
-        return subprocess.run([sys.executable, "-m", "rlbench.cli", "check", "tito", "--tokenizer", tokenizer,
-                               "--audit", *extra], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "rlbench.cli", "check", "tito", "--tokenizer", tokenizer, "--audit", *extra],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     text, doc = run(), run("--json")
     assert text.returncode == doc.returncode == 1, text.stderr + doc.stderr
@@ -105,14 +119,20 @@ def test_check_tito_audit_piped_through_cat_says_each_finding_on_its_own_lines(t
     lines = text.stdout.splitlines()
     for f in findings:
         at = lines.index(f"- shape: {f['shape']}")
-        assert lines[at + 1:at + 8] == [
-            f"  where: {f['where']}", f"  mode: {f['number']} {f['mode']}" + ("" if f["strict"] else " (hazard)"),
-            f"  Miles: {f['category']}", f"  index: {f['index']}", f"  before: {f['context_text']!r}",
-            f"  expected: {f['expected']} {f['expected_text']!r}", f"  got: {f['got']} {f['got_text']!r}"]
+        assert lines[at + 1 : at + 8] == [
+            f"  where: {f['where']}",
+            f"  mode: {f['number']} {f['mode']}" + ("" if f["strict"] else " (hazard)"),
+            f"  Miles: {f['category']}",
+            f"  index: {f['index']}",
+            f"  before: {f['context_text']!r}",
+            f"  expected: {f['expected']} {f['expected_text']!r}",
+            f"  got: {f['got']} {f['got_text']!r}",
+        ]
     assert not [line for line in lines if len(line) > 80 and not line.startswith("  ")], text.stdout
 
 
 # ---------------------------------------------------------------- progress
+
 
 def _state(step: int, loss: bool = True):
     metrics = {"rollout/raw_reward": 0.5, **({"train/loss": -0.002} if loss else {})}
@@ -140,8 +160,7 @@ def test_on_a_terminal_progress_is_rich_bar_and_no_lines(monkeypatch):
     assert "━" in out.getvalue() and not any(LINE.fullmatch(line) for line in out.getvalue().splitlines())
 
 
-def test_a_run_and_its_replay_print_progress_lines_and_the_runs_files_do_not_change(tmp_path, monkeypatch,
-                                                                                    reference):
+def test_a_run_and_its_replay_print_progress_lines_and_the_runs_files_do_not_change(tmp_path, monkeypatch, reference):
     """`rlbench run ... 2>log`: progress lines on stderr (here every 2nd step, and the last), and the run's
     checksums.jsonl byte for byte the in-process run's (no callback, no wall clock); `replay` prints its
     own; `--json` prints none."""

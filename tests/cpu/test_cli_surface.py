@@ -18,14 +18,16 @@ from tests.conftest import cli
 EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve", "report"}
 
 EXPECTED_RUN_OPTIONS = {
-    "--config", "-c",
+    "--config",
+    "-c",
     "--seed",
     "--steps",
     "--out",
     "--mode",
     "--rollouts",
     "--resume",
-    "--rollout-backend", "--rollout",
+    "--rollout-backend",
+    "--rollout",
     "--rollout-external-engine-addrs",
     "--sglang-router-url",
     "--rollout-num-engines",
@@ -33,7 +35,8 @@ EXPECTED_RUN_OPTIONS = {
     "--placement",
     "--ray-address",
     "--ray-timeout",
-    "--trainer-backend", "--trainer",
+    "--trainer-backend",
+    "--trainer",
     "--tp",
     "--dp",
     "--deterministic",
@@ -77,8 +80,10 @@ EXPECTED_GOLDEN_OPTIONS = {
     ("golden", "update"): {"--reason", "--tolerance", "--step-interval", "--json", "--debug"},
 }
 
-CHANGE_MESSAGE = ("the CLI surface changed; if that is deliberate, update the expected set in "
-                  "tests/cpu/test_cli_surface.py (and the docs) in the same change")
+CHANGE_MESSAGE = (
+    "the CLI surface changed; if that is deliberate, update the expected set in "
+    "tests/cpu/test_cli_surface.py (and the docs) in the same change"
+)
 
 
 def _group():
@@ -111,6 +116,7 @@ def test_golden_options_are_frozen(path):
 
 
 # ---------------------------------------------------------------- what --help shows, parsed
+
 
 def _help(monkeypatch, *args) -> str:
     monkeypatch.setenv("COLUMNS", "200")  # one row per option, as wide as the help needs
@@ -181,13 +187,17 @@ GROUPS = [((), _group())] + [(argv, c) for argv, c in _commands(_group()) if has
 
 def test_the_parser_reads_what_it_claims():
     """The help parser on a box written by hand: each row's names, metavar and wrapped help text, as written."""
-    box = ["│ --config   -c   <path>  TOML file of settings; CLI options        │",
-           "│                          override it.                              │",
-           "│ --json                   Print the result as one JSON document.    │"]
+    box = [
+        "│ --config   -c   <path>  TOML file of settings; CLI options        │",
+        "│                          override it.                              │",
+        "│ --json                   Print the result as one JSON document.    │",
+    ]
     text = "\n".join(["╭─ Options ──────╮", *box, "╰────────╯"])
     rows = _rows(_panels(text)["Options"], lambda line: line[1:2] == "-", _option_cells)
-    assert rows == [(["--config", "-c", "<path>"], "TOML file of settings; CLI options override it."),
-                    (["--json"], "Print the result as one JSON document.")]
+    assert rows == [
+        (["--config", "-c", "<path>"], "TOML file of settings; CLI options override it."),
+        (["--json"], "Print the result as one JSON document."),
+    ]
 
 
 @pytest.mark.parametrize("argv, command", LEAVES, ids=[" ".join(argv) for argv, _ in LEAVES])
@@ -200,28 +210,35 @@ def test_help_shows_every_option_and_argument_with_its_own_text(monkeypatch, arg
     panels = _panels(_help(monkeypatch, *argv, "--help"))
     shown = {}
     # a row starts with its option, after the required-marker column when one is shown (" *  --reason")
-    for cells, text in _rows(panels["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None,
-                             _option_cells):
+    for cells, text in _rows(panels["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None, _option_cells):
         names = [n for cell in cells if cell.startswith("-") for n in cell.split(",")]
         assert names, (cells, text)
         for name in names:
             shown[name] = text
-    declared = {opt: p for p in command.params if isinstance(p, TyperOption) and not p.hidden
-                for opt in (*p.opts, *p.secondary_opts)}
+    declared = {
+        opt: p
+        for p in command.params
+        if isinstance(p, TyperOption) and not p.hidden
+        for opt in (*p.opts, *p.secondary_opts)
+    }
     assert set(shown) == set(declared) | {"--help", "-h"}, CHANGE_MESSAGE
     for opt, param in declared.items():
         assert " ".join(shown[opt].split()).startswith(_as_written(param.help or "")), (opt, shown[opt], param.help)
     arguments = [p.name for p in command.params if isinstance(p, TyperArgument)]
-    names = [cells[0].removesuffix("...") for line in panels.get("Arguments", [])
-             for cells in [[c for c in re.split(r"\s{2,}", line.strip()) if c != "*"]]
-             if len(cells) > 1 and cells[1].startswith("<")]
+    names = [
+        cells[0].removesuffix("...")
+        for line in panels.get("Arguments", [])
+        for cells in [[c for c in re.split(r"\s{2,}", line.strip()) if c != "*"]]
+        if len(cells) > 1 and cells[1].startswith("<")
+    ]
     assert names == arguments
 
 
 @pytest.mark.parametrize("argv, group", GROUPS, ids=[" ".join(argv) or "rlbench" for argv, _ in GROUPS])
 def test_help_lists_exactly_the_commands_of_each_group(monkeypatch, argv, group):
-    rows = _rows(_panels(_help(monkeypatch, *argv, "--help"))["Commands"], lambda line: line[1:2] != " ",
-                 lambda cells: 1)
+    rows = _rows(
+        _panels(_help(monkeypatch, *argv, "--help"))["Commands"], lambda line: line[1:2] != " ", lambda cells: 1
+    )
     assert [cells[0] for cells, _ in rows] == list(group.commands), CHANGE_MESSAGE
     for cells, text in rows:
         assert _as_written(group.commands[cells[0]].help).startswith(" ".join(text.split())), (cells[0], text)
@@ -239,12 +256,14 @@ def test_no_arguments_shows_help(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- --help where no terminal is, and at 80 columns
 
+
 def _no_terminal(fd):
     raise OSError("not a terminal")
 
 
-@pytest.mark.parametrize("terminal", [_no_terminal, lambda fd: os.terminal_size((80, 24))],
-                         ids=["no terminal", "80-column terminal"])
+@pytest.mark.parametrize(
+    "terminal", [_no_terminal, lambda fd: os.terminal_size((80, 24))], ids=["no terminal", "80-column terminal"]
+)
 @pytest.mark.parametrize("argv, command", LEAVES + GROUPS, ids=[" ".join(a) or "rlbench" for a, _ in LEAVES + GROUPS])
 def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal, argv, command):
     """`rlbench ... --help | cat` with COLUMNS unset: rich lays the help out in 80 columns there (and on an
@@ -257,11 +276,14 @@ def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal,
     res = cli(*argv, "--help")
     assert res.returncode == 0, res.stderr
     assert max(map(len, res.stdout.splitlines())) == 80 and "…" not in res.stdout, res.stdout
-    rows = _rows(_panels(res.stdout)["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None,
-                 _option_cells)
+    rows = _rows(_panels(res.stdout)["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None, _option_cells)
     shown = {name for cells, _ in rows for cell in cells if cell.startswith("-") for name in cell.split(",")}
-    declared = {opt for p in command.params if isinstance(p, TyperOption) and not p.hidden
-                for opt in (*p.opts, *p.secondary_opts)}
+    declared = {
+        opt
+        for p in command.params
+        if isinstance(p, TyperOption) and not p.hidden
+        for opt in (*p.opts, *p.secondary_opts)
+    }
     assert shown == declared | {"--help", "-h"}, res.stdout
 
 

@@ -13,8 +13,9 @@ from rlbench.checks.compare import Divergence, first_divergence, locate
 ids = st.lists(st.integers(0, 50), min_size=0, max_size=200)
 # The numpy path (512+ ids). Built from a drawn seed and length: hypothesis drawing 1,500 list elements
 # one by one took 0.4 s an example; shrinking still works on the seed and the length.
-long_ids = st.builds(lambda seed, n: random.Random(seed).choices(range(51), k=n),
-                     st.integers(0, 2**32 - 1), st.integers(512, 1500))
+long_ids = st.builds(
+    lambda seed, n: random.Random(seed).choices(range(51), k=n), st.integers(0, 2**32 - 1), st.integers(512, 1500)
+)
 
 
 @st.composite
@@ -28,9 +29,9 @@ def edited(draw):
     if kind == "insert":
         new = seq[:pos] + [draw(st.integers(0, 50))] + seq[pos:]
     elif kind == "delete":
-        new = seq[:pos] + seq[pos + 1:]
+        new = seq[:pos] + seq[pos + 1 :]
     else:
-        new = seq[:pos] + [draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1:]
+        new = seq[:pos] + [draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1 :]
     # The index the edit actually changed: scan from `pos` (everything before it is untouched).
     first = pos
     while first < min(len(seq), len(new)) and seq[first] == new[first]:
@@ -46,7 +47,7 @@ def test_reports_exactly_the_first_edited_index(case):
     assert first_divergence(new, original) == first
     found = locate(original, new)
     assert found.index == first
-    assert found.expected == tuple(original[found.window_start: first + 5])
+    assert found.expected == tuple(original[found.window_start : first + 5])
 
 
 @settings(max_examples=100, deadline=None, database=None)
@@ -58,7 +59,7 @@ def test_equal_sequences_have_no_divergence(seq):
 def test_substitution_at_every_position_of_a_fixed_sequence():
     seq = list(range(10))
     for pos in range(10):
-        edited_seq = seq[:pos] + [99] + seq[pos + 1:]
+        edited_seq = seq[:pos] + [99] + seq[pos + 1 :]
         assert first_divergence(seq, edited_seq) == pos
 
 
@@ -66,7 +67,7 @@ def test_substitution_at_every_position_of_a_fixed_sequence():
 @given(long_ids, st.data())
 def test_long_sequences_take_the_array_path_and_agree(seq, data):
     pos = data.draw(st.integers(0, len(seq) - 1))
-    new = seq[:pos] + [data.draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1:]
+    new = seq[:pos] + [data.draw(st.integers(0, 50).filter(lambda t: t != seq[pos]))] + seq[pos + 1 :]
     assert first_divergence(seq, new) == pos
     assert first_divergence(seq, seq[:pos]) == pos  # a strict prefix parts at its length
 

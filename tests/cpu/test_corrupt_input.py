@@ -18,8 +18,16 @@ def original(tmp_path_factory):
     from rlbench.session import run
 
     root = tmp_path_factory.mktemp("orig")
-    run(load_config(out=str(root / "a"), steps=3, data__prompts_per_step=2, rollout__n_samples_per_prompt=2,
-                    train__minibatches=1, train__micro_batch_size=4))
+    run(
+        load_config(
+            out=str(root / "a"),
+            steps=3,
+            data__prompts_per_step=2,
+            rollout__n_samples_per_prompt=2,
+            train__minibatches=1,
+            train__micro_batch_size=4,
+        )
+    )
     return root / "a"
 
 
@@ -41,7 +49,7 @@ def _flip_json_byte(run):
     path = run / "rollouts" / "000000.json"
     text = path.read_text()
     i = text.index('"response": "') + len('"response": "')
-    path.write_text(text[:i] + ("X" if text[i] != "X" else "Y") + text[i + 1:])
+    path.write_text(text[:i] + ("X" if text[i] != "X" else "Y") + text[i + 1 :])
     return "000000.json"
 
 
@@ -76,10 +84,15 @@ def _other_tokenizer(run):
     return "another tokenizer"
 
 
-CASES = {"truncated safetensors": _truncate, "flipped byte in tensors": _flip_tensor_byte,
-         "flipped byte in JSON": _flip_json_byte, "missing rollout file": _remove,
-         "wrong schema version": _schema, "recording made with another tokenizer": _other_tokenizer,
-         "checksums of an older rlbench": _older_checksums}
+CASES = {
+    "truncated safetensors": _truncate,
+    "flipped byte in tensors": _flip_tensor_byte,
+    "flipped byte in JSON": _flip_json_byte,
+    "missing rollout file": _remove,
+    "wrong schema version": _schema,
+    "recording made with another tokenizer": _other_tokenizer,
+    "checksums of an older rlbench": _older_checksums,
+}
 
 
 def _snapshot(root):

@@ -144,14 +144,22 @@ def test_the_manifest_comparison_masks_only_time_and_place(tmp_path, reference):
 
     moved = tmp_path / "elsewhere" / "moved"
     shutil.copytree(reference, moved)
-    manifest = json.loads((moved / "manifest.json").read_text().replace(str(reference), str(moved))
-                          .replace(str(reference.parent), str(moved.parent)))
+    manifest = json.loads(
+        (moved / "manifest.json")
+        .read_text()
+        .replace(str(reference), str(moved))
+        .replace(str(reference.parent), str(moved.parent))
+    )
     assert str(moved) in manifest["command"]  # the masked place is really there
     manifest["created"] = "2001-01-01T00:00:00+00:00"
     (moved / "manifest.json").write_text(json.dumps(manifest))
     assert_same_run(moved, reference)
-    for edit in (lambda m: m["hashes"].update(tokenizer="0" * 64), lambda m: m.update(seed=m["seed"] + 1),
-                 lambda m: m["determinism"].update(torch_threads=2), lambda m: m.pop("numerics")):
+    for edit in (
+        lambda m: m["hashes"].update(tokenizer="0" * 64),
+        lambda m: m.update(seed=m["seed"] + 1),
+        lambda m: m["determinism"].update(torch_threads=2),
+        lambda m: m.pop("numerics"),
+    ):
         changed = json.loads(json.dumps(manifest))
         edit(changed)
         (moved / "manifest.json").write_text(json.dumps(changed))

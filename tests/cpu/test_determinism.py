@@ -19,16 +19,21 @@ def test_same_seed_same_bytes_across_processes(tmp_path, run_small):
     run_small("a", seed=11)
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)
-    proc = run_cli("run", "--config", str(config), "--seed", "11", "--out", str(tmp_path / "b"), "--json",
-                   process=True)  # another interpreter: the bits must not depend on the process
+    proc = run_cli(
+        "run", "--config", str(config), "--seed", "11", "--out", str(tmp_path / "b"), "--json", process=True
+    )  # another interpreter: the bits must not depend on the process
     assert proc.returncode == 0, proc.stderr
     a, b = tmp_path / "a", tmp_path / "b"
     # Booleans, not `bytes == bytes` in the assert: pytest would diff kilobytes of binary on failure.
     same = (a / "checksums.jsonl").read_bytes() == (b / "checksums.jsonl").read_bytes()
     assert same, "checksums.jsonl differs"
     assert _metrics_without_perf(a / "metrics.jsonl") == _metrics_without_perf(b / "metrics.jsonl")
-    for rel in ["rollouts/000000.safetensors", "rollouts/000002.json", "checkpoints/000002/model.safetensors",
-                "checkpoints/000003/optimizer.safetensors"]:
+    for rel in [
+        "rollouts/000000.safetensors",
+        "rollouts/000002.json",
+        "checkpoints/000002/model.safetensors",
+        "checkpoints/000003/optimizer.safetensors",
+    ]:
         same = (a / rel).read_bytes() == (b / rel).read_bytes()
         assert same, f"{rel} differs"
     manifest_a, manifest_b = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
@@ -39,8 +44,18 @@ def test_every_stage_is_checksummed(run_small, tmp_path):
     # A dense reward (the response's length): every step has a training signal to move the weights.
     run_small("a", reward__custom_rm_path="tests.cpu.plugins.rewards.response_length")
     rows = [json.loads(line) for line in (tmp_path / "a" / "checksums.jsonl").read_text().splitlines()]
-    stages = {"data", "rollout_tokens", "rollout_logprobs", "rewards", "advantages", "old_logprobs", "loss",
-              "grads", "weights", "engine_weights"}
+    stages = {
+        "data",
+        "rollout_tokens",
+        "rollout_logprobs",
+        "rewards",
+        "advantages",
+        "old_logprobs",
+        "loss",
+        "grads",
+        "weights",
+        "engine_weights",
+    }
     assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows:
         assert set(row) - {"step"} == stages

@@ -28,10 +28,9 @@ OLD = "written with sha256 checksums by an older rlbench; this rlbench checksums
 def _reference(data: bytes) -> tuple[int, int]:
     """The definition, one word at a time in Python integers: sum of w_i * A_k[i % C] * B_k[i // C] mod 2**64."""
     data += b"\0" * (-len(data) % 8)
-    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+    words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
     a, b = digest.a_table(), digest.b_table(len(words) // C + 1)
-    return tuple(sum(w * int(a[k, i % C]) * int(b[i // C, k]) for i, w in enumerate(words)) % 2**64
-                 for k in range(2))
+    return tuple(sum(w * int(a[k, i % C]) * int(b[i // C, k]) for i, w in enumerate(words)) % 2**64 for k in range(2))
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -72,14 +71,18 @@ def test_splitmix64_is_the_published_generator():
 
 def test_known_values():
     """Pinned: a change of the definition (multipliers, word order, padding, header) shows here first."""
-    assert digest.a_table()[:, :2].tolist() == [[0x911B6C48E11C7F01, 0xBB4C4E486EEB2BF1],
-                                                [0x98D2848E685E5BE7, 0x087026BD2686AB1F]]
+    assert digest.a_table()[:, :2].tolist() == [
+        [0x911B6C48E11C7F01, 0xBB4C4E486EEB2BF1],
+        [0x98D2848E685E5BE7, 0x087026BD2686AB1F],
+    ]
     assert digest.b_table(2)[:2].tolist() == [[1, 1], [0x1B9DCDB1C6F604E3, 0xE93AE20D52A2F2CB]]
     assert _both(torch.arange(10)) == (0x893C7CBFA076329D, 0xFE24330F3269409D)
     assert _both(torch.arange(11, dtype=torch.uint8)) == (0x7A8BB4F490CFD988, 0x30CACA5B6A9956F8)
     assert _both(torch.full((2 * C + 1,), -1)) == (0xC0C938019F9FDBBB, 0x3A77705B5F4C945F)
-    assert digest.tensors_digest({"a": torch.arange(10), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}) \
+    assert (
+        digest.tensors_digest({"a": torch.arange(10), "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)})
         == "c1687370fd06863b9ed3fde3d899bca93d156b11d46b900164caa113c0d78879"
+    )
     assert digest.tensors_digest({}) == "cd48af365d093d1ea15a1ffd071fa56cd229430c6b33dd85c1cfc1592dfebd31"
 
 
@@ -107,9 +110,20 @@ def test_many_tensors_reduced_together_have_each_their_own_lanes():
     """`_device_lanes_many` (how `Digests.add_all` reduces small GPU tensors in one concatenation) gives each tensor
     the lanes it has alone: empty, one byte, a padded tail, several chunks and device groups, every dtype, a
     non-contiguous view, in one batch; a flipped bit moves only its own tensor's lanes."""
-    tensors = [random_tensor(dtype, n, seed=i) for i, (dtype, n) in enumerate(
-        [(torch.uint8, 0), (torch.uint8, 1), (torch.bfloat16, 7), (torch.float32, (8 * C + 13) // 4),
-         (torch.int64, (digest.GROUP + 2) * C + 1), (torch.bool, 5), (torch.float16, 3)])]
+    tensors = [
+        random_tensor(dtype, n, seed=i)
+        for i, (dtype, n) in enumerate(
+            [
+                (torch.uint8, 0),
+                (torch.uint8, 1),
+                (torch.bfloat16, 7),
+                (torch.float32, (8 * C + 13) // 4),
+                (torch.int64, (digest.GROUP + 2) * C + 1),
+                (torch.bool, 5),
+                (torch.float16, 3),
+            ]
+        )
+    ]
     tensors.append(random_tensor(torch.float32, 64 * 33).reshape(64, 33).T)
     rows = digest._device_lanes_many([digest._byte_view(t) for t in tensors])
     assert [digest.to_unsigned(r) for r in rows] == [digest.lanes(t) for t in tensors]
@@ -193,20 +207,25 @@ def test_run_dir_names_its_checksum_and_an_older_one_is_refused_by_name(small_ru
     assert read_run(small_run).steps == [0, 1, 2, 3]  # accepted: its own algorithm
     tensors, _ = recording.read_step(small_run, 1)
     raw = (small_run / "rollouts" / "000001.safetensors").read_bytes()
-    header = json.loads(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]["rlbench"])
+    header = json.loads(json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]["rlbench"])
     assert header["checksum"] == "wordsum/1" and header["tensors_checksum"] == digest.tensors_digest(tensors)
     old = shutil.copytree(small_run, tmp_path / "old")
     (old / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "checksum"}))
     with pytest.raises(BadInput) as info:
         read_run(old)
-    assert str(info.value) == f"{old / 'manifest.json'}: checksum: {OLD}: read it with the rlbench that wrote it, " \
-                              "or run it again"
+    assert (
+        str(info.value) == f"{old / 'manifest.json'}: checksum: {OLD}: read it with the rlbench that wrote it, "
+        "or run it again"
+    )
     for command in (("replay", str(old)), ("diff", str(old), str(small_run)), ("run", "--resume", str(old))):
         res = run_cli(*command)
         assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"rlbench: error: {info.value}"], command
     (old / "manifest.json").write_text(json.dumps({**manifest, "checksum": "md5/9"}))
-    with pytest.raises(BadInput, match=r"checksum: checksums of algorithm 'md5/9'; this rlbench reads 'wordsum/1' "
-                                       r"only$"):
+    with pytest.raises(
+        BadInput,
+        match=r"checksum: checksums of algorithm 'md5/9'; this rlbench reads 'wordsum/1' "
+        r"only$",
+    ):
         read_run(old)
 
 
@@ -222,8 +241,9 @@ def test_run_dir_refuses_an_older_recording_by_name(small_run, tmp_path):
     shutil.copy(small_run / "rollouts" / "000000.json", root / "rollouts" / "000000.json")
     with pytest.raises(BadInput) as info:
         recording.read_step(root, 0)
-    assert str(info.value).endswith(f"000000.safetensors: __metadata__: {OLD}: read it with the rlbench that wrote "
-                                    "it, or run it again")
+    assert str(info.value).endswith(
+        f"000000.safetensors: __metadata__: {OLD}: read it with the rlbench that wrote it, or run it again"
+    )
 
 
 def _flip_checkpoint(run, steps_done: int) -> None:
@@ -275,6 +295,11 @@ def test_the_gpu_kernel_under_tritons_interpreter():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed (a CPU-only install has no use for it)")
     script = Path(__file__).with_name("digest_interpreted.py")
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

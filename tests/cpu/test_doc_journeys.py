@@ -80,18 +80,31 @@ class Shell:
         if argv[0] == "rlbench" and not set("*?$|;&<>`").intersection(command):
             res = cli(*argv[1:], cwd=self.cwd)  # a client: the CLI's own entry point in this process
         else:
-            res = subprocess.run(["bash", "-c", self.line(command)], cwd=self.cwd, capture_output=True, text=True,
-                                 timeout=600, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                ["bash", "-c", self.line(command)],
+                cwd=self.cwd,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                stdin=subprocess.DEVNULL,
+            )
         output = res.stdout + res.stderr
-        assert res.returncode == expected, f"`{command}` exited {res.returncode}, the docs say {expected}:\n" \
-                                           f"{output[-3000:]}"
+        assert res.returncode == expected, (
+            f"`{command}` exited {res.returncode}, the docs say {expected}:\n{output[-3000:]}"
+        )
         assert "Traceback" not in output, f"`{command}`:\n{output[-3000:]}"
         return output
 
     def _start(self, command: str) -> None:
-        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "-c", f"exec {command}"],
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         self.background.append(proc)
         seen = self.logs[proc.pid] = []
         listening = threading.Event()
@@ -117,13 +130,14 @@ class Shell:
         for command, proc, listening in self.pending:
             listening.wait(READY_TIMEOUT_S)  # set when the server says where it listens, or exits
             seen = self.logs[proc.pid]
-            assert any(out.startswith(LISTENING) for out in seen), \
+            assert any(out.startswith(LISTENING) for out in seen), (
                 f"`{command}` did not listen (exit {proc.poll()}):\n{''.join(seen)[-3000:]}"
+            )
         self.pending.clear()
 
     def _router_ready(self, proc: subprocess.Popen, argv: list[str], command: str) -> None:
         port = argv[argv.index("--port") + 1]
-        workers = [a for a in argv[argv.index("--worker-urls") + 1:] if not a.startswith("--")]
+        workers = [a for a in argv[argv.index("--worker-urls") + 1 :] if not a.startswith("--")]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"`{command}` exited {proc.returncode}:\n{''.join(self.logs[proc.pid])[-3000:]}"
@@ -219,7 +233,8 @@ def test_regenerating_the_golden_files_writes_what_is_committed(shell):
                 series = {**series, "values": committed["metrics"][metric]["values"]}
             assert committed["metrics"][metric] == series, (name, metric)
         history = committed["header"]["history"]
-        assert history and all(entry["reason"] and entry["command"].startswith("rlbench golden update")
-                               for entry in history)
+        assert history and all(
+            entry["reason"] and entry["command"].startswith("rlbench golden update") for entry in history
+        )
         assert committed["header"]["reason"] == history[-1]["reason"]
         assert remade["header"]["reason"] == "GRPO: population std, as in the paper", name

@@ -7,12 +7,19 @@ import importlib.util
 from tests.conftest import REPO
 
 FIXTURES = REPO / "rlbench" / "fixtures"
-BUILT_FILES = {"tokenizers/qwen-tiny/tokenizer.json", "tokenizers/qwen-tiny/tokenizer_config.json",
-               *(f"tokenizers/tito-{n}/{f}" for n in ("clean", "reencode", "separator", "reasoning", "position",
-                                                        "special", "truncated", "function")
-                 for f in ("tokenizer.json", "tokenizer_config.json")),
-               "models/tiny-qwen3/config.json", "models/tiny-qwen3-tito/config.json", "data/parity.jsonl",
-               "data/calc.jsonl"}
+BUILT_FILES = {
+    "tokenizers/qwen-tiny/tokenizer.json",
+    "tokenizers/qwen-tiny/tokenizer_config.json",
+    *(
+        f"tokenizers/tito-{n}/{f}"
+        for n in ("clean", "reencode", "separator", "reasoning", "position", "special", "truncated", "function")
+        for f in ("tokenizer.json", "tokenizer_config.json")
+    ),
+    "models/tiny-qwen3/config.json",
+    "models/tiny-qwen3-tito/config.json",
+    "data/parity.jsonl",
+    "data/calc.jsonl",
+}
 
 
 def _builder():
@@ -39,8 +46,9 @@ def test_fixtures_load_and_agree():
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     assert len(tokenizer) == model.config.vocab_size
     assert tokenizer.eos_token == "<|im_end|>"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Is 37 even or odd?"}],
-                                        add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is 37 even or odd?"}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
     text = tokenizer.decode(ids)
     assert text == "<|im_start|>user\nIs 37 even or odd?<|im_end|>\n<|im_start|>assistant\n"
     # Qwen2's pre-tokenizer splits digits one by one; the byte-level alphabet encodes any text.

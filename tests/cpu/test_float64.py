@@ -24,12 +24,20 @@ def test_float64_is_accepted_on_the_cpu_with_either_trainer(overrides):
     assert load_config(model__dtype="float64", **overrides).model.dtype == "float64"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"device": "cuda"}, "model.dtype: expected float32 or bfloat16 on cuda (float64 runs on the CPU only), "
-                         "got 'float64'"),
-    ({"rollout__backend": "sglang"}, "model.dtype: expected float32 or bfloat16 with the sglang rollout (SGLang "
-                                     "serves no float64; float64 runs with the embedded engine, hf), got 'float64'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"device": "cuda"},
+            "model.dtype: expected float32 or bfloat16 on cuda (float64 runs on the CPU only), got 'float64'",
+        ),
+        (
+            {"rollout__backend": "sglang"},
+            "model.dtype: expected float32 or bfloat16 with the sglang rollout (SGLang "
+            "serves no float64; float64 runs with the embedded engine, hf), got 'float64'",
+        ),
+    ],
+)
 def test_float64_is_refused_where_it_cannot_run(overrides, message):
     with pytest.raises(BadInput) as info:
         load_config(model__dtype="float64", **overrides)
@@ -48,8 +56,14 @@ def test_a_float64_run_records_its_dtype_and_the_golden_identity_keys_on_it(tmp_
     from rlbench.session import run
     from rlbench.rundir.recording import read_step
 
-    config = load_config(model__dtype="float64", steps=1, data__prompts_per_step=2, rollout__n_samples_per_prompt=4,
-                         train__minibatches=2, out=str(tmp_path / "f64"))
+    config = load_config(
+        model__dtype="float64",
+        steps=1,
+        data__prompts_per_step=2,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        out=str(tmp_path / "f64"),
+    )
     run(config)
     manifest = json.loads((tmp_path / "f64" / "manifest.json").read_text())
     assert manifest["config"]["model"]["dtype"] == "float64"
@@ -104,24 +118,31 @@ def _gap(rel: float | None, stage: str = "loss") -> Difference:
 
 def test_advice_for_float32_layouts_parting_by_a_rounding_sized_gap():
     advice = layout_advice(_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(2.4e-6))
-    assert advice.startswith("the runs differ in parallel layout (A: tp 1, dp 1, float32; B: tp 2, dp 1, float32) "
-                             "and part by 2.4e-06 relative")
+    assert advice.startswith(
+        "the runs differ in parallel layout (A: tp 1, dp 1, float32; B: tp 2, dp 1, float32) "
+        "and part by 2.4e-06 relative"
+    )
     assert 'rerun both with dtype = "float64" in the [model] table of --config' in advice
-    for a, b, gap in ((_manifest(1, 1, "float32"), _manifest(1, 2, "bfloat16"), _gap(NOISE_GAP, "grads")),
-                      (_manifest(1, 1, "float64"), _manifest(2, 1, "float32"), _gap(1e-7, "old_logprobs"))):
+    for a, b, gap in (
+        (_manifest(1, 1, "float32"), _manifest(1, 2, "bfloat16"), _gap(NOISE_GAP, "grads")),
+        (_manifest(1, 1, "float64"), _manifest(2, 1, "float32"), _gap(1e-7, "old_logprobs")),
+    ):
         assert layout_advice(a, b, gap) is not None, (a, b)
 
 
-@pytest.mark.parametrize("a, b, first", [
-    (_manifest(1, 1, "float32"), _manifest(1, 1, "float32"), _gap(2.4e-6)),  # the same layout
-    (_manifest(2, 1, "float32"), _manifest(2, 1, "float32"), _gap(2.4e-6)),
-    (_manifest(1, 1, "float64"), _manifest(2, 1, "float64"), _gap(2.4e-6)),  # float64 already
-    (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), None),  # no difference
-    (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(2 * NOISE_GAP)),  # too large for rounding
-    (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(None, "grads")),  # a checksum only: gap unknown
-    (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(1e-7, "rewards")),  # rounding does not reach it
-    ({"config": {"model": {"dtype": "float32"}}}, _manifest(2, 1, "float32"), _gap(1e-7)),  # A's layout unknown
-    (_manifest(1, 1, "float32"), {"config": {"tp": 2, "dp": 1}}, _gap(1e-7)),  # B's dtype unknown
-])
+@pytest.mark.parametrize(
+    "a, b, first",
+    [
+        (_manifest(1, 1, "float32"), _manifest(1, 1, "float32"), _gap(2.4e-6)),  # the same layout
+        (_manifest(2, 1, "float32"), _manifest(2, 1, "float32"), _gap(2.4e-6)),
+        (_manifest(1, 1, "float64"), _manifest(2, 1, "float64"), _gap(2.4e-6)),  # float64 already
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), None),  # no difference
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(2 * NOISE_GAP)),  # too large for rounding
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(None, "grads")),  # a checksum only: gap unknown
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(1e-7, "rewards")),  # rounding does not reach it
+        ({"config": {"model": {"dtype": "float32"}}}, _manifest(2, 1, "float32"), _gap(1e-7)),  # A's layout unknown
+        (_manifest(1, 1, "float32"), {"config": {"tp": 2, "dp": 1}}, _gap(1e-7)),  # B's dtype unknown
+    ],
+)
 def test_no_advice_otherwise(a, b, first):
     assert layout_advice(a, b, first) is None

@@ -72,8 +72,12 @@ def test_update_writes_header_series_and_tolerances(run_dir, golden_file):
     assert head["versions"]["torch"] and head["versions"]["transformers"]
     # only the packages the run used (the default run: no megatron-core, no sglang)
     assert set(head["versions"]) == {"python", "rlbench", "torch", "transformers", "tokenizers", "safetensors"}
-    assert head["numerics"] == {"mode": "portable", "aten_capability": "AVX2", "mkl_cbwr": "COMPATIBLE",
-                                "blas": head["numerics"]["blas"]} and head["numerics"]["blas"].startswith("MKL ")
+    assert head["numerics"] == {
+        "mode": "portable",
+        "aten_capability": "AVX2",
+        "mkl_cbwr": "COMPATIBLE",
+        "blas": head["numerics"]["blas"],
+    } and head["numerics"]["blas"].startswith("MKL ")
     assert head["config_hash"] == g.config_hash(head["config"])
     assert head["command"] == "rlbench run (test)"
     assert head["reason"] == "initial values" and len(head["history"]) == 1
@@ -87,15 +91,20 @@ def test_update_writes_header_series_and_tolerances(run_dir, golden_file):
     assert doc["metrics"]["rollout/raw_reward"]["tolerance"]["family"] == "rewards"
     assert doc["metrics"]["train/grad_norm"]["tolerance"]["family"] == "grad norms"
     assert doc["metrics"]["rollout/response_len/mean"]["tolerance"]["family"] == "lengths"
-    assert doc["metrics"]["perf/step_time"]["tolerance"] == {"kind": "median", "max_ratio": 2.0, "window": [1, 5],
-                                                             "family": "perf"}
+    assert doc["metrics"]["perf/step_time"]["tolerance"] == {
+        "kind": "median",
+        "max_ratio": 2.0,
+        "window": [1, 5],
+        "family": "perf",
+    }
 
 
 def test_config_identity_ignores_io_and_checkout_location(run_dir):
     manifest = read_run(run_dir).manifest
     moved = json.loads(json.dumps(manifest))
-    moved["config"].update(out="/elsewhere/run", steps=500, checkpoint_every=7, record=False, device="cuda:1",
-                           threads=4)
+    moved["config"].update(
+        out="/elsewhere/run", steps=500, checkpoint_every=7, record=False, device="cuda:1", threads=4
+    )
     moved["config"]["model"]["path"] = "/another/checkout/fixtures/models/tiny-qwen3"
     assert g.config_identity(moved) == g.config_identity(manifest)
     moved["config"]["train"]["lr"] *= 1.01
@@ -119,8 +128,15 @@ def test_values_round_trip_bit_for_bit(tmp_path_factory, values):
     steps = list(range(len(values)))
     series = g.Series(0, len(values) - 1, 1, dict(zip(steps, values)), g.default_tolerance("x", steps, values))
     path = tmp_path_factory.mktemp("rt") / "golden.json"
-    path.write_text(json.dumps({"schema": g.SCHEMA, "header": {"platform": "p", "versions": {}, "history": []},
-                                "metrics": {"x": series.to_json()}}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": g.SCHEMA,
+                "header": {"platform": "p", "versions": {}, "history": []},
+                "metrics": {"x": series.to_json()},
+            }
+        )
+    )
     back = g.load_golden(path).metrics["x"].values
     assert all(g.same_bits(back[s], v) for s, v in zip(steps, values))
 
@@ -146,10 +162,21 @@ def test_exact_tier_names_a_one_ulp_difference(run_dir, golden_file, tmp_path):
     res = _check(run_dir, golden_file)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "failing steps" in res.stdout
-    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in res.stdout.splitlines()
-            if line.startswith("│ train/grad_norm") and line.count("│") == 7]
-    assert rows == [["train/grad_norm", "3", repr(_next_float(got[3])), repr(got[3]),
-                     f"{got[3] - _next_float(got[3]):+.3g}", "exact"]], res.stdout
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in res.stdout.splitlines()
+        if line.startswith("│ train/grad_norm") and line.count("│") == 7
+    ]
+    assert rows == [
+        [
+            "train/grad_norm",
+            "3",
+            repr(_next_float(got[3])),
+            repr(got[3]),
+            f"{got[3] - _next_float(got[3]):+.3g}",
+            "exact",
+        ]
+    ], res.stdout
     doc = json.loads(_check(run_dir, golden_file, "--json").stdout)
     assert doc["ok"] is False and doc["failed"] == ["train/grad_norm"]
     [metric] = [m for m in doc["metrics"] if m["name"] == "train/grad_norm"]
@@ -165,27 +192,30 @@ def test_another_platform_is_refused_in_exact_and_compared_in_approx(run_dir, go
 
     _edit(golden_file, elsewhere)
     res = _check(run_dir, golden_file)
-    _one_line_error(res, "exact tier is meaningless", "platform: golden cpu-aarch64, run cpu-x86_64",
-                    "--tier approx")
+    _one_line_error(res, "exact tier is meaningless", "platform: golden cpu-aarch64, run cpu-x86_64", "--tier approx")
     res = _check(run_dir, golden_file, "--tier", "approx")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "compared across platform: golden cpu-aarch64" in res.stderr
     assert "every compared value is equal bit for bit" in res.stderr
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("torch", "2.12.0+cpu", "torch: golden 2.12.0+cpu"),
-    ("transformers", "4.57.0", "transformers: golden 4.57.0"),
-    ("sglang", "0.5.4", "sglang: golden 0.5.4, run None"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("torch", "2.12.0+cpu", "torch: golden 2.12.0+cpu"),
+        ("transformers", "4.57.0", "transformers: golden 4.57.0"),
+        ("sglang", "0.5.4", "sglang: golden 0.5.4, run None"),
+    ],
+)
 def test_other_versions_are_refused_in_exact(run_dir, golden_file, key, value, needle):
     _edit(golden_file, lambda doc: doc["header"]["versions"].__setitem__(key, value))
     _one_line_error(_check(run_dir, golden_file), needle)
     assert _check(run_dir, golden_file, "--tier", "approx").returncode == 0
 
 
-@pytest.mark.parametrize("field, value", [("aten_capability", "AVX512"), ("mkl_cbwr", "OFF"), ("blas", "OpenBLAS"),
-                                          ("mode", "native")])
+@pytest.mark.parametrize(
+    "field, value", [("aten_capability", "AVX512"), ("mkl_cbwr", "OFF"), ("blas", "OpenBLAS"), ("mode", "native")]
+)
 def test_other_cpu_numerics_are_refused_in_exact(run_dir, golden_file, field, value):
     """A golden made where the bits are decided otherwise (another ATen dispatch, MKL branch, BLAS,
     or the CPU's native paths) cannot hold bit for bit here: refused with the field, never a regression."""
@@ -203,16 +233,24 @@ def test_portable_numerics_compare_across_cpu_vendors(run_dir, golden_file, tmp_
     other = tmp_path / "other-cpu"
     shutil.copytree(run_dir, other)
     manifest = json.loads((other / "manifest.json").read_text())
-    manifest["numerics"]["cpu"] = {"machine": "x86_64", "vendor": "GenuineIntel", "model": "Intel(R) Xeon(R)",
-                                   "isa": "x86-64-v4"}
+    manifest["numerics"]["cpu"] = {
+        "machine": "x86_64",
+        "vendor": "GenuineIntel",
+        "model": "Intel(R) Xeon(R)",
+        "isa": "x86-64-v4",
+    }
     (other / "manifest.json").write_text(json.dumps(manifest))
     doc = json.loads(_check(other, golden_file, "--json").stdout)
     assert doc["failed"] == [] and doc["ok"] is True
     manifest["numerics"]["mode"] = "native"
     (other / "manifest.json").write_text(json.dumps(manifest))
     _edit(golden_file, lambda d: d["header"]["numerics"].update(mode="native", vendor="AuthenticAMD", isa="x86-64-v3"))
-    _one_line_error(_check(other, golden_file), "CPU numerics", "vendor (golden 'AuthenticAMD', run 'GenuineIntel')",
-                    "isa (golden 'x86-64-v3', run 'x86-64-v4')")
+    _one_line_error(
+        _check(other, golden_file),
+        "CPU numerics",
+        "vendor (golden 'AuthenticAMD', run 'GenuineIntel')",
+        "isa (golden 'x86-64-v3', run 'x86-64-v4')",
+    )
 
 
 def test_other_determinism_settings_are_refused_in_exact(run_dir, golden_file):
@@ -224,8 +262,12 @@ def test_other_determinism_settings_are_refused_in_exact(run_dir, golden_file):
 def test_another_config_is_refused_in_both_tiers(run_dir, golden_file):
     _edit(golden_file, lambda doc: doc["header"]["config"]["train"].__setitem__("lr", 0.1))
     for tier in ("exact", "approx"):
-        _one_line_error(_check(run_dir, golden_file, "--tier", tier), "header.config",
-                        f"train.lr (golden 0.1, run {RunConfig().train.lr})", "golden update")
+        _one_line_error(
+            _check(run_dir, golden_file, "--tier", tier),
+            "header.config",
+            f"train.lr (golden 0.1, run {RunConfig().train.lr})",
+            "golden update",
+        )
 
 
 # --------------------------------------------------------------------------- approx tier
@@ -255,6 +297,7 @@ def test_approx_allows_the_failing_step_count_and_no_more(run_dir, golden_file, 
 
 def test_mean_residual_catches_one_sided_drift_inside_the_band(run_dir, golden_file, tmp_path):
     """Every step inside its band, all on one side: the per-step test passes, the mean fails."""
+
     def drift(doc, fraction):
         series = doc["metrics"]["train/entropy_loss"]
         tol = series["tolerance"]
@@ -266,6 +309,7 @@ def test_mean_residual_catches_one_sided_drift_inside_the_band(run_dir, golden_f
     [m] = [m for m in doc["metrics"] if m["name"] == "train/entropy_loss"]
     assert m["status"] == "fail" and m["failures"] == [] and "one-sided drift" in m["message"]
     assert m["mean_residual"] > m["mean_bound"] > 0
+
     # the same size of difference with alternating signs averages out and passes
     def alternate(doc):
         series = doc["metrics"]["train/entropy_loss"]
@@ -284,6 +328,7 @@ def test_perf_compares_window_medians_never_exactly(run_dir, golden_file, tmp_pa
     def scaled(factor):
         def fn(doc):
             doc["metrics"]["perf/step_time"]["values"] = {str(s): v * factor for s, v in got.items()}
+
         return fn
 
     # golden twice as slow: the run is faster, which passes (even in the exact tier: never exact)
@@ -296,9 +341,11 @@ def test_perf_compares_window_medians_never_exactly(run_dir, golden_file, tmp_pa
     assert doc["failed"] == ["perf/step_time"]
     [m] = [m for m in doc["metrics"] if m["name"] == "perf/step_time"]
     assert m["kind"] == "median" and "x3.00" in m["message"]
+
     # the window leaves the first (warm-up) step out: a huge step 0 does not move the median
     def warmup(doc):
         doc["metrics"]["perf/step_time"]["values"]["0"] = 1e-9
+
     assert json.loads(run_cli("check", "golden", str(run_dir), str(_edit(slow, warmup)), "--json").stdout)["ok"]
 
 
@@ -335,8 +382,9 @@ def test_metrics_not_in_the_golden_are_listed_not_failed(run_dir, golden_file):
 
 def test_update_keeps_history_and_overrides(run_dir, tmp_path):
     path = tmp_path / "g.json"
-    res = run_cli("golden", "update", str(run_dir), str(path), "--reason", "first",
-                  "--tolerance", "train/loss:rtol=0.2,atol=0.01")
+    res = run_cli(
+        "golden", "update", str(run_dir), str(path), "--reason", "first", "--tolerance", "train/loss:rtol=0.2,atol=0.01"
+    )
     assert res.returncode == 0, res.stderr
     res = run_cli("golden", "update", str(run_dir), str(path), "--reason", "torch upgrade", "--json")
     assert res.returncode == 0, res.stderr
@@ -368,14 +416,17 @@ def test_step_interval(run_dir, tmp_path):
     assert _check(run_dir, path).returncode == 0
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--reason", "  "], ["--reason", "reason for this update"]),
-    (["--reason", "r", "--tolerance", "train/loss"], ["--tolerance", "METRIC:key=value"]),
-    (["--reason", "r", "--tolerance", "train/loss:rtol=-1"], ["--tolerance", "a number >= 0"]),
-    (["--reason", "r", "--tolerance", "train/loss:speed=1"], ["--tolerance", "key one of"]),
-    (["--reason", "r", "--tolerance", "nothing/*:rtol=1"], ["--tolerance", "matches no metric"]),
-    (["--reason", "r", "--tolerance", "perf/*:rtol=1"], ["does not apply to a median tolerance"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--reason", "  "], ["--reason", "reason for this update"]),
+        (["--reason", "r", "--tolerance", "train/loss"], ["--tolerance", "METRIC:key=value"]),
+        (["--reason", "r", "--tolerance", "train/loss:rtol=-1"], ["--tolerance", "a number >= 0"]),
+        (["--reason", "r", "--tolerance", "train/loss:speed=1"], ["--tolerance", "key one of"]),
+        (["--reason", "r", "--tolerance", "nothing/*:rtol=1"], ["--tolerance", "matches no metric"]),
+        (["--reason", "r", "--tolerance", "perf/*:rtol=1"], ["does not apply to a median tolerance"]),
+    ],
+)
 def test_update_bad_input(run_dir, tmp_path, args, needles):
     path = tmp_path / "g.json"
     _one_line_error(run_cli("golden", "update", str(run_dir), str(path), *args), *needles)
@@ -394,27 +445,33 @@ def test_update_refuses_to_overwrite_an_invalid_file(run_dir, tmp_path):
     _one_line_error(run_cli("golden", "update", str(run_dir), str(path), "--reason", "r"), str(path), "schema")
     assert path.read_bytes() == before
     _one_line_error(run_cli("golden", "update", str(run_dir), str(tmp_path), "--reason", "r"), "is a directory")
-    _one_line_error(run_cli("golden", "update", str(tmp_path / "nope"), str(path), "--reason", "r"),
-                    "not a run directory")
+    _one_line_error(
+        run_cli("golden", "update", str(tmp_path / "nope"), str(path), "--reason", "r"), "not a run directory"
+    )
 
 
 # --------------------------------------------------------------------------- bad golden files
 
 
-@pytest.mark.parametrize("edit, needles", [
-    (lambda d: d.__setitem__("schema", "rlbench.golden/9"), ["schema", "rlbench.golden/1"]),
-    (lambda d: d["metrics"]["train/loss"].pop("step_interval"), ["metrics.train/loss.step_interval"]),
-    (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("1", "fast"), ["metrics.train/loss.values.1"]),
-    (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("99", 1.0), ["off the series' grid"]),
-    (lambda d: d["metrics"]["train/loss"].update(end_step=10**30, values=[0.0] * 6),  # a hostile end_step
-     ["6 values for the 1000000000000000000000000000001 steps 0..1000000000000000000000000000000 every 1"]),
-    (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("01", 1.0), ["step '01' is not an integer step"]),
-    (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("kind", "fuzzy"), ["tolerance", "kind one of"]),
-    (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("rtol", -0.1), ["rtol", "a number >= 0"]),
-    (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("speed", 1), ["unknown key(s) speed"]),
-    (lambda d: d["header"].pop("versions"), ["header.versions", "missing"]),
-    (lambda d: d.__setitem__("metrics", {}), ["metrics", "non-empty"]),
-])
+@pytest.mark.parametrize(
+    "edit, needles",
+    [
+        (lambda d: d.__setitem__("schema", "rlbench.golden/9"), ["schema", "rlbench.golden/1"]),
+        (lambda d: d["metrics"]["train/loss"].pop("step_interval"), ["metrics.train/loss.step_interval"]),
+        (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("1", "fast"), ["metrics.train/loss.values.1"]),
+        (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("99", 1.0), ["off the series' grid"]),
+        (
+            lambda d: d["metrics"]["train/loss"].update(end_step=10**30, values=[0.0] * 6),  # a hostile end_step
+            ["6 values for the 1000000000000000000000000000001 steps 0..1000000000000000000000000000000 every 1"],
+        ),
+        (lambda d: d["metrics"]["train/loss"]["values"].__setitem__("01", 1.0), ["step '01' is not an integer step"]),
+        (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("kind", "fuzzy"), ["tolerance", "kind one of"]),
+        (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("rtol", -0.1), ["rtol", "a number >= 0"]),
+        (lambda d: d["metrics"]["train/loss"]["tolerance"].__setitem__("speed", 1), ["unknown key(s) speed"]),
+        (lambda d: d["header"].pop("versions"), ["header.versions", "missing"]),
+        (lambda d: d.__setitem__("metrics", {}), ["metrics", "non-empty"]),
+    ],
+)
 def test_bad_golden_file(run_dir, golden_file, edit, needles):
     _edit(golden_file, edit)
     _one_line_error(_check(run_dir, golden_file), str(golden_file), *needles)
@@ -446,8 +503,12 @@ def _megatron_file(run_dir, path, scale=1.0, nan_at=None):
         values = {r["step"] + 1: round(r[metric] * scale, 5) for r in run.metrics}
         if nan_at is not None:
             values[nan_at] = "nan"
-        return {"start_step": 1, "end_step": len(values), "step_interval": 1,
-                "values": {str(k): v for k, v in values.items()}}
+        return {
+            "start_step": 1,
+            "end_step": len(values),
+            "step_interval": 1,
+            "values": {str(k): v for k, v in values.items()},
+        }
 
     path.write_text(json.dumps({"lm loss": series("train/entropy_loss"), "iteration-time": series("perf/step_time")}))
     return path
@@ -466,28 +527,52 @@ def test_megatron_golden_values_compare_in_the_approx_tier(run_dir, tmp_path):
     assert loss["steps"] == [0, 1, 2, 3, 4, 5]  # Megatron iteration k is rlbench step k - 1
     assert doc["golden_step_offset"] == 1 and loss["compared"] == 6
     # Megatron-LM's own tolerance for its "lm loss", whatever it is renamed to
-    assert loss["tolerance"] == {"kind": "approx", "rtol": 0.05, "atol": 0.0, "failing_steps": 1,
-                                 "mean_residual": None, "family": "Megatron-LM lm loss"}
+    assert loss["tolerance"] == {
+        "kind": "approx",
+        "rtol": 0.05,
+        "atol": 0.0,
+        "failing_steps": 1,
+        "mean_residual": None,
+        "family": "Megatron-LM lm loss",
+    }
     # no header: the exact tier has nothing to stand on
-    _one_line_error(run_cli("check", "golden", str(run_dir), str(path), *renames),
-                    "Megatron-LM golden values file records no platform")
+    _one_line_error(
+        run_cli("check", "golden", str(run_dir), str(path), *renames),
+        "Megatron-LM golden values file records no platform",
+    )
     # a list of values says no step: Megatron-LM's own reader (a pydantic Dict[int, ...]) refuses it too
     _edit(path, lambda d: d["lm loss"].__setitem__("values", list(d["lm loss"]["values"].values())))
-    _one_line_error(run_cli("check", "golden", str(run_dir), str(path), *renames, "--tier", "approx"),
-                    "lm loss.values", "expected an object of step: value")
+    _one_line_error(
+        run_cli("check", "golden", str(run_dir), str(path), *renames, "--tier", "approx"),
+        "lm loss.values",
+        "expected an object of step: value",
+    )
 
 
 def test_megatron_regression_and_nan(run_dir, tmp_path):
     path = _megatron_file(run_dir, tmp_path / "golden_values_lts_dgx_a100.json", scale=1.2, nan_at=3)
-    res = run_cli("check", "golden", str(run_dir), str(path), "--rename", "lm loss=train/entropy_loss",
-                  "--ignore", "iteration-time", "--tier", "approx", "--json")
+    res = run_cli(
+        "check",
+        "golden",
+        str(run_dir),
+        str(path),
+        "--rename",
+        "lm loss=train/entropy_loss",
+        "--ignore",
+        "iteration-time",
+        "--tier",
+        "approx",
+        "--json",
+    )
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     [m] = doc["metrics"]
     # "nan" is Megatron-LM's mark of a step its logs lack: that step (iteration 3, step 2) is named, not compared
     assert [f["step"] for f in m["failures"]] == [0, 1, 3, 4, 5] and m["compared"] == 5
-    assert ('train/entropy_loss: the file holds "nan" (no value in Megatron-LM\'s logs) at 1 of its 6 steps, '
-            'iteration 3: not compared') in doc["notes"]
+    assert (
+        'train/entropy_loss: the file holds "nan" (no value in Megatron-LM\'s logs) at 1 of its 6 steps, '
+        "iteration 3: not compared"
+    ) in doc["notes"]
 
 
 # --------------------------------------------------------------------------- plot
@@ -513,8 +598,9 @@ def test_plot_marks_failing_steps(run_dir, golden_file, tmp_path):
     png = tmp_path / "out.png"
     res = run_cli("check", "golden", str(run_dir), str(failing), "--tier", "approx", "--plot", str(png))
     assert res.returncode == 1 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    _one_line_error(run_cli("check", "golden", str(run_dir), str(failing), "--plot", str(tmp_path / "x.jpg")),
-                    "--plot", ".png")
+    _one_line_error(
+        run_cli("check", "golden", str(run_dir), str(failing), "--plot", str(tmp_path / "x.jpg")), "--plot", ".png"
+    )
 
 
 def test_checks_write_nothing_into_the_run(run_dir, golden_file):
@@ -532,11 +618,18 @@ def test_plot_without_matplotlib_is_one_clear_line(run_dir, golden_file, tmp_pat
 
     from tests.conftest import REPO
 
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.argv = ['rlbench'] + sys.argv[1:]; "
-            "from rlbench.cli import main; main()")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.argv = ['rlbench'] + sys.argv[1:]; "
+        "from rlbench.cli import main; main()"
+    )
     png = tmp_path / "p.png"
-    res = subprocess.run([sys.executable, "-c", code, "check", "golden", str(run_dir), str(golden_file), "--plot",
-                          str(png)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code, "check", "golden", str(run_dir), str(golden_file), "--plot", str(png)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     _one_line_error(res, "--plot needs matplotlib", "rlbench[plot]")
     assert not png.exists()
 
@@ -562,11 +655,16 @@ def test_rename_must_name_a_golden_metric(run_dir, golden_file):
 
 def test_a_cuda_golden_file_is_keyed_to_its_gpu_and_versions():
     """The GPU suite's files: one per GPU model and torch, CUDA and transformers build; a CPU run's is NAME.json."""
-    cuda = {"device": "cuda", "device_name": "NVIDIA H200",
-            "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.17.0", "python": "3.12.3"}}
+    cuda = {
+        "device": "cuda",
+        "device_name": "NVIDIA H200",
+        "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.17.0", "python": "3.12.3"},
+    }
     assert g.golden_file_name("default", {"device": "cpu", "versions": cuda["versions"]}) == "default.json"
-    assert g.golden_file_name("default-cuda", cuda) == \
-        "default-cuda/nvidia_h200-torch2.11.0_cu130-cuda13.0-transformers5.17.0.json"
+    assert (
+        g.golden_file_name("default-cuda", cuda)
+        == "default-cuda/nvidia_h200-torch2.11.0_cu130-cuda13.0-transformers5.17.0.json"
+    )
     names = {g.golden_file_name("d", cuda)}
     for key, value in (("torch", "2.12.0"), ("cuda", "12.8"), ("transformers", "5.18.0")):
         names.add(g.golden_file_name("d", {**cuda, "versions": {**cuda["versions"], key: value}}))

@@ -14,13 +14,23 @@ from rlbench.checks.golden_compare import StepFailure, compare
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 
-NUMERICS = {"mode": "portable", "aten_capability": "avx2", "mkl_cbwr": "COMPATIBLE", "blas": "MKL 2025",
-            "cpu": {"vendor": "AMD", "isa": "avx2"}}
-MANIFEST = {"device": "cpu", "device_name": None, "platform": {"machine": "x86_64"}, "numerics": NUMERICS,
-            "versions": {"python": "3.11.7", "rlbench": "0.1.0", "torch": "2.13.0", "transformers": "5.23.0"},
-            "determinism": {"torch_threads": 1, "deterministic_algorithms": True},
-            "config": {"seed": 1, "out": "runs/a", "algo": {"eps_clip": 0.2}, "model": {"path": "m"}},
-            "hashes": {"model_config": "c0", "initial_weights": "w0"}}
+NUMERICS = {
+    "mode": "portable",
+    "aten_capability": "avx2",
+    "mkl_cbwr": "COMPATIBLE",
+    "blas": "MKL 2025",
+    "cpu": {"vendor": "AMD", "isa": "avx2"},
+}
+MANIFEST = {
+    "device": "cpu",
+    "device_name": None,
+    "platform": {"machine": "x86_64"},
+    "numerics": NUMERICS,
+    "versions": {"python": "3.11.7", "rlbench": "0.1.0", "torch": "2.13.0", "transformers": "5.23.0"},
+    "determinism": {"torch_threads": 1, "deterministic_algorithms": True},
+    "config": {"seed": 1, "out": "runs/a", "algo": {"eps_clip": 0.2}, "model": {"path": "m"}},
+    "hashes": {"model_config": "c0", "initial_weights": "w0"},
+}
 
 
 def _run(series: dict[str, dict[int, float]], manifest=None, notes=()) -> RunDir:
@@ -31,9 +41,14 @@ def _run(series: dict[str, dict[int, float]], manifest=None, notes=()) -> RunDir
 
 def _golden(series: dict[str, dict[int, float]], manifest=None, tolerances=None, fmt="rlbench") -> g.Golden:
     manifest = manifest or MANIFEST
-    header = {"platform": g.platform_of(manifest), "numerics": g.numerics_of(manifest),
-              "device_name": manifest.get("device_name"), "versions": manifest["versions"],
-              "determinism": manifest["determinism"], "config": g.config_identity(manifest)}
+    header = {
+        "platform": g.platform_of(manifest),
+        "numerics": g.numerics_of(manifest),
+        "device_name": manifest.get("device_name"),
+        "versions": manifest["versions"],
+        "determinism": manifest["determinism"],
+        "config": g.config_identity(manifest),
+    }
     if fmt == "megatron":
         header = {"note": "a Megatron-LM golden values file"}
     metrics = {}
@@ -59,8 +74,13 @@ def test_exact_tier_passes_the_same_bits_and_says_what_it_compared():
     report = compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS}))
     m = _only(report)
     assert report.ok and report.failed == [] and report.tier == "exact" and report.golden_format == "rlbench"
-    assert (m.kind, m.status, m.tolerance, m.steps, m.max_abs) == ("exact", "pass", {"kind": "exact"}, list(range(10)),
-                                                                   0.0)
+    assert (m.kind, m.status, m.tolerance, m.steps, m.max_abs) == (
+        "exact",
+        "pass",
+        {"kind": "exact"},
+        list(range(10)),
+        0.0,
+    )
     assert m.expected == LOSS and m.got == LOSS and m.failures == [] and m.message == ""
     assert report.platform == {"run": "cpu-x86_64", "golden": "cpu-x86_64"} and report.notes == []
     assert (report.run, report.golden, report.ignored, report.not_in_golden) == ("/runs/a", "/golden.json", [], [])
@@ -74,8 +94,16 @@ def test_exact_tier_fails_one_ulp_naming_the_step():
     assert m.max_abs == got[3] - LOSS[3] > 0
 
 
-@pytest.mark.parametrize("expected, got, same", [(0.0, -0.0, False), (math.nan, math.nan, True), (1.0, math.nan, False),
-                                                 (math.inf, math.inf, True), (math.inf, -math.inf, False)])
+@pytest.mark.parametrize(
+    "expected, got, same",
+    [
+        (0.0, -0.0, False),
+        (math.nan, math.nan, True),
+        (1.0, math.nan, False),
+        (math.inf, math.inf, True),
+        (math.inf, -math.inf, False),
+    ],
+)
 def test_exact_means_the_same_bits(expected, got, same):
     m = _only(compare(_run({"train/loss": {0: got, 1: 1.0}}), _golden({"train/loss": {0: expected, 1: 1.0}})))
     assert (m.status == "pass") is same
@@ -93,26 +121,34 @@ def test_approx_allows_atol_plus_rtol_times_the_golden_value_per_step():
     tol = g.Tolerance(kind="approx", rtol=0.25, atol=0.5, failing_steps=0, mean_residual=0.5, family="losses")
     expected = {s: 2.0 for s in range(10)}
     edge = {s: 3.0 if s % 2 else 1.0 for s in range(10)}  # exactly at the band's edge, 0.5 + 0.25 * 2, both sides
-    m = _only(compare(_run({"train/loss": edge}), _golden({"train/loss": expected}, tolerances={"train/loss": tol}),
-                      "approx"))
+    m = _only(
+        compare(_run({"train/loss": edge}), _golden({"train/loss": expected}, tolerances={"train/loss": tol}), "approx")
+    )
     assert (m.status, m.kind, m.failures, m.allowed_failing) == ("pass", "approx", [], 0)
     assert (m.mean_residual, m.mean_bound, m.max_abs) == (0.0, 0.5, 1.0)
     assert m.tolerance == tol.to_json() == m.band
     out = {**edge, 3: math.nextafter(3.0, 4.0)}
-    m = _only(compare(_run({"train/loss": out}), _golden({"train/loss": expected}, tolerances={"train/loss": tol}),
-                      "approx"))
+    m = _only(
+        compare(_run({"train/loss": out}), _golden({"train/loss": expected}, tolerances={"train/loss": tol}), "approx")
+    )
     assert m.status == "fail" and [(f.step, f.allowed) for f in m.failures] == [(3, 1.0)]
 
 
 def test_approx_allows_failing_steps_up_to_the_tolerance_and_names_them():
     expected = {s: -2.0 for s in range(10)}  # a negative golden: the band is atol + rtol * |value| = 0.21
     one = {**expected, 4: -2.5}
-    m = _only(compare(_run({"train/loss": one}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"train/loss": one}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}), "approx"
+        )
+    )
     assert m.status == "pass" and m.failures == [StepFailure(4, -2.0, -2.5, -0.5, pytest.approx(0.21))]
     two = {**one, 7: -1.7}
-    m = _only(compare(_run({"train/loss": two}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"train/loss": two}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}), "approx"
+        )
+    )
     assert (m.status, m.message) == ("fail", "2 of 10 steps outside the band (at most 1)")
     assert [f.step for f in m.failures] == [4, 7] and m.mean_residual == 0.0  # residuals over the steps inside
 
@@ -120,17 +156,26 @@ def test_approx_allows_failing_steps_up_to_the_tolerance_and_names_them():
 def test_approx_catches_a_one_sided_drift_inside_the_band():
     expected = {s: 1.0 for s in range(10)}
     drift = {s: 1.06 for s in range(10)}  # each step inside the band (0.11), every one on the same side
-    m = _only(compare(_run({"train/loss": drift}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"train/loss": drift}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}), "approx"
+        )
+    )
     assert m.status == "fail" and m.failures == []
     assert m.message == "mean residual +0.06 beyond +-0.05 (one-sided drift)"
     below = {s: 0.94 for s in range(10)}
-    m = _only(compare(_run({"train/loss": below}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"train/loss": below}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}), "approx"
+        )
+    )
     assert m.message == "mean residual -0.06 beyond +-0.05 (one-sided drift)"
     both = {**drift, 0: 2.0, 1: 2.0}  # both problems at once: both named
-    m = _only(compare(_run({"train/loss": both}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"train/loss": both}), _golden({"train/loss": expected}, tolerances={"train/loss": APPROX}), "approx"
+        )
+    )
     assert (
         m.message == "2 of 10 steps outside the band (at most 1); mean residual +0.06 beyond +-0.05 (one-sided drift)"
     )
@@ -145,14 +190,21 @@ def test_approx_without_a_mean_bound_and_with_non_finite_values():
     assert [f.step for f in m.failures] == [3] and m.failures[0].allowed == 0.5 and math.isnan(m.failures[0].delta)
     assert m.mean_residual == pytest.approx(0.4) and m.mean_bound is None and m.max_abs == pytest.approx(0.4)
     assert m.message == "1 of 4 steps outside the band (at most 0)"
-    assert _only(compare(_run({"x": {0: 1.0}}), _golden({"x": {0: math.nan}}, tolerances={"x": tol}),
-                         "approx")).failures[0].allowed == 0.0
+    assert (
+        _only(compare(_run({"x": {0: 1.0}}), _golden({"x": {0: math.nan}}, tolerances={"x": tol}), "approx"))
+        .failures[0]
+        .allowed
+        == 0.0
+    )
 
 
 def test_an_exact_tolerance_in_the_approx_tier_compares_bits():
     tol = g.Tolerance(kind="exact")
-    m = _only(compare(_run({"x": {0: 1.0, 1: 2.0}}), _golden({"x": {0: 1.0, 1: 2.0 + 1e-12}}, tolerances={"x": tol}),
-                      "approx"))
+    m = _only(
+        compare(
+            _run({"x": {0: 1.0, 1: 2.0}}), _golden({"x": {0: 1.0, 1: 2.0 + 1e-12}}, tolerances={"x": tol}), "approx"
+        )
+    )
     assert (m.kind, m.status, m.message) == ("exact", "fail", "1 of 2 steps differ")
 
 
@@ -206,8 +258,13 @@ def test_a_median_with_a_lower_bound_is_two_sided():
         assert (m.status, m.compared) == (status, 9), got
     m = _only(compare(_run(_perf(dict.fromkeys(range(10), 1.0))), golden, "approx"))
     assert m.message == "median 1 is x0.50 the golden's 2 (x0.95 to x1.05)"
-    assert tol.to_json() == {"kind": "median", "max_ratio": 1.05, "min_ratio": 0.95, "window": [1, 9],
-                             "family": "Megatron-LM iteration-time"}
+    assert tol.to_json() == {
+        "kind": "median",
+        "max_ratio": 1.05,
+        "min_ratio": 0.95,
+        "window": [1, 9],
+        "family": "Megatron-LM iteration-time",
+    }
 
 
 def test_perf_window_outside_the_golden_steps_fails():
@@ -239,8 +296,9 @@ def test_missing_metrics_and_steps_are_failures_or_refusals():
 
 def test_ignore_and_overrides():
     golden = _golden({"train/loss": LOSS, "perf/step_time": dict.fromkeys(range(10), 1.0), "train/kl": LOSS})
-    run = _run({"train/loss": LOSS, "perf/step_time": dict.fromkeys(range(10), 1.0), "train/kl": LOSS,
-                "perf/train_time": LOSS})
+    run = _run(
+        {"train/loss": LOSS, "perf/step_time": dict.fromkeys(range(10), 1.0), "train/kl": LOSS, "perf/train_time": LOSS}
+    )
     report = compare(run, golden, ignore=["perf/*"])
     assert report.ignored == ["perf/step_time"] and report.not_in_golden == []
     assert [m.name for m in report.metrics] == ["train/kl", "train/loss"]
@@ -251,8 +309,11 @@ def test_ignore_and_overrides():
         moved, golden, "approx", ignore=["perf/*"], overrides=[("train/lo*", {"rtol": 0.0, "atol": 0.001})]
     )
     loss = _only(report, "train/loss")
-    assert loss.status == "fail" and loss.tolerance["atol"] == 0.001 and loss.tolerance["override"] == {
-        "rtol": 0.0, "atol": 0.001}
+    assert (
+        loss.status == "fail"
+        and loss.tolerance["atol"] == 0.001
+        and loss.tolerance["override"] == {"rtol": 0.0, "atol": 0.001}
+    )
     assert _only(report, "train/kl").tolerance == golden.metrics["train/kl"].tolerance.to_json()
     median = _only(compare(run, golden, ignore=["perf/*", "train/kl"], overrides=[("train/loss", {"kind": "median"})]))
     assert median.kind == "median" and median.tolerance["window"] == [1, 9]  # the override's window: from the steps
@@ -271,24 +332,35 @@ def test_another_configuration_is_refused_in_both_tiers_naming_the_fields():
         assert str(info.value) == (
             "/golden.json: header.config: the run's configuration is not the golden's: algo.eps_clip (golden 0.2, "
             "run 0.3); seed (golden 1, run 2). A golden file holds one configuration's curve: make one for this "
-            "configuration with `rlbench golden update`")
-    for extra, tail in ((4, "k3 (golden None, run 3). A golden"), (5, "k3 (golden None, run 3) and 1 more. A golden"),
-                        (6, "k3 (golden None, run 3) and 2 more. A golden")):
+            "configuration with `rlbench golden update`"
+        )
+    for extra, tail in (
+        (4, "k3 (golden None, run 3). A golden"),
+        (5, "k3 (golden None, run 3) and 1 more. A golden"),
+        (6, "k3 (golden None, run 3) and 2 more. A golden"),
+    ):
         many = {**MANIFEST, "config": {**MANIFEST["config"], **{f"k{i}": i for i in range(extra)}}}
         with pytest.raises(BadInput) as info:
             compare(_run({"train/loss": LOSS}, many), _golden({"train/loss": LOSS}))
         assert tail in str(info.value)
-    assert compare(_run({"train/loss": LOSS}, {**MANIFEST, "config": {**MANIFEST["config"], "out": "elsewhere"}}),
-                   _golden({"train/loss": LOSS})).ok  # where the run went is not its configuration
+    assert compare(
+        _run({"train/loss": LOSS}, {**MANIFEST, "config": {**MANIFEST["config"], "out": "elsewhere"}}),
+        _golden({"train/loss": LOSS}),
+    ).ok  # where the run went is not its configuration
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"platform": {"machine": "aarch64"}}, "platform: golden cpu-x86_64, run cpu-aarch64"),
-    ({"numerics": {**NUMERICS, "blas": "OpenBLAS"}}, "CPU numerics: blas (golden 'MKL 2025', run 'OpenBLAS')"),
-    ({"versions": {**MANIFEST["versions"], "torch": "2.14.0"}}, "torch: golden 2.13.0, run 2.14.0"),
-    ({"determinism": {"torch_threads": 4, "deterministic_algorithms": True}},
-     "determinism settings: torch_threads (golden 1, run 4)"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"platform": {"machine": "aarch64"}}, "platform: golden cpu-x86_64, run cpu-aarch64"),
+        ({"numerics": {**NUMERICS, "blas": "OpenBLAS"}}, "CPU numerics: blas (golden 'MKL 2025', run 'OpenBLAS')"),
+        ({"versions": {**MANIFEST["versions"], "torch": "2.14.0"}}, "torch: golden 2.13.0, run 2.14.0"),
+        (
+            {"determinism": {"torch_threads": 4, "deterministic_algorithms": True}},
+            "determinism settings: torch_threads (golden 1, run 4)",
+        ),
+    ],
+)
 def test_the_exact_tier_is_refused_across_platforms_and_versions_and_approx_notes_it(change, named):
     run = _run({"train/loss": LOSS}, {**MANIFEST, **change})
     with pytest.raises(BadInput) as info:
@@ -317,8 +389,9 @@ def test_approx_notes_when_the_bits_agree_only_if_they_do():
     report = compare(run, _golden({"train/loss": LOSS}), "approx")
     assert report.ok and not any("bit for bit" in n for n in report.notes)
     same = compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS}), "approx")
-    assert same.notes == ["every compared value is equal bit for bit (the exact tier's preconditions are not met, "
-                          "but the bits agree)"]
+    assert same.notes == [
+        "every compared value is equal bit for bit (the exact tier's preconditions are not met, but the bits agree)"
+    ]
     perf_only = compare(_run(_perf(LOSS)), _golden(_perf(LOSS)), "approx")
     assert perf_only.notes == []  # medians are not bits
     gone = compare(_run({"train/loss": LOSS}), _golden({"train/loss": LOSS, "train/gone": LOSS}), "approx")
@@ -350,12 +423,30 @@ def test_the_report_as_json():
     got = {**LOSS, 2: math.inf}
     doc = compare(_run({"train/loss": got}), golden).to_json()
     assert (doc["ok"], doc["tier"], doc["failed"], doc["run"], doc["golden"]) == (
-        False, "exact", ["train/gone", "train/loss"], "/runs/a", "/golden.json")
+        False,
+        "exact",
+        ["train/gone", "train/loss"],
+        "/runs/a",
+        "/golden.json",
+    )
     loss = next(m for m in doc["metrics"] if m["name"] == "train/loss")
     assert loss["got"]["2"] == "inf" and loss["expected"]["2"] == LOSS[2] and loss["expected"]["0"] == 0.5
     assert loss["failures"] == [{"step": 2, "expected": LOSS[2], "got": "inf", "delta": "nan", "allowed": 0.0}]
-    assert set(doc) == {"ok", "tier", "run", "golden", "golden_format", "platform", "notes", "failed", "ignored",
-                        "not_in_golden", "compared", "golden_step_offset", "metrics"}
+    assert set(doc) == {
+        "ok",
+        "tier",
+        "run",
+        "golden",
+        "golden_format",
+        "platform",
+        "notes",
+        "failed",
+        "ignored",
+        "not_in_golden",
+        "compared",
+        "golden_step_offset",
+        "metrics",
+    }
     # train/loss's 10 steps were compared; train/gone, not logged by the run, none
     assert (doc["compared"], loss["compared"], doc["golden_step_offset"]) == (10, 10, 0)
 
@@ -363,14 +454,20 @@ def test_the_report_as_json():
 def test_every_difference_is_named_and_only_differences_refuse():
     """Several fields at once are joined with '; '; a package only one side recorded is a difference; a GPU
     model that agrees is none."""
-    two = {**MANIFEST, "numerics": {**NUMERICS, "blas": "OpenBLAS", "mkl_cbwr": "AUTO"},
-           "determinism": {"torch_threads": 4, "deterministic_algorithms": False}}
+    two = {
+        **MANIFEST,
+        "numerics": {**NUMERICS, "blas": "OpenBLAS", "mkl_cbwr": "AUTO"},
+        "determinism": {"torch_threads": 4, "deterministic_algorithms": False},
+    }
     with pytest.raises(BadInput) as info:
         compare(_run({"train/loss": LOSS}, two), _golden({"train/loss": LOSS}))
-    assert ("CPU numerics: blas (golden 'MKL 2025', run 'OpenBLAS'); mkl_cbwr (golden 'COMPATIBLE', run 'AUTO')"
-            in str(info.value))
-    assert ("determinism settings: deterministic_algorithms (golden True, run False); torch_threads (golden 1, run 4)"
-            in str(info.value))
+    assert "CPU numerics: blas (golden 'MKL 2025', run 'OpenBLAS'); mkl_cbwr (golden 'COMPATIBLE', run 'AUTO')" in str(
+        info.value
+    )
+    assert (
+        "determinism settings: deterministic_algorithms (golden True, run False); torch_threads (golden 1, run 4)"
+        in str(info.value)
+    )
     assert "run 'AUTO'); determinism settings" in str(info.value) and info.value.path == "/golden.json"
     megatron = {**MANIFEST, "versions": {**MANIFEST["versions"], "megatron-core": "0.16.1"}}
     with pytest.raises(BadInput, match="megatron-core: golden None, run 0.16.1"):
@@ -396,9 +493,11 @@ def test_a_run_without_the_golden_steps_says_what_it_has():
 
 def test_the_mean_residual_bound_is_inclusive_and_needs_steps_inside():
     tol = g.Tolerance(kind="approx", rtol=0.0, atol=0.5, failing_steps=2, mean_residual=0.25)
-    at_bound = _only(compare(_run({"x": {0: 1.25, 1: 1.25}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}),
-                             "approx"))
+    at_bound = _only(
+        compare(_run({"x": {0: 1.25, 1: 1.25}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}), "approx")
+    )
     assert (at_bound.status, at_bound.mean_residual) == ("pass", 0.25)
-    outside = _only(compare(_run({"x": {0: 3.0, 1: 3.0}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}),
-                            "approx"))
+    outside = _only(
+        compare(_run({"x": {0: 3.0, 1: 3.0}}), _golden({"x": {0: 1.0, 1: 1.0}}, tolerances={"x": tol}), "approx")
+    )
     assert (outside.status, outside.mean_residual, len(outside.failures)) == ("pass", 0.0, 2)  # both allowed to fail

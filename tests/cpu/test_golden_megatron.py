@@ -39,8 +39,14 @@ def _finite(series: dict) -> dict[int, float]:
 def _run_dir(root: Path, series: dict[str, dict[int, float]], steps: int) -> Path:
     """A run directory whose committed steps 0..steps-1 log these metrics (FILL where a series has no value)."""
     root.mkdir(parents=True)
-    manifest = {"schema": "rlbench.run/1", "checksum": "wordsum/1", "config": {}, "stages": [], "mode": "full",
-                "device": "cpu"}
+    manifest = {
+        "schema": "rlbench.run/1",
+        "checksum": "wordsum/1",
+        "config": {},
+        "stages": [],
+        "mode": "full",
+        "device": "cpu",
+    }
     (root / "manifest.json").write_text(json.dumps(manifest))
     rows = [{"step": s, **{name: values.get(s, FILL) for name, values in series.items()}} for s in range(steps)]
     (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -67,8 +73,9 @@ def _check(run: Path, golden: Path, *args: str):
 
 def _compare(run: Path, golden: Path, rename=None, ignore=OTHERS):
     """What `check golden RUN GOLDEN --tier approx` compares, as a library call: the verdicts many at a time."""
-    return compare(read_run(run), g.load_golden(golden, {"lm loss": "train/loss"} if rename is None else rename),
-                   "approx", ignore)
+    return compare(
+        read_run(run), g.load_golden(golden, {"lm loss": "train/loss"} if rename is None else rename), "approx", ignore
+    )
 
 
 def _one_line_error(res, *needles):
@@ -100,8 +107,16 @@ def test_the_files_cover_megatrons_grids():
     assert {start for start, _ in shapes} >= {1, 2, 5}
     assert any(isinstance(v, str) for rel in FILES for s in _raw(rel).values() for v in s["values"].values())
     names = {name for rel in FILES for name in _raw(rel)}
-    assert names >= {"lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes", "iteration-time",
-                     "mtp_1 loss", "mtp_2 loss", "total loss"}
+    assert names >= {
+        "lm loss",
+        "num-zeros",
+        "mem-allocated-bytes",
+        "mem-max-allocated-bytes",
+        "iteration-time",
+        "mtp_1 loss",
+        "mtp_2 loss",
+        "total loss",
+    }
 
 
 @pytest.mark.parametrize("rel", FILES)
@@ -116,18 +131,24 @@ def test_each_file_loads_as_megatron_writes_it(rel):
         # iteration k is the run's step k - 1; "nan" steps are kept aside, named, never a number
         assert got.values == {k - 1: float(v) for k, v in finite.items()} and got.absent == [k - 1 for k in nan]
         assert (got.start_step, got.end_step, got.step_interval) == (
-            series["start_step"] - 1, series["end_step"] - 1, series["step_interval"])
+            series["start_step"] - 1,
+            series["end_step"] - 1,
+            series["step_interval"],
+        )
         assert got.tolerance.family == f"Megatron-LM {name}"
         assert any(note.startswith(f'{name}: the file holds "nan"') for note in golden.notes) == bool(nan)
 
 
 def test_megatrons_tolerances_per_metric():
     """As test_pretraining_regular_pipeline.py's CHECK_THRESHOLDS and common.py's pipeline apply them."""
-    golden = g.load_golden(DATA / "t5/t5_11b_mcore_tp4_pp1/golden_values_dev_dgx_a100.json",
-                           {"lm loss": "train/loss"})
+    golden = g.load_golden(DATA / "t5/t5_11b_mcore_tp4_pp1/golden_values_dev_dgx_a100.json", {"lm loss": "train/loss"})
     tol = {name: s.tolerance for name, s in golden.metrics.items()}
-    for name, rtol in (("train/loss", 0.05), ("num-zeros", 0.20), ("mem-allocated-bytes", 0.05),
-                       ("mem-max-allocated-bytes", 0.05)):
+    for name, rtol in (
+        ("train/loss", 0.05),
+        ("num-zeros", 0.20),
+        ("mem-allocated-bytes", 0.05),
+        ("mem-max-allocated-bytes", 0.05),
+    ):
         assert (tol[name].kind, tol[name].rtol, tol[name].atol, tol[name].mean_residual) == ("approx", rtol, 0.0, None)
         assert tol[name].failing_steps == 1  # min(max(6 // 100, 1), 50)
     # iteration-time: medians over iterations 5..20 (the last is 25), i.e. the run's steps 4..19, within 5%
@@ -172,12 +193,17 @@ def test_the_report_says_what_it_compared_in_both_numberings(tmp_path):
     run = _loss_run(tmp_path / "run", rel)
     res = _check(run, DATA / rel, "--rename", "lm loss=train/loss", *NOT_LOGGED)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "golden check passed (approx tier): 1 metrics (11 values compared, steps 0..49, the golden's 1..50)" \
+    assert (
+        "golden check passed (approx tier): 1 metrics (11 values compared, steps 0..49, the golden's 1..50)"
         in " ".join(res.stdout.split())
-    assert "Megatron-LM iteration k (its k-th optimizer step, counted from 1) is compared with rlbench step k - 1" \
+    )
+    assert (
+        "Megatron-LM iteration k (its k-th optimizer step, counted from 1) is compared with rlbench step k - 1"
         in res.stderr
-    res = _check(_loss_run(tmp_path / "off", rel, {4: 1.5, 9: 1.5}), DATA / rel, "--rename", "lm loss=train/loss",
-                 *NOT_LOGGED)
+    )
+    res = _check(
+        _loss_run(tmp_path / "off", rel, {4: 1.5, 9: 1.5}), DATA / rel, "--rename", "lm loss=train/loss", *NOT_LOGGED
+    )
     assert res.returncode == 1 and "(golden's)" in res.stdout  # the step column's heading
     assert "4 (5)" in res.stdout and "9 (10)" in res.stdout  # run step 4 is Megatron-LM's iteration 5
 
@@ -189,17 +215,24 @@ def test_every_megatron_metric_with_its_own_tolerance(tmp_path):
     raw = _raw(rel)
 
     def run(name, **scale):
-        series = {"train/loss" if m == "lm loss" else m: {k - 1: v * scale.get(m.replace("-", "_").replace(" ", "_"),
-                                                                            1.0) for k, v in _finite(s).items()}
-                  for m, s in raw.items()}
+        series = {
+            "train/loss" if m == "lm loss" else m: {
+                k - 1: v * scale.get(m.replace("-", "_").replace(" ", "_"), 1.0) for k, v in _finite(s).items()
+            }
+            for m, s in raw.items()
+        }
         series["iteration-time"][0] = 1000.0  # the run's own warm-up: outside the window
         return _run_dir(tmp_path / name, series, 25)
 
     res = _check(run("same"), DATA / rel, "--rename", "lm loss=train/loss", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads(res.stdout)["compared"] == 4 * 6 + 4  # four metrics at 6 steps, iteration-time's window of 4
-    for metric, inside, outside in (("num_zeros", 1.19, 1.21), ("mem_allocated_bytes", 1.04, 1.06),
-                                    ("mem_max_allocated_bytes", 0.96, 0.94), ("iteration_time", 1.04, 0.94)):
+    for metric, inside, outside in (
+        ("num_zeros", 1.19, 1.21),
+        ("mem_allocated_bytes", 1.04, 1.06),
+        ("mem_max_allocated_bytes", 0.96, 0.94),
+        ("iteration_time", 1.04, 0.94),
+    ):
         assert _compare(run(f"{metric}-in", **{metric: inside}), DATA / rel, ignore=()).ok, metric
         report = _compare(run(f"{metric}-out", **{metric: outside}), DATA / rel, ignore=())
         assert [m.name for m in report.failed] == [metric.replace("_", "-")], metric
@@ -213,8 +246,12 @@ def test_a_metric_the_run_does_not_log_is_named_with_the_way_out(tmp_path):
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert sorted(doc["failed"]) == ["iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes", "num-zeros"]
-    assert all(m["message"] == "not logged by the run; --rename it to a metric the run logs, or --ignore it"
-               and m["compared"] == 0 for m in doc["metrics"] if m["name"] in doc["failed"])
+    assert all(
+        m["message"] == "not logged by the run; --rename it to a metric the run logs, or --ignore it"
+        and m["compared"] == 0
+        for m in doc["metrics"]
+        if m["name"] in doc["failed"]
+    )
 
 
 def test_a_real_short_run_at_a_files_steps(tmp_path, small_config):
@@ -231,23 +268,32 @@ def test_a_real_short_run_at_a_files_steps(tmp_path, small_config):
     [loss] = json.loads(res.stdout)["metrics"]
     assert loss["compared"] == 1 and [(f["step"], f["expected"]) for f in loss["failures"]] == [(0, 29.29548)]
     grpo = "moe/gpt_grpo_tp8tp4_pp1_ep8ep2_dp8_throughputtest/golden_values_dev_dgx_h100.json"
-    _one_line_error(_check(out, DATA / grpo, "--rename", "lm loss=train/loss", *NOT_LOGGED),
-                    "committed steps are 0..0", "needs 0..4 (Megatron-LM iterations 1..5)")
+    _one_line_error(
+        _check(out, DATA / grpo, "--rename", "lm loss=train/loss", *NOT_LOGGED),
+        "committed steps are 0..0",
+        "needs 0..4 (Megatron-LM iterations 1..5)",
+    )
 
 
 # --------------------------------------------------------------------------- Megatron-LM's other grids
 
 
-@pytest.mark.parametrize("start, interval, steps", [
-    (10, 10, [10, 20, 30, 4760]),  # nemotron3_super_release_gb200_sm's iteration-time (195 KB, not kept)
-    (1, 100, [1, 100, 200, 300]),  # t5_release's lts file (865 KB, not kept)
-    (2, 2, [2, 4, 6]),
-])
+@pytest.mark.parametrize(
+    "start, interval, steps",
+    [
+        (10, 10, [10, 20, 30, 4760]),  # nemotron3_super_release_gb200_sm's iteration-time (195 KB, not kept)
+        (1, 100, [1, 100, 200, 300]),  # t5_release's lts file (865 KB, not kept)
+        (2, 2, [2, 4, 6]),
+    ],
+)
 def test_other_grids_megatron_writes(tmp_path, start, interval, steps):
     path = tmp_path / "golden_values_dev_dgx_h100.json"
     values = {str(k): 1.0 + k for k in steps}
-    path.write_text(json.dumps({"lm loss": {"start_step": start, "end_step": steps[-1], "step_interval": interval,
-                                            "values": values}}))
+    path.write_text(
+        json.dumps(
+            {"lm loss": {"start_step": start, "end_step": steps[-1], "step_interval": interval, "values": values}}
+        )
+    )
     assert sorted(g.load_golden(path).metrics["lm loss"].values) == [k - 1 for k in steps]
 
 
@@ -265,21 +311,24 @@ def _value(step, value, metric="lm loss"):
     return lambda d: d[metric]["values"].__setitem__(step, value)
 
 
-@pytest.mark.parametrize("edit, needles", [
-    (_value("7", 10.0), ["lm loss.values", "step 7 is off the series' grid: 1, then every multiple of 5 up to 50"]),
-    (_value("55", 10.0), ["step 55 is off the series' grid"]),
-    (_set("end_step", 10**30), ["start_step 1 and end_step 1000000000000000000000000000000 are not the first"]),
-    (_set("end_step", 10**400), ["end_step 1000000000000000000000000000000000000... are not the first"]),
-    (_set("start_step", 0), ["lm loss.start_step", "expected an integer >= 1"]),
-    (_set("step_interval", 0), ["lm loss.step_interval", "expected an integer >= 1"]),
-    (_set("values", {}), ["lm loss.values", "got an empty object"]),
-    (_value("05", 10.0), ["step '05' is not an integer step"]),
-    (_value("1e30", 10.0), ["step '1e30' is not an integer step"]),
-    (_value("10", "fast"), ["lm loss.values.10", "expected a finite number or \"nan\""]),
-    (_value("10", True), ["lm loss.values.10", "expected a finite number"]),
-    (_value("10", 10**400), ["lm loss.values.10", "beyond a float's range"]),
-    (_value("10", float("inf")), ["lm loss.values.10", "expected a finite number"]),
-])
+@pytest.mark.parametrize(
+    "edit, needles",
+    [
+        (_value("7", 10.0), ["lm loss.values", "step 7 is off the series' grid: 1, then every multiple of 5 up to 50"]),
+        (_value("55", 10.0), ["step 55 is off the series' grid"]),
+        (_set("end_step", 10**30), ["start_step 1 and end_step 1000000000000000000000000000000 are not the first"]),
+        (_set("end_step", 10**400), ["end_step 1000000000000000000000000000000000000... are not the first"]),
+        (_set("start_step", 0), ["lm loss.start_step", "expected an integer >= 1"]),
+        (_set("step_interval", 0), ["lm loss.step_interval", "expected an integer >= 1"]),
+        (_set("values", {}), ["lm loss.values", "got an empty object"]),
+        (_value("05", 10.0), ["step '05' is not an integer step"]),
+        (_value("1e30", 10.0), ["step '1e30' is not an integer step"]),
+        (_value("10", "fast"), ["lm loss.values.10", 'expected a finite number or "nan"']),
+        (_value("10", True), ["lm loss.values.10", "expected a finite number"]),
+        (_value("10", 10**400), ["lm loss.values.10", "beyond a float's range"]),
+        (_value("10", float("inf")), ["lm loss.values.10", "expected a finite number"]),
+    ],
+)
 def test_a_hostile_or_off_grid_file_is_one_line_of_bad_input(tmp_path, edit, needles):
     doc = _raw(BASE)
     edit(doc)
@@ -302,5 +351,8 @@ def test_a_series_of_nan_only_is_bad_input_unless_left_out(tmp_path):
 
 def test_two_metrics_renamed_to_one_are_refused(tmp_path):
     run = _loss_run(tmp_path / "run", BASE)
-    _one_line_error(_check(run, DATA / BASE, "--rename", "lm loss=train/loss", "--rename", "num-zeros=train/loss"),
-                    "--rename", "would both be compared as 'train/loss'")
+    _one_line_error(
+        _check(run, DATA / BASE, "--rename", "lm loss=train/loss", "--rename", "num-zeros=train/loss"),
+        "--rename",
+        "would both be compared as 'train/loss'",
+    )

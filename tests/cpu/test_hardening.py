@@ -30,8 +30,9 @@ def _one_line(res, *needles: str, code: int = 2) -> str:
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-            and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,14 @@ def _process(*args: str, failpoint: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if failpoint:
         env["RLBENCH_FAILPOINT"] = failpoint
-    return subprocess.Popen([sys.executable, "-m", "rlbench.cli", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlbench.cli", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _wait_stopped(proc: subprocess.Popen) -> None:
@@ -163,8 +170,12 @@ def test_a_nan_reward_in_a_recording_stops_train_only_before_the_step(tmp_path, 
     edit_step(run, 1, lambda t, m: t["rewards"].__setitem__(2, float("nan")))
     _consistent_checksums(run, 1)
     out = tmp_path / "t"
-    _one_line(cli("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(out)),
-              "step 1, stage recorded: rewards is nan at sample 2", "000001.safetensors", "not committed")
+    _one_line(
+        cli("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(out)),
+        "step 1, stage recorded: rewards is nan at sample 2",
+        "000001.safetensors",
+        "not committed",
+    )
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0]  # the committed step stays, readable and verified
     assert cli("diff", str(out), str(out)).returncode == 0
@@ -173,17 +184,26 @@ def test_a_nan_reward_in_a_recording_stops_train_only_before_the_step(tmp_path, 
 @pytest.mark.parametrize("plugin, value", [("returns_huge", "1e+39"), ("returns_nan", "nan")])
 def test_a_reward_outside_float32_stops_the_run(tmp_path, toml, plugin, value):
     out = tmp_path / "run"
-    _one_line(cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path",
-                  f"tests.cpu.plugins.rewards.{plugin}"), value, "finite number")
+    _one_line(
+        cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path", f"tests.cpu.plugins.rewards.{plugin}"),
+        value,
+        "finite number",
+    )
     assert not out.exists()  # it failed before its first step: nothing left behind
 
 
-@pytest.mark.parametrize("table, key", [("[train]\nlr = 1e308", "train.lr"),
-                                        ("[train]\nweight_decay = inf", "train.weight_decay"),
-                                        ("[algo]\nkl_coef = inf", "algo.kl_coef"),
-                                        ("[algo]\nentropy_coef = inf", "algo.entropy_coef"),
-                                        ("[rollout]\ntemperature = nan", "rollout.temperature"),
-                                        ('out = 5', "out"), ("threads = 100000", "threads")])
+@pytest.mark.parametrize(
+    "table, key",
+    [
+        ("[train]\nlr = 1e308", "train.lr"),
+        ("[train]\nweight_decay = inf", "train.weight_decay"),
+        ("[algo]\nkl_coef = inf", "algo.kl_coef"),
+        ("[algo]\nentropy_coef = inf", "algo.entropy_coef"),
+        ("[rollout]\ntemperature = nan", "rollout.temperature"),
+        ("out = 5", "out"),
+        ("threads = 100000", "threads"),
+    ],
+)
 def test_config_numbers_are_finite_and_in_range(tmp_path, table, key):
     path = tmp_path / "c.toml"
     path.write_text(table + "\n")
@@ -194,8 +214,10 @@ def test_config_numbers_are_finite_and_in_range(tmp_path, table, key):
 def test_a_nan_in_training_stops_before_commit_and_keeps_the_committed_steps(tmp_path, toml):
     """A reward function that goes NaN at step 2: steps 0 and 1 committed and verifiable."""
     out = tmp_path / "run"
-    _one_line(cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path",
-                  "tests.cpu.plugins.rewards.nan_from_step_2"), "reward function returned nan")
+    _one_line(
+        cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path", "tests.cpu.plugins.rewards.nan_from_step_2"),
+        "reward function returned nan",
+    )
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
     res = cli("replay", str(out), "--out", str(tmp_path / "rep"))
@@ -208,9 +230,13 @@ def test_a_nan_in_training_stops_before_commit_and_keeps_the_committed_steps(tmp
 def _recording_case(run: Path, name: str) -> None:
     def tokens(t, m, value):
         t["tokens"][5] = value
-    edits = {"id 1e9": lambda t, m: tokens(t, m, 10**9), "id -5": lambda t, m: tokens(t, m, -5),
-             "float tokens": lambda t, m: t.__setitem__("tokens", t["tokens"].float()),
-             "2-D tokens": lambda t, m: t.__setitem__("tokens", t["tokens"].reshape(1, -1))}
+
+    edits = {
+        "id 1e9": lambda t, m: tokens(t, m, 10**9),
+        "id -5": lambda t, m: tokens(t, m, -5),
+        "float tokens": lambda t, m: t.__setitem__("tokens", t["tokens"].float()),
+        "2-D tokens": lambda t, m: t.__setitem__("tokens", t["tokens"].reshape(1, -1)),
+    }
     edit_step(run, 0, edits[name])
 
 
@@ -218,9 +244,13 @@ def _recording_case(run: Path, name: str) -> None:
 def test_malformed_recorded_tokens_are_bad_input(tmp_path, done, case):
     run = copy_run(done, tmp_path / "run")
     _recording_case(run, case)
-    for args in (("replay", str(run), "--out", str(tmp_path / "r")), ("diff", str(done), str(run)),
-                 ("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(tmp_path / "t")),
-                 ("check", "logprobs", str(run)), ("check", "tito", str(run))):
+    for args in (
+        ("replay", str(run), "--out", str(tmp_path / "r")),
+        ("diff", str(done), str(run)),
+        ("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(tmp_path / "t")),
+        ("check", "logprobs", str(run)),
+        ("check", "tito", str(run)),
+    ):
         _one_line(cli(*args))
     assert not (tmp_path / "r").exists() and not (tmp_path / "t").exists()
 
@@ -234,8 +264,13 @@ def test_a_manifest_whose_config_is_not_an_object_is_bad_input(tmp_path, done, c
     else:
         manifest["config"] = config
     (run / "manifest.json").write_text(json.dumps(manifest))
-    for args in (("replay", str(run)), ("diff", str(run), str(done)), ("run", "--resume", str(run)),
-                 ("check", "golden", str(run), str(REPO / "golden" / "default.json")), ("check", "logprobs", str(run))):
+    for args in (
+        ("replay", str(run)),
+        ("diff", str(run), str(done)),
+        ("run", "--resume", str(run)),
+        ("check", "golden", str(run), str(REPO / "golden" / "default.json")),
+        ("check", "logprobs", str(run)),
+    ):
         _one_line(cli(*args), "manifest.json", "config")
 
 
@@ -263,8 +298,10 @@ def test_broken_run_directory_entries_are_bad_input(tmp_path, done):
     _one_line(cli("diff", str(run), str(done)), "metrics.jsonl", "is a directory")
 
 
-@pytest.mark.parametrize("args, needle", [(("--device", "cuda"), "device"), (("--device", "tpu"), "device"),
-                                          (("--threads", "100000"), "threads")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [(("--device", "cuda"), "device"), (("--device", "tpu"), "device"), (("--threads", "100000"), "threads")],
+)
 def test_placement_options_are_checked(tmp_path, args, needle):
     if args[1] == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -276,8 +313,14 @@ def test_out_below_a_file_is_bad_input(tmp_path):
     _one_line(cli("run", "--steps", "1", "--out", str(tmp_path / "file" / "run")), "--out")
 
 
-@pytest.mark.parametrize("prompt, needle", [("Is 4\ud800 even?", "surrogate"), ("7" * 2_000_000, "characters"),
-                                            ("Is " + "1" * 300 + " even or odd?", "tokens")])
+@pytest.mark.parametrize(
+    "prompt, needle",
+    [
+        ("Is 4\ud800 even?", "surrogate"),
+        ("7" * 2_000_000, "characters"),
+        ("Is " + "1" * 300 + " even or odd?", "tokens"),
+    ],
+)
 def test_prompts_no_model_can_take_are_bad_input(tmp_path, prompt, needle, transformers_warnings):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": prompt, "label": "even"}) + "\n")
@@ -304,8 +347,10 @@ def test_a_broken_tokenizer_or_weights_file_is_bad_input(tmp_path):
 
     from rlbench.core.model import build_model, named_weights
 
-    save_file({k: v.contiguous() for k, v in named_weights(build_model(model, 0, init="random")).items()},
-              str(model / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in named_weights(build_model(model, 0, init="random")).items()},
+        str(model / "model.safetensors"),
+    )
     raw = (model / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(raw[: len(raw) // 2])
     config.write_text(f"[model]\npath = '{model}'\n")
@@ -324,12 +369,16 @@ def test_golden_update_without_a_regular_series_writes_nothing(tmp_path, done):
 # --------------------------------------------------------------------------- 5. plugins and signals
 
 
-@pytest.mark.parametrize("plugin, needle", [("calls_exit", "called sys.exit(0)"),
-                                            ("raises_base_exception", "raised BaseException")])
+@pytest.mark.parametrize(
+    "plugin, needle", [("calls_exit", "called sys.exit(0)"), ("raises_base_exception", "raised BaseException")]
+)
 def test_a_plugin_cannot_end_the_run_as_a_success(tmp_path, toml, plugin, needle):
     out = tmp_path / "run"
-    _one_line(cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path", f"tests.cpu.plugins.rewards.{plugin}"),
-              needle, f"tests.cpu.plugins.rewards.{plugin}")
+    _one_line(
+        cli("run", "-c", str(toml), "--out", str(out), "--custom-rm-path", f"tests.cpu.plugins.rewards.{plugin}"),
+        needle,
+        f"tests.cpu.plugins.rewards.{plugin}",
+    )
     assert not out.exists()
 
 
@@ -369,8 +418,13 @@ def test_a_group_alone_prints_its_help_and_exits_2():
 
 
 def test_python_m_rlbench_works():
-    res = subprocess.run([sys.executable, "-m", "rlbench", "--help"], cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    res = subprocess.run(
+        [sys.executable, "-m", "rlbench", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )
     assert res.returncode == 0 and "Usage: rlbench" in res.stdout
 
 
@@ -397,8 +451,18 @@ def test_the_resume_summary_covers_the_whole_run(tmp_path, toml):
 def test_train_only_names_the_recorded_settings_it_takes(tmp_path, done):
     config = tmp_path / "c.toml"
     config.write_text("[rollout]\ntemperature = 0.5\n")
-    res = cli("run", "--mode", "train-only", "--rollouts", str(done), "-c", str(config), "--out", str(tmp_path / "t"),
-              "--json")
+    res = cli(
+        "run",
+        "--mode",
+        "train-only",
+        "--rollouts",
+        str(done),
+        "-c",
+        str(config),
+        "--out",
+        str(tmp_path / "t"),
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     assert "train-only: rollout.temperature: the recording's 1.0, not 0.5" in json.loads(res.stdout)["notes"]
 
@@ -432,22 +496,34 @@ def _rewrite_step_json(run: Path, step: int, edit) -> None:
     path.write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("edit, needle, everyone", [
-    (lambda m: [s.pop("finish_reason") for s in m["samples"]],
-     "samples[0].finish_reason: expected one of stop, length, abort, got nothing", False),
-    (lambda m: m["samples"][3].__setitem__("finish_reason", 7),
-     "samples[3].finish_reason: expected one of stop, length, abort, got 7", False),
-    (lambda m: m.pop("samples"), "samples: missing: expected a list of per-sample objects", True),
-    (lambda m: m.__setitem__("samples", {"0": {}}), "samples: expected a list of per-sample objects", True),
-])
+@pytest.mark.parametrize(
+    "edit, needle, everyone",
+    [
+        (
+            lambda m: [s.pop("finish_reason") for s in m["samples"]],
+            "samples[0].finish_reason: expected one of stop, length, abort, got nothing",
+            False,
+        ),
+        (
+            lambda m: m["samples"][3].__setitem__("finish_reason", 7),
+            "samples[3].finish_reason: expected one of stop, length, abort, got 7",
+            False,
+        ),
+        (lambda m: m.pop("samples"), "samples: missing: expected a list of per-sample objects", True),
+        (lambda m: m.__setitem__("samples", {"0": {}}), "samples: expected a list of per-sample objects", True),
+    ],
+)
 def test_a_recordings_json_without_what_readers_need_is_bad_input(tmp_path, done, edit, needle, everyone):
     """No samples: every reader refuses. No finish reason: the readers that recompute the rollout metrics
     from it (replay, train-only); diff and the checks read no finish reason."""
     run = copy_run(done, tmp_path / "run")
     _rewrite_step_json(run, 1, edit)
-    for args in (("replay", str(run), "--out", str(tmp_path / "r")),
-                 ("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(tmp_path / "t")),
-                 ("diff", str(done), str(run)), ("check", "logprobs", str(run))):
+    for args in (
+        ("replay", str(run), "--out", str(tmp_path / "r")),
+        ("run", "--mode", "train-only", "--rollouts", str(run), "--out", str(tmp_path / "t")),
+        ("diff", str(done), str(run)),
+        ("check", "logprobs", str(run)),
+    ):
         if everyone or args[0] != "diff" and args[0] != "check":
             _one_line(cli(*args), "000001.json", needle)
     assert not (tmp_path / "r").exists() and not (tmp_path / "t").exists()  # refused before anything was written
@@ -459,14 +535,18 @@ def test_a_metric_that_is_not_a_number_is_bad_input(tmp_path, done, value):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows[1]["train/loss"] = value
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for args in (("replay", str(run), "--out", str(tmp_path / "r")), ("diff", str(done), str(run)),
-                 ("check", "golden", str(run), str(REPO / "golden" / "default.json"))):
+    for args in (
+        ("replay", str(run), "--out", str(tmp_path / "r")),
+        ("diff", str(done), str(run)),
+        ("check", "golden", str(run), str(REPO / "golden" / "default.json")),
+    ):
         _one_line(cli(*args), "metrics.jsonl: line 2: 'train/loss' is", "expected a number")
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("log, conflicting", [("checksums.jsonl", True), ("checksums.jsonl", False),
-                                              ("metrics.jsonl", True)])
+@pytest.mark.parametrize(
+    "log, conflicting", [("checksums.jsonl", True), ("checksums.jsonl", False), ("metrics.jsonl", True)]
+)
 def test_a_second_line_for_one_step_is_bad_input(tmp_path, done, log, conflicting):
     run = copy_run(done, tmp_path / "run")
     lines = (run / log).read_text().splitlines()
@@ -477,8 +557,11 @@ def test_a_second_line_for_one_step_is_bad_input(tmp_path, done, log, conflictin
     lines.insert(2, json.dumps(row))
     (run / log).write_text("\n".join(lines) + "\n")
     how = "differing at" if conflicting else "the same again"
-    for args in (("replay", str(run), "--out", str(tmp_path / "r")), ("diff", str(done), str(run)),
-                 ("run", "--resume", str(run))):
+    for args in (
+        ("replay", str(run), "--out", str(tmp_path / "r")),
+        ("diff", str(done), str(run)),
+        ("run", "--resume", str(run)),
+    ):
         _one_line(cli(*args), log, "line 3: a second line for step 1 (line 2 is the first)", how)
 
 
@@ -494,8 +577,10 @@ def test_a_model_config_with_a_negative_size_is_bad_input(tmp_path, transformers
     config.write_text(f"[model]\npath = '{model}'\ninit = 'random'\n")
     for key, value in (("vocab_size", -1), ("num_hidden_layers", 0), ("hidden_size", "64"), ("head_dim", 2**40)):
         (model / "config.json").write_text(json.dumps({**doc, key: value}))
-        _one_line(cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")),
-                  f"config.json: {key}: expected an integer in [1, 2**31 - 1], got {value!r}")
+        _one_line(
+            cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")),
+            f"config.json: {key}: expected an integer in [1, 2**31 - 1], got {value!r}",
+        )
     assert transformers_warnings == []  # refused before transformers read it (it warns about such values)
     assert not (tmp_path / "o").exists()
 
@@ -510,13 +595,19 @@ def test_a_chat_template_that_cannot_render_is_bad_input(tmp_path):
     doc = json.loads((tok / "tokenizer_config.json").read_text())
     config = tmp_path / "c.toml"
     config.write_text(f"[model]\ntokenizer = '{tok}'\n")
-    for template, needle in (("{{ messages | no_such_filter }}", "No filter named 'no_such_filter'"),
-                             ("{% if %}", "TemplateSyntaxError"),
-                             ("{{ raise_exception('no system prompt') }}", "no system prompt"),
-                             ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero")):
+    for template, needle in (
+        ("{{ messages | no_such_filter }}", "No filter named 'no_such_filter'"),
+        ("{% if %}", "TemplateSyntaxError"),
+        ("{{ raise_exception('no system prompt') }}", "no system prompt"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ):
         (tok / "tokenizer_config.json").write_text(json.dumps({**doc, "chat_template": template}))
-        _one_line(cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")),
-                  str(tok), "chat_template: the chat template cannot render prompt", needle)
+        _one_line(
+            cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")),
+            str(tok),
+            "chat_template: the chat template cannot render prompt",
+            needle,
+        )
     (tok / "tokenizer_config.json").write_text(json.dumps({**doc, "chat_template": ""}))
     _one_line(cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")), "renders to no tokens")
     assert not (tmp_path / "o").exists()

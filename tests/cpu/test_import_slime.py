@@ -23,16 +23,37 @@ def slime_sample(tok, group: int, index: int, number: int, answer: str, reward: 
     messages = [{"role": "user", "content": f"Is {number} even or odd?"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     response = tok.encode(answer) + [tok.eos_token_id]
-    return {"group_index": group, "index": index, "prompt": messages, "tokens": list(prompt) + response,
-            "multimodal_inputs": None, "multimodal_train_inputs": None, "response": answer,
-            "response_length": len(response), "label": "even" if number % 2 == 0 else "odd", "reward": reward,
-            "loss_mask": [1] * len(response), "weight_versions": ["3"],
-            "rollout_log_probs": [-0.5 - 0.1 * k for k in range(len(response))], "rollout_routed_experts": None,
-            "remove_sample": False, "teacher_log_probs": None, "status": status, "metadata": {},
-            "generate_function_path": None, "train_metadata": None, "session_id": None, "non_generation_time": 0.0,
-            "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
-                          "completion_token_num": 0},
-            "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(prompt)}}
+    return {
+        "group_index": group,
+        "index": index,
+        "prompt": messages,
+        "tokens": list(prompt) + response,
+        "multimodal_inputs": None,
+        "multimodal_train_inputs": None,
+        "response": answer,
+        "response_length": len(response),
+        "label": "even" if number % 2 == 0 else "odd",
+        "reward": reward,
+        "loss_mask": [1] * len(response),
+        "weight_versions": ["3"],
+        "rollout_log_probs": [-0.5 - 0.1 * k for k in range(len(response))],
+        "rollout_routed_experts": None,
+        "remove_sample": False,
+        "teacher_log_probs": None,
+        "status": status,
+        "metadata": {},
+        "generate_function_path": None,
+        "train_metadata": None,
+        "session_id": None,
+        "non_generation_time": 0.0,
+        "spec_info": {
+            "spec_accept_token_num": 0,
+            "spec_draft_token_num": 0,
+            "spec_verify_ct": 0,
+            "completion_token_num": 0,
+        },
+        "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(prompt)},
+    }
 
 
 def write_dumps(directory, rollout_ids=(0, 1, 2), groups=2, group_size=4):
@@ -45,8 +66,11 @@ def write_dumps(directory, rollout_ids=(0, 1, 2), groups=2, group_size=4):
             for j in range(group_size):
                 answer = ["even", "odd"][(j + g) % 2]
                 reward = 1.0 if answer == ("even" if number % 2 == 0 else "odd") else 0.0
-                samples.append(slime_sample(tok, g, g * group_size + j, number, answer, reward,
-                                            "truncated" if j == 3 else "completed"))
+                samples.append(
+                    slime_sample(
+                        tok, g, g * group_size + j, number, answer, reward, "truncated" if j == 3 else "completed"
+                    )
+                )
         path = directory / f"rollout_{rid}.pt"
         torch.save({"rollout_id": rid, "samples": samples}, path)
         paths.append(path)
@@ -63,8 +87,8 @@ def test_import_then_replay_and_diff(tmp_path):
     assert [s["rollout_id"] for s in meta["samples"]] == [1] * 8
     assert [s["finish_reason"] for s in meta["samples"][:4]] == ["stop", "stop", "stop", "length"]
     first = range(int(tensors["offsets"][0]) + int(tensors["prompt_lengths"][0]), int(tensors["offsets"][1]))
-    assert tensors["rollout_logprobs"][first.start:first.stop].tolist() == pytest.approx([-0.5, -0.6])
-    assert tensors["loss_mask"][first.start:first.stop].tolist() == [1, 1]
+    assert tensors["rollout_logprobs"][first.start : first.stop].tolist() == pytest.approx([-0.5, -0.6])
+    assert tensors["loss_mask"][first.start : first.stop].tolist() == [1, 1]
     res = replay(tmp_path / "imp", tmp_path / "rep")
     assert res.ok and res.reproduced == 3  # the recording's own stages verified, then trained on
     assert diff(tmp_path / "imp", tmp_path / "rep").first is None  # compares the stages both have
@@ -95,8 +119,11 @@ def test_a_dump_that_needs_unpickling_is_refused(tmp_path):
     torch.save(dump, path)
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"))
     assert proc.returncode == 2, proc.stderr
-    assert "refused: the dump holds tests.cpu.test_import_slime.Status objects, which rlbench does not load" \
-        in proc.stderr and "weights_only=True" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        "refused: the dump holds tests.cpu.test_import_slime.Status objects, which rlbench does not load" in proc.stderr
+        and "weights_only=True" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "imp").exists()
 
 
@@ -149,8 +176,9 @@ def test_a_multimodal_dump_is_named_from_its_opcodes(tmp_path, protocol, zipped)
     # protocol 4 in a process of its own: torch warns of the protocol on stderr, which must stay one line
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"), process=protocol == 4)
     line = _one_line_refusal(proc, path)
-    assert line.endswith("refused: the dump holds PIL.Image.Image objects (a multimodal dump; rlbench reads text "
-                         "rollouts)"), line
+    assert line.endswith(
+        "refused: the dump holds PIL.Image.Image objects (a multimodal dump; rlbench reads text rollouts)"
+    ), line
     assert not (tmp_path / "imp").exists()
 
 
@@ -169,8 +197,10 @@ def test_a_dump_holding_objects_is_named_and_nothing_in_it_runs(tmp_path, protoc
     dump["samples"][0]["metadata"] = {"state": Tripwire(tmp_path / "setstate"), "call": Reducer(tmp_path / "reduce")}
     torch.save(dump, path, pickle_protocol=protocol)
     line = _one_line_refusal(run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp")), path)
-    assert ("refused: the dump holds tests.cpu.test_import_slime.Tripwire, tests.cpu.test_import_slime._write_marker "
-            "objects, which rlbench does not load") in line, line
+    assert (
+        "refused: the dump holds tests.cpu.test_import_slime.Tripwire, tests.cpu.test_import_slime._write_marker "
+        "objects, which rlbench does not load"
+    ) in line, line
     assert not (tmp_path / "setstate").exists() and not (tmp_path / "reduce").exists()
     assert not (tmp_path / "imp").exists()
 
@@ -184,8 +214,10 @@ def test_where_the_opcodes_name_nothing_torchs_advice_to_allowlist_is_left_out(t
     torch.save(dump, path)
     monkeypatch.setattr(pickled, "refused_globals", lambda path: [])
     line = _one_line_refusal(run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp")), path)
-    assert line.endswith("rlbench unpickles nothing else (Unsupported global: GLOBAL "
-                         "tests.cpu.test_import_slime.Status was not an allowed global by default.)"), line
+    assert line.endswith(
+        "rlbench unpickles nothing else (Unsupported global: GLOBAL "
+        "tests.cpu.test_import_slime.Status was not an allowed global by default.)"
+    ), line
 
 
 def test_the_opcode_reader_names_globals_and_runs_nothing(tmp_path):
@@ -200,12 +232,15 @@ def test_the_opcode_reader_names_globals_and_runs_nothing(tmp_path):
     assert pickle_globals(tmp_path / "junk") == []
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda s: s.update(loss_mask=[1]), "loss_mask: 1 values"),
-    (lambda s: s.update(reward={"acc": 1.0}), "name one with --reward-key"),
-    (lambda s: s.update(response_length=10**6), "response_length"),
-    (lambda s: s.update(tokens=[10**6] + s["tokens"][1:]), "outside the tokenizer's vocabulary"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda s: s.update(loss_mask=[1]), "loss_mask: 1 values"),
+        (lambda s: s.update(reward={"acc": 1.0}), "name one with --reward-key"),
+        (lambda s: s.update(response_length=10**6), "response_length"),
+        (lambda s: s.update(tokens=[10**6] + s["tokens"][1:]), "outside the tokenizer's vocabulary"),
+    ],
+)
 def test_malformed_samples_are_named(tmp_path, mutate, message):
     (path,) = write_dumps(tmp_path, rollout_ids=(0,))
     dump = torch.load(path, weights_only=True)
@@ -216,9 +251,14 @@ def test_malformed_samples_are_named(tmp_path, mutate, message):
     assert message in proc.stderr and "rollout_0.pt" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("content, needle", [(b"hello", "not a torch.save file"),
-                                             (b"", "empty file (0 bytes): not a torch.save file"),
-                                             ("half", "not a torch.save file")])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"hello", "not a torch.save file"),
+        (b"", "empty file (0 bytes): not a torch.save file"),
+        ("half", "not a torch.save file"),
+    ],
+)
 def test_not_a_torch_file(tmp_path, content, needle):
     bad = tmp_path / "x.pt"
     if content == "half":  # a real dump cut short
@@ -244,10 +284,16 @@ def _one_dump(tmp_path, edit) -> object:
 
 def test_fields_are_kept_in_the_metadata_as_json_and_what_replay_does_not_use_is_named(tmp_path):
     def edit(samples):
-        samples[0].update(metadata={"raw_reward": 0.5, 7: ["a", (1, 2)]}, session_id="s-0", my_field=torch.tensor([3]),
-                          reward={"acc": 1.0, "fmt": 0.5}, teacher_log_probs=[-1.0, -2.0])
+        samples[0].update(
+            metadata={"raw_reward": 0.5, 7: ["a", (1, 2)]},
+            session_id="s-0",
+            my_field=torch.tensor([3]),
+            reward={"acc": 1.0, "fmt": 0.5},
+            teacher_log_probs=[-1.0, -2.0],
+        )
         for s in samples[:4]:
             s["rollout_id"] = 11  # a compact rollout: four training samples of one rollout execution
+
     path = _one_dump(tmp_path, edit)
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"), "--reward-key", "acc")
     assert proc.returncode == 0, proc.stderr
@@ -266,22 +312,40 @@ def test_fields_are_kept_in_the_metadata_as_json_and_what_replay_does_not_use_is
     assert meta["samples"][0]["reward"] == 1.0 == float(tensors["rewards"][0])
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.update(metadata={(1, 2): 3}), "samples[2].metadata: a key (1, 2) that JSON cannot keep"),
-    (lambda s: s.update(rollout_top_p_token_ids=[1, 2]), "samples[2].rollout_top_p_token_offsets: None, while its "
-                                                         "pair is set"),
-    (lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2]),
-     "samples[2].rollout_top_p_token_offsets: expected response_length + 1 = 3 non-decreasing offsets from 0 to 2"),
-    (lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2, 1]), "non-decreasing"),
-    (lambda s: s.update(prompt=[{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]),
-     "samples[2].prompt[0].content: a 'image' part: multimodal samples are not supported"),
-    (lambda s: s.update(prompt=[{"role": "user", "content": 3}]), "samples[2].prompt[0].content: expected a string"),
-    (lambda s: s.update(multimodal_train_input_id="abc"), "samples[2].multimodal_train_input_id: set, and multimodal"),
-    (lambda s: s.update(status="done"), "samples[2].status: expected one of slime's statuses"),
-    (lambda s: s.update(remove_sample=1), "samples[2].remove_sample: expected true or false"),
-    (lambda s: s.update(rollout_top_p_token_ids=[10**6, 2], rollout_top_p_token_offsets=[0, 1, 2]),
-     "token id 1000000 is outside the tokenizer's vocabulary"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update(metadata={(1, 2): 3}), "samples[2].metadata: a key (1, 2) that JSON cannot keep"),
+        (
+            lambda s: s.update(rollout_top_p_token_ids=[1, 2]),
+            "samples[2].rollout_top_p_token_offsets: None, while its pair is set",
+        ),
+        (
+            lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2]),
+            "samples[2].rollout_top_p_token_offsets: expected response_length + 1 = 3 non-decreasing offsets "
+            "from 0 to 2",
+        ),
+        (lambda s: s.update(rollout_top_p_token_ids=[1, 2], rollout_top_p_token_offsets=[0, 2, 1]), "non-decreasing"),
+        (
+            lambda s: s.update(prompt=[{"role": "user", "content": [{"type": "image", "image": "x.png"}]}]),
+            "samples[2].prompt[0].content: a 'image' part: multimodal samples are not supported",
+        ),
+        (
+            lambda s: s.update(prompt=[{"role": "user", "content": 3}]),
+            "samples[2].prompt[0].content: expected a string",
+        ),
+        (
+            lambda s: s.update(multimodal_train_input_id="abc"),
+            "samples[2].multimodal_train_input_id: set, and multimodal",
+        ),
+        (lambda s: s.update(status="done"), "samples[2].status: expected one of slime's statuses"),
+        (lambda s: s.update(remove_sample=1), "samples[2].remove_sample: expected true or false"),
+        (
+            lambda s: s.update(rollout_top_p_token_ids=[10**6, 2], rollout_top_p_token_offsets=[0, 1, 2]),
+            "token id 1000000 is outside the tokenizer's vocabulary",
+        ),
+    ],
+)
 def test_what_cannot_be_imported_faithfully_is_refused_naming_the_field(tmp_path, edit, message):
     path = _one_dump(tmp_path, lambda samples: edit(samples[2]))
     proc = run_cli("import", "slime", str(path), "--out", str(tmp_path / "imp"))
@@ -303,16 +367,22 @@ def test_a_removed_sample_keeps_its_reward_in_its_group_and_replay_trains_withou
 def test_samples_without_logprobs_and_a_nucleus_are_flagged_per_sample(tmp_path):
     def edit(samples):
         samples[0]["rollout_log_probs"] = None
-        samples[1].update(rollout_top_p_token_ids=torch.tensor([5, 6, 7], dtype=torch.int32),
-                          rollout_top_p_token_offsets=torch.tensor([0, 2, 3], dtype=torch.int32))
+        samples[1].update(
+            rollout_top_p_token_ids=torch.tensor([5, 6, 7], dtype=torch.int32),
+            rollout_top_p_token_offsets=torch.tensor([0, 2, 3], dtype=torch.int32),
+        )
+
     summary = import_slime_summary(_one_dump(tmp_path, edit), tmp_path / "imp")
     assert (summary["without_logprobs"], summary["top_p"]) == (1, 1)
     tensors, meta = read_step(tmp_path / "imp", 0)
-    assert [(s["has_rollout_logprobs"], s["top_p"]) for s in meta["samples"][:3]] == [(False, False), (True, True),
-                                                                                      (True, False)]
+    assert [(s["has_rollout_logprobs"], s["top_p"]) for s in meta["samples"][:3]] == [
+        (False, False),
+        (True, True),
+        (True, False),
+    ]
     offsets, start = tensors["top_p_offsets"], int(tensors["offsets"][1]) + int(tensors["prompt_lengths"][1])
     assert tensors["top_p_ids"].tolist() == [5, 6, 7] and offsets.numel() == tensors["tokens"].numel() + 1
-    spans = [tensors["top_p_ids"][int(offsets[j]): int(offsets[j + 1])].tolist() for j in range(start, start + 2)]
+    spans = [tensors["top_p_ids"][int(offsets[j]) : int(offsets[j + 1])].tolist() for j in range(start, start + 2)]
     assert spans == [[5, 6], [7]] and int(offsets[start]) == 0  # nothing before: no other sample has a nucleus
 
 

@@ -82,8 +82,12 @@ def test_no_import_cycle_among_rlbench_modules():
 
 def test_no_private_name_is_imported_from_another_module():
     modules = _modules()
-    private = [f"{name} imports {target}.{what}" for name, path in modules.items()
-               for target, what in _imports(name, path, modules) if what.startswith("_") and what != "__version__"]
+    private = [
+        f"{name} imports {target}.{what}"
+        for name, path in modules.items()
+        for target, what in _imports(name, path, modules)
+        if what.startswith("_") and what != "__version__"
+    ]
     assert private == []
 
 
@@ -120,9 +124,15 @@ def test_no_package_imports_one_above_it():
     layer = {name: i for i, names in enumerate(LAYERS) for name in names}
     packages = {_package(name) for name in modules if name != "rlbench"}
     assert packages == set(layer), sorted(packages ^ set(layer))  # every package placed, none invented
-    upward = sorted({(name, target) for name, path in modules.items() if name != "rlbench"
-                     for target, _ in _imports(name, path, modules)
-                     if _package(target) != "rlbench" and layer[_package(target)] > layer[_package(name)]})
+    upward = sorted(
+        {
+            (name, target)
+            for name, path in modules.items()
+            if name != "rlbench"
+            for target, _ in _imports(name, path, modules)
+            if _package(target) != "rlbench" and layer[_package(target)] > layer[_package(name)]
+        }
+    )
     assert upward == [], upward
 
 
@@ -147,6 +157,7 @@ def test_no_test_file_imports_another_ones_private_names():
     for path in sorted(tests.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
-                found += [f"{path.relative_to(tests)}: {node.module}.{a.name}" for a in node.names
-                          if a.name.startswith("_")]
+                found += [
+                    f"{path.relative_to(tests)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                ]
     assert found == [], found

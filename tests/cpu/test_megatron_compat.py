@@ -31,10 +31,12 @@ def test_every_redirect_has_a_test():
 def layer():
     """layer(without=name): every redirect applied except `name`; all of them applied afterwards
     (as in a process that trains on the CPU)."""
+
     def _set(without: str | None = None):
         compat.apply()
         if without is not None:
             compat.remove(tuple(r for r in compat.REDIRECTS if r.name == without))
+
     yield _set
     compat.apply()
 

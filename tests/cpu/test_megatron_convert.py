@@ -62,12 +62,12 @@ def test_tp_shards_hold_whole_groups_and_their_own_gate_and_up(hf, dims):
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     rows = whole[qkv].shape[0] // 2  # one KV group of two: [q heads 2r, 2r+1; k_r; v_r]
     for rank in range(2):
-        assert torch.equal(shards[rank][qkv], whole[qkv][rank * rows:(rank + 1) * rows])
+        assert torch.equal(shards[rank][qkv], whole[qkv][rank * rows : (rank + 1) * rows])
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     k = weights["model.layers.0.self_attn.k_proj.weight"]
     d = dims.head_dim
-    assert torch.equal(shards[1][qkv][: 2 * d], q[2 * d: 4 * d])  # heads 2 and 3
-    assert torch.equal(shards[1][qkv][2 * d: 3 * d], k[d: 2 * d])  # the second KV head
+    assert torch.equal(shards[1][qkv][: 2 * d], q[2 * d : 4 * d])  # heads 2 and 3
+    assert torch.equal(shards[1][qkv][2 * d : 3 * d], k[d : 2 * d])  # the second KV head
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
     gate, up = weights["model.layers.0.mlp.gate_proj.weight"], weights["model.layers.0.mlp.up_proj.weight"]
     half = dims.ffn // 2

@@ -57,8 +57,12 @@ class _Scripts:
         self.script = script
 
     def start(self, port: int, world: int, device: str) -> list[subprocess.Popen]:
-        return [subprocess.Popen([sys.executable, "-c", self.script, str(port), str(rank), str(world)],
-                                 stdin=subprocess.DEVNULL) for rank in range(1, world)]
+        return [
+            subprocess.Popen(
+                [sys.executable, "-c", self.script, str(port), str(rank), str(world)], stdin=subprocess.DEVNULL
+            )
+            for rank in range(1, world)
+        ]
 
 
 def _join(world: int, script: str) -> tuple[launch.Pending, launch.RankDied]:
@@ -103,8 +107,9 @@ def test_a_worker_that_dies_in_the_rendezvous_is_named_and_the_others_stopped(ca
     """Rank 1 signs in and dies; rank 2 waits in init_process_group's rendezvous with rank 0, which is named
     rank 1's death when it happens (its wait in the store ends), stops rank 2, and prints nothing."""
     pending, died = _join(3, _SIGN_IN_AND_DIE)
-    assert str(died) == ("megatron rank 1 of 3 was killed (SIGKILL) while the ranks set up their process groups; "
-                         "nothing was trained")
+    assert str(died) == (
+        "megatron rank 1 of 3 was killed (SIGKILL) while the ranks set up their process groups; nothing was trained"
+    )
     assert [proc.poll() for proc in pending.workers] == [-signal.SIGKILL, -signal.SIGKILL]
     # Nothing of rlbench's. torch's TCPStore (this process hosts it) may log that it could not answer the dead
     # rank, or not, as the kill and the store's write race: its line is torch's, its timing not ours.
@@ -140,25 +145,36 @@ def test_a_rank_dead_during_setup_stops_the_run_at_once_and_resume_finishes_it(r
     monkeypatch.setenv("RLBENCH_MEGATRON_KILL", "1:join@1")  # on a fresh run: inside the group's rendezvous
     start = time.monotonic()
     res = run_process(tmp_path, "tp2", "--tp", "2")  # named as the reference: manifests compare their commands
-    _stopped(res, time.monotonic() - start, "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while the "
-             "ranks set up their process groups; nothing was trained", tag)
+    _stopped(
+        res,
+        time.monotonic() - start,
+        "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while the "
+        "ranks set up their process groups; nothing was trained",
+        tag,
+    )
     assert not run_dir.exists()  # nothing was committed, so the run left no directory
 
     # The reference TP=2 run as a run killed once step 2 was committed (its checkpoint 2 kept): its later lines
     # and files are what a resume discards (test_megatron_parallel.py kills rank 0 there for real).
     shutil.copytree(runs / "tp2", run_dir)
     manifest = (run_dir / "manifest.json").read_text()  # as if made here: its command names its directory
-    (run_dir / "manifest.json").write_text(manifest.replace(str(runs / "tp2"), str(run_dir)).replace(
-        str(runs), str(tmp_path)))
+    (run_dir / "manifest.json").write_text(
+        manifest.replace(str(runs / "tp2"), str(run_dir)).replace(str(runs), str(tmp_path))
+    )
     lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(lines[:3]))
 
     monkeypatch.setenv("RLBENCH_MEGATRON_KILL", "1:init@1")  # on the resume: inside model-parallel init
     start = time.monotonic()
     res = run_cli("run", "--resume", str(run_dir), "--json", process=True)
-    _stopped(res, time.monotonic() - start, "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while "
-             "running the init command; the run stopped (its committed steps are kept: rlbench run --resume RUN "
-             "continues it)", tag)
+    _stopped(
+        res,
+        time.monotonic() - start,
+        "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while "
+        "running the init command; the run stopped (its committed steps are kept: rlbench run --resume RUN "
+        "continues it)",
+        tag,
+    )
     assert read_run(run_dir).steps == [0, 1, 2]
 
     monkeypatch.delenv("RLBENCH_MEGATRON_KILL")

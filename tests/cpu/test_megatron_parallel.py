@@ -48,8 +48,18 @@ RTOL = "1e-12"
 
 
 def _cli_run(root: Path, toml: str, name: str, *args: str):
-    return run_cli("run", "-c", str(root / toml), "--steps", str(F64_STEPS), "--out", str(root / name), "--json",
-                   *args, process=True)
+    return run_cli(
+        "run",
+        "-c",
+        str(root / toml),
+        "--steps",
+        str(F64_STEPS),
+        "--out",
+        str(root / name),
+        "--json",
+        *args,
+        process=True,
+    )
 
 
 def float64_runs(tmp_path_factory, worker_id: str) -> Path:
@@ -219,7 +229,8 @@ def test_a_killed_worker_rank_stops_the_run_in_one_line_and_resume_finishes_it_t
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.splitlines() == [
         "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while running the train_step command of step 8; "
-        "the run stopped (its committed steps are kept: rlbench run --resume RUN continues it)"]
+        "the run stopped (its committed steps are kept: rlbench run --resume RUN continues it)"
+    ]
     assert _processes_with(tag) == []  # rank 0 stopped and reaped its workers before it exited
     assert read_run(tmp_path / "tp2").steps == list(range(8))
     res = run_cli("run", "--resume", str(tmp_path / "tp2"), "--json")

@@ -22,17 +22,27 @@ SEED = 7  # step 0 of the small config has a reward signal at this seed (a non-z
 
 
 def _config(out: Path, **overrides):
-    base = load_config(seed=SEED, steps=3, checkpoint_every=2, data__prompts_per_step=2,
-                       rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=3,
-                       reward__custom_rm_path="tests.cpu.plugins.rewards.response_length")
+    base = load_config(
+        seed=SEED,
+        steps=3,
+        checkpoint_every=2,
+        data__prompts_per_step=2,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=3,
+        reward__custom_rm_path="tests.cpu.plugins.rewards.response_length",
+    )
     # The dense reward gives every minibatch a loss well away from 0 (the default task's step-0 rewards are
     # nearly all 0, and so are its losses, where a relative tolerance would measure only rounding noise).
     return apply_overrides(base, out=str(out), **{"train__backend": "megatron", **overrides})
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name not in ("manifest.json", "metrics.jsonl")}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in ("manifest.json", "metrics.jsonl")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +58,7 @@ def test_reruns_are_bit_identical(runs):
     a, b = _files(runs / "a"), _files(runs / "b")
     assert sorted(a) == sorted(b) and "checkpoints/000002/model-tp00.safetensors" in a
     assert [name for name in a if a[name] != b[name]] == []
+
     def strip(run):
         return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(run).metrics]
 
@@ -102,8 +113,7 @@ def test_train_only_from_a_megatron_recording(runs, tmp_path):
     """The recording's initial weights come from its checkpoint 0 (model.safetensors, HF names)."""
     from rlbench.replay.replay import train_only_config
 
-    config = train_only_config(_config(tmp_path / "t", mode="train-only", rollouts=str(runs / "a")),
-                               runs / "a", None)
+    config = train_only_config(_config(tmp_path / "t", mode="train-only", rollouts=str(runs / "a")), runs / "a", None)
     result = run(config)
     assert [h["train/loss"] for h in result.history] == [row["train/loss"] for row in read_run(runs / "a").metrics]
 
@@ -128,36 +138,61 @@ def no_rank_starts(monkeypatch):
     monkeypatch.setattr(launch.Processes, "start", refuse)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"train__megatron": {"no_such_field": 1}},
-     "train.megatron.no_such_field: not a field of megatron-core's TransformerConfig that a config sets"),
-    ({"train__megatron": {"hidden_size": 32}}, "hidden_size: set from the model's config.json or by rlbench"),
-    ({"tp": 4}, "num_key_value_heads: 2 does not divide by the tensor-parallel size 4"),
-    ({"train__megatron": {"sequence_parallel": 1}}, "train.megatron.sequence_parallel: expected true or false, got 1"),
-    ({"train__megatron": {"init_method_std": "0.02"}},
-     "train.megatron.init_method_std: expected a finite number, got '0.02'"),
-    ({"train__megatron": {"init_method_std": float("nan")}}, "init_method_std: expected a finite number, got nan"),
-    ({"train__megatron": {"num_moe_experts": True}}, "num_moe_experts: expected an integer, got True"),
-    ({"train__megatron": {"recompute_granularity": "most"}},
-     "recompute_granularity: expected one of 'full', 'selective', got 'most'"),
-    ({"train__megatron": {"window_size": [4]}}, "window_size: expected a list of 2 integers, got [4]"),
-    ({"train__megatron": {"init_method": "normal"}},
-     "train.megatron.init_method: expected Callable (a Python object, which a TOML table cannot give), got 'normal'"),
-    ({"train__megatron": {"attention_backend": "flash"}},
-     "attention_backend: expected AttnBackend (an enum, which a TOML table cannot give), got 'flash'"),
-    ({"train__megatron": {"bf16": True}}, "train.megatron.bf16: expected false on the CPU, got True: the megatron "
-                                          "trainer trains in model.dtype (float32, float64, or bfloat16 over fp32 "
-                                          "masters) there (megatron-core's bf16 flag is its GPU path)"),
-    ({"model__dtype": "bfloat16", "train__megatron": {"bf16": False}},
-     "train.megatron.bf16: set by model.dtype = \"bfloat16\", not here"),
-    ({"train__megatron": {"fp16": True}}, "train.megatron.fp16: expected false on the CPU"),
-    ({"train__megatron": {"fp8": "e4m3"}}, "train.megatron.fp8: expected unset on the CPU, got 'e4m3'"),
-    ({"train__megatron": {"num_attention_heads": 3}}, "num_attention_heads: set from the model's config.json"),
-    ({"train__megatron": {"fp8_param": True}},
-     "train.megatron: megatron-core refused the settings (ValueError: fp8_param must be used together with fp8 mode.)"),
-    ({"dp": 5}, "tp * dp: expected at most 4 ranks (a CPU each: this machine has 4), got tp 1 x dp 5 = 5"),
-    ({"tp": 2, "dp": 512}, "tp * dp: expected at most 4 ranks"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"train__megatron": {"no_such_field": 1}},
+            "train.megatron.no_such_field: not a field of megatron-core's TransformerConfig that a config sets",
+        ),
+        ({"train__megatron": {"hidden_size": 32}}, "hidden_size: set from the model's config.json or by rlbench"),
+        ({"tp": 4}, "num_key_value_heads: 2 does not divide by the tensor-parallel size 4"),
+        (
+            {"train__megatron": {"sequence_parallel": 1}},
+            "train.megatron.sequence_parallel: expected true or false, got 1",
+        ),
+        (
+            {"train__megatron": {"init_method_std": "0.02"}},
+            "train.megatron.init_method_std: expected a finite number, got '0.02'",
+        ),
+        ({"train__megatron": {"init_method_std": float("nan")}}, "init_method_std: expected a finite number, got nan"),
+        ({"train__megatron": {"num_moe_experts": True}}, "num_moe_experts: expected an integer, got True"),
+        (
+            {"train__megatron": {"recompute_granularity": "most"}},
+            "recompute_granularity: expected one of 'full', 'selective', got 'most'",
+        ),
+        ({"train__megatron": {"window_size": [4]}}, "window_size: expected a list of 2 integers, got [4]"),
+        (
+            {"train__megatron": {"init_method": "normal"}},
+            "train.megatron.init_method: expected Callable (a Python object, which a TOML table cannot give), "
+            "got 'normal'",
+        ),
+        (
+            {"train__megatron": {"attention_backend": "flash"}},
+            "attention_backend: expected AttnBackend (an enum, which a TOML table cannot give), got 'flash'",
+        ),
+        (
+            {"train__megatron": {"bf16": True}},
+            "train.megatron.bf16: expected false on the CPU, got True: the megatron "
+            "trainer trains in model.dtype (float32, float64, or bfloat16 over fp32 "
+            "masters) there (megatron-core's bf16 flag is its GPU path)",
+        ),
+        (
+            {"model__dtype": "bfloat16", "train__megatron": {"bf16": False}},
+            'train.megatron.bf16: set by model.dtype = "bfloat16", not here',
+        ),
+        ({"train__megatron": {"fp16": True}}, "train.megatron.fp16: expected false on the CPU"),
+        ({"train__megatron": {"fp8": "e4m3"}}, "train.megatron.fp8: expected unset on the CPU, got 'e4m3'"),
+        ({"train__megatron": {"num_attention_heads": 3}}, "num_attention_heads: set from the model's config.json"),
+        (
+            {"train__megatron": {"fp8_param": True}},
+            "train.megatron: megatron-core refused the settings (ValueError: fp8_param must be used together "
+            "with fp8 mode.)",
+        ),
+        ({"dp": 5}, "tp * dp: expected at most 4 ranks (a CPU each: this machine has 4), got tp 1 x dp 5 = 5"),
+        ({"tp": 2, "dp": 512}, "tp * dp: expected at most 4 ranks"),
+    ],
+)
 def test_refused_before_anything_starts(tmp_path, monkeypatch, no_rank_starts, overrides, message):
     from rlbench.backends import registry
 
@@ -168,11 +203,17 @@ def test_refused_before_anything_starts(tmp_path, monkeypatch, no_rank_starts, o
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("args, needle", [(("--dp", "1024"), "got tp 1 x dp 1024 = 1024"),
-                                          (("--tp", "2", "--dp", "512"), "got tp 2 x dp 512 = 1024"),
-                                          (("--dp", "64"), "got tp 1 x dp 64 = 64")])
-def test_more_ranks_than_the_machine_has_is_one_line_and_starts_nothing(tmp_path, monkeypatch, no_rank_starts, args,
-                                                                       needle):
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--dp", "1024"), "got tp 1 x dp 1024 = 1024"),
+        (("--tp", "2", "--dp", "512"), "got tp 2 x dp 512 = 1024"),
+        (("--dp", "64"), "got tp 1 x dp 64 = 64"),
+    ],
+)
+def test_more_ranks_than_the_machine_has_is_one_line_and_starts_nothing(
+    tmp_path, monkeypatch, no_rank_starts, args, needle
+):
     from rlbench.backends import registry
     from tests.conftest import cli
 
@@ -244,8 +285,9 @@ def test_weight_check_stops_a_broken_conversion_at_step_0(tmp_path, monkeypatch)
     not the model the engine loaded, and the run stops before step 0, exit 1, naming where."""
     (tmp_path / "s.toml").write_text(small_toml(3))
     monkeypatch.setenv("RLBENCH_MEGATRON_FAULT", "swap-kv-split")
-    res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--trainer", "megatron", "--out", str(tmp_path / "run"),
-                  "--json")
+    res = run_cli(
+        "run", "-c", str(tmp_path / "s.toml"), "--trainer", "megatron", "--out", str(tmp_path / "run"), "--json"
+    )
     assert res.returncode == 1, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlbench: check failed: before step 0, first sync:"), res.stderr
@@ -267,8 +309,11 @@ def test_weight_check_holds_the_torch_trainers_engine_too(tmp_path, monkeypatch,
                 self.model.model.norm.weight[5] = 0.0
 
     monkeypatch.setattr(HFEngine, "update_weights", lossy)
-    with pytest.raises(WeightMismatch, match=r"step 0, sync: engine weights differ from the trainer's at "
-                                             r"model\.norm\.weight\[5\] \(element 5 of 64\): trainer "):
+    with pytest.raises(
+        WeightMismatch,
+        match=r"step 0, sync: engine weights differ from the trainer's at "
+        r"model\.norm\.weight\[5\] \(element 5 of 64\): trainer ",
+    ):
         run_small("lossy")
     assert not (tmp_path / "lossy").exists()  # nothing was committed: no --out is left behind
 

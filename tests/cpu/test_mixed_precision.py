@@ -61,9 +61,9 @@ def test_gradients_add_up_in_fp32_across_micro_batches():
 
     layer = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
     masters = MasterWeights(layer)
-    for scale in (1.0, 2.0 ** -10):  # two micro-batches: d(scale * w * 1)/dw = scale, each exact in bf16
+    for scale in (1.0, 2.0**-10):  # two micro-batches: d(scale * w * 1)/dw = scale, each exact in bf16
         (layer(torch.ones(1, 1, dtype=torch.bfloat16)) * scale).sum().backward()
-    assert masters.params["weight"].grad.item() == 1.0 + 2.0 ** -10 and layer.weight.grad is None
+    assert masters.params["weight"].grad.item() == 1.0 + 2.0**-10 and layer.weight.grad is None
 
 
 def test_a_mixed_precision_checkpoint_resumes_exactly_and_refuses_a_flipped_bit(tmp_path):
@@ -152,9 +152,18 @@ def test_the_megatron_trainer_in_bf16_trains_over_fp32_masters_and_resumes(tmp_p
     from rlbench.session import run
     from tests.conftest import cli
 
-    config = load_config(steps=4, seed=3, checkpoint_every=2, model__dtype="bfloat16", train__backend="megatron",
-                         data__prompts_per_step=4, rollout__n_samples_per_prompt=4, train__minibatches=2,
-                         train__micro_batch_size=8, out=str(tmp_path / "a"))
+    config = load_config(
+        steps=4,
+        seed=3,
+        checkpoint_every=2,
+        model__dtype="bfloat16",
+        train__backend="megatron",
+        data__prompts_per_step=4,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=8,
+        out=str(tmp_path / "a"),
+    )
     run(config)
     a = tmp_path / "a"
     shard = a / "checkpoints" / "000002" / "optimizer-tp00.safetensors"
@@ -162,8 +171,11 @@ def test_the_megatron_trainer_in_bf16_trains_over_fp32_masters_and_resumes(tmp_p
     masters = {k: v for k, v in tensors.items() if k.startswith("master/")}
     assert masters and all(v.dtype == torch.float32 for v in masters.values())
     weights = load_file(a / "checkpoints" / "000002" / "model-tp00.safetensors")
-    assert all(weights[k.removeprefix("master/")].dtype == torch.bfloat16 and torch.equal(
-        v.to(torch.bfloat16), weights[k.removeprefix("master/")]) for k, v in masters.items())
+    assert all(
+        weights[k.removeprefix("master/")].dtype == torch.bfloat16
+        and torch.equal(v.to(torch.bfloat16), weights[k.removeprefix("master/")])
+        for k, v in masters.items()
+    )
     assert json.loads((a / "checkpoints" / "000002" / "layout.json").read_text())["optimizer"]["shard_checksums"]
     for flip in (None, "optimizer", "model"):
         resumed = shutil.copytree(a, tmp_path / f"r{flip}")
@@ -174,8 +186,10 @@ def test_the_megatron_trainer_in_bf16_trains_over_fp32_masters_and_resumes(tmp_p
             name = sorted(masters)[0].removeprefix("master/" if flip == "model" else "")
             raw = source[name].clone().reshape(-1).view(torch.uint8)
             raw[1] ^= 1
-            save_file({**source, name: raw.view(source[name].dtype).reshape(source[name].shape)},
-                      resumed / "checkpoints" / "000002" / f"{flip}-tp00.safetensors")
+            save_file(
+                {**source, name: raw.view(source[name].dtype).reshape(source[name].shape)},
+                resumed / "checkpoints" / "000002" / f"{flip}-tp00.safetensors",
+            )
         res = cli("run", "--resume", str(resumed))
         if flip == "optimizer":
             assert res.returncode == 2 and "optimizer-tp00.safetensors: its tensors do not match" in res.stderr

@@ -48,8 +48,10 @@ def test_tito_builder_has_no_drift(runs):
     assert check_run(runs / "multiturn").findings == []
     for tokens, mask, sample in _samples(runs / "multiturn"):
         first, second = sample["turns"]
-        assert second["prompt_ids"][: len(first["prompt_ids"]) + len(first["output_ids"])] == \
-            first["prompt_ids"] + first["output_ids"]
+        assert (
+            second["prompt_ids"][: len(first["prompt_ids"]) + len(first["output_ids"])]
+            == first["prompt_ids"] + first["output_ids"]
+        )
         # The loss mask is 1 exactly on the ids the engine sampled, 0 on prompt and tool/user tokens.
         sampled = set(range(len(first["prompt_ids"]), len(first["prompt_ids"]) + len(first["output_ids"])))
         sampled |= set(range(len(second["prompt_ids"]), len(tokens)))
@@ -66,12 +68,13 @@ def test_naive_builder_drift_is_found_where_it_is_and_classified(runs):
         tensors, meta = read_step(runs / "multiturn-naive", step)
         for sample in meta["samples"]:
             i = sample["index"]
-            trained = tensors["tokens"][int(tensors["offsets"][i]): int(tensors["offsets"][i + 1])].tolist()
+            trained = tensors["tokens"][int(tensors["offsets"][i]) : int(tensors["offsets"][i + 1])].tolist()
             first, second = sample["turns"]
             # The oracle, in the rule's order: turn 0 against turn 1's prompt, turn 1 against the trained ids.
             expected = None
-            for turn, (nxt, where) in enumerate([(second["prompt_ids"], "turn 0 vs turn 1's prompt"),
-                                                 (trained, "turn 1 vs the trained ids")]):
+            for turn, (nxt, where) in enumerate(
+                [(second["prompt_ids"], "turn 0 vs turn 1's prompt"), (trained, "turn 1 vs the trained ids")]
+            ):
                 got = sample["turns"][turn]["prompt_ids"] + sample["turns"][turn]["output_ids"]
                 index = _naive_first_divergence(got, nxt[: len(got)])
                 if index is not None:
@@ -107,27 +110,37 @@ def test_jsonl_of_trajectories(tmp_path):
     broken = list(ids)
     broken[12] = (broken[12] + 1) % 300
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"messages": messages, "token_ids": list(ids)}) + "\n" +
-                    json.dumps({"messages": messages, "token_ids": broken}) + "\n")
+    path.write_text(
+        json.dumps({"messages": messages, "token_ids": list(ids)})
+        + "\n"
+        + json.dumps({"messages": messages, "token_ids": broken})
+        + "\n"
+    )
     report = check_run(path, REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean")
     assert report.samples == 2 and [f.sample for f in report.findings] == [2]
     assert report.findings[0].finding.index == 12
 
 
-@pytest.mark.parametrize("path, message", [
-    ("nosuch.module.fn", "cannot import module"),
-    ("rlbench.tasks.calculator.missing", "has no attribute"),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [("nosuch.module.fn", "cannot import module"), ("rlbench.tasks.calculator.missing", "has no attribute")],
+)
 def test_generate_loader_refuses_bad_paths(path, message):
     with pytest.raises(BadInput, match=message):
         load_generate_fn(path)
 
 
-@pytest.mark.parametrize("fn, message", [("wrong_lengths", "must have one length"),
-                                         ("not_a_trajectory", "expected rlbench.core.generate.Trajectory")])
+@pytest.mark.parametrize(
+    "fn, message",
+    [("wrong_lengths", "must have one length"), ("not_a_trajectory", "expected rlbench.core.generate.Trajectory")],
+)
 def test_generate_contract_violations_stop_the_run(tmp_path, fn, message):
-    config = load_config(REPO / "configs" / "multiturn.toml", steps=1, out=str(tmp_path / "r"),
-                         rollout__custom_generate_function_path=f"tests.cpu.plugins.generate.{fn}")
+    config = load_config(
+        REPO / "configs" / "multiturn.toml",
+        steps=1,
+        out=str(tmp_path / "r"),
+        rollout__custom_generate_function_path=f"tests.cpu.plugins.generate.{fn}",
+    )
     with pytest.raises(BadInput, match=message) as info:
         run(config)
     assert f"tests.cpu.plugins.generate.{fn}" in str(info.value)
@@ -145,11 +158,26 @@ def test_check_trajectory_rejects_bad_masks_and_reasons():
 ERROR = "error: expected integers joined by + - *"
 
 
-@pytest.mark.parametrize("expr, result", [("3+4", "7"), ("2*-3", "-6"), (" 10 - 4 * 2 ", "2"), ("-7", "-7"),
-                                          ("999999*999999", "999998000001"), ("1000000", ERROR),
-                                          ("__import__('os')", ERROR), ("1+", ERROR), ("10**9", ERROR),
-                                          ("(1).real", ERROR), ("7/2", ERROR), ("7.0", ERROR), ("+7", ERROR),
-                                          ("True+1", ERROR), ("-" * 5000 + "1", ERROR)])
+@pytest.mark.parametrize(
+    "expr, result",
+    [
+        ("3+4", "7"),
+        ("2*-3", "-6"),
+        (" 10 - 4 * 2 ", "2"),
+        ("-7", "-7"),
+        ("999999*999999", "999998000001"),
+        ("1000000", ERROR),
+        ("__import__('os')", ERROR),
+        ("1+", ERROR),
+        ("10**9", ERROR),
+        ("(1).real", ERROR),
+        ("7/2", ERROR),
+        ("7.0", ERROR),
+        ("+7", ERROR),
+        ("True+1", ERROR),
+        ("-" * 5000 + "1", ERROR),
+    ],
+)
 def test_calculator_evaluates_only_arithmetic(expr, result):
     """The tool's exact output: what the model reads back is the integer as Python writes it, or the error."""
     assert calculator(expr) == result

@@ -42,8 +42,9 @@ def find_problems(package) -> list[str]:
                 ok = isinstance(kwargs.get("weights_only"), ast.Constant) and kwargs["weights_only"].value is True
                 if not ok:
                     problems.append(f"{path}:{call.lineno}: torch.load without weights_only=True")
-            if "allow_pickle" in kwargs and not (isinstance(kwargs["allow_pickle"], ast.Constant)
-                                                 and kwargs["allow_pickle"].value is False):
+            if "allow_pickle" in kwargs and not (
+                isinstance(kwargs["allow_pickle"], ast.Constant) and kwargs["allow_pickle"].value is False
+            ):
                 problems.append(f"{path}:{call.lineno}: allow_pickle")
     return problems
 
@@ -60,4 +61,8 @@ def test_the_scanner_catches_a_bad_load(tmp_path):
     )
     problems = find_problems(tmp_path)
     assert [p.split(": ", 1)[1] for p in problems] == [
-        "import pickle", "torch.load without weights_only=True", "torch.load without weights_only=True", "allow_pickle"]
+        "import pickle",
+        "torch.load without weights_only=True",
+        "torch.load without weights_only=True",
+        "allow_pickle",
+    ]

@@ -14,17 +14,25 @@ import pytest
 
 from tests.conftest import REPO
 
-PROBE = ("import json, rlbench, os; from rlbench import numerics; "
-         "print(json.dumps({'env': [os.environ.get('MKL_CBWR'), os.environ.get('ATEN_CPU_CAPABILITY')], "
-         "'identity': numerics.identity()}))")
+PROBE = (
+    "import json, rlbench, os; from rlbench import numerics; "
+    "print(json.dumps({'env': [os.environ.get('MKL_CBWR'), os.environ.get('ATEN_CPU_CAPABILITY')], "
+    "'identity': numerics.identity()}))"
+)
 
 
 def _probe(code: str = PROBE, **env: str) -> dict:
     clean = {
         k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "RLBENCH_CPU_NUMERICS")
     }
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**clean, "PYTHONPATH": str(REPO), **env},
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**clean, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -96,8 +104,9 @@ def test_no_vml_sqrt_on_the_compute_path():
     assert found == {}, f"torch.sqrt on the CPU path (MKL VML, differs across vendors): {found}"
 
 
-@pytest.mark.parametrize("code, hits", [("torch.sqrt(x)", 1), ("x.sqrt()", 1), ("v.sqrt_()", 1),
-                                        ("math.sqrt(2.0)", 0), ("x.rsqrt()", 0)])
+@pytest.mark.parametrize(
+    "code, hits", [("torch.sqrt(x)", 1), ("x.sqrt()", 1), ("v.sqrt_()", 1), ("math.sqrt(2.0)", 0), ("x.rsqrt()", 0)]
+)
 def test_the_sqrt_scan_can_fail(code, hits):
     assert len(_sqrt_calls(code)) == hits
 
@@ -110,11 +119,19 @@ def test_a_run_records_the_versions_of_the_packages_it_used_only(small_config, m
     from rlbench import session
 
     real = metadata.version
-    monkeypatch.setattr(session.metadata, "version",
-                        lambda name: {"megatron-core": "0.16.1", "sglang": "0.5.4", "sglang-router": "0.3.2"}.get(name)
-                        or real(name))
-    assert set(session.versions(small_config)) == {"python", "rlbench", "torch", "transformers", "tokenizers",
-                                                   "safetensors"}
+    monkeypatch.setattr(
+        session.metadata,
+        "version",
+        lambda name: {"megatron-core": "0.16.1", "sglang": "0.5.4", "sglang-router": "0.3.2"}.get(name) or real(name),
+    )
+    assert set(session.versions(small_config)) == {
+        "python",
+        "rlbench",
+        "torch",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+    }
     from types import SimpleNamespace
 
     megatron = SimpleNamespace(train=SimpleNamespace(backend="megatron"), rollout=SimpleNamespace(backend="hf"))

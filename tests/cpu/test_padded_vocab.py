@@ -81,8 +81,18 @@ def test_replay_diff_and_report_accept_padded_ids(root, tmp_path):
 
 
 def test_the_megatron_trainer_records_and_accepts_padded_ids(root):
-    res = cli("run", "-c", str(root / "s.toml"), "--trainer", "megatron", "--steps", "1",
-              "--out", str(root / "megatron"), "--json")
+    res = cli(
+        "run",
+        "-c",
+        str(root / "s.toml"),
+        "--trainer",
+        "megatron",
+        "--steps",
+        "1",
+        "--out",
+        str(root / "megatron"),
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     _accepted(root / "megatron")
     res = cli("replay", str(root / "megatron"))
@@ -95,13 +105,26 @@ def test_rlbench_serve_samples_padded_ids_and_the_client_keeps_them(root):
     the same ids as the embedded engine's."""
     from rlbench.serve.server import ServeConfig, serve_in_thread
 
-    serving = serve_in_thread(ServeConfig(model_path=str(root / "model"), load_format="dummy", port=0,
-                                          weights_dir=tempfile.gettempdir()))  # where the run writes its weights
+    serving = serve_in_thread(
+        ServeConfig(model_path=str(root / "model"), load_format="dummy", port=0, weights_dir=tempfile.gettempdir())
+    )  # where the run writes its weights
     toml = (root / "s.toml").read_text().replace("[rollout]\n", "[rollout]\nuse_router = false\n")  # one server
     (root / "serve.toml").write_text(toml)
     try:
-        res = cli("run", "-c", str(root / "serve.toml"), "--rollout", "sglang", "--rollout-external-engine-addrs",
-                  serving.url, "--steps", "1", "--out", str(root / "serve"), "--json")
+        res = cli(
+            "run",
+            "-c",
+            str(root / "serve.toml"),
+            "--rollout",
+            "sglang",
+            "--rollout-external-engine-addrs",
+            serving.url,
+            "--steps",
+            "1",
+            "--out",
+            str(root / "serve"),
+            "--json",
+        )
     finally:
         serving.close()
     assert res.returncode == 0, res.stderr
@@ -119,8 +142,10 @@ def test_an_id_the_model_has_no_logit_for_is_bad_input(root, tmp_path):
     for command in (["check", "logprobs", str(run)], ["check", "tito", str(run)]):
         res = cli(*command)
         assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
-        assert res.stderr == (f"rlbench: error: {run}/rollouts/000000.safetensors: tokens: token id {MODEL} is outside "
-                              f"the model's vocabulary ({MODEL} ids; the tokenizer has {TOKENIZER})\n")
+        assert res.stderr == (
+            f"rlbench: error: {run}/rollouts/000000.safetensors: tokens: token id {MODEL} is outside "
+            f"the model's vocabulary ({MODEL} ids; the tokenizer has {TOKENIZER})\n"
+        )
 
 
 def test_a_run_from_before_the_vocab_section_reads_the_models_config(root, tmp_path):
@@ -132,5 +157,6 @@ def test_a_run_from_before_the_vocab_section_reads_the_models_config(root, tmp_p
     assert res.returncode == 0 and f"< the model's {MODEL})" in res.stderr, res.stderr
     (run / "manifest.json").write_text(json.dumps({**manifest, "vocab": {"model": 0, "tokenizer": TOKENIZER}}))
     res = cli("check", "tito", str(run))
-    assert res.returncode == 2 and res.stderr == (f"rlbench: error: {run}/manifest.json: vocab.model: expected an "
-                                                  "integer in [1, 2**31 - 1], got 0\n"), res.stderr
+    assert res.returncode == 2 and res.stderr == (
+        f"rlbench: error: {run}/manifest.json: vocab.model: expected an integer in [1, 2**31 - 1], got 0\n"
+    ), res.stderr

@@ -63,8 +63,9 @@ class _InProcess:
         from types import SimpleNamespace
 
         instance = cls(*args)
-        return SimpleNamespace(**{name: SimpleNamespace(remote=getattr(instance, name)) for name in dir(cls)
-                                  if not name.startswith("_")})
+        return SimpleNamespace(
+            **{name: SimpleNamespace(remote=getattr(instance, name)) for name in dir(cls) if not name.startswith("_")}
+        )
 
     def release(self):
         self.users -= 1
@@ -108,23 +109,32 @@ def test_a_local_ray_instance_gets_the_cpus_of_this_machine_and_no_more(small_co
     monkeypatch.setattr(registry, "available_cpus", lambda: 2)
     megatron = apply_overrides(small_config, train__backend="megatron", tp=2, placement__backend="ray")
     assert local_cpus(megatron, 2) == 2
-    with pytest.raises(BadInput, match=r"^placement: expected at least 3 CPUs \(one for each trainer rank and each "
-                                       r"engine\), got 2: this machine has 2 \(placement.num_cpus may say more\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^placement: expected at least 3 CPUs \(one for each trainer rank and each "
+        r"engine\), got 2: this machine has 2 \(placement.num_cpus may say more\)$",
+    ):
         local_cpus(megatron, 3)
 
 
 # --------------------------------------------------------------------------- addresses and connecting
 
 
-@pytest.mark.parametrize("address, needle", [
-    ("garbage", "got 'garbage' (no host name or IP address before :PORT)"),
-    ("http://127.0.0.1:8265", "got the scheme 'http' (an http address is the dashboard's; the cluster's is HOST:6379)"),
-    ("127.0.0.1:0", "with a port in 1..65535, got '127.0.0.1:0'"),
-    ("127.0.0.1:65536", "with a port in 1..65535"),
-    ("ray://:10001", "no host name or IP address before :PORT"),
-    ("::1:6379", "no host name or IP address before :PORT"),
-    ("head:6379/path", "with a port in 1..65535"),
-])
+@pytest.mark.parametrize(
+    "address, needle",
+    [
+        ("garbage", "got 'garbage' (no host name or IP address before :PORT)"),
+        (
+            "http://127.0.0.1:8265",
+            "got the scheme 'http' (an http address is the dashboard's; the cluster's is HOST:6379)",
+        ),
+        ("127.0.0.1:0", "with a port in 1..65535, got '127.0.0.1:0'"),
+        ("127.0.0.1:65536", "with a port in 1..65535"),
+        ("ray://:10001", "no host name or IP address before :PORT"),
+        ("::1:6379", "no host name or IP address before :PORT"),
+        ("head:6379/path", "with a port in 1..65535"),
+    ],
+)
 def test_a_ray_address_is_checked_before_anything_connects(tmp_path, address, needle):
     from tests.conftest import cli
 
@@ -152,12 +162,12 @@ def test_a_ray_client_address_needs_the_client_extra(tmp_path, monkeypatch):
     from tests.conftest import cli
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(extras.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "grpc" else real(name, *a))
+    monkeypatch.setattr(extras.importlib.util, "find_spec", lambda name, *a: None if name == "grpc" else real(name, *a))
     res = cli("run", "--placement", "ray", "--ray-address", "ray://127.0.0.1:10001", "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and res.stderr.splitlines() == [
         "rlbench: error: placement.ray_address: the grpc package is not installed here (a ray:// address is Ray's "
-        "client: pip install 'ray[client]')"], res.stderr
+        "client: pip install 'ray[client]')"
+    ], res.stderr
 
 
 @pytest.fixture
@@ -200,11 +210,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]  # closed again: nothing listens there
 
 
-@pytest.mark.parametrize("kind, needle", [
-    ("closed", "nothing listens there (connection refused)"),
-    ("http", "the server there is not a Ray cluster (it does not speak gRPC)"),
-    ("silent", "no answer within 1 s (--ray-timeout)"),
-])
+@pytest.mark.parametrize(
+    "kind, needle",
+    [
+        ("closed", "nothing listens there (connection refused)"),
+        ("http", "the server there is not a Ray cluster (it does not speak gRPC)"),
+        ("silent", "no answer within 1 s (--ray-timeout)"),
+    ],
+)
 def test_an_address_where_no_ray_answers_is_one_line_within_the_timeout(tmp_path, monkeypatch, server, kind, needle):
     """Through `rlbench run`: refused at once (a closed port, a server of another kind) or after
     --ray-timeout (a server that never answers), never a hang; Ray itself is never asked."""
@@ -215,14 +228,29 @@ def test_an_address_where_no_ray_answers_is_one_line_within_the_timeout(tmp_path
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever another test of this process started
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     http = b"HTTP/1.1 400 Bad Request\r\n\r\n"
-    address = {"closed": lambda: f"127.0.0.1:{_free_port()}", "http": lambda: f"127.0.0.1:{server(http)}",
-               "silent": lambda: f"127.0.0.1:{server(None)}"}[kind]()
+    address = {
+        "closed": lambda: f"127.0.0.1:{_free_port()}",
+        "http": lambda: f"127.0.0.1:{server(http)}",
+        "silent": lambda: f"127.0.0.1:{server(None)}",
+    }[kind]()
     started = time.monotonic()
-    res = cli("run", "-c", str(_small(tmp_path)), "--placement", "ray", "--ray-address", address, "--ray-timeout", "1",
-              "--out", str(tmp_path / "o"))
+    res = cli(
+        "run",
+        "-c",
+        str(_small(tmp_path)),
+        "--placement",
+        "ray",
+        "--ray-address",
+        address,
+        "--ray-timeout",
+        "1",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert time.monotonic() - started < 60
     assert res.returncode == 2 and res.stderr.splitlines() == [
-        f"rlbench: error: placement.ray_address: {address}: {needle}"], res.stderr
+        f"rlbench: error: placement.ray_address: {address}: {needle}"
+    ], res.stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -246,8 +274,11 @@ def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(ray, "init", lambda *a, **k: release.wait())
     try:
-        with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray did not connect within 7 s "
-                                           r"\(--ray-timeout\)$"):
+        with pytest.raises(
+            BadInput,
+            match=r"^placement.ray_address: auto: Ray did not connect within 7 s "
+            r"\(--ray-timeout\)$",
+        ):
             init_within("auto", 0.2, 7)
     finally:
         release.set()
@@ -256,8 +287,11 @@ def test_ray_that_does_not_connect_in_time_or_refuses_is_one_line(monkeypatch):
         raise ConnectionError("Could not find any running Ray instance.\nPlease specify ...")
 
     monkeypatch.setattr(ray, "init", refuse)
-    with pytest.raises(BadInput, match=r"^placement.ray_address: auto: Ray refused the connection \(ConnectionError: "
-                                       r"Could not find any running Ray instance.\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^placement.ray_address: auto: Ray refused the connection \(ConnectionError: "
+        r"Could not find any running Ray instance.\)$",
+    ):
         init_within("auto", 5, 5)
 
 
@@ -276,19 +310,33 @@ def test_a_failing_ray_run_is_one_line_and_leaves_no_directory_of_its_own(tmp_pa
     (tmp_path / "s.toml").write_text(small_toml(1).replace("[rollout]\n", "[rollout]\nrequest_attempts = 1\n"))
     closed = f"http://127.0.0.1:{free_port()}"
     try:
-        res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--placement", "ray", "--rollout", "sglang",
-                      "--rollout-external-engine-addrs", closed, "--out", str(tmp_path / "o"), process=True)
+        res = run_cli(
+            "run",
+            "-c",
+            str(tmp_path / "s.toml"),
+            "--placement",
+            "ray",
+            "--rollout",
+            "sglang",
+            "--rollout-external-engine-addrs",
+            closed,
+            "--out",
+            str(tmp_path / "o"),
+            process=True,
+        )
         assert res.returncode == 2 and res.stderr.splitlines() == [
             f"rlbench: error: /server_info failed once, the last: GET {closed}/server_info: ClientConnectorError: "
             f"Cannot connect to host 127.0.0.1:{closed.rsplit(':', 1)[1]} ssl:default [Connect call failed "
-            f"('127.0.0.1', {closed.rsplit(':', 1)[1]})]"], res.stderr
+            f"('127.0.0.1', {closed.rsplit(':', 1)[1]})]"
+        ], res.stderr
         assert sorted(p.name for p in tmp.glob("rlbench-*")) == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_the_trainer_actor_removes_its_checkpoint_directory_before_the_placement_kills_it(small_config, tmp_path,
-                                                                                          monkeypatch):
+def test_the_trainer_actor_removes_its_checkpoint_directory_before_the_placement_kills_it(
+    small_config, tmp_path, monkeypatch
+):
     """The trainer actor writes a checkpoint the driver hands it into a directory of its own, which must outlive
     the load (megatron's ranks read it when they start); Ray kills actors without running finalizers, so the
     placement has the actor remove it first, whether the run ended well or not."""
@@ -303,7 +351,7 @@ def test_the_trainer_actor_removes_its_checkpoint_directory_before_the_placement
     model = build_model(config.model.path, config.seed, config.model.dtype, config.device, init=config.model.init)
     actor = TrainerActor(json.dumps(config.to_dict()), pack(named_weights(model)))
     actor.load_checkpoint(actor.save_checkpoint())
-    assert [p.name[:len("rlbench-ray-checkpoint-")] for p in tmp_path.iterdir()] == ["rlbench-ray-checkpoint-"]
+    assert [p.name[: len("rlbench-ray-checkpoint-")] for p in tmp_path.iterdir()] == ["rlbench-ray-checkpoint-"]
     placement = Placement.__new__(Placement)
     killed = []
     placement.ray = SimpleNamespace(wait=lambda refs, **_: (refs, []), kill=killed.append, shutdown=None)
@@ -335,8 +383,11 @@ def test_a_cluster_too_small_for_the_bundles_is_refused_before_placing(monkeypat
 
     placement = Placement.__new__(Placement)
     placement.ray = SimpleNamespace(cluster_resources=lambda: {"CPU": 2.0, "memory": 1e9})
-    with pytest.raises(BadInput, match=r"^placement: the Ray cluster has 2 CPU in all, the run needs 3 \(one for each "
-                                       r"trainer rank and engine: 3 bundles\)$"):
+    with pytest.raises(
+        BadInput,
+        match=r"^placement: the Ray cluster has 2 CPU in all, the run needs 3 \(one for each "
+        r"trainer rank and engine: 3 bundles\)$",
+    ):
         placement.make_group([{"CPU": 1}] * 3)
     with pytest.raises(BadInput, match="has 0 GPU in all, the run needs 2"):
         placement.make_group([{"CPU": 1, "GPU": 1}] * 2)
@@ -349,8 +400,13 @@ def test_an_rlbench_error_inside_an_actor_comes_back_as_itself(monkeypatch):
     from rlbench.placement.ray import get
 
     cause = BadInput("not a checkpoint (no state.json)", path="/x")
-    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(
-        ray.exceptions.RayTaskError("load_checkpoint", "Traceback ...\nmany lines", cause)))
+    monkeypatch.setattr(
+        ray,
+        "get",
+        lambda ref: (_ for _ in ()).throw(
+            ray.exceptions.RayTaskError("load_checkpoint", "Traceback ...\nmany lines", cause)
+        ),
+    )
     with pytest.raises(BadInput) as info:
         get(object(), lambda why: AssertionError(why))
     assert info.value is cause and str(info.value) == "/x: not a checkpoint (no state.json)"
@@ -376,8 +432,11 @@ def _instance_processes_running_rlbench() -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and tag in (entry / "environ").read_bytes().split(b"\0") \
-                    and b"rlbench" in (entry / "cmdline").read_bytes():
+            if (
+                entry.name.isdigit()
+                and tag in (entry / "environ").read_bytes().split(b"\0")
+                and b"rlbench" in (entry / "cmdline").read_bytes()
+            ):
                 found.append(int(entry.name))
         except OSError:
             pass
@@ -385,8 +444,9 @@ def _instance_processes_running_rlbench() -> list[int]:
 
 
 @pytest.mark.slow  # actors importing megatron-core; the reference run's rank processes (megatron_reference.py)
-def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_instance, tmp_path_factory,
-                                                                          worker_id, tmp_path, monkeypatch):
+def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(
+    ray_instance, tmp_path_factory, worker_id, tmp_path, monkeypatch
+):
     from rlbench.placement import ray as placement
 
     during = {}
@@ -401,8 +461,17 @@ def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_in
     monkeypatch.setattr(placement.RayTrainer, "train_step", watched)
     (tmp_path / "s.toml").write_text(TOML)
     out = tmp_path / "ray-tp2"
-    run(apply_overrides(load_config(tmp_path / "s.toml"), steps=2, tp=2, out=str(out), placement__backend="ray",
-                        rollout__backend="sglang", rollout__sglang_server="rlbench"))
+    run(
+        apply_overrides(
+            load_config(tmp_path / "s.toml"),
+            steps=2,
+            tp=2,
+            out=str(out),
+            placement__backend="ray",
+            rollout__backend="sglang",
+            rollout__sglang_server="rlbench",
+        )
+    )
 
     # slime's shape: trainer bundles first, one per rank, then one per engine; rank 1 an actor rank 0 owns
     [group] = during["groups"]
@@ -420,8 +489,9 @@ def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_in
     assert lines == (reference / "tp2" / "checksums.jsonl").read_bytes().splitlines(keepends=True)[:2]
     assert lines[0] != (reference / "tp1" / "checksums.jsonl").read_bytes().splitlines(keepends=True)[0]
     strip = [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(out).metrics]
-    assert strip == [{k: v for k, v in row.items() if not k.startswith("perf/")}
-                     for row in read_run(reference / "tp2").metrics[:2]]
+    assert strip == [
+        {k: v for k, v in row.items() if not k.startswith("perf/")} for row in read_run(reference / "tp2").metrics[:2]
+    ]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["placement"]["backend"] == "ray" and manifest["versions"]["ray"]
     assert (manifest["config"]["tp"], len(manifest["engines"])) == (2, 1)
@@ -441,9 +511,9 @@ def test_megatron_ranks_and_servers_as_actors_give_the_in_process_tp2_run(ray_in
 
 
 @pytest.mark.slow  # actors importing megatron-core, twice (the run and its resume)
-def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_finishes_it(ray_instance, tmp_path_factory,
-                                                                                        worker_id, tmp_path,
-                                                                                        monkeypatch):
+def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_finishes_it(
+    ray_instance, tmp_path_factory, worker_id, tmp_path, monkeypatch
+):
     """`--placement ray --trainer megatron --tp 2`: as step 1 is about to train, the driver SIGKILLs rank 1's
     actor process (its PID from Ray's actor table) and waits for it to be gone. The trainer actor names the dead
     rank; the run stops with exit 2 and one line, step 0 committed and readable, no actor left; `--resume` (Ray
@@ -472,7 +542,8 @@ def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_fini
     assert killed and res.returncode == 2, res.stderr
     assert res.stderr.splitlines() == [
         "rlbench: error: megatron rank 1 of 2 was killed (SIGKILL) while running the logprobs command; the run "
-        "stopped (its committed steps are kept: rlbench run --resume RUN continues it)"], res.stderr
+        "stopped (its committed steps are kept: rlbench run --resume RUN continues it)"
+    ], res.stderr
     assert read_run(out).steps == [0]
     assert all(g["state"] == "REMOVED" for g in ray_instance.util.placement_group_table().values())
     assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []
@@ -481,6 +552,7 @@ def test_a_rank_actor_killed_by_signal_stops_the_run_in_one_line_and_resume_fini
     res = cli("run", "--resume", str(out), "--json")
     assert res.returncode == 0, res.stderr
     reference = reference_runs(tmp_path_factory, worker_id)  # the in-process TP=2 run (10 steps of this config)
-    assert (out / "checksums.jsonl").read_bytes().splitlines() == \
-        (reference / "tp2" / "checksums.jsonl").read_bytes().splitlines()[:2]
+    assert (out / "checksums.jsonl").read_bytes().splitlines() == (
+        reference / "tp2" / "checksums.jsonl"
+    ).read_bytes().splitlines()[:2]
     assert [a["ActorClassName"] for a in _actors() if a["State"] != "DEAD"] == []

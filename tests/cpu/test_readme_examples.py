@@ -26,8 +26,9 @@ def _run(command: str) -> tuple[int, str]:
     argv = shlex.split(command)
     assert argv[0] == "rlbench", command
     quoted = {arg for arg in argv if f"'{arg}'" in command or f'"{arg}"' in command}
-    argv = [a for arg in argv for a in (sorted(glob.glob(arg)) or [arg] if "*" in arg and arg not in quoted
-                                        else [arg])]  # as bash expands them
+    argv = [
+        a for arg in argv for a in (sorted(glob.glob(arg)) or [arg] if "*" in arg and arg not in quoted else [arg])
+    ]  # as bash expands them
     if argv[1:] == ["run"]:
         argv += ["--steps", "3"]
     res = cli(*argv[1:])
@@ -61,8 +62,9 @@ def test_the_readme_tour_runs_with_exit_0(tmp_path, monkeypatch):
 
     from tests.cpu.test_doc_journeys import Shell
 
-    text = re.search(r"<!-- readme:tour -->\n```bash\n(.*?)```\n<!-- /readme:tour -->",
-                     (REPO / "README.md").read_text(), re.S).group(1)
+    text = re.search(
+        r"<!-- readme:tour -->\n```bash\n(.*?)```\n<!-- /readme:tour -->", (REPO / "README.md").read_text(), re.S
+    ).group(1)
     lines = [line.partition("  #")[0].strip() for line in text.splitlines() if line.strip()]
     assert len(lines) >= 10 and any(line.endswith("&") for line in lines)
     for name in ("examples", "configs", "golden", "rlbench"):

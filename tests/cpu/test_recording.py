@@ -59,16 +59,27 @@ def test_a_step_round_trips_and_carries_its_digests(tmp_path):
     assert list(tensors) == sorted(expected) and all(torch.equal(tensors[k], expected[k]) for k in expected)
     assert meta["schema"] == recording.SCHEMA and meta["step"] == 3 and meta["engine"] == "hf"
     assert meta["samples"] == [{"response": "odd", "finish_reason": "stop"}, {"response": ""}]
-    assert meta["samples_sha256"] == hashlib.sha256(  # keys sorted: the digest does not depend on their order
-        b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
-    header = json.loads(st.read_bytes()[8:8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
+    assert (
+        meta["samples_sha256"]
+        == hashlib.sha256(  # keys sorted: the digest does not depend on their order
+            b'[{"finish_reason":"stop","response":"odd"},{"response":""}]'
+        ).hexdigest()
+    )
+    header = json.loads(st.read_bytes()[8 : 8 + int.from_bytes(st.read_bytes()[:8], "little")])["__metadata__"]
     assert list(header) == ["rlbench"]  # one key: safetensors writes several in a per-process order
-    assert json.loads(header["rlbench"]) == {"schema": recording.SCHEMA, "step": 3, "checksum": "wordsum/1",
-                                             "tensors_checksum": tensors_digest(dict(sorted(expected.items())))}
+    assert json.loads(header["rlbench"]) == {
+        "schema": recording.SCHEMA,
+        "step": 3,
+        "checksum": "wordsum/1",
+        "tensors_checksum": tensors_digest(dict(sorted(expected.items()))),
+    }
     lines = js.read_text().splitlines()  # the bytes as written: one-space indents, one sample per line
     assert lines[:3] == ["{", ' "schema": "rlbench.run/1",', ' "step": 3,'] and lines[-1] == "}"
-    assert lines[lines.index(' "samples": [') + 1:][:3] == [
-        '  {"response": "odd", "finish_reason": "stop"},', '  {"response": ""}', " ],"]
+    assert lines[lines.index(' "samples": [') + 1 :][:3] == [
+        '  {"response": "odd", "finish_reason": "stop"},',
+        '  {"response": ""}',
+        " ],",
+    ]
     (tmp_path / "again").mkdir()
     again = _write(tmp_path / "again", extra={"engine": "hf"})
     assert [p.read_bytes() for p in again] == [st.read_bytes(), js.read_bytes()]  # the same bytes every time
@@ -130,27 +141,40 @@ def test_a_recording_of_another_step_or_schema_is_refused(tmp_path):
     _refused(tmp_path, match="'offsets' has 3 values, expected 2")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("rewards"), "tensor 'rewards' missing"),
-    (lambda t: t.update(rewards=t["rewards"].double()), "tensor 'rewards' is torch.float64 of shape"),
-    (lambda t: t.update(tokens=t["tokens"].reshape(2, 3)), "expected a flat torch.int64 tensor"),
-    (lambda t: t["tokens"].__setitem__(0, -1), "tensor 'tokens' holds -1; ids and indices are >= 0"),
-    (lambda t: t["group_index"].__setitem__(1, -2), "tensor 'group_index' holds -2"),
-    (lambda t: t["loss_mask"].__setitem__(0, 2), "tensor 'loss_mask' holds 2; expected 0 or 1"),
-    (lambda t: t.update(rewards=torch.zeros(3)), "tensor 'rewards' has 3 values, expected 2"),
-    (lambda t: t.update(old_logprobs=torch.zeros(5)), "tensor 'old_logprobs' has 5 values, expected 6"),
-    (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), MONOTONE),
-    (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), MONOTONE),
-    (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), MONOTONE),
-    (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), FIT),
-    (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), FIT),  # the second sample's
-    (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), FIT),
-    *[(lambda t, key=key: t.update({key: torch.cat([t[key], t[key][:1]])}), f"tensor '{key}' has 3 values, expected 2")
-      for key in ("prompt_lengths", "prompt_index", "group_index")],
-    *[(lambda t, key=key: t.update({key: torch.zeros(7, dtype=recording.DTYPES[key])}),
-       f"tensor '{key}' has 7 values, expected 6") for key in ("loss_mask", "rollout_logprobs", "ref_logprobs")],
-    (lambda t: t.update(advantages=torch.zeros(1)), "tensor 'advantages' has 1 values, expected 2"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("rewards"), "tensor 'rewards' missing"),
+        (lambda t: t.update(rewards=t["rewards"].double()), "tensor 'rewards' is torch.float64 of shape"),
+        (lambda t: t.update(tokens=t["tokens"].reshape(2, 3)), "expected a flat torch.int64 tensor"),
+        (lambda t: t["tokens"].__setitem__(0, -1), "tensor 'tokens' holds -1; ids and indices are >= 0"),
+        (lambda t: t["group_index"].__setitem__(1, -2), "tensor 'group_index' holds -2"),
+        (lambda t: t["loss_mask"].__setitem__(0, 2), "tensor 'loss_mask' holds 2; expected 0 or 1"),
+        (lambda t: t.update(rewards=torch.zeros(3)), "tensor 'rewards' has 3 values, expected 2"),
+        (lambda t: t.update(old_logprobs=torch.zeros(5)), "tensor 'old_logprobs' has 5 values, expected 6"),
+        (lambda t: t.update(offsets=torch.tensor([1, 5, 6])), MONOTONE),
+        (lambda t: t.update(offsets=torch.tensor([0, 5, 7])), MONOTONE),
+        (lambda t: t.update(offsets=torch.tensor([0, 7, 6])), MONOTONE),
+        (lambda t: t.update(prompt_lengths=torch.tensor([6, 1])), FIT),
+        (lambda t: t.update(prompt_lengths=torch.tensor([2, 2])), FIT),  # the second sample's
+        (lambda t: t.update(prompt_lengths=torch.tensor([2, -1])), FIT),
+        *[
+            (
+                lambda t, key=key: t.update({key: torch.cat([t[key], t[key][:1]])}),
+                f"tensor '{key}' has 3 values, expected 2",
+            )
+            for key in ("prompt_lengths", "prompt_index", "group_index")
+        ],
+        *[
+            (
+                lambda t, key=key: t.update({key: torch.zeros(7, dtype=recording.DTYPES[key])}),
+                f"tensor '{key}' has 7 values, expected 6",
+            )
+            for key in ("loss_mask", "rollout_logprobs", "ref_logprobs")
+        ],
+        (lambda t: t.update(advantages=torch.zeros(1)), "tensor 'advantages' has 1 values, expected 2"),
+    ],
+)
 def test_a_layout_defect_is_refused(tmp_path, edit, message):
     tensors = {**_packed(), "rewards": torch.tensor([1.0, 0.0])}
     edit(tensors)
@@ -159,8 +183,10 @@ def test_a_layout_defect_is_refused(tmp_path, edit, message):
 
 
 def test_offsets_must_not_go_back_anywhere(tmp_path):
-    tensors = {**recording.pack([[5], [6], [7]], [[1], [], [2]], [[1], [], [1]], [[-0.5], [], [-0.5]], [0, 1, 2],
-                                [0, 1, 2]), "rewards": torch.zeros(3)}
+    tensors = {
+        **recording.pack([[5], [6], [7]], [[1], [], [2]], [[1], [], [1]], [[-0.5], [], [-0.5]], [0, 1, 2], [0, 1, 2]),
+        "rewards": torch.zeros(3),
+    }
     _write(tmp_path, tensors=tensors, samples=[{}, {}, {}])
     recording.read_step(tmp_path, 3)
     tensors["offsets"] = torch.tensor([0, 3, 2, 5])  # the middle sample ends before it starts
@@ -174,8 +200,10 @@ def test_edge_values_of_the_layout_are_accepted(tmp_path):
     tensors["tokens"][0] = 0
     _write(tmp_path, tensors=tensors)
     assert recording.read_step(tmp_path, 3)[0]["prompt_lengths"].tolist() == [5, 0]
-    no_tokens = {**recording.pack([[5, 6], []], [[8], []], [[1], []], [[-0.5], []], [0, 1], [0, 1]),
-                 "rewards": torch.zeros(2)}  # a sample with no tokens at all: an empty span
+    no_tokens = {
+        **recording.pack([[5, 6], []], [[8], []], [[1], []], [[-0.5], []], [0, 1], [0, 1]),
+        "rewards": torch.zeros(2),
+    }  # a sample with no tokens at all: an empty span
     _write(tmp_path, tensors=no_tokens)
     assert recording.read_step(tmp_path, 3)[0]["offsets"].tolist() == [0, 3, 3]
 
@@ -185,8 +213,11 @@ def test_check_ids_holds_tokens_to_the_models_vocabulary(tmp_path):
 
     t = _packed()
     Vocab(11, 4).check(t, tmp_path / "x")  # max id 10 of the model's 11: valid, though the tokenizer has 4 ids
-    with pytest.raises(BadInput, match=r"token id 10 is outside the model's vocabulary \(10 ids; the tokenizer has "
-                                       r"4\)") as info:
+    with pytest.raises(
+        BadInput,
+        match=r"token id 10 is outside the model's vocabulary \(10 ids; the tokenizer has "
+        r"4\)",
+    ) as info:
         Vocab(10, 4).check(t, tmp_path / "x")
     assert info.value.path == str(tmp_path / "x") and info.value.field == "tokens"
     Vocab(1, 1).check({"tokens": torch.zeros(0, dtype=torch.long)}, tmp_path)
@@ -202,8 +233,9 @@ def test_tensors_digest_is_sha256_of_name_dtype_shape_length_and_lanes():
     header = b'["w","torch.int16",[2,2],8]'
     first, second = lanes(tensor)
     prefix = b"rlbench checksum wordsum/1\0"
-    by_hand = hashlib.sha256(prefix + len(header).to_bytes(4, "little") + header + first.to_bytes(8, "little")
-                             + second.to_bytes(8, "little")).hexdigest()
+    by_hand = hashlib.sha256(
+        prefix + len(header).to_bytes(4, "little") + header + first.to_bytes(8, "little") + second.to_bytes(8, "little")
+    ).hexdigest()
     assert tensors_digest({"w": tensor}) == tensors_digest([("w", tensor)]) == by_hand
     assert tensors_digest({"w": tensor.t().contiguous().t()}) == by_hand  # a non-contiguous view: its values
     pair = [("a", tensor), ("b", tensor.float())]
@@ -226,12 +258,15 @@ def test_tensor_digests_gives_each_tensor_its_own_digest_and_digests_feeds_sever
 
 def test_the_step_json_is_indented_with_one_sample_per_line_and_an_empty_list_as_brackets():
     """The layout a reader of rollouts/*.json sees (json.dumps(indent=1) but for the samples, one per line)."""
-    _, js = recording.encode_step(3, {"rewards": torch.tensor([1.0])}, [{"response": "odd", "finish_reason": "stop"},
-                                                                         {"response": ""}], None)
+    _, js = recording.encode_step(
+        3, {"rewards": torch.tensor([1.0])}, [{"response": "odd", "finish_reason": "stop"}, {"response": ""}], None
+    )
     digest = hashlib.sha256(b'[{"finish_reason":"stop","response":"odd"},{"response":""}]').hexdigest()
-    assert js.decode() == ('{\n "schema": "rlbench.run/1",\n "step": 3,\n "samples": [\n'
-                           '  {"response": "odd", "finish_reason": "stop"},\n  {"response": ""}\n ],\n'
-                           f' "samples_sha256": "{digest}"\n}}\n')
+    assert js.decode() == (
+        '{\n "schema": "rlbench.run/1",\n "step": 3,\n "samples": [\n'
+        '  {"response": "odd", "finish_reason": "stop"},\n  {"response": ""}\n ],\n'
+        f' "samples_sha256": "{digest}"\n}}\n'
+    )
     _, js = recording.encode_step(3, {"rewards": torch.zeros(0)}, [], None)
     assert '\n "samples": [],\n' in js.decode() and json.loads(js)["samples"] == []
 

@@ -28,8 +28,14 @@ def original(tmp_path_factory):
     from rlbench.session import run
 
     root = tmp_path_factory.mktemp("orig")
-    config = load_config(out=str(root / "a"), data__prompts_per_step=2, rollout__n_samples_per_prompt=4,
-                         train__minibatches=2, train__micro_batch_size=3, **SMALL)
+    config = load_config(
+        out=str(root / "a"),
+        data__prompts_per_step=2,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=3,
+        **SMALL,
+    )
     run(config)
     return root / "a"
 
@@ -88,6 +94,7 @@ def test_replay_names_the_perturbed_reward(original, tmp_path):
 
     def flip(t, meta):
         t["rewards"][3] = 1.0 - t["rewards"][3]
+
     edit_step(edited, step, flip)
     res = replay(edited, tmp_path / "rep")
     assert not res.ok
@@ -138,8 +145,13 @@ def test_diff_names_a_sampling_seed_change(original, run_small, tmp_path):
     found = diff(original, tmp_path / "seed").first
     assert (found.step, found.stage) == (0, "rollout_tokens")
     ta, tb = read_step(original, 0)[0], read_step(tmp_path / "seed", 0)[0]
-    sample = next(i for i in range(8) if not torch.equal(ta["tokens"][ta["offsets"][i]:ta["offsets"][i + 1]],
-                                                         tb["tokens"][tb["offsets"][i]:tb["offsets"][i + 1]]))
+    sample = next(
+        i
+        for i in range(8)
+        if not torch.equal(
+            ta["tokens"][ta["offsets"][i] : ta["offsets"][i + 1]], tb["tokens"][tb["offsets"][i] : tb["offsets"][i + 1]]
+        )
+    )
     assert found.where.startswith(f"sample {sample}, token ")
 
 
@@ -151,8 +163,18 @@ def test_diff_with_tolerance_accepts_small_and_names_large(original, run_small, 
 
 
 def test_train_only_trains_another_config_on_the_same_data(original, tmp_path):
-    proc = run_cli("run", "--mode", "train-only", "--rollouts", str(original), "--out", str(tmp_path / "t"),
-                   "--steps", "3", "--json")
+    proc = run_cli(
+        "run",
+        "--mode",
+        "train-only",
+        "--rollouts",
+        str(original),
+        "--out",
+        str(tmp_path / "t"),
+        "--steps",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     sums = [json.loads(line) for line in (tmp_path / "t" / "checksums.jsonl").read_text().splitlines()]
     assert len(sums) == 3 and all("engine_weights" not in row for row in sums)

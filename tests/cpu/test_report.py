@@ -29,15 +29,32 @@ def open_in_browser(page: Path, screenshot: Path) -> tuple[str, list[str]]:
     of the page is written to `screenshot`."""
     if not CHROMIUM:
         assert not os.environ.get("RLBENCH_REQUIRE_BROWSER"), "RLBENCH_REQUIRE_BROWSER is set and chromium is missing"
-        pytest.skip("needs Debian's chromium (apt-get install chromium); .ci/run installs it and sets "
-                    "RLBENCH_REQUIRE_BROWSER=1, so CI never skips this")
+        pytest.skip(
+            "needs Debian's chromium (apt-get install chromium); .ci/run installs it and sets "
+            "RLBENCH_REQUIRE_BROWSER=1, so CI never skips this"
+        )
     profile = screenshot.parent / f".chromium-{screenshot.stem}"
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-             "--enable-logging=stderr", "--v=0", "--hide-scrollbars"]
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--hide-scrollbars",
+    ]
     dom = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    shot = subprocess.run(flags + ["--window-size=1280,3000", f"--screenshot={screenshot}", page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    shot = subprocess.run(
+        flags + ["--window-size=1280,3000", f"--screenshot={screenshot}", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     console = [line for out in (dom.stderr, shot.stderr) for line in out.splitlines() if ":CONSOLE" in line]
     assert dom.returncode == 0 and shot.returncode == 0, dom.stderr[-2000:] + shot.stderr[-2000:]
     return dom.stdout, console

@@ -20,21 +20,29 @@ def test_loads_by_dotted_path(path):
     assert name == path and score(name, fn, _sample("x")) == 0.5
 
 
-@pytest.mark.parametrize("path, message", [
-    ("nosuchmodule.fn", "cannot import module 'nosuchmodule'"),
-    ("tests.cpu.plugins.rewards.missing", "has no attribute 'missing'"),
-    ("tests.cpu.plugins.rewards.NOT_CALLABLE", "is not callable"),
-    ("justaname", "expected a dotted path"),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("nosuchmodule.fn", "cannot import module 'nosuchmodule'"),
+        ("tests.cpu.plugins.rewards.missing", "has no attribute 'missing'"),
+        ("tests.cpu.plugins.rewards.NOT_CALLABLE", "is not callable"),
+        ("justaname", "expected a dotted path"),
+    ],
+)
 def test_bad_paths_are_refused_clearly(path, message):
     with pytest.raises(BadInput, match=message) as info:
         load_reward_fn("parity", path)
     assert info.value.field == "--custom-rm-path"
 
 
-@pytest.mark.parametrize("fn_name, message", [("returns_nan", "expected a finite number"),
-                                              ("returns_text", "expected a finite number"),
-                                              ("raises", ": reward function raised KeyError: 'label'")])
+@pytest.mark.parametrize(
+    "fn_name, message",
+    [
+        ("returns_nan", "expected a finite number"),
+        ("returns_text", "expected a finite number"),
+        ("raises", ": reward function raised KeyError: 'label'"),
+    ],
+)
 def test_contract_violations_name_the_function(fn_name, message):
     path = f"tests.cpu.plugins.rewards.{fn_name}"
     name, fn = load_reward_fn("parity", path)
@@ -66,18 +74,21 @@ def test_parity_takes_the_first_answer():
     assert BUILTIN["parity"](_sample("even", label="even")) == 1.0
 
 
-@pytest.mark.parametrize("response, label, expected", [
-    ("odd", "odd", 1.0),
-    ("  odd\n", "odd", 1.0),  # whitespace around the response is not part of the answer
-    ("odd", " odd \t", 1.0),  # nor around the label
-    ("\n\nseven ", "seven", 1.0),
-    ("Odd", "odd", 0.0),  # exact: case counts
-    ("odd.", "odd", 0.0),
-    ("o dd", "odd", 0.0),
-    ("even", "odd", 0.0),
-    ("", "odd", 0.0),
-    ("", "", 1.0),
-])
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        ("odd", "odd", 1.0),
+        ("  odd\n", "odd", 1.0),  # whitespace around the response is not part of the answer
+        ("odd", " odd \t", 1.0),  # nor around the label
+        ("\n\nseven ", "seven", 1.0),
+        ("Odd", "odd", 0.0),  # exact: case counts
+        ("odd.", "odd", 0.0),
+        ("o dd", "odd", 0.0),
+        ("even", "odd", 0.0),
+        ("", "odd", 0.0),
+        ("", "", 1.0),
+    ],
+)
 def test_exact_match(response, label, expected):
     assert BUILTIN["exact_match"](_sample(response, label)) == expected
 
@@ -88,8 +99,10 @@ def test_the_builtin_is_looked_up_by_name_and_a_custom_path_wins():
     with pytest.raises(BadInput) as info:
         load_reward_fn("nope", None)
     assert info.value.field == "reward.verifier"
-    assert str(info.value) == "reward.verifier: unknown verifier 'nope' (built-in: parity, exact_match; or give " \
-                              "--custom-rm-path)"
+    assert (
+        str(info.value) == "reward.verifier: unknown verifier 'nope' (built-in: parity, exact_match; or give "
+        "--custom-rm-path)"
+    )
     name, fn = load_reward_fn("exact_match", "tests.cpu.plugins.rewards.constant_half")
     assert name == "tests.cpu.plugins.rewards.constant_half" and fn(_sample("x")) == 0.5
 
@@ -109,8 +122,9 @@ def test_score_takes_finite_numbers_within_float32_as_floats(value, expected):
     assert got == expected and type(got) is float
 
 
-@pytest.mark.parametrize("value", [True, False, None, "1.0", float("inf"), float("-inf"), float("nan"), 3.5e38,
-                                   -3.5e38, [1.0]])
+@pytest.mark.parametrize(
+    "value", [True, False, None, "1.0", float("inf"), float("-inf"), float("nan"), 3.5e38, -3.5e38, [1.0]]
+)
 def test_score_refuses_anything_else_naming_the_function(value):
     with pytest.raises(BadInput, match="expected a finite number") as info:
         score("my.reward", lambda sample: value, _sample("x"))

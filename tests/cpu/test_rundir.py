@@ -20,8 +20,13 @@ from rlbench.rundir.algorithm import CHECKSUM
 from rlbench.rundir.directory import SCHEMA, RunWriter, atomic_write, read_run
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
-MANIFEST = {"schema": SCHEMA, "checksum": CHECKSUM, "config": {"seed": 1}, "mode": "full",
-            "stages": ["data", "rollout", "reward"]}
+MANIFEST = {
+    "schema": SCHEMA,
+    "checksum": CHECKSUM,
+    "config": {"seed": 1},
+    "mode": "full",
+    "stages": ["data", "rollout", "reward"],
+}
 
 
 def _write_run(root, steps=3):
@@ -113,8 +118,12 @@ def test_run_writer_refuses_existing_run(tmp_path):
 
 
 @PROPERTY
-@given(st.integers(1, 13), st.integers(1, 5), st.integers(0, 2**63 - 1),
-       st.lists(st.integers(0, 40), min_size=1, max_size=8))
+@given(
+    st.integers(1, 13),
+    st.integers(1, 5),
+    st.integers(0, 2**63 - 1),
+    st.lists(st.integers(0, 40), min_size=1, max_size=8),
+)
 def test_cursor_indices_are_a_pure_function_of_step(size, per_step, seed, steps):
     shared = PromptCursor(size, seed, per_step)
     for step in steps:  # any order, one cursor with a cache vs a fresh one each time
@@ -149,11 +158,20 @@ def test_cursor_without_shuffle_is_sequential():
 
 def _sample(index, prompt_ids, response_ids):
     prompt = Prompt(index, ({"role": "user", "content": f"q{index}"},), "label")
-    return Sample(group_index=0, index=index, prompt=prompt, prompt_ids=tuple(prompt_ids),
-                  response_ids=tuple(response_ids), response="r",
-                  rollout_log_probs=tuple(-0.25 * (k + 1) for k in range(len(response_ids))),
-                  loss_mask=tuple(1 for _ in response_ids), finish_reason="stop", seed=index, engine_id="e0",
-                  weight_version=0)
+    return Sample(
+        group_index=0,
+        index=index,
+        prompt=prompt,
+        prompt_ids=tuple(prompt_ids),
+        response_ids=tuple(response_ids),
+        response="r",
+        rollout_log_probs=tuple(-0.25 * (k + 1) for k in range(len(response_ids))),
+        loss_mask=tuple(1 for _ in response_ids),
+        finish_reason="stop",
+        seed=index,
+        engine_id="e0",
+        weight_version=0,
+    )
 
 
 def test_flatten_padded_unpad_round_trip():
@@ -179,8 +197,11 @@ def test_flatten_padded_unpad_round_trip():
 
 def _weights():
     gen = torch.Generator().manual_seed(3)
-    return {"b.weight": torch.randn(3, 4, generator=gen), "a.bias": torch.randn(4, generator=gen),
-            "c.scale": torch.randn(2, 2, generator=gen)}
+    return {
+        "b.weight": torch.randn(3, 4, generator=gen),
+        "a.bias": torch.randn(4, generator=gen),
+        "c.scale": torch.randn(2, 2, generator=gen),
+    }
 
 
 def test_weights_digest_ignores_insertion_order():

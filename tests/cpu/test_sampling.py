@@ -41,13 +41,19 @@ def test_gumbel_max_samples_the_softmax():
     assert (counts - probs).abs().le(4 * stderr + 1e-9).all(), (counts, probs)
 
 
-@pytest.mark.parametrize("top_k, top_p, kept", [
-    (1, 1.0, {0}), (3, 1.0, {0, 1, 2}), (0, 1.0, set(range(V))), (-1, 1.0, set(range(V))),
-    (-1, 0.3, {0}),  # probabilities 0.42, 0.25, 0.15, ...: the mass before token 1 (0.42) is > 0.3
-    (-1, 0.5, {0, 1}),  # the mass before token 2 (0.67) is > 0.5
-    (-1, 0.7, {0, 1, 2}),  # the mass before token 2 is <= 0.7, before token 3 (0.83) not
-    (2, 0.95, {0, 1}),  # both filters: the smaller set wins
-])
+@pytest.mark.parametrize(
+    "top_k, top_p, kept",
+    [
+        (1, 1.0, {0}),
+        (3, 1.0, {0, 1, 2}),
+        (0, 1.0, set(range(V))),
+        (-1, 1.0, set(range(V))),
+        (-1, 0.3, {0}),  # probabilities 0.42, 0.25, 0.15, ...: the mass before token 1 (0.42) is > 0.3
+        (-1, 0.5, {0, 1}),  # the mass before token 2 (0.67) is > 0.5
+        (-1, 0.7, {0, 1, 2}),  # the mass before token 2 is <= 0.7, before token 3 (0.83) not
+        (2, 0.95, {0, 1}),  # both filters: the smaller set wins
+    ],
+)
 def test_filters_keep_sglangs_token_sets(top_k, top_p, kept):
     probs = torch.softmax(LOGITS, dim=-1)
     before = torch.cumsum(probs, 0) - probs
@@ -126,10 +132,16 @@ def test_the_noise_is_a_rows_own_and_uniform():
     assert float(((counts - expected) ** 2 / expected).sum()) < 175  # chi2(99) exceeds 175 with p < 1e-6
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("top_k", -2, "rollout.top_k"), ("top_p", 0.0, "rollout.top_p"), ("top_p", 1.5, "rollout.top_p"),
-    ("decode", "fast", "rollout.decode"), ("decode_batch_size", 0, "rollout.decode_batch_size"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("top_k", -2, "rollout.top_k"),
+        ("top_p", 0.0, "rollout.top_p"),
+        ("top_p", 1.5, "rollout.top_p"),
+        ("decode", "fast", "rollout.decode"),
+        ("decode_batch_size", 0, "rollout.decode_batch_size"),
+    ],
+)
 def test_config_refuses_bad_sampling_values(tmp_path, key, value, needle):
     path = tmp_path / "bad.toml"
     path.write_text(f"[rollout]\n{key} = {value!r}\n".replace("'", '"'))

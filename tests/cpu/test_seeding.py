@@ -16,12 +16,20 @@ PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: 
 
 
 def test_derive_seed_is_deterministic_and_in_range():
-    seeds = [derive_seed(master, purpose, step, index)
-             for master in (0, 1, 2**63 - 1) for purpose in ("init", "sample", "data")
-             for step in range(4) for index in range(4)]
-    assert seeds == [derive_seed(master, purpose, step, index)
-                     for master in (0, 1, 2**63 - 1) for purpose in ("init", "sample", "data")
-                     for step in range(4) for index in range(4)]
+    seeds = [
+        derive_seed(master, purpose, step, index)
+        for master in (0, 1, 2**63 - 1)
+        for purpose in ("init", "sample", "data")
+        for step in range(4)
+        for index in range(4)
+    ]
+    assert seeds == [
+        derive_seed(master, purpose, step, index)
+        for master in (0, 1, 2**63 - 1)
+        for purpose in ("init", "sample", "data")
+        for step in range(4)
+        for index in range(4)
+    ]
     assert all(0 <= s < 2**63 for s in seeds)
     assert len(set(seeds)) == len(seeds)  # differs by master, purpose, step and index
 
@@ -44,11 +52,18 @@ def test_derive_seed_is_the_same_in_a_process_with_another_hash_seed():
     from tests.conftest import REPO
 
     keys = [(1234, "sample", 3, 1), (7, "init", "model.embed_tokens.weight"), (0, "data", 2)]
-    code = ("from rlbench.core.seeding import derive_seed; "
-            f"print(hash('rlbench'), [derive_seed(*key) for key in {keys!r}])")
+    code = (
+        f"from rlbench.core.seeding import derive_seed; print(hash('rlbench'), [derive_seed(*key) for key in {keys!r}])"
+    )
     salt = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONHASHSEED": salt, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": salt, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     their_hash, their_seeds = proc.stdout.split(" ", 1)
     assert int(their_hash) != hash("rlbench"), "the other process must have another salt"
@@ -74,8 +89,9 @@ def test_generator_is_seeded_by_derive_seed_and_owned_by_the_caller():
     assert torch.equal(torch.rand(8, generator=gen), torch.rand(8, generator=expected))
     assert gen.initial_seed() == derive_seed(5, "sample", 2, 3) and gen.device == torch.device("cpu")
     assert torch.equal(torch.random.get_rng_state(), before)  # the global generator is untouched
-    assert not torch.equal(torch.rand(8, generator=generator(5, "sample", 2, 4)),
-                           torch.rand(8, generator=generator(5, "sample", 2, 3)))
+    assert not torch.equal(
+        torch.rand(8, generator=generator(5, "sample", 2, 4)), torch.rand(8, generator=generator(5, "sample", 2, 3))
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA generator is asked for, where there is none")
@@ -93,15 +109,25 @@ def restored():
     (by hand: monkeypatch.delenv of an unset variable would not remove what the code sets, and later runs in
     this worker would record the GPU recipe's cuBLAS setting in their manifests)."""
     env = {key: os.environ.pop(key, None) for key in GPU_RECIPE}
-    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     yield
     for key, value in env.items():
         os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
     torch.set_num_threads(saved[0])
     torch.use_deterministic_algorithms(saved[1])
-    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
-     torch.backends.cudnn.allow_tf32) = saved[2:]
+    (
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    ) = saved[2:]
 
 
 SEED_DERIVATION = "sha256(rlbench.seed/1 || json([master, purpose, *path]))[:8] >> 1"
@@ -110,8 +136,12 @@ SEED_DERIVATION = "sha256(rlbench.seed/1 || json([master, purpose, *path]))[:8] 
 def test_the_cpu_is_always_deterministic(restored):
     torch.use_deterministic_algorithms(False)
     settings = configure_determinism(2, "cpu")
-    assert settings == {"torch_threads": 2, "deterministic_algorithms": True, "cublas_workspace_config": None,
-                        "seed_derivation": SEED_DERIVATION}
+    assert settings == {
+        "torch_threads": 2,
+        "deterministic_algorithms": True,
+        "cublas_workspace_config": None,
+        "seed_derivation": SEED_DERIVATION,
+    }
     assert torch.get_num_threads() == 2 and torch.are_deterministic_algorithms_enabled()
     assert not any(key in os.environ for key in GPU_RECIPE)  # the GPU recipe is not for the CPU
     assert configure_determinism(1, "cpu", deterministic=True)["torch_threads"] == 1
@@ -123,9 +153,17 @@ def test_a_gpu_in_deterministic_mode_gets_slimes_recipe(restored, monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     monkeypatch.setenv("NCCL_ALGO", "Tree")  # a user's own setting is kept
     settings = configure_determinism(1, "cuda:1", deterministic=True)
-    assert settings == {"torch_threads": 1, "deterministic_algorithms": True, "cublas_workspace_config": ":4096:8",
-                        "seed_derivation": SEED_DERIVATION, "deterministic": True, "cudnn_deterministic": True,
-                        "allow_tf32": False, "nccl_algo": "Tree", "nvte_allow_nondeterministic_algo": "0"}
+    assert settings == {
+        "torch_threads": 1,
+        "deterministic_algorithms": True,
+        "cublas_workspace_config": ":4096:8",
+        "seed_derivation": SEED_DERIVATION,
+        "deterministic": True,
+        "cudnn_deterministic": True,
+        "allow_tf32": False,
+        "nccl_algo": "Tree",
+        "nvte_allow_nondeterministic_algo": "0",
+    }
     assert (os.environ["CUBLAS_WORKSPACE_CONFIG"], os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"]) == (":4096:8", "0")
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
@@ -134,9 +172,15 @@ def test_a_gpu_in_deterministic_mode_gets_slimes_recipe(restored, monkeypatch):
 def test_a_gpu_by_default_keeps_the_library_defaults(restored):
     torch.backends.cuda.matmul.allow_tf32 = True
     settings = configure_determinism(1, "cuda")
-    assert settings == {"torch_threads": 1, "deterministic_algorithms": False, "cublas_workspace_config": None,
-                        "seed_derivation": SEED_DERIVATION, "deterministic": False,
-                        "cudnn_deterministic": torch.backends.cudnn.deterministic, "allow_tf32": True,
-                        "nccl_algo": None, "nvte_allow_nondeterministic_algo": None}
+    assert settings == {
+        "torch_threads": 1,
+        "deterministic_algorithms": False,
+        "cublas_workspace_config": None,
+        "seed_derivation": SEED_DERIVATION,
+        "deterministic": False,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "allow_tf32": True,
+        "nccl_algo": None,
+        "nvte_allow_nondeterministic_algo": None,
+    }
     assert not any(key in os.environ for key in GPU_RECIPE)
-

@@ -29,8 +29,12 @@ MODEL = str(FIXTURES / "models" / "tiny-qwen3")
 
 def _call(url: str, path: str, body=None, key: str | None = None) -> tuple[int, object]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{url}{path}", data=data, method="POST" if body is not None else "GET",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=data,
+        method="POST" if body is not None else "GET",
+        headers={"Content-Type": "application/json"},
+    )
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
     try:
@@ -43,8 +47,9 @@ def _call(url: str, path: str, body=None, key: str | None = None) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def keyed():
-    serving = serve_in_thread(ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0,
-                                          weights_dir=MODEL))
+    serving = serve_in_thread(
+        ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0, weights_dir=MODEL)
+    )
     try:
         yield serving
     finally:
@@ -60,9 +65,12 @@ def _checksum(url: str) -> str:
 def test_without_the_key_401_and_nothing_changes(keyed, tmp_path):
     before = _checksum(keyed.url)
     for key in (None, "wrong", ""):
-        for path, body in [("/update_weights_from_disk", {"model_path": MODEL}), ("/server_info", None),
-                           ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
-                           ("/update_weight_version", {"new_version": "x"})]:
+        for path, body in [
+            ("/update_weights_from_disk", {"model_path": MODEL}),
+            ("/server_info", None),
+            ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+            ("/update_weight_version", {"new_version": "x"}),
+        ]:
             assert _call(keyed.url, path, body, key) == (401, {"error": "Unauthorized"}), (path, key)
     assert _call(keyed.url, "/health", key=None)[0] == 200  # probes stay open, as in SGLang
     assert _checksum(keyed.url) == before
@@ -76,8 +84,9 @@ def test_with_the_key_200_and_weights_only_from_below_the_allowed_directory(keye
     assert status == 200 and answer["success"], answer
     before = _checksum(keyed.url)
     for outside in (str(tmp_path), "/etc", f"{MODEL}/../.."):
-        status, answer = _call(keyed.url, "/update_weights_from_disk", {"model_path": outside,
-                                                                        "weight_version": "v2"}, KEY)
+        status, answer = _call(
+            keyed.url, "/update_weights_from_disk", {"model_path": outside, "weight_version": "v2"}, KEY
+        )
         assert status == 400 and answer["success"] is False and "outside" in answer["message"], answer
     assert _checksum(keyed.url) == before
     assert _call(keyed.url, "/server_info", key=KEY)[1]["weight_version"] == "v1"
@@ -199,8 +208,10 @@ def test_a_keyed_run_through_the_router_to_a_keyed_worker_is_the_in_process_run(
         if not seen:
             generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
             for url in (*self.fleet.workers, self.fleet.router):
-                seen[url] = [_call(url, "/generate", generate), _call(url, "/update_weights_from_disk",
-                                                                      {"model_path": MODEL, "weight_version": "x"})]
+                seen[url] = [
+                    _call(url, "/generate", generate),
+                    _call(url, "/update_weights_from_disk", {"model_path": MODEL, "weight_version": "x"}),
+                ]
             seen["commands"] = [Path(f"/proc/{p.popen.pid}/cmdline").read_bytes() for p in self.fleet.processes]
             seen["logs"] = [log.read_bytes() for log in self.fleet.logs.iterdir()]
         return update(self, weights, version)
@@ -208,8 +219,18 @@ def test_a_keyed_run_through_the_router_to_a_keyed_worker_is_the_in_process_run(
     monkeypatch.setattr(SGLangEngine, "update_weights", probed)
     (tmp_path / "s.toml").write_text(small_toml(3))
     out = tmp_path / "keyed"
-    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--sglang-server", "rlbench",
-              "--out", str(out), "--json")  # the default fleet: one server, behind a router
+    res = cli(
+        "run",
+        "-c",
+        str(tmp_path / "s.toml"),
+        "--rollout",
+        "sglang",
+        "--sglang-server",
+        "rlbench",
+        "--out",
+        str(out),
+        "--json",
+    )  # the default fleet: one server, behind a router
     assert res.returncode == 0, res.stderr
     assert (out / "checksums.jsonl").read_bytes() == (reference / "checksums.jsonl").read_bytes()
 
@@ -231,9 +252,19 @@ def test_a_run_without_the_key_against_a_keyed_server_stops_in_one_line(keyed, t
     exit 2, one line saying the key is needed, nothing written."""
     monkeypatch.delenv("RLBENCH_SGLANG_API_KEY", raising=False)
     (tmp_path / "s.toml").write_text(small_toml(1))
-    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--rollout-external-engine-addrs",
-              keyed.url, "--out", str(tmp_path / "o"))
+    res = cli(
+        "run",
+        "-c",
+        str(tmp_path / "s.toml"),
+        "--rollout",
+        "sglang",
+        "--rollout-external-engine-addrs",
+        keyed.url,
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert res.returncode == 2 and res.stderr.splitlines() == [
         f"rlbench: error: {keyed.url}/server_info: answered 401 Unauthorized: the fleet's api key "
-        "(RLBENCH_SGLANG_API_KEY) is needed: set it"], res.stderr
+        "(RLBENCH_SGLANG_API_KEY) is needed: set it"
+    ], res.stderr
     assert not (tmp_path / "o").exists()

@@ -15,8 +15,11 @@ BACKENDS = Path(__file__).resolve().parents[2] / "rlbench" / "backends"
 
 
 def test_no_backend_but_the_registry_names_the_run_config():
-    naming = sorted(str(p.relative_to(BACKENDS)) for p in BACKENDS.rglob("*.py")
-                    if re.search(r"\bRunConfig\b|config_from_dict", p.read_text()))
+    naming = sorted(
+        str(p.relative_to(BACKENDS))
+        for p in BACKENDS.rglob("*.py")
+        if re.search(r"\bRunConfig\b|config_from_dict", p.read_text())
+    )
     assert naming == ["registry.py"]
 
 
@@ -31,8 +34,9 @@ def test_the_setups_carry_the_run_configs_values_and_round_trip():
     assert setup_from_dict(EngineSetup, engine.to_dict(), "here") == engine
 
 
-@pytest.mark.parametrize("change, named", [({"rollout": {}}, "setup.rollout"), ({"tp": 0}, "tp"),
-                                           ({"train": {"lr": "x"}}, "setup.train.lr")])
+@pytest.mark.parametrize(
+    "change, named", [({"rollout": {}}, "setup.rollout"), ({"tp": 0}, "tp"), ({"train": {"lr": "x"}}, "setup.train.lr")]
+)
 def test_a_setup_that_is_not_one_is_refused_by_name(change, named):
     table = {**load_config().trainer_setup().to_dict(), **change}
     with pytest.raises(BadInput, match=re.escape(named)):

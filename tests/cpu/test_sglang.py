@@ -44,8 +44,9 @@ def fleet(small_config):
     tag = uuid.uuid4().hex
     os.environ["RLBENCH_TEST_TAG"] = tag  # inherited by the processes started now
     try:
-        engine = open_engine(_sglang(small_config, rollout__sglang_server="rlbench",
-                                     rollout__num_engines=2).engine_setup())
+        engine = open_engine(
+            _sglang(small_config, rollout__sglang_server="rlbench", rollout__num_engines=2).engine_setup()
+        )
     finally:
         del os.environ["RLBENCH_TEST_TAG"]
     try:
@@ -82,9 +83,18 @@ class _Recorder(ThreadedApp):
     """A stand-in SGLang worker that keeps every /generate body it receives and answers with a fixed,
     well-formed answer (and /weights_checker with `checksum`)."""
 
-    ANSWER = {"text": "", "output_ids": [5, 2], "meta_info": {
-        "id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
-        "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}}
+    ANSWER = {
+        "text": "",
+        "output_ids": [5, 2],
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "stop", "matched": 2},
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "weight_version": "default",
+            "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]],
+        },
+    }
 
     def __init__(self, checksum: dict | None = None):
         from aiohttp import web
@@ -158,21 +168,53 @@ def test_a_fuzz_over_generate_bodies_gets_4xx_never_5xx(fleet):
     from rlbench.backends.sglang.client import Client
 
     url = fleet.workers[0]
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                        st.text(max_size=8))
-    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6),
-                                                                                                 inner, max_size=4),
-                          max_leaves=12)
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+        max_leaves=12,
+    )
     valid = st.fixed_dictionaries(
-        {"input_ids": st.lists(st.integers(0, 313), min_size=1, max_size=6),
-         "sampling_params": st.fixed_dictionaries({"max_new_tokens": st.integers(0, 3)}, optional={
-             "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.sampled_from([-1, 1, 5, 400]),
-             "sampling_seed": st.integers(0, 2**63 - 1), "stop_token_ids": st.lists(st.integers(0, 313))})},
-        optional={"return_logprob": st.booleans(), "rid": st.text(max_size=4)})
-    top = ["input_ids", "text", "input_embeds", "sampling_params", "return_logprob", "rid", "stream",
-           "top_logprobs_num", "extra"]
-    inner = ["max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop_token_ids", "seed", "n",
-             "stop", "min_p"]
+        {
+            "input_ids": st.lists(st.integers(0, 313), min_size=1, max_size=6),
+            "sampling_params": st.fixed_dictionaries(
+                {"max_new_tokens": st.integers(0, 3)},
+                optional={
+                    "temperature": st.floats(0, 2),
+                    "top_p": st.floats(0.01, 1),
+                    "top_k": st.sampled_from([-1, 1, 5, 400]),
+                    "sampling_seed": st.integers(0, 2**63 - 1),
+                    "stop_token_ids": st.lists(st.integers(0, 313)),
+                },
+            ),
+        },
+        optional={"return_logprob": st.booleans(), "rid": st.text(max_size=4)},
+    )
+    top = [
+        "input_ids",
+        "text",
+        "input_embeds",
+        "sampling_params",
+        "return_logprob",
+        "rid",
+        "stream",
+        "top_logprobs_num",
+        "extra",
+    ]
+    inner = [
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "sampling_seed",
+        "stop_token_ids",
+        "seed",
+        "n",
+        "stop",
+        "min_p",
+    ]
 
     def mutate(body: dict, where: str, value) -> dict:  # one field of a valid body set to anything
         body = json.loads(json.dumps(body))
@@ -223,15 +265,17 @@ def test_an_engine_holding_other_weights_stops_the_run(small_config, fleet, tmp_
         return write(self, weights, version)
 
     monkeypatch.setattr(SGLangEngine, "_write", lossy)
-    with pytest.raises(WeightMismatch, match=r"step 0, sync: engine http://127\.0\.0\.1:\d+ weights differ from the "
-                                             r"trainer's at model\.norm\.weight\[5\] \(element 5 of 64\): trainer "
-                                             r"1\.0, engine 0\.0"):
+    with pytest.raises(
+        WeightMismatch,
+        match=r"step 0, sync: engine http://127\.0\.0\.1:\d+ weights differ from the "
+        r"trainer's at model\.norm\.weight\[5\] \(element 5 of 64\): trainer "
+        r"1\.0, engine 0\.0",
+    ):
         run(_sglang(small_config, out=str(tmp_path / "lossy"), rollout__sglang_router_url=fleet.router))
     assert not (tmp_path / "lossy").exists()  # nothing was committed
 
 
-def test_a_worker_killed_while_it_holds_requests_changes_nothing(small_config, fleet, reference, tmp_path,
-                                                                 monkeypatch):
+def test_a_worker_killed_while_it_holds_requests_changes_nothing(small_config, fleet, reference, tmp_path, monkeypatch):
     """SIGKILL the second worker when step 1's fourth request goes out through the router (the first
     three are in flight): whatever it held is retried on the other engine (by the router, else by the
     client), with its own seed, and the run writes the undisturbed run's checksums."""
@@ -302,8 +346,11 @@ def test_weight_checksums_are_the_run_directorys_where_sglangs_hash_agrees(small
             reported = {"a": tensor_digests(pushed)["a"], "b": "sglang:" + "f" * 16}
             assert engine.weight_checksums() == {recorder.url: reported}
         else:
-            with pytest.raises(BadInput, match=r"/weights_checker: the trainer's weights cannot be compared with this "
-                                               r"server's: its weights are sharded over 2 ranks, each hashed alone; "):
+            with pytest.raises(
+                BadInput,
+                match=r"/weights_checker: the trainer's weights cannot be compared with this "
+                r"server's: its weights are sharded over 2 ranks, each hashed alone; ",
+            ):
                 engine.weight_checksums()
     finally:
         engine.close()

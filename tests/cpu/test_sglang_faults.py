@@ -46,8 +46,18 @@ def test_every_server_dead_stops_the_run_then_resume_finishes_it(tmp_path, refer
     (tmp_path / "s.toml").write_text(small_toml(3))
     out = tmp_path / "run"
     monkeypatch.setenv("RLBENCH_FAILPOINT", "serve.generate@12")  # the server's 12th /generate: step 1's 4th
-    res = cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", "--sglang-server", "rlbench",
-              "--out", str(out), "--json")
+    res = cli(
+        "run",
+        "-c",
+        str(tmp_path / "s.toml"),
+        "--rollout",
+        "sglang",
+        "--sglang-server",
+        "rlbench",
+        "--out",
+        str(out),
+        "--json",
+    )
     monkeypatch.delenv("RLBENCH_FAILPOINT")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
@@ -74,9 +84,12 @@ def _abort_running(answer: dict) -> dict:
     finish {"type": "abort", "message": "Aborted", "status_code": null, "err_type": null}."""
     meta = dict(answer["meta_info"])
     keep = max(len(answer["output_ids"]) // 2, 1)
-    meta.update(finish_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
-                completion_tokens=keep, output_token_logprobs=meta["output_token_logprobs"][:keep],
-                output_token_logprobs_length=keep)
+    meta.update(
+        finish_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+        completion_tokens=keep,
+        output_token_logprobs=meta["output_token_logprobs"][:keep],
+        output_token_logprobs_length=keep,
+    )
     return {"text": None, "output_ids": answer["output_ids"][:keep], "meta_info": meta}
 
 
@@ -84,10 +97,20 @@ def _abort_waiting(answer: dict) -> dict:
     """SGLang 0.5.23's answer to a request aborted in the waiting queue (tokenizer_manager._handle_abort_req):
     no tokens, a short meta_info."""
     meta = answer["meta_info"]
-    return {"text": "", "output_ids": [], "meta_info": {
-        "id": meta["id"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-        "weight_version": meta["weight_version"], "e2e_latency": 0.01, "input_token_logprobs": [],
-        "output_token_logprobs": [], "output_token_logprobs_length": 0, "completion_tokens": 0}}
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": meta["id"],
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": meta["weight_version"],
+            "e2e_latency": 0.01,
+            "input_token_logprobs": [],
+            "output_token_logprobs": [],
+            "output_token_logprobs_length": 0,
+            "completion_tokens": 0,
+        },
+    }
 
 
 def _nan(answer: dict) -> dict:
@@ -109,9 +132,13 @@ WRONG = {  # answers no SGLang should give, each with the field the run must nam
     "negative-id": (lambda a: _entries(a, lambda es: [[lp, -3, t] for lp, _, t in es]), "token id"),
     "positive-logprob": (lambda a: _entries(a, lambda es: [[0.5, i, t] for _, i, t in es]), "logprob"),
     "too-many": (lambda a: _entries(a, lambda es: es + es + es), "at most max_new_tokens"),
-    "empty-length": (lambda a: {**_entries(a, lambda es: []), "meta_info": {
-        **_entries(a, lambda es: [])["meta_info"], "finish_reason": {"type": "length", "length": 4}}},
-        "length only with exactly max_new_tokens"),
+    "empty-length": (
+        lambda a: {
+            **_entries(a, lambda es: []),
+            "meta_info": {**_entries(a, lambda es: [])["meta_info"], "finish_reason": {"type": "length", "length": 4}},
+        },
+        "length only with exactly max_new_tokens",
+    ),
 }
 
 
@@ -139,11 +166,20 @@ class SGLangShaped(ThreadedApp):
 
         from rlbench.serve.server import ServeConfig, serve_in_thread
 
-        self.backend = serve_in_thread(ServeConfig(
-            model_path=config.model.path, tokenizer_path=config.model.tokenizer, load_format="dummy", port=0,
-            random_seed=config.seed, dtype=config.model.dtype, threads=config.threads, decode=config.rollout.decode,
-            decode_batch_size=config.rollout.decode_batch_size,
-            weights_dir=tempfile.gettempdir()))  # where the run's engine writes its weight versions
+        self.backend = serve_in_thread(
+            ServeConfig(
+                model_path=config.model.path,
+                tokenizer_path=config.model.tokenizer,
+                load_format="dummy",
+                port=0,
+                random_seed=config.seed,
+                dtype=config.model.dtype,
+                threads=config.threads,
+                decode=config.rollout.decode,
+                decode_batch_size=config.rollout.decode_batch_size,
+                weights_dir=tempfile.gettempdir(),
+            )
+        )  # where the run's engine writes its weight versions
         self.plan, self.count, self.rewritten = plan, 0, 0
         self.faults: dict[str, str] = {}
         self.gone = False
@@ -166,8 +202,9 @@ class SGLangShaped(ThreadedApp):
             return web.Response(status=200, text=GARBAGE[request.path], content_type="application/json")
         body = await request.read()
         async with aiohttp.ClientSession() as session:
-            async with session.request(request.method, self.backend.url + request.path, data=body,
-                                       headers={"Content-Type": "application/json"}) as answer:
+            async with session.request(
+                request.method, self.backend.url + request.path, data=body, headers={"Content-Type": "application/json"}
+            ) as answer:
                 raw, status = await answer.read(), answer.status
         import json
 
@@ -194,8 +231,14 @@ class SGLangShaped(ThreadedApp):
 
 
 def _through(config, server: SGLangShaped, out: Path, **overrides):
-    return apply_overrides(config, out=str(out), rollout__backend="sglang",
-                           rollout__external_engine_addrs=(server.url,), rollout__use_router=False, **overrides)
+    return apply_overrides(
+        config,
+        out=str(out),
+        rollout__backend="sglang",
+        rollout__external_engine_addrs=(server.url,),
+        rollout__use_router=False,
+        **overrides,
+    )
 
 
 def test_aborted_and_wrong_answers_are_retried_and_the_run_is_the_reference(small_config, reference, tmp_path):
@@ -231,6 +274,7 @@ def test_a_server_that_always_answers_wrongly_names_the_field(small_config):
     from rlbench.core.types import GenerateRequest
 
     kinds = sorted(WRONG)
+
     def plan(_n, answer, body):
         return WRONG[kinds[body["sampling_params"]["sampling_seed"]]][0](answer)
 
@@ -239,8 +283,11 @@ def test_a_server_that_always_answers_wrongly_names_the_field(small_config):
     engine = SGLangEngine(config, Fleet(route=[server.url], workers=[server.url]), Client(8, 30))
     try:
         for seed, kind in enumerate(kinds):
-            with pytest.raises(EngineUnavailable, match=rf"failed 2 times, the last: {server.url}/generate: "
-                                                        rf".*{WRONG[kind][1]}"):
+            with pytest.raises(
+                EngineUnavailable,
+                match=rf"failed 2 times, the last: {server.url}/generate: "
+                rf".*{WRONG[kind][1]}",
+            ):
                 engine.generate([GenerateRequest((5, 6, 7), seed, 4, 1.0, (2,))])
     finally:
         engine.close()
@@ -262,8 +309,11 @@ def test_a_step_whose_answers_all_abort_stops_the_run_and_resume_finishes_it(sma
     server = SGLangShaped(small_config, plan)
     out = tmp_path / "run"
     try:
-        with pytest.raises(EngineUnavailable, match=rf"{server.url}/generate: meta_info.finish_reason: the server "
-                                                    r"aborted the request \(Aborted\)"):
+        with pytest.raises(
+            EngineUnavailable,
+            match=rf"{server.url}/generate: meta_info.finish_reason: the server "
+            r"aborted the request \(Aborted\)",
+        ):
             run(_through(small_config, server, out, rollout__request_attempts=2))
         assert read_run(out).steps == [0] and not list((out / "rollouts").glob("000001*"))
         broken["on"] = False
@@ -295,16 +345,26 @@ def faulty(shaped, monkeypatch):
 SAID = {  # what the line quotes of each fault's answer
     "500": "500 Internal Server Error",
     "nothing": "ServerDisconnectedError: Server disconnected",
-    "garbage": {"/generate": "got <html>upstream hiccup</html>", "/update_weights_from_disk": "upstream hiccup",
-                "/weights_checker": "ranks: expected a non-empty list", "/get_weights_by_name": "'elided'",
-                "/server_info": "got [1, 2, 3]", "/workers": "workers: expected a list of workers, got 5"},
+    "garbage": {
+        "/generate": "got <html>upstream hiccup</html>",
+        "/update_weights_from_disk": "upstream hiccup",
+        "/weights_checker": "ranks: expected a non-empty list",
+        "/get_weights_by_name": "'elided'",
+        "/server_info": "got [1, 2, 3]",
+        "/workers": "workers: expected a list of workers, got 5",
+    },
 }
 ENDPOINTS = {  # each endpoint a run calls, in the order it first calls them, with what gets the run there
-    "/server_info": {}, "/generate": {}, "/update_weights_from_disk": {}, "/flush_cache": {},
-    "/weights_checker": {}, "/get_weights_by_name": {"/weights_checker": "lie"},
+    "/server_info": {},
+    "/generate": {},
+    "/update_weights_from_disk": {},
+    "/flush_cache": {},
+    "/weights_checker": {},
+    "/get_weights_by_name": {"/weights_checker": "lie"},
 }
-CASES = [(endpoint, fault) for endpoint in ENDPOINTS for fault in SAID
-         if (endpoint, fault) != ("/flush_cache", "garbage")]  # SGLang's /flush_cache answers text: any 200 is its
+CASES = [
+    (endpoint, fault) for endpoint in ENDPOINTS for fault in SAID if (endpoint, fault) != ("/flush_cache", "garbage")
+]  # SGLang's /flush_cache answers text: any 200 is its
 
 
 def _cli_run(tmp_path: Path, *where: str):
@@ -322,8 +382,7 @@ def _one_line(res) -> str:
 
 
 @pytest.mark.parametrize("endpoint, fault", CASES)
-def test_every_endpoint_answering_500_garbage_or_nothing_stops_the_run_with_one_line(faulty, tmp_path, endpoint,
-                                                                                     fault):
+def test_every_endpoint_answering_500_garbage_or_nothing_stops_the_run_with_one_line(faulty, tmp_path, endpoint, fault):
     """A server answering 500, a garbled 200 (text where JSON belongs, or JSON of another shape) or nothing (the
     connection closed) on one endpoint, every time: the call is tried again (rollout.request_attempts), then the
     run stops with exit 2 and one line naming the server, the endpoint and the answer; never an internal error."""
@@ -355,8 +414,10 @@ def test_a_server_that_refuses_connections_or_dies_at_a_weight_sync_is_named_wit
 
     faulty.faults = {"/update_weights_from_disk": "gone"}
     line = _one_line(_cli_run(tmp_path / "gone", "--rollout-external-engine-addrs", faulty.url))
-    assert line.startswith(f"rlbench: error: no SGLang server answers: {faulty.url} is gone (the last failure: POST "
-                           f"{faulty.url}/update_weights_from_disk: ServerDisconnectedError"), line
+    assert line.startswith(
+        f"rlbench: error: no SGLang server answers: {faulty.url} is gone (the last failure: POST "
+        f"{faulty.url}/update_weights_from_disk: ServerDisconnectedError"
+    ), line
 
 
 def test_the_probes_name_what_they_got(faulty, small_config):
@@ -371,12 +432,18 @@ def test_the_probes_name_what_they_got(faulty, small_config):
 
     faulty.faults = {"/health_generate": "500", "/workers": "garbage"}
     client = Client(4, 10)
-    engine = SGLangEngine(_through(small_config, faulty, Path("unused")),
-                          Fleet(route=[faulty.url], workers=[faulty.url], router=faulty.url), client)
+    engine = SGLangEngine(
+        _through(small_config, faulty, Path("unused")),
+        Fleet(route=[faulty.url], workers=[faulty.url], router=faulty.url),
+        client,
+    )
     proc = Process("server-0", subprocess.Popen(["sleep", "30"]), Path("/nonexistent.log"), url=faulty.url)
     try:
-        with pytest.raises(EngineUnavailable, match=rf"the last answer: GET {faulty.url}/health_generate: 500 "
-                                                    r"Internal Server Error"):
+        with pytest.raises(
+            EngineUnavailable,
+            match=rf"the last answer: GET {faulty.url}/health_generate: 500 "
+            r"Internal Server Error",
+        ):
             wait_server(proc, lambda url: client.run(not_ready(client, url)), timeout_s=0.5)
         client.run(engine._unregister([faulty.url]))
     finally:

@@ -24,12 +24,27 @@ from tests.conftest import REPO, cli, record_sweep
 EXAMPLES = int(os.environ.get("RLBENCH_SWEEP_EXAMPLES", "8"))
 BUDGET = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 pytestmark = pytest.mark.sweep
-RUN_FILES = ("manifest.json", "metrics.jsonl", "checksums.jsonl", "rollouts/000001.safetensors",
-             "rollouts/000001.json", "checkpoints/000002/state.json", "checkpoints/000002/model.safetensors",
-             "checkpoints/000002/optimizer.json", "checkpoints/000002/optimizer.safetensors")
-ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
-                       st.text(max_size=20), st.lists(st.integers(), max_size=3),
-                       st.just({"nested": {"deeper": [1, 2]}}), st.just([[[[]]]]))
+RUN_FILES = (
+    "manifest.json",
+    "metrics.jsonl",
+    "checksums.jsonl",
+    "rollouts/000001.safetensors",
+    "rollouts/000001.json",
+    "checkpoints/000002/state.json",
+    "checkpoints/000002/model.safetensors",
+    "checkpoints/000002/optimizer.json",
+    "checkpoints/000002/optimizer.safetensors",
+)
+ODD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.just({"nested": {"deeper": [1, 2]}}),
+    st.just([[[[]]]]),
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +53,10 @@ def base(tmp_path_factory):
     everything outside what the commands own."""
     root = tmp_path_factory.mktemp("sweep")
     config = root / "c.toml"
-    config.write_text("steps = 2\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
-                      "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n")
+    config.write_text(
+        "steps = 2\ncheckpoint_every = 2\n[data]\nprompts_per_step = 2\n[rollout]\n"
+        "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n"
+    )
     assert cli("run", "-c", str(config), "--out", str(root / "good"), "--json").returncode == 0
     assert cli("golden", "update", str(root / "good"), str(root / "golden.json"), "--reason", "sweep").returncode == 0
     (root / "outside").mkdir()
@@ -71,8 +88,11 @@ def _run_all(commands: list[list[str]], watched: list[Path], owned: list[Path] =
     for command in commands:
         _check(cli(*command), command)
     after = _snapshot(*watched)
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)
-                     and not any(k.startswith(str(o)) for o in owned))
+    changed = sorted(
+        k
+        for k in set(before) | set(after)
+        if before.get(k) != after.get(k) and not any(k.startswith(str(o)) for o in owned)
+    )
     assert not changed, f"written outside what the commands own: {changed[:5]}"
     record_sweep(inputs=1, commands=len(commands), outside_writes=len(changed))
 
@@ -114,7 +134,7 @@ def _corrupt(run: Path, outside: Path, spec) -> None:
         path.write_bytes(raw[: int(len(raw) * fraction)])
     elif kind == "flip":
         i = number % len(raw)
-        path.write_bytes(raw[:i] + bytes([raw[i] ^ (1 << (number % 8))]) + raw[i + 1:])
+        path.write_bytes(raw[:i] + bytes([raw[i] ^ (1 << (number % 8))]) + raw[i + 1 :])
     elif kind == "garbage":
         path.write_bytes(data.draw(st.binary(max_size=64)))
     elif kind == "link":
@@ -139,10 +159,14 @@ def _corrupt(run: Path, outside: Path, spec) -> None:
         key = sorted(tensors)[number % len(tensors)]
         t = tensors[key]
         how = data.draw(st.sampled_from(["dtype", "shape", "nan", "negative", "huge", "empty"]))
-        t = {"dtype": lambda: t.double() if not t.is_floating_point() else t.long(),
-             "shape": lambda: t.reshape(1, -1), "nan": lambda: t.double().fill_(float("nan")).to(t.dtype)
-             if t.is_floating_point() else t, "negative": lambda: -t - 1, "huge": lambda: t * 10**9,
-             "empty": lambda: t[:0]}[how]()
+        t = {
+            "dtype": lambda: t.double() if not t.is_floating_point() else t.long(),
+            "shape": lambda: t.reshape(1, -1),
+            "nan": lambda: t.double().fill_(float("nan")).to(t.dtype) if t.is_floating_point() else t,
+            "negative": lambda: -t - 1,
+            "huge": lambda: t * 10**9,
+            "empty": lambda: t[:0],
+        }[how]()
         tensors[key] = t.contiguous()
         if name.startswith("rollouts/"):  # keep the file's own digest consistent: the edit must be caught deeper
             from rlbench.rundir.recording import encode_step
@@ -165,11 +189,15 @@ def test_commands_on_a_corrupted_run_directory(base, tmp_path_factory, spec):
     _corrupt(run, base / "outside", spec)
     resumed = work / "resumed"
     shutil.copytree(run, resumed, symlinks=True)
-    commands = [["diff", str(base / "good"), str(run)], ["replay", str(run), "--out", str(work / "replay")],
-                ["check", "logprobs", str(run)], ["check", "tito", str(run)],
-                ["check", "golden", str(run), str(base / "golden.json"), "--ignore", "perf/*"],
-                ["golden", "update", str(run), str(work / "g.json"), "--reason", "sweep"],
-                ["run", "--resume", str(resumed)]]
+    commands = [
+        ["diff", str(base / "good"), str(run)],
+        ["replay", str(run), "--out", str(work / "replay")],
+        ["check", "logprobs", str(run)],
+        ["check", "tito", str(run)],
+        ["check", "golden", str(run), str(base / "golden.json"), "--ignore", "perf/*"],
+        ["golden", "update", str(run), str(work / "g.json"), "--reason", "sweep"],
+        ["run", "--resume", str(resumed)],
+    ]
     _run_all(commands, [base, run, resumed], owned=[work / "replay", work / "g.json", resumed])
 
 
@@ -181,9 +209,11 @@ def test_commands_on_a_corrupted_golden_file(base, tmp_path_factory, edit):
     doc = json.loads((base / "golden.json").read_text())
     where, value = edit.draw(json_edit(doc))
     golden.write_text(json.dumps(_mutate_json(doc, where, value)))
-    commands = [["check", "golden", str(base / "good"), str(golden)],
-                ["check", "golden", str(base / "good"), str(golden), "--tier", "approx", "--ignore", "perf/*"],
-                ["golden", "update", str(base / "good"), str(golden), "--reason", "sweep"]]
+    commands = [
+        ["check", "golden", str(base / "good"), str(golden)],
+        ["check", "golden", str(base / "good"), str(golden), "--tier", "approx", "--ignore", "perf/*"],
+        ["golden", "update", str(base / "good"), str(golden), "--reason", "sweep"],
+    ]
     _run_all(commands, [base, golden], owned=[golden])
 
 
@@ -199,57 +229,121 @@ def test_import_of_a_corrupted_slime_dump(base, tmp_path_factory, edit, sample):
     _run_all([["import", "slime", str(path), "--out", str(work / "out")]], [base, path], owned=[work / "out"])
     if not (work / "out").exists():
         return
-    _run_all([["check", "tito", str(work / "out")], ["replay", str(work / "out"), "--out", str(work / "r")]],
-             [base, work / "out"], owned=[work / "r"])
+    _run_all(
+        [["check", "tito", str(work / "out")], ["replay", str(work / "out"), "--out", str(work / "r")]],
+        [base, work / "out"],
+        owned=[work / "r"],
+    )
 
 
-TOML_KEYS = ("seed", "steps", "out", "threads", "device", "checkpoint_every", "record", "[data] prompts_per_step",
-             "[rollout] temperature", "[rollout] max_new_tokens", "[rollout] sampling_seed", "[train] lr",
-             "[train] betas", "[train] grad_clip", "[algo] kl_coef", "[algo] eps_clip", "[model] path", "[data] path")
+TOML_KEYS = (
+    "seed",
+    "steps",
+    "out",
+    "threads",
+    "device",
+    "checkpoint_every",
+    "record",
+    "[data] prompts_per_step",
+    "[rollout] temperature",
+    "[rollout] max_new_tokens",
+    "[rollout] sampling_seed",
+    "[train] lr",
+    "[train] betas",
+    "[train] grad_clip",
+    "[algo] kl_coef",
+    "[algo] eps_clip",
+    "[model] path",
+    "[data] path",
+)
 
 
 @BUDGET
-@given(key=st.sampled_from(TOML_KEYS), value=st.one_of(
-    st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.booleans(), st.text(max_size=12),
-    st.lists(st.integers(-3, 3), max_size=3), st.just("inf"), st.just(-1)))
+@given(
+    key=st.sampled_from(TOML_KEYS),
+    value=st.one_of(
+        st.integers(-(10**20), 10**20),
+        st.floats(allow_nan=True),
+        st.booleans(),
+        st.text(max_size=12),
+        st.lists(st.integers(-3, 3), max_size=3),
+        st.just("inf"),
+        st.just(-1),
+    ),
+)
 def test_run_with_a_hostile_toml_value(base, tmp_path_factory, key, value):
     work = tmp_path_factory.mktemp("toml")
     table, _, name = key.rpartition(" ")
-    rendered = json.dumps(value) if not isinstance(value, float) else repr(value).replace("nan", "nan").replace(
-        "inf", "inf")
+    rendered = (
+        json.dumps(value) if not isinstance(value, float) else repr(value).replace("nan", "nan").replace("inf", "inf")
+    )
     text = "steps = 1\n" if name != "steps" else ""
     body = f"{name} = {rendered}\n"
     text = (body + text) if not table else (text + f"{table}\n{body}")
     config = work / "c.toml"
     config.write_text(text)
-    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, config],
-             owned=[work / "out", REPO / "runs"])
+    _run_all(
+        [["run", "-c", str(config), "--out", str(work / "out"), "--json"]],
+        [base, config],
+        owned=[work / "out", REPO / "runs"],
+    )
 
 
 @BUDGET
-@given(rows=st.lists(st.one_of(
-    st.fixed_dictionaries({"prompt": st.text(max_size=30), "label": st.sampled_from(["even", "odd"])}),
-    st.dictionaries(st.sampled_from(["prompt", "label", "x"]), ODD_VALUES, max_size=3),
-    st.just({"prompt": [{"role": "wizard", "content": 1}], "label": "even"})), min_size=1, max_size=4))
+@given(
+    rows=st.lists(
+        st.one_of(
+            st.fixed_dictionaries({"prompt": st.text(max_size=30), "label": st.sampled_from(["even", "odd"])}),
+            st.dictionaries(st.sampled_from(["prompt", "label", "x"]), ODD_VALUES, max_size=3),
+            st.just({"prompt": [{"role": "wizard", "content": 1}], "label": "even"}),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_run_with_a_hostile_dataset(base, tmp_path_factory, rows):
     work = tmp_path_factory.mktemp("data")
     data = work / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = work / "c.toml"
-    config.write_text(f"steps = 1\n[data]\npath = '{data}'\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n"
-                      "[train]\nminibatches = 1\n")
-    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, data],
-             owned=[work / "out"])
+    config.write_text(
+        f"steps = 1\n[data]\npath = '{data}'\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n"
+        "[train]\nminibatches = 1\n"
+    )
+    _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, data], owned=[work / "out"])
 
 
 # --------------------------------------------------------------------------- issue 26: the second round's surfaces
 
 
-MEGATRON_KEYS = ("sequence_parallel", "init_method_std", "num_moe_experts", "recompute_granularity", "window_size",
-                 "init_method", "attention_backend", "bf16", "fp16", "fp8", "fp8_param", "no_such_field",
-                 "hidden_size", "layernorm_zero_centered_gamma", "moe_router_topk", "cuda_graph_scope")
-TOML_VALUES = st.one_of(st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.booleans(), st.text(max_size=12),
-                        st.lists(st.integers(-3, 3), max_size=3), st.just("full"), st.just(0.02), st.just(True))
+MEGATRON_KEYS = (
+    "sequence_parallel",
+    "init_method_std",
+    "num_moe_experts",
+    "recompute_granularity",
+    "window_size",
+    "init_method",
+    "attention_backend",
+    "bf16",
+    "fp16",
+    "fp8",
+    "fp8_param",
+    "no_such_field",
+    "hidden_size",
+    "layernorm_zero_centered_gamma",
+    "moe_router_topk",
+    "cuda_graph_scope",
+)
+TOML_VALUES = st.one_of(
+    st.integers(-(10**20), 10**20),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.text(max_size=12),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.just("full"),
+    st.just(0.02),
+    st.just(True),
+)
 
 
 def _toml_value(value) -> str:
@@ -258,8 +352,9 @@ def _toml_value(value) -> str:
 
 
 @BUDGET
-@given(key=st.sampled_from(MEGATRON_KEYS), value=TOML_VALUES,
-       ranks=st.sampled_from([(1, 1), (1, 2), (2, 512), (64, 16)]))
+@given(
+    key=st.sampled_from(MEGATRON_KEYS), value=TOML_VALUES, ranks=st.sampled_from([(1, 1), (1, 2), (2, 512), (64, 16)])
+)
 def test_megatron_run_with_a_hostile_table_or_rank_count(base, tmp_path_factory, monkeypatch, key, value, ranks):
     """Refused before any rank starts (one line), or a one-rank run: a rank process is never started here
     (this machine is held to one CPU, so every tp * dp above 1 is refused)."""
@@ -270,18 +365,29 @@ def test_megatron_run_with_a_hostile_table_or_rank_count(base, tmp_path_factory,
     monkeypatch.setattr(launch.Processes, "start", lambda *a: pytest.fail("a rank process was started"))
     work = tmp_path_factory.mktemp("megatron")
     config = work / "c.toml"
-    config.write_text(f"steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\n"
-                      f"backend = 'megatron'\nminibatches = 1\n[train.megatron]\n{key} = {_toml_value(value)}\n")
+    config.write_text(
+        f"steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\n"
+        f"backend = 'megatron'\nminibatches = 1\n[train.megatron]\n{key} = {_toml_value(value)}\n"
+    )
     tp, dp = ranks
-    _run_all([["run", "-c", str(config), "--tp", str(tp), "--dp", str(dp), "--out", str(work / "out"), "--json"]],
-             [base, config], owned=[work / "out"])
+    _run_all(
+        [["run", "-c", str(config), "--tp", str(tp), "--dp", str(dp), "--out", str(work / "out"), "--json"]],
+        [base, config],
+        owned=[work / "out"],
+    )
 
 
 RAY_HOSTS = st.sampled_from(["127.0.0.1", "[::1]", "", "::1", "a b", "localhost", "[zz]"])
 RAY_ADDRESSES = st.one_of(
-    st.builds(lambda scheme, host, port: f"{scheme}{host}:{port}",
-              st.sampled_from(["", "ray://", "http://", "grpc://"]), RAY_HOSTS, st.integers(-5, 70_000)),
-    st.text(max_size=20).filter(lambda t: "\x00" not in t), st.just("auto"))
+    st.builds(
+        lambda scheme, host, port: f"{scheme}{host}:{port}",
+        st.sampled_from(["", "ray://", "http://", "grpc://"]),
+        RAY_HOSTS,
+        st.integers(-5, 70_000),
+    ),
+    st.text(max_size=20).filter(lambda t: "\x00" not in t),
+    st.just("auto"),
+)
 
 
 @BUDGET
@@ -299,10 +405,29 @@ def test_run_with_a_hostile_ray_address(base, tmp_path_factory, monkeypatch, add
     monkeypatch.setattr(ray, "init", refuse)
     work = tmp_path_factory.mktemp("ray")
     config = work / "c.toml"
-    config.write_text("steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\n"
-                      "minibatches = 1\n")
-    _run_all([["run", "-c", str(config), "--placement", "ray", "--ray-address", address, "--ray-timeout", "1",
-               "--out", str(work / "out"), "--json"]], [base, config], owned=[work / "out"])
+    config.write_text(
+        "steps = 1\n[data]\nprompts_per_step = 1\n[rollout]\nn_samples_per_prompt = 2\n[train]\nminibatches = 1\n"
+    )
+    _run_all(
+        [
+            [
+                "run",
+                "-c",
+                str(config),
+                "--placement",
+                "ray",
+                "--ray-address",
+                address,
+                "--ray-timeout",
+                "1",
+                "--out",
+                str(work / "out"),
+                "--json",
+            ]
+        ],
+        [base, config],
+        owned=[work / "out"],
+    )
 
 
 @BUDGET
@@ -324,20 +449,41 @@ def test_commands_on_a_recording_whose_sample_json_is_edited_consistently(base, 
         meta["samples"][sample] = _mutate_json(meta["samples"][sample], where, value)
     meta["samples_sha256"] = _samples_digest(meta["samples"])
     path.write_text(json.dumps(meta))
-    _run_all([["replay", str(run), "--steps", "0:1", "--out", str(work / "replay")],
-              ["diff", str(base / "good"), str(run)],
-              ["run", "--mode", "train-only", "--rollouts", str(run), "--steps", "1", "--out", str(work / "t")]],
-             [base, run], owned=[work / "replay", work / "t"])
+    _run_all(
+        [
+            ["replay", str(run), "--steps", "0:1", "--out", str(work / "replay")],
+            ["diff", str(base / "good"), str(run)],
+            ["run", "--mode", "train-only", "--rollouts", str(run), "--steps", "1", "--out", str(work / "t")],
+        ],
+        [base, run],
+        owned=[work / "replay", work / "t"],
+    )
 
 
-MODEL_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "head_dim", "max_position_embeddings")
+MODEL_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 @BUDGET
-@given(key=st.sampled_from(MODEL_KEYS), value=st.one_of(
-    st.integers(-10**30, 0), st.integers(2**31, 10**30), st.floats(allow_nan=True), st.booleans(), st.text(max_size=8),
-    st.lists(st.integers(), max_size=2)))
+@given(
+    key=st.sampled_from(MODEL_KEYS),
+    value=st.one_of(
+        st.integers(-(10**30), 0),
+        st.integers(2**31, 10**30),
+        st.floats(allow_nan=True),
+        st.booleans(),
+        st.text(max_size=8),
+        st.lists(st.integers(), max_size=2),
+    ),
+)
 def test_run_with_a_model_config_of_hostile_sizes(base, tmp_path_factory, key, value):
     from rlbench.config import ModelConfig
 
@@ -351,10 +497,22 @@ def test_run_with_a_model_config_of_hostile_sizes(base, tmp_path_factory, key, v
     _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, model], owned=[work / "out"])
 
 
-TEMPLATES = st.one_of(st.text(max_size=40), st.sampled_from([
-    "{{ messages | no_such_filter }}", "{% if %}", "{{ raise_exception('no system prompt') }}", "{{ 1 / 0 }}",
-    "{% for m in messages %}{{ m.content }}", "{{ messages[99].content.upper() }}", "{{ messages[0]['content'] * 3 }}",
-    "{{ ''.join(messages) }}", "{% set x = undefined_thing.attr %}"]))
+TEMPLATES = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(
+        [
+            "{{ messages | no_such_filter }}",
+            "{% if %}",
+            "{{ raise_exception('no system prompt') }}",
+            "{{ 1 / 0 }}",
+            "{% for m in messages %}{{ m.content }}",
+            "{{ messages[99].content.upper() }}",
+            "{{ messages[0]['content'] * 3 }}",
+            "{{ ''.join(messages) }}",
+            "{% set x = undefined_thing.attr %}",
+        ]
+    ),
+)
 
 
 @BUDGET
@@ -368,8 +526,10 @@ def test_run_with_a_hostile_chat_template(base, tmp_path_factory, template):
     doc = json.loads((tok / "tokenizer_config.json").read_text())
     (tok / "tokenizer_config.json").write_text(json.dumps({**doc, "chat_template": template}))
     config = work / "c.toml"
-    config.write_text(f"steps = 1\n[model]\ntokenizer = '{tok}'\n[data]\nprompts_per_step = 1\n[rollout]\n"
-                      "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n")
+    config.write_text(
+        f"steps = 1\n[model]\ntokenizer = '{tok}'\n[data]\nprompts_per_step = 1\n[rollout]\n"
+        "n_samples_per_prompt = 2\n[train]\nminibatches = 1\n"
+    )
     _run_all([["run", "-c", str(config), "--out", str(work / "out"), "--json"]], [base, tok], owned=[work / "out"])
 
 
@@ -384,8 +544,14 @@ def test_import_of_a_dump_that_is_no_torch_file(base, tmp_path_factory, cut, gar
 
 
 WRONG_SECTIONS = [  # a manifest section (a table) holding a value of another type, as a hand or another tool may write
-    (("config", "model"), "qwen-tiny"), (("config", "rollout"), [1, 2]), (("config", "rollout", "sglang"), "x"),
-    (("config", "train"), None), (("hashes",), "abc"), (("versions",), 3), (("numerics",), []), (("vocab",), 5),
+    (("config", "model"), "qwen-tiny"),
+    (("config", "rollout"), [1, 2]),
+    (("config", "rollout", "sglang"), "x"),
+    (("config", "train"), None),
+    (("hashes",), "abc"),
+    (("versions",), 3),
+    (("numerics",), []),
+    (("vocab",), 5),
 ]
 
 
@@ -397,11 +563,16 @@ def test_every_command_refuses_a_manifest_section_of_the_wrong_type_by_name(base
     shutil.copytree(base / "good", run)
     manifest = json.loads((run / "manifest.json").read_text())
     (run / "manifest.json").write_text(json.dumps(_mutate_json(manifest, list(where), value)))
-    commands = [["check", "tito", str(run)], ["check", "golden", str(run), str(base / "golden.json")],
-                ["check", "logprobs", str(run)], ["replay", str(run), "--out", str(tmp_path / "replay")],
-                ["diff", str(base / "good"), str(run)], ["report", str(run), "--out", str(tmp_path / "r.html")],
-                ["golden", "update", str(run), str(tmp_path / "g.json"), "--reason", "sweep"],
-                ["run", "--resume", str(run)]]
+    commands = [
+        ["check", "tito", str(run)],
+        ["check", "golden", str(run), str(base / "golden.json")],
+        ["check", "logprobs", str(run)],
+        ["replay", str(run), "--out", str(tmp_path / "replay")],
+        ["diff", str(base / "good"), str(run)],
+        ["report", str(run), "--out", str(tmp_path / "r.html")],
+        ["golden", "update", str(run), str(tmp_path / "g.json"), "--reason", "sweep"],
+        ["run", "--resume", str(run)],
+    ]
     for command in commands:
         res = cli(*command)
         lines = res.stderr.strip().splitlines()

@@ -12,9 +12,23 @@ from safetensors.torch import load, save
 
 from rlbench.core.tensor_file import encode
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn, torch.int16, torch.uint16,
-          torch.float16, torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.float64, torch.int64,
-          torch.uint64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.float8_e5m2,
+    torch.float8_e4m3fn,
+    torch.int16,
+    torch.uint16,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.uint32,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.uint64,
+]
 
 
 def _random_dict(generator: torch.Generator, trial: int) -> dict[str, torch.Tensor]:
@@ -43,8 +57,12 @@ def test_encode_is_safetensors_save_bit_for_bit():
 
 def test_encode_takes_any_layout_and_reads_back():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    tensors = {"t": base.t(), "strided": base[::2, 1::3], "scalar": torch.tensor(7, dtype=torch.int64),
-               "empty": torch.zeros(0, 3, dtype=torch.bfloat16)}
+    tensors = {
+        "t": base.t(),
+        "strided": base[::2, 1::3],
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0, 3, dtype=torch.bfloat16),
+    }
     data = encode(tensors)
     assert bytes(data) == save({k: v.contiguous() for k, v in tensors.items()})
     back = load(bytes(data))
@@ -55,9 +73,9 @@ def test_encode_takes_any_layout_and_reads_back():
 def test_encode_metadata_sorted_and_strings_only():
     data = bytes(encode({"x": torch.ones(2)}, {"b": "1", "a": "2"}))
     (size,) = struct.unpack("<Q", data[:8])
-    assert list(json.loads(data[8:8 + size])["__metadata__"]) == ["a", "b"]
+    assert list(json.loads(data[8 : 8 + size])["__metadata__"]) == ["a", "b"]
     peer = save({"x": torch.ones(2)}, {"a": "2", "b": "1"})  # two keys: safetensors' order is a hash order
-    assert json.loads(data[8:8 + size]) == json.loads(peer[8:8 + size]) and data[8 + size:] == peer[8 + size:]
+    assert json.loads(data[8 : 8 + size]) == json.loads(peer[8 : 8 + size]) and data[8 + size :] == peer[8 + size :]
     one = {"x": torch.ones(2)}
     assert bytes(encode(one, {"rlbench": "{}"})) == save(one, {"rlbench": "{}"})
     with pytest.raises(ValueError, match="strings only"):

@@ -49,8 +49,10 @@ def test_encode_and_decode_are_the_tokenizers(tok):
 def test_same_text_other_ids_is_reencode(tok):
     assert classify(tok, enc(tok, "Is 7 ") + chars(tok, "odd"), enc(tok, "Is 7 odd")) == ("reencode", True)
     # the same text apart from whitespace the rendering adds at the very end
-    assert classify(tok, chars(tok, "odd") + [2] + enc(tok, "\n"), enc(tok, "odd") + [2] + enc(tok, "\n\n")) \
-        == ("reencode", True)
+    assert classify(tok, chars(tok, "odd") + [2] + enc(tok, "\n"), enc(tok, "odd") + [2] + enc(tok, "\n\n")) == (
+        "reencode",
+        True,
+    )
 
 
 def test_a_lone_byte_decoded_to_a_replacement_character_is_reencode(tok):
@@ -131,13 +133,25 @@ def test_a_finding_shows_both_sides_from_the_index_and_the_ids_before_it(tok):
     found = tito.divergence(tok, "multi-turn", "final re-render", got, expected, [], [])
     i = len(enc(tok, "Is 7 even or"))
     assert (found.shape, found.where, found.mode, found.number, found.strict) == (
-        "multi-turn", "final re-render", "reencode", 1, True)
-    assert found.index == i and found.context == got[i - 3:i] and found.context_text == tito.decode(tok, got[i - 3:i])
-    assert found.got == got[i:i + 4] and found.expected == expected[i:i + 4] and len(found.got) == 4
+        "multi-turn",
+        "final re-render",
+        "reencode",
+        1,
+        True,
+    )
+    assert (
+        found.index == i and found.context == got[i - 3 : i] and found.context_text == tito.decode(tok, got[i - 3 : i])
+    )
+    assert found.got == got[i : i + 4] and found.expected == expected[i : i + 4] and len(found.got) == 4
     assert (found.got_text, found.expected_text) == (" odd", " odd?")
     near_start = tito.finding(tok, "s", "w", enc(tok, "ab"), enc(tok, "xb"), 0, [], [], mode=("special", False))
     assert (near_start.context, near_start.context_text, near_start.mode, near_start.number, near_start.strict) == (
-        [], "", "special", 8, False)
+        [],
+        "",
+        "special",
+        8,
+        False,
+    )
     early = tito.finding(tok, "s", "w", chars(tok, "abc"), chars(tok, "abx"), 2, [], [], mode=("special", False))
     assert early.context == chars(tok, "ab")  # fewer than three ids before the index: all of them
 
@@ -169,7 +183,9 @@ def test_a_lone_byte_counts_within_its_turn_and_from_three_ids_before_the_diverg
     # at a turn's end: the turn it starts counts, not the one before
     turn = enc(tok, "odd") + [2]
     assert classify(tok, turn + lone[1:], turn + enc(tok, "zzy"), turn_ends=[len(turn), len(turn) + 2]) == (
-        "reencode", True)
+        "reencode",
+        True,
+    )
     # in a later turn than the divergence: not what parted the sequences
     first = enc(tok, "odd even") + [2]
     assert classify(tok, first + lone, enc(tok, "even odd") + [2] + lone, turn_ends=[len(first)]) == ("position", True)
@@ -177,13 +193,18 @@ def test_a_lone_byte_counts_within_its_turn_and_from_three_ids_before_the_diverg
     # so the non-canonical pair "a" "n" counts at index 3 and not at index 4
     got = chars(tok, "an") + enc(tok, "q") + enc(tok, "z") + enc(tok, "\ufffd") + enc(tok, "z")
     assert [tito.classify(tok, got, got[:k] + enc(tok, "x"), k, [], []) for k in (3, 4)] == [
-        ("reencode", True), ("position", True)]
+        ("reencode", True),
+        ("position", True),
+    ]
 
 
 def test_reasoning_is_a_think_block_within_eight_ids_of_the_divergence_on_one_side(tok):
     def think_after(k):  # a think block k + 1 ids after the divergence, on one side
-        return classify(tok, enc(tok, "odd") + chars(tok, "a" * k) + enc(tok, "<think>x</think>"),
-                        enc(tok, "even") + chars(tok, "a" * k))
+        return classify(
+            tok,
+            enc(tok, "odd") + chars(tok, "a" * k) + enc(tok, "<think>x</think>"),
+            enc(tok, "even") + chars(tok, "a" * k),
+        )
 
     assert [think_after(k) for k in (6, 7)] == [("reasoning", True), ("position", True)]
     # a think block both sides share before the divergence does not hide one that only one side has after it
@@ -205,7 +226,9 @@ def test_whitespace_of_a_multi_byte_character_sampled_byte_by_byte_is_separator(
     spaces = enc(tok, " ") * 2
     # whitespace on both sides, other whitespace
     assert classify(tok, turn + ideographic * 2 + spaces + enc(tok, "x"), turn + em * 2 + spaces + enc(tok, "x")) == (
-        "separator", True)
+        "separator",
+        True,
+    )
     # on one side only, text on the other
     assert classify(tok, turn + ideographic * 2 + spaces + enc(tok, "x"), turn + enc(tok, "x")) == ("position", True)
     # one side ends at the boundary, the other goes on with whitespace only (more ids than are decoded to classify)
@@ -268,7 +291,8 @@ def test_encode_never_adds_special_tokens_and_a_tokenizer_without_a_rust_backend
 
     tok = _fresh()
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
     assert tok.encode("odd") == [1, *tok.encode("odd", add_special_tokens=False)]
 
     class Slow:
@@ -333,8 +357,7 @@ def test_every_divergence_is_found_each_classified_on_its_own(tok):
     user = enc(tok, "<|im_start|>user\nAnd 12?")
     got = first + user + second
     expected = first + enc(tok, "\n") + user + enc(tok, "even") + [2]
-    found = tito.block_findings(tok, "s", "w", got, expected, [len(first), len(got)], [],
-                                reasoning=("12 ends in 2",))
+    found = tito.block_findings(tok, "s", "w", got, expected, [len(first), len(got)], [], reasoning=("12 ends in 2",))
     assert [(f.mode, f.index) for f in found] == [("separator", len(first)), ("reasoning", len(first + user))]
     assert found[1].expected_index == len(first) + 1 + len(user)
     assert tito.block_findings(tok, "s", "w", got, list(got), [], []) == []

@@ -15,8 +15,14 @@ from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, run_cli
 
 TOKENIZERS = REPO / "rlbench" / "fixtures" / "tokenizers"
-OWN_MODE = {"tito-reencode": "reencode", "tito-separator": "separator", "tito-reasoning": "reasoning",
-            "tito-position": "position", "tito-special": "special", "tito-truncated": "truncated"}
+OWN_MODE = {
+    "tito-reencode": "reencode",
+    "tito-separator": "separator",
+    "tito-reasoning": "reasoning",
+    "tito-position": "position",
+    "tito-special": "special",
+    "tito-truncated": "truncated",
+}
 HAZARDS = {"reencode", "special", "truncated"}  # what only a re-rendering or decoding pipeline breaks
 
 
@@ -31,14 +37,27 @@ def _all_but(*left_out):
 
 # fixture: where its drift is found (the stage of the builder), and in which shapes
 # (every turn that re-encodes is its own divergence: two in the two-answer shapes)
-FOUND = {"tito-reencode": ("final re-render", ["single-turn", "multi-turn", "multi-turn", "tool-result",
-                                               "consecutive-tool-results", "truncated", "multi-turn-with-tools",
-                                               "multi-turn-with-tools", "tool-result-with-tools"]),
-         "tito-separator": ("final re-render", _all_but("single-turn", "truncated")),
-         "tito-reasoning": ("prefix after turn 1", ["reasoning"]),
-         "tito-position": ("prefix after turn 1", _all_but("single-turn")),
-         "tito-special": ("decode of turn 1", ["tool-result", "consecutive-tool-results", "tool-result-with-tools"]),
-         "tito-truncated": ("final re-render", ["truncated"])}
+FOUND = {
+    "tito-reencode": (
+        "final re-render",
+        [
+            "single-turn",
+            "multi-turn",
+            "multi-turn",
+            "tool-result",
+            "consecutive-tool-results",
+            "truncated",
+            "multi-turn-with-tools",
+            "multi-turn-with-tools",
+            "tool-result-with-tools",
+        ],
+    ),
+    "tito-separator": ("final re-render", _all_but("single-turn", "truncated")),
+    "tito-reasoning": ("prefix after turn 1", ["reasoning"]),
+    "tito-position": ("prefix after turn 1", _all_but("single-turn")),
+    "tito-special": ("decode of turn 1", ["tool-result", "consecutive-tool-results", "tool-result-with-tools"]),
+    "tito-truncated": ("final re-render", ["truncated"]),
+}
 
 
 def test_the_conversation_shapes_are_the_documented_ones():
@@ -54,26 +73,57 @@ def test_the_conversation_shapes_are_the_documented_ones():
             text += f" -> {call['function']['name']}({json.dumps(call['function']['arguments'])})"
         return text + "".join(f" [{key}: {value}]" for key, value in sorted(rest.items()))
 
-    parity, call = ["user: Is 7 even or odd?", "assistant: odd", "user: And 12?", "assistant: even"], \
-        ["user: Is 3 plus 4 even or odd?", 'assistant:  -> calculator({"expression": "3+4"})', "tool: 7",
-         "assistant: odd"]
+    parity, call = (
+        ["user: Is 7 even or odd?", "assistant: odd", "user: And 12?", "assistant: even"],
+        [
+            "user: Is 3 plus 4 even or odd?",
+            'assistant:  -> calculator({"expression": "3+4"})',
+            "tool: 7",
+            "assistant: odd",
+        ],
+    )
     tools = [tito_audit.CALCULATOR]
     shapes = conversation_shapes()
     assert {name: ([line(m) for m in messages], t) for name, (messages, t) in shapes.items()} == {
         "single-turn": (parity[:2], None),
         "multi-turn": (parity, None),
         "tool-result": (call, None),
-        "consecutive-tool-results": (["user: Is 3 plus 4 even, and 6?", 'assistant:  -> calculator({"expression": '
-                                      '"3+4"}) -> calculator({"expression": "6"})', "tool: 7", "tool: 6",
-                                      "assistant: odd even"], None),
-        "reasoning": (["user: Is 7 even or odd?", "assistant: odd [reasoning_content: 7 ends in 7]", "user: And 12?",
-                       "assistant: even [reasoning_content: 12 ends in 2]"], None),
-        "truncated": (["user: Is 7 even or odd?", "assistant: The answer [truncated: True]", "user: Go on.",
-                       "assistant: odd"], None),
+        "consecutive-tool-results": (
+            [
+                "user: Is 3 plus 4 even, and 6?",
+                'assistant:  -> calculator({"expression": "3+4"}) -> calculator({"expression": "6"})',
+                "tool: 7",
+                "tool: 6",
+                "assistant: odd even",
+            ],
+            None,
+        ),
+        "reasoning": (
+            [
+                "user: Is 7 even or odd?",
+                "assistant: odd [reasoning_content: 7 ends in 7]",
+                "user: And 12?",
+                "assistant: even [reasoning_content: 12 ends in 2]",
+            ],
+            None,
+        ),
+        "truncated": (
+            ["user: Is 7 even or odd?", "assistant: The answer [truncated: True]", "user: Go on.", "assistant: odd"],
+            None,
+        ),
         "multi-turn-with-tools": (parity, tools),
-        "tool-result-with-tools": (call, tools)}
-    assert list(shapes) == ["single-turn", "multi-turn", "tool-result", "consecutive-tool-results", "reasoning",
-                            "truncated", "multi-turn-with-tools", "tool-result-with-tools"]
+        "tool-result-with-tools": (call, tools),
+    }
+    assert list(shapes) == [
+        "single-turn",
+        "multi-turn",
+        "tool-result",
+        "consecutive-tool-results",
+        "reasoning",
+        "truncated",
+        "multi-turn-with-tools",
+        "tool-result-with-tools",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(OWN_MODE))
@@ -112,9 +162,9 @@ def test_finding_index_is_where_the_ids_part(name, monkeypatch):
     for found, got, expected in seen:
         i = found.index
         assert got[:i] == expected[:i], "the sequences agree before the index"
-        assert got[i:i + 1] != expected[i:i + 1], "and part at it"
-        assert found.got == got[i:i + 4] and found.expected == expected[i:i + 4]
-        assert found.context == got[max(0, i - 3):i]
+        assert got[i : i + 1] != expected[i : i + 1], "and part at it"
+        assert found.got == got[i : i + 4] and found.expected == expected[i : i + 4]
+        assert found.context == got[max(0, i - 3) : i]
         assert found.got_text == tito.decode(tok, found.got) and found.expected_text == tito.decode(tok, found.expected)
 
 
@@ -139,9 +189,12 @@ def test_a_template_that_raises_on_one_shape_is_that_shapes_finding():
 def test_bare_tool_calls_are_read_by_a_template_that_takes_both_shapes_only():
     """The bare {"name", "arguments"} shape, which the audit used to send: tito-clean reads both shapes;
     tito-function, like Llama 3.x, cannot, and says so as a finding instead of a traceback."""
-    bare = [{"role": "user", "content": "Is 3 plus 4 even or odd?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": "3+4"}]},
-            {"role": "tool", "content": "7"}, {"role": "assistant", "content": "odd"}]
+    bare = [
+        {"role": "user", "content": "Is 3 plus 4 even or odd?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": "3+4"}]},
+        {"role": "tool", "content": "7"},
+        {"role": "assistant", "content": "odd"},
+    ]
     from rlbench.core.model import load_tokenizer
 
     assert tito_audit.audit_shape(load_tokenizer(TOKENIZERS / "tito-clean"), "bare", bare, None) == []
@@ -160,10 +213,14 @@ def test_qwen_style_template_drifts_as_qwen_does():
 
 # Plain ChatML with a default system prompt (Qwen2.5's shape), made from tito-clean's template: one renders no
 # reasoning anywhere, the other keeps the last turn's reasoning and strips it from the history.
-_CLEAN_REASONING = ("{%- if message.get('reasoning_content') %}{{- '<think>\\n' + message['reasoning_content'] + "
-                    "'\\n</think>\\n\\n' }}{%- endif %}")
-_DEFAULT_SYSTEM = ("{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful "
-                   "assistant.<|im_end|>' }}{%- endif %}")
+_CLEAN_REASONING = (
+    "{%- if message.get('reasoning_content') %}{{- '<think>\\n' + message['reasoning_content'] + "
+    "'\\n</think>\\n\\n' }}{%- endif %}"
+)
+_DEFAULT_SYSTEM = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful "
+    "assistant.<|im_end|>' }}{%- endif %}"
+)
 
 
 def _chatml_with_default_system(tmp_path, reasoning: str):
@@ -172,7 +229,8 @@ def _chatml_with_default_system(tmp_path, reasoning: str):
     template = config["chat_template"]
     assert template.count(_CLEAN_REASONING) == 1 and template.count("{%- if not loop.first or tools %}") == 1
     template = template.replace(_CLEAN_REASONING, reasoning).replace(
-        "{%- if not loop.first or tools %}", "{%- if not loop.first or tools or messages[0]['role'] != 'system' %}")
+        "{%- if not loop.first or tools %}", "{%- if not loop.first or tools or messages[0]['role'] != 'system' %}"
+    )
     config["chat_template"] = _DEFAULT_SYSTEM + template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_bytes((TOKENIZERS / "tito-clean" / "tokenizer.json").read_bytes())
@@ -198,13 +256,15 @@ def test_a_template_that_renders_no_reasoning_anywhere_is_not_probed(tmp_path):
 def test_a_template_that_strips_reasoning_from_the_history_is_still_mode_4(tmp_path):
     """The same ChatML, rendering a turn's reasoning only after the last user message: a reasoning template, probed;
     the first turn's reasoning, sampled, is gone from the history."""
-    kept_last = _CLEAN_REASONING.replace("message.get('reasoning_content') %}",
-                                         "message.get('reasoning_content') and loop.index0 > ns.last_user %}")
+    kept_last = _CLEAN_REASONING.replace(
+        "message.get('reasoning_content') %}", "message.get('reasoning_content') and loop.index0 > ns.last_user %}"
+    )
     tokenizer = _chatml_with_default_system(tmp_path, kept_last)
     report = audit(tokenizer)
     assert report.skipped == {} and report.shapes == list(conversation_shapes())
     assert [(f.shape, f.mode, f.strict, f.where) for f in report.findings] == [
-        ("reasoning", "reasoning", True, "prefix after turn 1")]
+        ("reasoning", "reasoning", True, "prefix after turn 1")
+    ]
     res = run_cli("check", "tito", "--tokenizer", str(tokenizer), "--audit", "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["modes"] == {"reasoning": 1}, res.stdout
 
@@ -213,13 +273,15 @@ def test_a_reasoning_template_that_loses_a_turns_reasoning_even_last_is_mode_4()
     """The probe asks whether the template renders reasoning somewhere; where it does, a turn whose reasoning has no
     place even as the last turn is still lost (here: the template renders the second turn's reasoning only)."""
     tok = load_tokenizer(TOKENIZERS / "tito-clean")
-    tok.chat_template = tok.chat_template.replace("message.get('reasoning_content') %}",
-                                                  "message.get('reasoning_content') and loop.index0 > 1 %}")
+    tok.chat_template = tok.chat_template.replace(
+        "message.get('reasoning_content') %}", "message.get('reasoning_content') and loop.index0 > 1 %}"
+    )
     messages = conversation_shapes()["reasoning"][0]
     assert tito_audit.renders_reasoning(tito_audit.PlainBuilder(tok, {}), messages, None)
     lost = [f for f in audit_shape(tok, "reasoning", messages, None) if f.where.startswith("turn ")]
     assert [(f.mode, f.where) for f in lost] == [
-        ("reasoning", "turn 1: its reasoning is not in the template's rendering of the turn, even as the last turn")]
+        ("reasoning", "turn 1: its reasoning is not in the template's rendering of the turn, even as the last turn")
+    ]
 
 
 def test_cli_audit_exit_codes():
@@ -269,8 +331,9 @@ def test_the_builder_renders_each_step_with_the_shapes_tools(monkeypatch):
     audit(TOKENIZERS / "tito-clean", ["tool-result-with-tools", "multi-turn"], kwargs={"enable_thinking": False})
     steps = [(1, True), (1, True), (2, False), (3, True), (2, False), (3, True), (3, True), (4, False), (4, False)]
     tools, kw = [tito_audit.CALCULATOR], {"enable_thinking": False}
-    assert calls == [(1, None, True, kw), (1, None, False, kw)] + [(n, tools, g, kw) for n, g in steps] + \
-        [(n, None, g, kw) for n, g in steps]
+    assert calls == [(1, None, True, kw), (1, None, False, kw)] + [(n, tools, g, kw) for n, g in steps] + [
+        (n, None, g, kw) for n, g in steps
+    ]
 
 
 def test_three_turns_each_grow_from_the_one_before():
@@ -289,8 +352,12 @@ def test_a_turn_is_sampled_up_to_its_first_end_of_turn():
     """A sampler stops at the first end-of-turn: what a rendered turn has after it was never sampled."""
     tok = load_tokenizer(TOKENIZERS / "tito-clean")
     [f] = audit_shape(tok, "s", [_user("Is 7 odd?"), _assistant("odd<|im_end|>even")], None)
-    assert (f.where, f.expected_text, f.got_text, f.context_text) == ("final re-render", "even<|im_end|>", "",
-                                                                       "\nodd<|im_end|>")
+    assert (f.where, f.expected_text, f.got_text, f.context_text) == (
+        "final re-render",
+        "even<|im_end|>",
+        "",
+        "\nodd<|im_end|>",
+    )
 
 
 def test_a_generation_prompt_the_turn_does_not_start_with():
@@ -307,8 +374,11 @@ def test_a_generation_prompt_the_turn_does_not_start_with():
             "reasoning",
             False,
         )
-        assert (f.context_text, f.got_text, f.expected_text) == ("<|im_start|>assistant\n", "<think>\n\n</think>",
-                                                                 f"{answer}<|im_end|>")
+        assert (f.context_text, f.got_text, f.expected_text) == (
+            "<|im_start|>assistant\n",
+            "<think>\n\n</think>",
+            f"{answer}<|im_end|>",
+        )
     # with reasoning in the turn, what the rendering drops was sampled: a finding
     messages[1] = _assistant("odd", reasoning_content="7 ends in 7")
     assert [f.strict for f in audit_shape(tok, "think", messages, None)][:1] == [True]
@@ -333,8 +403,13 @@ def test_the_special_finding_is_special_even_where_classify_would_say_otherwise(
     tok = load_tokenizer(TOKENIZERS / "tito-special")
     tok.add_special_tokens({"additional_special_tokens": [AddedToken("<think>", special=True)]})
     [f] = audit_shape(tok, "s", [_user("Is 7 odd?"), _assistant("<think>7</think>odd")], None)
-    assert (f.mode, f.number, f.where, f.expected_text, f.got_text) == ("special", 8, "decode of turn 1",
-                                                                        "<think>7</think>odd", "7</think>odd")
+    assert (f.mode, f.number, f.where, f.expected_text, f.got_text) == (
+        "special",
+        8,
+        "decode of turn 1",
+        "<think>7</think>odd",
+        "7</think>odd",
+    )
 
 
 def test_the_special_finding_points_past_text_sampled_before_the_dropped_token():
@@ -351,8 +426,20 @@ def test_a_template_error_is_one_line_finding():
     from rlbench.checks.tito import Finding
 
     f = tito_audit.template_error("s", TemplateError("cannot\n   render  this"))
-    assert f == Finding("s", "template", 0, True, -1, [], [], [], "", "", "TemplateError: cannot render this",
-                        "template error: cannot render this")
+    assert f == Finding(
+        "s",
+        "template",
+        0,
+        True,
+        -1,
+        [],
+        [],
+        [],
+        "",
+        "",
+        "TemplateError: cannot render this",
+        "template error: cannot render this",
+    )
     assert tito_audit.template_error("s", TemplateError("")).where == "template error: TemplateError"
 
 

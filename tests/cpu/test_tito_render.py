@@ -23,8 +23,9 @@ def test_render_equals_apply_chat_template(name):
         for cut in range(1, len(messages) + 1):
             for generation in (False, True):
                 try:
-                    want = tok.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=generation,
-                                                   tokenize=False)
+                    want = tok.apply_chat_template(
+                        messages[:cut], tools=tools, add_generation_prompt=generation, tokenize=False
+                    )
                 except TemplateError as exc:  # a template that refuses a shape refuses it on both paths
                     with pytest.raises(TemplateError, match=re.escape(str(exc))):
                         render(tok, messages[:cut], tools, generation)
@@ -63,7 +64,8 @@ def test_render_with_kwargs_and_none_valued_keys_equals_apply_chat_template(name
     messages[-1] = dict(messages[-1], reasoning="7 is odd")
     for kwargs in ({}, {"enable_thinking": False, "clear_thinking": False, "preserve_thinking": True}):
         for generation in (False, True):
-            want = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=False,
-                                           **kwargs)
+            want = tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kwargs
+            )
             assert render(tok, messages, tools, generation, kwargs) == want
             assert "None" not in want

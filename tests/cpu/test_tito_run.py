@@ -54,8 +54,9 @@ def test_an_id_changed_between_engine_and_trainer_is_found_where_it_is(default_r
     bump_response_token(edited, step, sample, 0)
     report = check_run(edited)
     [f] = report.findings
-    prompt = len(json.loads((edited / "rollouts" / "000001.json").read_text())["samples"][sample]["turns"][0]
-                 ["prompt_ids"])
+    prompt = len(
+        json.loads((edited / "rollouts" / "000001.json").read_text())["samples"][sample]["turns"][0]["prompt_ids"]
+    )
     assert (f.step, f.sample, f.finding.index, f.finding.strict) == (step, sample, prompt, True)
     assert f.where == "turn 0 vs the trained ids" and f.finding.got != f.finding.expected
     res = run_cli("check", "tito", str(edited))
@@ -140,8 +141,11 @@ def test_an_imported_non_canonical_sample_the_engine_sampled_is_not_drift(tmp_pa
     run = _import(tmp_path, _dump(tmp_path, model, pieces, pieces), model_dir)
     undetermined = run_cli("check", "tito", run)
     assert undetermined.returncode == 0, undetermined.stdout + undetermined.stderr
-    assert "1 of 8 samples are not the canonical encoding" in undetermined.stdout and "no drift" not in \
-        undetermined.stdout and "separator" not in undetermined.stdout  # 7 clean samples: no noise
+    assert (
+        "1 of 8 samples are not the canonical encoding" in undetermined.stdout
+        and "no drift" not in undetermined.stdout
+        and "separator" not in undetermined.stdout
+    )  # 7 clean samples: no noise
     report = check_run(run, model_dir=model_dir)
     assert report.lens == "evidence" and report.findings == [] and report.evidence == {"sampled": 1}
     res = run_cli("check", "tito", run, "--model", str(model_dir))
@@ -154,8 +158,11 @@ def test_an_imported_sample_built_from_other_ids_than_the_engine_sampled_is_mode
     run = _import(tmp_path, _dump(tmp_path, model, pieces, canon), model_dir)
     report = check_run(run, model_dir=model_dir)
     [f] = report.findings
-    prompt = len(TOK.apply_chat_template([{"role": "user", "content": "Is 10 even or odd?"}],
-                                         add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompt = len(
+        TOK.apply_chat_template(
+            [{"role": "user", "content": "Is 10 even or odd?"}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+    )
     p = next(i for i in range(len(pieces)) if pieces[i] != canon[i])
     assert (f.sample, f.finding.mode, f.finding.number, f.finding.index) == (3, "reencode", 1, prompt + p)
     assert f.finding.got[0] == pieces[p] and f.finding.expected[0] == canon[p]
@@ -165,8 +172,12 @@ def test_an_imported_sample_built_from_other_ids_than_the_engine_sampled_is_mode
 
 def test_a_dump_whose_engine_scored_another_number_of_tokens_is_refused_naming_the_drift(tmp_path, peaky_model):
     model_dir, model = peaky_model
-    dump = _dump(tmp_path, model, TOK.encode("odd") + [TOK.eos_token_id], TOK.encode("o") + TOK.encode("d")
-                 + TOK.encode("d") + [TOK.eos_token_id])
+    dump = _dump(
+        tmp_path,
+        model,
+        TOK.encode("odd") + [TOK.eos_token_id],
+        TOK.encode("o") + TOK.encode("d") + TOK.encode("d") + [TOK.eos_token_id],
+    )
     res = run_cli("import", "slime", str(dump), "--out", str(tmp_path / "x"), "--tokenizer", str(QWEN))
     assert res.returncode == 2 and "re-tokenised after generation" in res.stderr and not (tmp_path / "x").exists()
 
@@ -185,8 +196,17 @@ def test_import_without_a_model_holds_ids_to_the_tokenizers_vocabulary(tmp_path)
     assert res.returncode == 0, res.stderr
     res = run_cli("import", "slime", *map(str, dumps), "--out", str(tmp_path / "no"), "--tokenizer", str(QWEN))
     assert res.returncode == 2 and f"token id {extra} is outside the tokenizer's vocabulary ({QWEN})" in res.stderr
-    res = run_cli("import", "slime", *map(str, dumps), "--out", str(tmp_path / "m"), "--tokenizer", str(big),
-                  "--model", str(REPO / ModelConfig().path))
+    res = run_cli(
+        "import",
+        "slime",
+        *map(str, dumps),
+        "--out",
+        str(tmp_path / "m"),
+        "--tokenizer",
+        str(big),
+        "--model",
+        str(REPO / ModelConfig().path),
+    )
     assert res.returncode == 2 and "outside the model's vocabulary" in res.stderr
 
 
@@ -210,9 +230,10 @@ def test_jsonl_closing_whitespace_and_a_truncated_reply_are_not_drift(tmp_path):
     messages, prompt = _prompt()
     clean = prompt + TOK.encode("odd") + [TOK.eos_token_id]
     cut = prompt + TOK.encode("The answer")
-    rows = [{"messages": messages + [{"role": "assistant", "content": "odd"}], "token_ids": clean},
-            {"messages": messages + [{"role": "assistant", "content": "The answer", "truncated": True}],
-             "token_ids": cut}]
+    rows = [
+        {"messages": messages + [{"role": "assistant", "content": "odd"}], "token_ids": clean},
+        {"messages": messages + [{"role": "assistant", "content": "The answer", "truncated": True}], "token_ids": cut},
+    ]
     report = check_run(_jsonl(tmp_path, rows), QWEN)
     assert report.samples == 2 and report.findings == []
 
@@ -221,8 +242,9 @@ def test_jsonl_same_text_other_ids_is_mode_1_despite_closing_whitespace(tmp_path
     messages, prompt = _prompt()
     answer, canon, pieces = _same_length_resegmentation()
     ids = prompt + pieces + [TOK.eos_token_id]
-    report = check_run(_jsonl(tmp_path, [{"messages": messages + [{"role": "assistant", "content": answer}],
-                                          "token_ids": ids}]), QWEN)
+    report = check_run(
+        _jsonl(tmp_path, [{"messages": messages + [{"role": "assistant", "content": answer}], "token_ids": ids}]), QWEN
+    )
     [f] = report.findings
     p = next(i for i in range(len(pieces)) if pieces[i] != canon[i])
     assert (f.finding.mode, f.finding.index) == ("reencode", len(prompt) + p)
@@ -235,10 +257,18 @@ TITO_CLEAN = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean"
 def _clean_row(tools=None, **extra):
     """A tool conversation as tito-clean renders it, its trained ids that rendering (with or without tools)."""
     tok = load_tokenizer(TITO_CLEAN)
-    messages = [{"role": "user", "content": "Is 3 plus 4 odd?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}]},
-                {"role": "tool", "content": "7"}, {"role": "assistant", "content": "odd"}]
+    messages = [
+        {"role": "user", "content": "Is 3 plus 4 odd?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}
+            ],
+        },
+        {"role": "tool", "content": "7"},
+        {"role": "assistant", "content": "odd"},
+    ]
     ids = tok.apply_chat_template(messages, tools=tools, tokenize=True)["input_ids"]
     return {"messages": messages, "token_ids": ids, **({"tools": tools} if tools else {}), **extra}, tok
 
@@ -259,12 +289,16 @@ def test_jsonl_template_kwargs_from_the_command_and_from_each_row(tmp_path):
     """A template that reads a kwarg: the command's kwargs render every row, a row's own chat_template_kwargs win;
     both recorded."""
     tok = load_tokenizer(TITO_CLEAN)
-    tok.chat_template = tok.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n' + "
-                                                  "('<think>\\n' if enable_thinking else '')")
+    tok.chat_template = tok.chat_template.replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n' + ('<think>\\n' if enable_thinking else '')"
+    )
     tok.save_pretrained(tmp_path / "tok")
     messages, _ = _prompt()
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True,
-                                  tokenize=True)["input_ids"] + tok.encode("odd") + [tok.eos_token_id]
+    ids = (
+        tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True, tokenize=True)["input_ids"]
+        + tok.encode("odd")
+        + [tok.eos_token_id]
+    )
     row = {"messages": messages + [{"role": "assistant", "content": "<think>\nodd"}], "token_ids": ids}
     path = _jsonl(tmp_path, [row])
     assert check_run(path, tmp_path / "tok", kwargs={"enable_thinking": True}).findings == []
@@ -279,8 +313,11 @@ def test_jsonl_sampled_ids_say_whether_it_trained_on_what_was_sampled(tmp_path):
     on what was sampled; a turn the trainer re-encoded is a finding even where the re-render agrees with it."""
     messages, prompt = _prompt()
     answer, canon, pieces = _same_length_resegmentation()
-    row = {"messages": messages + [{"role": "assistant", "content": answer}],
-           "token_ids": prompt + canon + [TOK.eos_token_id], "sampled": [pieces + [TOK.eos_token_id]]}
+    row = {
+        "messages": messages + [{"role": "assistant", "content": answer}],
+        "token_ids": prompt + canon + [TOK.eos_token_id],
+        "sampled": [pieces + [TOK.eos_token_id]],
+    }
     report = check_run(_jsonl(tmp_path, [row]), QWEN)
     [f] = report.findings
     assert (f.finding.mode, f.finding.where, report.sampled_rows) == (
@@ -312,22 +349,32 @@ def test_jsonl_without_sampled_ids_is_never_called_no_drift(tmp_path):
 def test_jsonl_a_row_the_template_refuses_is_a_finding_not_an_internal_error(tmp_path):
     function = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-function"
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1"}}}
-    row = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
-                                                            "tool_calls": [call, call]}], "token_ids": [1, 2]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        ],
+        "token_ids": [1, 2],
+    }
     res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(function), "--json")
     assert res.returncode == 1, res.stderr
     [f] = json.loads(res.stdout)["findings"]
     assert f["where"] == "template error: This model only supports single tool-calls at once!"
 
 
-@pytest.mark.parametrize("row,message", [
-    ({"messages": [], "token_ids": [1], "tools": "x"}, "(TypeError: tools)"),
-    ({"messages": [], "token_ids": [1], "chat_template_kwargs": [1]}, "(TypeError: chat_template_kwargs)"),
-    ({"messages": [{"role": "assistant", "content": "a"}], "token_ids": [1], "sampled": [[1], [2]]},
-     "(sampled: one list of ids per assistant message)"),
-    ({"messages": [], "token_ids": [10**6]}, "(token id 1000000 is outside the tokenizer's vocabulary"),
-    ({"messages": [{"content": "a"}], "token_ids": [1]}, "(TypeError: messages)"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"messages": [], "token_ids": [1], "tools": "x"}, "(TypeError: tools)"),
+        ({"messages": [], "token_ids": [1], "chat_template_kwargs": [1]}, "(TypeError: chat_template_kwargs)"),
+        (
+            {"messages": [{"role": "assistant", "content": "a"}], "token_ids": [1], "sampled": [[1], [2]]},
+            "(sampled: one list of ids per assistant message)",
+        ),
+        ({"messages": [], "token_ids": [10**6]}, "(token id 1000000 is outside the tokenizer's vocabulary"),
+        ({"messages": [{"content": "a"}], "token_ids": [1]}, "(TypeError: messages)"),
+    ],
+)
 def test_jsonl_bad_rows_are_bad_input_naming_the_line_and_field(tmp_path, row, message):
     res = run_cli("check", "tito", _jsonl(tmp_path, [row]), "--tokenizer", str(QWEN))
     assert res.returncode == 2 and "line 1: expected" in res.stderr and message in res.stderr, res.stderr
@@ -347,8 +394,10 @@ def test_the_sampled_spans_of_a_response_are_its_runs_of_loss_mask_1():
     from rlbench.checks.tito_run import sampled_spans
 
     ids, mask = [1, 2, 3, 10, 11, 20, 21, 22, 12, 13], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
-    assert sampled_spans(ids, 3, mask) == [{"prompt_ids": [1, 2, 3], "output_ids": [10, 11]},
-                                           {"prompt_ids": [1, 2, 3, 10, 11, 20, 21, 22], "output_ids": [12, 13]}]
+    assert sampled_spans(ids, 3, mask) == [
+        {"prompt_ids": [1, 2, 3], "output_ids": [10, 11]},
+        {"prompt_ids": [1, 2, 3, 10, 11, 20, 21, 22], "output_ids": [12, 13]},
+    ]
     assert sampled_spans(ids, 3, [0] * 10) == [] and sampled_spans(ids, 10, [1] * 10) == []
     assert sampled_spans(ids, 0, [1] * 10) == [{"prompt_ids": [], "output_ids": ids}]
 

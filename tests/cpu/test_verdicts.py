@@ -23,8 +23,17 @@ def runs(tmp_path_factory):
     from rlbench.replay.replay import replay
 
     root = tmp_path_factory.mktemp("verdicts")
-    run(load_config(out=str(root / "a"), steps=STEPS, checkpoint_every=2, data__prompts_per_step=2,
-                    rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=4))
+    run(
+        load_config(
+            out=str(root / "a"),
+            steps=STEPS,
+            checkpoint_every=2,
+            data__prompts_per_step=2,
+            rollout__n_samples_per_prompt=4,
+            train__minibatches=2,
+            train__micro_batch_size=4,
+        )
+    )
     assert replay(root / "a", root / "replay").ok
     return root / "a", root / "replay"
 
@@ -54,11 +63,25 @@ def _cut_lines(path, keep: int) -> None:
 def test_replay_and_diff_say_what_they_compared(runs, tmp_path):
     a, rep = runs
     res = run_cli("replay", str(a), "--out", str(tmp_path / "r"))
-    _one_line(res, 0, f"reproduced {STEPS} steps (0..{STEPS - 1})", f"{STEPS * 9} checksums compared",
-              "9 stages at every step", "old_logprobs, loss, grads, weights", "checkpoints verified: 3")
+    _one_line(
+        res,
+        0,
+        f"reproduced {STEPS} steps (0..{STEPS - 1})",
+        f"{STEPS * 9} checksums compared",
+        "9 stages at every step",
+        "old_logprobs, loss, grads, weights",
+        "checkpoints verified: 3",
+    )
     res = run_cli("diff", str(a), str(rep))
-    _one_line(res, 0, "no difference (bit for bit)", f"{STEPS} steps x 9 stages", f"{STEPS * 9} checksums compared",
-              f"recordings verified: A {STEPS} steps, B {STEPS} steps", "checkpoints verified: A 3, B 3")
+    _one_line(
+        res,
+        0,
+        "no difference (bit for bit)",
+        f"{STEPS} steps x 9 stages",
+        f"{STEPS * 9} checksums compared",
+        f"recordings verified: A {STEPS} steps, B {STEPS} steps",
+        "checkpoints verified: A 3, B 3",
+    )
     assert "stages only A records (not compared): engine_weights" in res.stderr
     doc = json.loads(run_cli("diff", str(a), str(a), "--json").stdout)
     assert doc["first"] is None and doc["comparisons"] == STEPS * 10 and doc["steps_compared"] == list(range(STEPS))
@@ -88,8 +111,11 @@ def test_truncated_checksums_are_bad_input(runs, tmp_path, command):
     a, _ = runs
     b = copy_run(a, tmp_path / "b")
     _cut_lines(b / "checksums.jsonl", 2)
-    args = {"replay": ["replay", str(b), "--out", str(tmp_path / "r")], "diff": ["diff", str(a), str(b)],
-            "resume": ["run", "--resume", str(b)]}[command]
+    args = {
+        "replay": ["replay", str(b), "--out", str(tmp_path / "r")],
+        "diff": ["diff", str(a), str(b)],
+        "resume": ["run", "--resume", str(b)],
+    }[command]
     _one_line(run_cli(*args), 2, "checksums.jsonl", f"no checksums for committed step(s) 2, 3 of {STEPS}")
 
 
@@ -128,10 +154,14 @@ def _flip_a_bit(path) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("name,why", [
-    ("000004/optimizer.safetensors", "do not match optimizer.json's tensors_checksum"),
-    ("000004/model.safetensors", f"do not match checksums.jsonl's weights at step {STEPS - 1}"),
-    ("000000/model.safetensors", "do not match manifest.json's hashes.initial_weights")])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("000004/optimizer.safetensors", "do not match optimizer.json's tensors_checksum"),
+        ("000004/model.safetensors", f"do not match checksums.jsonl's weights at step {STEPS - 1}"),
+        ("000000/model.safetensors", "do not match manifest.json's hashes.initial_weights"),
+    ],
+)
 def test_a_checkpoint_with_a_flipped_bit_is_bad_input(runs, tmp_path, name, why):
     """The checksums, the recordings and the metrics agree; one bit of a checkpoint does not: diff and replay hold
     every checkpoint to the checksums its run recorded for it, and name the file (exit 2: a damaged input, which
@@ -159,10 +189,17 @@ def test_a_run_without_checkpoints_says_they_were_not_compared(runs, tmp_path):
     a, _ = runs
     c = copy_run(a, tmp_path / "c")
     shutil.rmtree(c / "checkpoints")
-    _one_line(run_cli("diff", str(a), str(c)), 0, "no difference (bit for bit)",
-              "checkpoints verified: A 3, B none (no checkpoint: not compared)")
-    _one_line(run_cli("replay", str(c), "--out", str(tmp_path / "r")), 0,
-              "checkpoints verified: none (no checkpoint: not compared)")
+    _one_line(
+        run_cli("diff", str(a), str(c)),
+        0,
+        "no difference (bit for bit)",
+        "checkpoints verified: A 3, B none (no checkpoint: not compared)",
+    )
+    _one_line(
+        run_cli("replay", str(c), "--out", str(tmp_path / "r")),
+        0,
+        "checkpoints verified: none (no checkpoint: not compared)",
+    )
     doc = json.loads(run_cli("diff", str(a), str(c), "--json").stdout)
     assert doc["checkpoints_verified"] == {"A": [0, 2, 4], "B": []}
 
@@ -205,8 +242,9 @@ def test_runs_of_different_lengths_differ(runs, tmp_path):
     short = copy_run(a, tmp_path / "short")
     for log in ("metrics.jsonl", "checksums.jsonl"):
         _cut_lines(short / log, 2)
-    text = _one_line(run_cli("diff", str(a), str(short)), 1, "step 2", "committed in A only",
-                     f"A committed {STEPS} steps, B 2")
+    text = _one_line(
+        run_cli("diff", str(a), str(short)), 1, "step 2", "committed in A only", f"A committed {STEPS} steps, B 2"
+    )
     assert "no difference" not in text
     doc = json.loads(run_cli("diff", str(short), str(a), "--json").stdout)
     assert doc["first"]["stage"] == "steps" and "B only" in doc["first"]["where"]

@@ -106,8 +106,11 @@ def test_the_megatron_trainers_groups_are_megatron_cores(tmp_path):
     layout = json.loads(layout_path.read_text())
     assert [g["weight_decay"] for g in layout["optimizer"]["param_groups"]] == [0.1, 0.0]
     check_layout_weight_decays(tmp_path / "ckpt", 0.1)
-    with pytest.raises(BadInput, match=r"layout\.json: optimizer\.param_groups: .*\[0\.1, 0\.0\], this run's \[0\.0, "
-                                       r"0\.0\]"):
+    with pytest.raises(
+        BadInput,
+        match=r"layout\.json: optimizer\.param_groups: .*\[0\.1, 0\.0\], this run's \[0\.0, "
+        r"0\.0\]",
+    ):
         check_layout_weight_decays(tmp_path / "ckpt", 0.0)
     for saved, ok in (([0.1], False), ([0.0], True)):  # one group: a checkpoint of rlbench before the rule
         layout["optimizer"]["param_groups"] = [{**layout["optimizer"]["param_groups"][0], "weight_decay": saved[0]}]
@@ -175,8 +178,12 @@ def test_a_checkpoint_that_decays_otherwise_is_refused(tmp_path):
         if old:
             assert res.returncode == 2, res.stderr
             lines = res.stderr.strip().splitlines()
-            assert len(lines) == 1 and "000002/optimizer.json: param_groups: the saved optimizer's param groups " \
-                "have weight decays [0.1], this run's [0.1, 0.0]" in lines[0], res.stderr
+            assert (
+                len(lines) == 1
+                and "000002/optimizer.json: param_groups: the saved optimizer's param groups "
+                "have weight decays [0.1], this run's [0.1, 0.0]"
+                in lines[0]
+            ), res.stderr
         else:
             assert res.returncode == 0, res.stderr
             assert (resumed / "checksums.jsonl").read_bytes() == (tmp_path / "a" / "checksums.jsonl").read_bytes()

@@ -42,8 +42,19 @@ def wheel(tmp_path_factory) -> Path:
         if (REPO / rel).is_file():
             (source / rel).parent.mkdir(parents=True, exist_ok=True)
             (source / rel).write_bytes((REPO / rel).read_bytes())
-    res = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-               str(source), cwd=out)
+    res = _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(out),
+        str(source),
+        cwd=out,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (built,) = out.glob("rlbench-*.whl")
     return built
@@ -54,8 +65,12 @@ def test_the_wheel_holds_the_fixtures_the_defaults_name(wheel):
 
     names = set(zipfile.ZipFile(wheel).namelist())
     default = RunConfig()
-    for path in (Path(default.model.path) / "config.json", Path(default.model.tokenizer) / "tokenizer.json",
-                 Path(default.model.tokenizer) / "tokenizer_config.json", Path(default.data.path)):
+    for path in (
+        Path(default.model.path) / "config.json",
+        Path(default.model.tokenizer) / "tokenizer.json",
+        Path(default.model.tokenizer) / "tokenizer_config.json",
+        Path(default.data.path),
+    ):
         rel = path.relative_to(REPO).as_posix()
         assert rel in names, f"{rel} is not in {wheel.name}"
     assert not any(name.endswith("build.py") for name in names if "fixtures" in name)
@@ -65,8 +80,11 @@ def test_a_plain_install_runs_the_default_outside_the_checkout(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    site = Path(_run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                     cwd=tmp_path).stdout.strip())
+    site = Path(
+        _run(
+            str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path
+        ).stdout.strip()
+    )
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     res = _run(str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -76,7 +76,7 @@ def test_a_single_flipped_bit_is_caught_on_the_gpu(dtype):
     base = digest.to_unsigned(digest.lanes(t).cpu())
     nbytes = t.numel() * size
     for byte in (0, nbytes // 2, 8 * C, nbytes - 1):
-        for bit in ([0] if dtype == torch.bool else range(8)):
+        for bit in [0] if dtype == torch.bool else range(8):
             raw = t.clone().reshape(-1).view(torch.uint8)
             raw[byte] ^= 1 << bit
             flipped = digest.to_unsigned(digest.lanes(raw.view(dtype)).cpu())
@@ -86,8 +86,9 @@ def test_a_single_flipped_bit_is_caught_on_the_gpu(dtype):
 def test_a_trainer_step_checksums_gradients_on_the_device_as_on_the_cpu():
     """The torch trainer on the GPU keeps every minibatch's gradient lanes on the device; its grads checksum
     is the one the CPU computes from the same gradients (copied to the host here, for the test only)."""
-    grads = [{"w": torch.randn(300, 70, device="cuda").bfloat16(), "b": torch.randn(70, device="cuda")}
-             for _ in range(3)]
+    grads = [
+        {"w": torch.randn(300, 70, device="cuda").bfloat16(), "b": torch.randn(70, device="cuda")} for _ in range(3)
+    ]
     running = digest.Digests([None, "w", "b"])
     for minibatch in grads:
         for name, g in minibatch.items():

@@ -22,8 +22,10 @@ def _setup():
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
     eos = tokenizer.eos_token_id
-    requests = [GenerateRequest(prompts[i % 12], 100 + i, 4, [1.0, 0.7, 0.0][i % 3], (eos,), [-1, 5][i % 2],
-                                [1.0, 0.9][i % 2]) for i in range(40)]
+    requests = [
+        GenerateRequest(prompts[i % 12], 100 + i, 4, [1.0, 0.7, 0.0][i % 3], (eos,), [-1, 5][i % 2], [1.0, 0.9][i % 2])
+        for i in range(40)
+    ]
     return model, requests
 
 
@@ -67,8 +69,10 @@ def setup():
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])
     model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
-    engines = {"batched": HFEngine(model, device="cuda", batch_size=ROWS),
-               "per-sample": HFEngine(model, device="cuda", decode="per-sample")}
+    engines = {
+        "batched": HFEngine(model, device="cuda", batch_size=ROWS),
+        "per-sample": HFEngine(model, device="cuda", decode="per-sample"),
+    }
     return engines, prompts, tokenizer.eos_token_id, model
 
 

@@ -30,7 +30,8 @@ def test_cuda_golden(tmp_path, name):
     golden = HERE / golden_file_name(name, manifest)
     assert golden.is_file(), (
         f"no golden file for this GPU and these versions ({golden.relative_to(REPO)}): make it on this machine with "
-        f"`python golden/regenerate.py --suite tests/gpu/golden/suite.json --reason '<why>' {name}`, then commit it")
+        f"`python golden/regenerate.py --suite tests/gpu/golden/suite.json --reason '<why>' {name}`, then commit it"
+    )
     check = run_cli("check", "golden", str(tmp_path / "run"), str(golden), "--ignore", "perf/*")
     assert check.returncode == 0, check.stdout + check.stderr
     assert "golden check passed (exact tier)" in check.stdout

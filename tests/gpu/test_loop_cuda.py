@@ -10,8 +10,17 @@ from rlbench.session import run
 
 
 def _small(out, seed=3):
-    return load_config(steps=4, seed=seed, device="cuda", deterministic=True, out=str(out), data__prompts_per_step=4,
-                       rollout__n_samples_per_prompt=4, train__minibatches=2, train__micro_batch_size=8)
+    return load_config(
+        steps=4,
+        seed=seed,
+        device="cuda",
+        deterministic=True,
+        out=str(out),
+        data__prompts_per_step=4,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=8,
+    )
 
 
 def test_cuda_runs_repeat_bit_for_bit(tmp_path):
@@ -33,9 +42,19 @@ def test_cuda_learning_signal(tmp_path):
 
 
 def _bf16(out):
-    return load_config(steps=4, seed=3, device="cuda", deterministic=True, out=str(out), model__dtype="bfloat16",
-                       checkpoint_every=2, data__prompts_per_step=4, rollout__n_samples_per_prompt=4,
-                       train__minibatches=2, train__micro_batch_size=8)
+    return load_config(
+        steps=4,
+        seed=3,
+        device="cuda",
+        deterministic=True,
+        out=str(out),
+        model__dtype="bfloat16",
+        checkpoint_every=2,
+        data__prompts_per_step=4,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=8,
+    )
 
 
 def test_cuda_bf16_runs_repeat_bit_for_bit_and_a_flipped_bit_is_caught(tmp_path):

@@ -15,15 +15,31 @@ from tests.conftest import run_cli, small_toml
 
 def _run(tmp_path, name: str, *args: str, dtype: str = "float32"):
     (tmp_path / "s.toml").write_text(small_toml(4) + f'[model]\ndtype = "{dtype}"\n')
-    res = run_cli("run", "-c", str(tmp_path / "s.toml"), "--seed", "7", "--trainer", "megatron", "--device", "cuda",
-                  "--deterministic", "--out", str(tmp_path / name), "--json", *args)
+    res = run_cli(
+        "run",
+        "-c",
+        str(tmp_path / "s.toml"),
+        "--seed",
+        "7",
+        "--trainer",
+        "megatron",
+        "--device",
+        "cuda",
+        "--deterministic",
+        "--out",
+        str(tmp_path / name),
+        "--json",
+        *args,
+    )
     assert res.returncode == 0, res.stderr
     return tmp_path / name
 
 
 def _metrics(run):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_deterministic_megatron_runs_repeat_bit_for_bit(tmp_path):
@@ -50,12 +66,16 @@ def test_megatron_bf16_on_cuda_repeats_bit_for_bit_over_fp32_masters_and_resumes
     assert (a / "checksums.jsonl").read_bytes() == (b / "checksums.jsonl").read_bytes()
     assert _metrics(a) == _metrics(b)
     point = a / "checkpoints" / "000002"
-    masters = {k.removeprefix("master/"): v for k, v in load_file(point / "optimizer-tp00.safetensors").items()
-               if k.startswith("master/")}
+    masters = {
+        k.removeprefix("master/"): v
+        for k, v in load_file(point / "optimizer-tp00.safetensors").items()
+        if k.startswith("master/")
+    }
     weights = load_file(point / "model-tp00.safetensors")
     assert masters and all(v.dtype == torch.float32 for v in masters.values())
-    assert all(weights[k].dtype == torch.bfloat16 and torch.equal(v.to(torch.bfloat16), weights[k])
-               for k, v in masters.items())
+    assert all(
+        weights[k].dtype == torch.bfloat16 and torch.equal(v.to(torch.bfloat16), weights[k]) for k, v in masters.items()
+    )
     resumed = shutil.copytree(a, tmp_path / "resumed")
     lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
     (resumed / "metrics.jsonl").write_text("".join(lines[:3]))
@@ -130,19 +150,42 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
         twin = rank._shard({n: t.detach().cpu() for n, t in named_weights(ctx.trainer.hf_model).items()}, "cuda")
         ddp = DistributedDataParallel(rank.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=True), twin)
         train = config.train
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=train.lr, weight_decay=train.weight_decay, adam_beta1=train.betas[0],
-            adam_beta2=train.betas[1], adam_eps=train.adam_eps, clip_grad=train.grad_clip, bf16=True,
-            use_distributed_optimizer=False), [ddp])
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.betas[0],
+                adam_beta2=train.betas[1],
+                adam_eps=train.adam_eps,
+                clip_grad=train.grad_clip,
+                bf16=True,
+                use_distributed_optimizer=False,
+            ),
+            [ddp],
+        )
         # Megatron's training loop sets each group's lr and weight decay (times its wd_mult) through its scheduler
-        schedule = OptimizerParamScheduler(optimizer, init_lr=train.lr, max_lr=train.lr, min_lr=0.0, lr_warmup_steps=0,
-                                           lr_decay_steps=1, lr_decay_style="constant", start_wd=train.weight_decay,
-                                           end_wd=train.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        schedule = OptimizerParamScheduler(
+            optimizer,
+            init_lr=train.lr,
+            max_lr=train.lr,
+            min_lr=0.0,
+            lr_warmup_steps=0,
+            lr_decay_steps=1,
+            lr_decay_style="constant",
+            start_wd=train.weight_decay,
+            end_wd=train.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
         inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
         for group in inner.optimizer.param_groups:  # torch's AdamW, fused as rlbench's
             group["fused"], group["foreach"] = True, False
-        assert sorted(g["weight_decay"] for g in inner.optimizer.param_groups) == sorted(
-            g["weight_decay"] for g in rank.optimizer.param_groups) == [0.0, 0.1]
+        assert (
+            sorted(g["weight_decay"] for g in inner.optimizer.param_groups)
+            == sorted(g["weight_decay"] for g in rank.optimizer.param_groups)
+            == [0.0, 0.1]
+        )
         mine, theirs = dict(rank.gpt.named_parameters()), dict(twin.named_parameters())
         assert mine.keys() == theirs.keys()
         grads, norms, updates = {}, [], []
@@ -164,8 +207,13 @@ def test_megatron_bf16_steps_as_megatron_cores_own_mixed_precision_optimizer(tmp
             norms[-1].append(float(norm))
             masters = [(rank.masters.params[name].detach(), theirs[name].main_param.detach()) for name in mine]
             params = [(mine[name].detach(), theirs[name].detach()) for name in mine]
-            updates.append((all(torch.equal(a, b) for a, b in masters), all(torch.equal(a, b) for a, b in params),
-                            max(float((a - b).abs().max()) for a, b in masters)))
+            updates.append(
+                (
+                    all(torch.equal(a, b) for a, b in masters),
+                    all(torch.equal(a, b) for a, b in params),
+                    max(float((a - b).abs().max()) for a, b in masters),
+                )
+            )
             optimizer.zero_grad()
 
         rank.clip_grads, rank.optimizer_step = clip_grads, optimizer_step

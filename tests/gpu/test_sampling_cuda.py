@@ -22,8 +22,9 @@ def _rows(count: int, pad: int, temperature: float = 1.0):
     from rlbench.backends.sampling import SamplingRows
     from rlbench.core.types import GenerateRequest
 
-    requests = [GenerateRequest((1,), 7919 * i - 3, 1, 0.0 if i % 5 == 4 else temperature, (), -1, 1.0)
-                for i in range(count)]
+    requests = [
+        GenerateRequest((1,), 7919 * i - 3, 1, 0.0 if i % 5 == 4 else temperature, (), -1, 1.0) for i in range(count)
+    ]
     return SamplingRows(requests, count + pad, "cuda")
 
 
@@ -56,7 +57,7 @@ def test_the_fused_kernel_is_batch_invariant():
     requests = [GenerateRequest((1,), 1000 + i, 1, 1.0, (), -1, 1.0) for i in range(64)]
     full = sample(logits, SamplingRows(requests, 64, "cuda"), 3)
     for i in (0, 17, 63):
-        alone = sample(logits[i:i + 1], SamplingRows([requests[i]], 1, "cuda"), 3)
+        alone = sample(logits[i : i + 1], SamplingRows([requests[i]], 1, "cuda"), 3)
         assert torch.equal(alone[0][0], full[0][i]) and torch.equal(alone[1][0], full[1][i]), i
     eight = sample(logits[8:16], SamplingRows(requests[8:16], 8, "cuda"), 3)
     assert torch.equal(eight[0], full[0][8:16]) and torch.equal(eight[1], full[1][8:16])

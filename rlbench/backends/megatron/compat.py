@@ -52,21 +52,56 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
 
 
 REDIRECTS = (
-    Redirect("current_device", "torch.cuda", "current_device", _cpu_device,
-             "RotaryEmbedding.get_emb moves inv_freq to it; DistributedDataParallel allocates its grad buffers on it"),
-    Redirect("cuda_get_rng_state", "torch.cuda", "get_rng_state", _cpu_rng_state,
-             "CudaRNGStatesTracker.add, called by model_parallel_cuda_manual_seed"),
-    Redirect("cuda_manual_seed", "torch.cuda", "manual_seed", _cpu_manual_seed,
-             "model_parallel_cuda_manual_seed: on a CPU build the CUDA call is queued and never runs, "
-             "so every tracked RNG state would be the same, whatever the seed"),
-    Redirect("tracker_get_state", "megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _cpu_rng_state,
-             "CudaRNGStatesTracker.fork, entered by DotProductAttention.forward on every call"),
-    Redirect("tracker_set_state", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_cpu_rng_state,
-             "CudaRNGStatesTracker.fork: without it the forked state is never set nor restored"),
-    Redirect("causal_mask", "megatron.core.transformer.utils", "get_default_causal_mask", _cpu_causal_mask,
-             "the default causal mask is built with device='cuda'"),
-    Redirect("softmax_causal_mask", "megatron.core.fusions.fused_softmax", "get_default_causal_mask",
-             _cpu_causal_mask, "FusedScaleMaskSoftmax imports get_default_causal_mask by name"),
+    Redirect(
+        "current_device",
+        "torch.cuda",
+        "current_device",
+        _cpu_device,
+        "RotaryEmbedding.get_emb moves inv_freq to it; DistributedDataParallel allocates its grad buffers on it",
+    ),
+    Redirect(
+        "cuda_get_rng_state",
+        "torch.cuda",
+        "get_rng_state",
+        _cpu_rng_state,
+        "CudaRNGStatesTracker.add, called by model_parallel_cuda_manual_seed",
+    ),
+    Redirect(
+        "cuda_manual_seed",
+        "torch.cuda",
+        "manual_seed",
+        _cpu_manual_seed,
+        "model_parallel_cuda_manual_seed: on a CPU build the CUDA call is queued and never runs, "
+        "so every tracked RNG state would be the same, whatever the seed",
+    ),
+    Redirect(
+        "tracker_get_state",
+        "megatron.core.tensor_parallel.random",
+        "_get_cuda_rng_state",
+        _cpu_rng_state,
+        "CudaRNGStatesTracker.fork, entered by DotProductAttention.forward on every call",
+    ),
+    Redirect(
+        "tracker_set_state",
+        "megatron.core.tensor_parallel.random",
+        "_set_cuda_rng_state",
+        _set_cpu_rng_state,
+        "CudaRNGStatesTracker.fork: without it the forked state is never set nor restored",
+    ),
+    Redirect(
+        "causal_mask",
+        "megatron.core.transformer.utils",
+        "get_default_causal_mask",
+        _cpu_causal_mask,
+        "the default causal mask is built with device='cuda'",
+    ),
+    Redirect(
+        "softmax_causal_mask",
+        "megatron.core.fusions.fused_softmax",
+        "get_default_causal_mask",
+        _cpu_causal_mask,
+        "FusedScaleMaskSoftmax imports get_default_causal_mask by name",
+    ),
 )
 
 _originals: dict[tuple[str, str], object] = {}

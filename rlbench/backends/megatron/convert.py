@@ -67,8 +67,7 @@ def params(dims: Dims) -> list[Param]:
         attn_norm = m + ("self_attention.linear_qkv.layer_norm_weight" if dims.te_names else "input_layernorm.weight")
         mlp_norm = m + ("mlp.linear_fc1.layer_norm_weight" if dims.te_names else "pre_mlp_layernorm.weight")
         out += [
-            Param(m + "self_attention.linear_qkv.weight",
-                  tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv"), QKV),
+            Param(m + "self_attention.linear_qkv.weight", tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv"), QKV),
             Param(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), COLS),
             Param(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), REPLICATED),
             Param(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), REPLICATED),
@@ -95,9 +94,14 @@ def _qkv_groups(dims: Dims, qkv: torch.Tensor) -> torch.Tensor:
 
 def fuse_qkv(dims: Dims, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     per_group = dims.heads // dims.groups
-    fused = torch.cat([q.view(dims.groups, per_group * dims.head_dim, dims.hidden),
-                       k.view(dims.groups, dims.head_dim, dims.hidden),
-                       v.view(dims.groups, dims.head_dim, dims.hidden)], dim=1)
+    fused = torch.cat(
+        [
+            q.view(dims.groups, per_group * dims.head_dim, dims.hidden),
+            k.view(dims.groups, dims.head_dim, dims.hidden),
+            v.view(dims.groups, dims.head_dim, dims.hidden),
+        ],
+        dim=1,
+    )
     return fused.chunk(tp, dim=0)[rank].reshape(-1, dims.hidden)
 
 

@@ -117,8 +117,9 @@ def settle(groups: list, timeout: datetime.timedelta | None = None) -> None:
     for group in groups:
         if isinstance(group, dist.ProcessGroup) and not _rank_not_in_group(group):
             nccl = dist.get_backend(group) == "nccl" and constants.default_pg_nccl_timeout is not None
-            _set_pg_timeout(timeout or (constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout),
-                            group)
+            _set_pg_timeout(
+                timeout or (constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout), group
+            )
 
 
 class Watched(dist.Store):
@@ -262,11 +263,22 @@ class Processes:
     host = "127.0.0.1"
 
     def start(self, port: int, world: int, device: str) -> list[subprocess.Popen]:
-        env = {**os.environ, STORE_ENV: f"{self.host}:{port}", "WORLD_SIZE": str(world),
-               "RLBENCH_MEGATRON_DEVICE": device, "RLBENCH_MEGATRON_PARENT": str(os.getpid())}
-        return [subprocess.Popen([sys.executable, "-m", "rlbench.backends.megatron.worker"],
-                                 env={**env, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=_STDERR_FD)
-                for rank in range(1, world)]
+        env = {
+            **os.environ,
+            STORE_ENV: f"{self.host}:{port}",
+            "WORLD_SIZE": str(world),
+            "RLBENCH_MEGATRON_DEVICE": device,
+            "RLBENCH_MEGATRON_PARENT": str(os.getpid()),
+        }
+        return [
+            subprocess.Popen(
+                [sys.executable, "-m", "rlbench.backends.megatron.worker"],
+                env={**env, "RANK": str(rank)},
+                stdin=subprocess.DEVNULL,
+                stdout=_STDERR_FD,
+            )
+            for rank in range(1, world)
+        ]
 
 
 def spawn(world: int, device: str, workers=None) -> Pending:
@@ -289,8 +301,10 @@ def _doing(store, rank: int) -> str:
         return "before it joined the others; nothing was trained"
     key = f"rlbench/running/{rank}"
     if store.check([key]):
-        return f"while running {store.get(key).decode()}; the run stopped (its committed steps are kept: " \
-               "rlbench run --resume RUN continues it)"
+        return (
+            f"while running {store.get(key).decode()}; the run stopped (its committed steps are kept: "
+            "rlbench run --resume RUN continues it)"
+        )
     return "while the ranks set up their process groups; nothing was trained"
 
 
@@ -318,8 +332,12 @@ def _wait_signed_in(pending: Pending) -> None:
 
     def late() -> None:
         missing = [str(r) for r, key in enumerate(keys, start=1) if not pending.watched.side.check([key])]
-        pending.watched.stop(RankDied(f"megatron rank(s) {', '.join(missing)} of {pending.world} did not start "
-                                      f"within {JOIN_TIMEOUT:g} s; nothing was trained"))
+        pending.watched.stop(
+            RankDied(
+                f"megatron rank(s) {', '.join(missing)} of {pending.world} did not start "
+                f"within {JOIN_TIMEOUT:g} s; nothing was trained"
+            )
+        )
 
     timer = threading.Timer(JOIN_TIMEOUT, late)
     timer.daemon = True
@@ -340,8 +358,9 @@ def join(pending: Pending) -> Ranks:
         # threads call their store from C++ all run long, which a Python store would serve under the GIL, and
         # that path is not tested here; on a GPU a rank dead inside a rendezvous is named at SETUP_TIMEOUT.
         cpu = not pending.device.startswith("cuda")
-        ranks = init_rank(0, pending.world, rank_device(pending.device, 0), pending.store,
-                          pending.watched if cpu else None)
+        ranks = init_rank(
+            0, pending.world, rank_device(pending.device, 0), pending.store, pending.watched if cpu else None
+        )
     except BaseException:
         kill(pending.workers)
         if dist.is_initialized():
@@ -354,8 +373,10 @@ def join(pending: Pending) -> Ranks:
 def lost_peer(exc: BaseException) -> bool:
     """Whether a torch.distributed call failed because another rank's connection went away."""
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(sign in text for sign in (
-        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused"))
+    return isinstance(exc, RuntimeError) and any(
+        sign in text
+        for sign in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+    )
 
 
 def dead_rank(workers: list, wait: float = DEATH_WAIT) -> tuple[int, int] | None:
@@ -392,10 +413,11 @@ def died(ranks: Ranks, wait: float = DEATH_WAIT) -> RankDied | None:
     kill(ranks.workers)
     rank, code = found
     key = f"rlbench/running/{rank}"
-    when = f"while running {ranks.store.get(key).decode()}" if ranks.store.check([key]) else \
-        "before its first command"
-    return RankDied(f"megatron rank {rank} of {ranks.world} {_how(code)} {when}; the run stopped (its committed "
-                    "steps are kept: rlbench run --resume RUN continues it)")
+    when = f"while running {ranks.store.get(key).decode()}" if ranks.store.check([key]) else "before its first command"
+    return RankDied(
+        f"megatron rank {rank} of {ranks.world} {_how(code)} {when}; the run stopped (its committed "
+        "steps are kept: rlbench run --resume RUN continues it)"
+    )
 
 
 def _how(code: int) -> str:

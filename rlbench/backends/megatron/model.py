@@ -53,14 +53,24 @@ def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims
     Transformer Engine's layer spec (and its parameter names) where it is installed and a GPU trains."""
     where = Path(source) / "config.json"
     if hf_config.model_type not in SUPPORTED:
-        raise BadInput(f"the megatron trainer converts {', '.join(SUPPORTED)} models, not {hf_config.model_type!r}",
-                       path=where, field="model_type")
+        raise BadInput(
+            f"the megatron trainer converts {', '.join(SUPPORTED)} models, not {hf_config.model_type!r}",
+            path=where,
+            field="model_type",
+        )
     if getattr(hf_config, "attention_bias", False):
         raise BadInput("attention biases are not converted", path=where, field="attention_bias")
-    dims = Dims(layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=hf_config.num_attention_heads,
-                groups=hf_config.num_key_value_heads, head_dim=hf_config.head_dim, ffn=hf_config.intermediate_size,
-                vocab=hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings),
-                te_names=device.startswith("cuda") and has_transformer_engine())
+    dims = Dims(
+        layers=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        heads=hf_config.num_attention_heads,
+        groups=hf_config.num_key_value_heads,
+        head_dim=hf_config.head_dim,
+        ffn=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size,
+        tied=bool(hf_config.tie_word_embeddings),
+        te_names=device.startswith("cuda") and has_transformer_engine(),
+    )
     for key, value in (
         ("num_key_value_heads", dims.groups),
         ("intermediate_size", dims.ffn),
@@ -80,12 +90,14 @@ def check(config) -> None:
 
     hf_config = load_model_config(config.model.path)
     dims = dims_of(hf_config, config.tp, config.model.path, config.device)
-    transformer_config(hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron,
-                       config.model.dtype)
+    transformer_config(
+        hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron, config.model.dtype
+    )
 
 
-def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict,
-                       dtype: str = "float32"):
+def transformer_config(
+    hf_config, dims: Dims, tp: int, deterministic: bool, device: str, overrides: dict, dtype: str = "float32"
+):
     """The rank's TransformerConfig: the model's fields and rlbench's (OWNED), then `overrides` (the
     `[train.megatron]` table), checked first by settings.check_table. `dtype`: the run's model.dtype,
     its parameters' dtype (float32, bfloat16, or float64 on the CPU: config.py allows no other here); bfloat16
@@ -94,30 +106,45 @@ def transformer_config(hf_config, dims: Dims, tp: int, deterministic: bool, devi
         from megatron.core.transformer.transformer_config import TransformerConfig
     fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
     settings.check_table(overrides, fields, typing.get_type_hints(TransformerConfig), device)
-    owned = dict(num_layers=dims.layers, hidden_size=dims.hidden, num_attention_heads=dims.heads,
-                 num_query_groups=dims.groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn,
-                 normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-                 activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-                 qk_layernorm=True, hidden_dropout=0.0, attention_dropout=float(hf_config.attention_dropout),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=getattr(torch, dtype),
-                 use_cpu_initialization=device == "cpu",
-                 # The loss is already normalised over the whole minibatch, so data-parallel
-                 # gradients must be summed, not averaged (Megatron's DDP scales by 1/dp otherwise).
-                 calculate_per_token_loss=True,
-                 # deterministic kernels (an embedding backward without atomics) where --deterministic
-                 # asks for them: on a GPU; the CPU is deterministic either way
-                 deterministic_mode=deterministic and device.startswith("cuda"))
+    owned = dict(
+        num_layers=dims.layers,
+        hidden_size=dims.hidden,
+        num_attention_heads=dims.heads,
+        num_query_groups=dims.groups,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=float(hf_config.attention_dropout),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        params_dtype=getattr(torch, dtype),
+        use_cpu_initialization=device == "cpu",
+        # The loss is already normalised over the whole minibatch, so data-parallel
+        # gradients must be summed, not averaged (Megatron's DDP scales by 1/dp otherwise).
+        calculate_per_token_loss=True,
+        # deterministic kernels (an embedding backward without atomics) where --deterministic
+        # asks for them: on a GPU; the CPU is deterministic either way
+        deterministic_mode=deterministic and device.startswith("cuda"),
+    )
     if dtype == "bfloat16":
         if "bf16" in overrides:
-            raise BadInput("set by model.dtype = \"bfloat16\", not here", field="train.megatron.bf16")
+            raise BadInput('set by model.dtype = "bfloat16", not here', field="train.megatron.bf16")
         owned["bf16"] = True
     try:
         with quiet():
             return TransformerConfig(**owned, **overrides)
     except Exception as exc:  # noqa: BLE001 - its __post_init__'s checks of the whole, which raise many kinds
         first = (str(exc).splitlines() or [""])[0][:200]
-        raise BadInput(f"megatron-core refused the settings ({exc.__class__.__name__}: {first})",
-                       field="train.megatron") from None
+        raise BadInput(
+            f"megatron-core refused the settings ({exc.__class__.__name__}: {first})", field="train.megatron"
+        ) from None
 
 
 def build(hf_config, dims: Dims, config) -> torch.nn.Module:
@@ -128,9 +155,16 @@ def build(hf_config, dims: Dims, config) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
 
         spec = _layer_spec(dims)
-        gpt = GPTModel(config, spec, vocab_size=dims.vocab, max_sequence_length=hf_config.max_position_embeddings,
-                       parallel_output=False, share_embeddings_and_output_weights=dims.tied,
-                       position_embedding_type="rope", rotary_base=hf_config.rope_parameters["rope_theta"])
+        gpt = GPTModel(
+            config,
+            spec,
+            vocab_size=dims.vocab,
+            max_sequence_length=hf_config.max_position_embeddings,
+            parallel_output=False,
+            share_embeddings_and_output_weights=dims.tied,
+            position_embedding_type="rope",
+            rotary_base=hf_config.rope_parameters["rope_theta"],
+        )
     return gpt.to(dtype=config.params_dtype)
 
 

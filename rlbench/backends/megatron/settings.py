@@ -30,11 +30,29 @@ from rlbench.errors import BadInput
 
 FIELD = "train.megatron"
 # Set from the model's config.json or by rlbench's loop; not [train.megatron] settings.
-OWNED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-         "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
-         "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "tensor_model_parallel_size",
-         "pipeline_model_parallel_size", "params_dtype", "use_cpu_initialization", "calculate_per_token_loss",
-         "deterministic_mode")
+OWNED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "layernorm_epsilon",
+    "gated_linear_unit",
+    "activation_func",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "hidden_dropout",
+    "attention_dropout",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "params_dtype",
+    "use_cpu_initialization",
+    "calculate_per_token_loss",
+    "deterministic_mode",
+)
 # Precision flags: (key, the CUDA compute capability it needs, whether it needs Transformer Engine).
 PRECISION = (("fp16", (0, 0), False), ("bf16", (8, 0), False), ("fp8", (8, 9), True), ("fp4", (10, 0), True))
 
@@ -51,8 +69,9 @@ def check_table(table: dict, fields: dict[str, dataclasses.Field], hints: dict[s
         raise BadInput(f"{', '.join(taken)}: set from the model's config.json or by rlbench, not here", field=FIELD)
     for key, value in table.items():
         if key not in fields or not fields[key].init:
-            raise BadInput("not a field of megatron-core's TransformerConfig that a config sets",
-                           field=f"{FIELD}.{key}")
+            raise BadInput(
+                "not a field of megatron-core's TransformerConfig that a config sets", field=f"{FIELD}.{key}"
+            )
         kind = hints[key]
         if not fits(value, kind):
             raise BadInput(f"expected {describe(kind)}, got {_shown(value)}", field=f"{FIELD}.{key}")
@@ -74,8 +93,11 @@ def check_precision(table: dict, device: str) -> None:
 
         have = torch.cuda.get_device_capability(torch.device(device if ":" in device else "cuda:0"))
         if tuple(have) < need:
-            raise BadInput(f"{key} needs a GPU of compute capability {need[0]}.{need[1]} or later; "
-                           f"{torch.cuda.get_device_name(0)} is {have[0]}.{have[1]}", field=f"{FIELD}.{key}")
+            raise BadInput(
+                f"{key} needs a GPU of compute capability {need[0]}.{need[1]} or later; "
+                f"{torch.cuda.get_device_name(0)} is {have[0]}.{have[1]}",
+                field=f"{FIELD}.{key}",
+            )
         if te and not has_transformer_engine():
             raise BadInput(f"{key} needs Transformer Engine, which is not installed here", field=f"{FIELD}.{key}")
 
@@ -143,4 +165,4 @@ def _plural(kind: object) -> str:
 
 def _shown(value: object, width: int = 60) -> str:
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."

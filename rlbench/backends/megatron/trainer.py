@@ -41,8 +41,14 @@ import torch.distributed as dist
 from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
-from rlbench.backends.torch_trainer import (TorchTrainer, check_weight_decays, decay_groups, load_optimizer_state,
-                                            optimizer_meta, optimizer_tensors)
+from rlbench.backends.torch_trainer import (
+    TorchTrainer,
+    check_weight_decays,
+    decay_groups,
+    load_optimizer_state,
+    optimizer_meta,
+    optimizer_tensors,
+)
 from rlbench.config import TrainerSetup
 from rlbench.core import algo, tensor_file
 from rlbench.core.model import load_model_config, load_named_, named_weights
@@ -89,13 +95,21 @@ class RankTrainer(TorchTrainer):
             model_parallel_cuda_manual_seed(config.seed)
         self.hf_config = load_model_config(config.model.path)
         self.dims = mmodel.dims_of(self.hf_config, config.tp, config.model.path, config.device)
-        self.tconfig = mmodel.transformer_config(self.hf_config, self.dims, config.tp, config.deterministic,
-                                                 config.device, config.train.megatron, config.model.dtype)
+        self.tconfig = mmodel.transformer_config(
+            self.hf_config,
+            self.dims,
+            config.tp,
+            config.deterministic,
+            config.device,
+            config.train.megatron,
+            config.model.dtype,
+        )
         self.gpt = self._shard(initial, device)
         # bf16: gradients reduced and kept in fp32 buffers (main_grad), the masters' gradients (Megatron's mixed
         # precision: --accumulate-allreduce-grads-in-fp32)
-        ddp = DistributedDataParallel(self.tconfig, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=config.model.dtype == "bfloat16"), self.gpt)
+        ddp = DistributedDataParallel(
+            self.tconfig, DistributedDataParallelConfig(grad_reduce_in_fp32=config.model.dtype == "bfloat16"), self.gpt
+        )
         reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
         super().__init__(ddp, config.train, config.algo, config.temperature, config.seed, device, reference)
 
@@ -115,7 +129,7 @@ class RankTrainer(TorchTrainer):
         return logits if keep is None else logits[:, -keep:]
 
     def train_micro_batches(self, lengths):
-        return self._micro_batches(lengths)[self.dp_rank::self.dp]
+        return self._micro_batches(lengths)[self.dp_rank :: self.dp]
 
     def zero_grads(self) -> None:
         super().zero_grads()
@@ -199,11 +213,18 @@ class RankTrainer(TorchTrainer):
             return {}
         # each shard's optimizer tensors checksummed: a flipped bit in one is refused on load
         meta["shard_checksums"] = [tensors_digest(sorted(shard.items())) for shard in opt_shards]
-        layout = {"format": LAYOUT, "tp": self.tp, "dp": self.dp, "dims": self.dims.to_json(),
-                  "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
-                  "optimizer": meta}
-        files = {"model.safetensors": tensor_file.encode(to_hf(model_shards, self.dims)),
-                 "layout.json": (json.dumps(layout, indent=1, sort_keys=True) + "\n").encode()}
+        layout = {
+            "format": LAYOUT,
+            "tp": self.tp,
+            "dp": self.dp,
+            "dims": self.dims.to_json(),
+            "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
+            "optimizer": meta,
+        }
+        files = {
+            "model.safetensors": tensor_file.encode(to_hf(model_shards, self.dims)),
+            "layout.json": (json.dumps(layout, indent=1, sort_keys=True) + "\n").encode(),
+        }
         for r in range(self.tp):
             files[f"model-tp{r:02d}.safetensors"] = tensor_file.encode(model_shards[r])
             files[f"optimizer-tp{r:02d}.safetensors"] = tensor_file.encode(opt_shards[r])
@@ -254,9 +275,12 @@ def check_layout(directory: Path, tp: int, dims: Dims) -> None:
             shard = directory / f"optimizer-tp{r:02d}.safetensors"
             tensors = load_safetensors(shard)
             if not isinstance(sums, list) or len(sums) != tp or sums[r] != tensors_digest(sorted(tensors.items())):
-                raise BadInput("its tensors do not match the checksum layout.json holds for them "
-                               "(optimizer.shard_checksums): the checkpoint was changed or damaged after it was "
-                               "written", path=shard)
+                raise BadInput(
+                    "its tensors do not match the checksum layout.json holds for them "
+                    "(optimizer.shard_checksums): the checkpoint was changed or damaged after it was "
+                    "written",
+                    path=shard,
+                )
             _check_rounded(tensors, directory / f"model-tp{r:02d}.safetensors")
 
 
@@ -271,8 +295,9 @@ def check_layout_weight_decays(directory: Path, weight_decay: float) -> None:
         with safe_open(shard, "pt") as f:
             named = {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise BadInput(f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})",
-                       path=shard) from None
+        raise BadInput(
+            f"corrupt or unreadable safetensors ({exc.__class__.__name__}: {str(exc)[:100]})", path=shard
+        ) from None
     have = [group["weight_decay"] for group in decay_groups(named, weight_decay)]
     layout = json.loads((directory / "layout.json").read_text())  # check_layout read it already
     check_weight_decays(layout.get("optimizer"), have, directory / "layout.json", field="optimizer.param_groups")
@@ -289,11 +314,15 @@ def _check_rounded(optimizer: dict[str, torch.Tensor], path: Path) -> None:
     weights = load_safetensors(path)
     for name, master in masters.items():
         if name not in weights or not torch.equal(master.to(weights[name].dtype), weights[name]):
-            raise BadInput(f"'{name}' is not its fp32 master weight rounded to the model's dtype (the checkpoint "
-                           "was changed or damaged after it was written)", path=path)
+            raise BadInput(
+                f"'{name}' is not its fp32 master weight rounded to the model's dtype (the checkpoint "
+                "was changed or damaged after it was written)",
+                path=path,
+            )
 
 
 # -- commands: the same call on every rank --
+
 
 def dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torch.Tensor]):
     """Run one command of rank 0's on this rank's shard: rank 0 here, and every worker (worker.py)."""
@@ -373,8 +402,13 @@ class MegatronTrainer:
         if self._checkpoint is not None:
             self._call("load", {"directory": str(self._checkpoint)})
 
-    def logprobs(self, tokens: torch.Tensor, reference: bool = False, lengths: torch.Tensor | None = None,
-                 per_sample: bool = False) -> torch.Tensor:
+    def logprobs(
+        self,
+        tokens: torch.Tensor,
+        reference: bool = False,
+        lengths: torch.Tensor | None = None,
+        per_sample: bool = False,
+    ) -> torch.Tensor:
         assert not per_sample, "true on-policy is refused with the megatron trainer (config.py)"
         return self._call("logprobs", {"reference": reference}, {"tokens": tokens})
 

@@ -82,8 +82,10 @@ class Client:
             self._slots = asyncio.Semaphore(self.max_inflight)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_inflight, force_close=False),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers,
-                json_serialize=lambda obj: orjson.dumps(obj).decode())
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers=self._headers,
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
         return self._session
 
     async def call(self, method: str, url: str, body: Any = None, timeout_s: float | None = None) -> tuple[int, Any]:
@@ -96,16 +98,21 @@ class Client:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         async with self._slots:
             try:
-                data = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
+                data = (
+                    {"data": body, "headers": {"Content-Type": "application/json"}}
+                    if isinstance(body, bytes)
                     else {"json": body}
+                )
                 async with session.request(method, url, timeout=timeout, **data) as response:
                     raw = await response.read()
                     status = response.status
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                unreachable = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                                               ConnectionError))
-                raise Retryable(f"{method} {url}: {exc.__class__.__name__}: {exc or 'timed out'}", unreachable) \
-                    from None
+                unreachable = isinstance(
+                    exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError)
+                )
+                raise Retryable(
+                    f"{method} {url}: {exc.__class__.__name__}: {exc or 'timed out'}", unreachable
+                ) from None
         try:
             data = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:

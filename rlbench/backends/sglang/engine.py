@@ -52,8 +52,15 @@ import torch
 from rlbench.backends.sglang import wire
 from rlbench.backends.sglang.client import Client, Retryable
 from rlbench.backends.sglang.wire import BadAnswer
-from rlbench.backends.sglang.fleet import (Fleet, launch_server, make_logs, not_ready, registered, start_router,
-                                           wait_server)
+from rlbench.backends.sglang.fleet import (
+    Fleet,
+    launch_server,
+    make_logs,
+    not_ready,
+    registered,
+    start_router,
+    wait_server,
+)
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput, EngineUnavailable, WeightMismatch
 from rlbench.rundir.digest import tensor_digests
@@ -63,7 +70,7 @@ BACKOFF_S = 0.25  # the wait before a request's second attempt, doubled before e
 
 def backoff(attempt: int) -> float:
     """Seconds to wait after failed attempt number `attempt` (0-based)."""
-    return min(BACKOFF_S * 2 ** attempt, 4.0)
+    return min(BACKOFF_S * 2**attempt, 4.0)
 
 
 class _Gone(Exception):
@@ -129,10 +136,17 @@ class SGLangEngine:
                     await asyncio.sleep(backoff(attempt))
                 continue
             if self.version is not None and answer.weight_version != self.version:
-                raise WeightMismatch(f"{url} answered with weight version {answer.weight_version!r}; the run pushed "
-                                     f"{self.version!r} to every server (a server that missed the update?)")
-            results[index] = GenerateResult(answer.output_ids, answer.logprobs, answer.finish_reason, self.engine_id,
-                                            int(self.version) if self.version is not None else 0)
+                raise WeightMismatch(
+                    f"{url} answered with weight version {answer.weight_version!r}; the run pushed "
+                    f"{self.version!r} to every server (a server that missed the update?)"
+                )
+            results[index] = GenerateResult(
+                answer.output_ids,
+                answer.logprobs,
+                answer.finish_reason,
+                self.engine_id,
+                int(self.version) if self.version is not None else 0,
+            )
             return
         raise EngineUnavailable(f"/generate failed {self._times()}, the last: {last}")
 
@@ -154,24 +168,33 @@ class SGLangEngine:
                 await self._unregister(dead)
             if not self.fleet.workers:
                 said = f" (the last failure: {cause})" if cause is not None else ""
-                raise EngineUnavailable(f"no SGLang server answers: {', '.join(dead)} "
-                                        f"{'is' if len(dead) == 1 else 'are'} gone{said}")
+                raise EngineUnavailable(
+                    f"no SGLang server answers: {', '.join(dead)} {'is' if len(dead) == 1 else 'are'} gone{said}"
+                )
 
     async def _unregister(self, dead: list[str]) -> None:
         """Remove the dead servers from the router (GET /workers, DELETE /workers/{id}), as best it can."""
         router = self.fleet.router
         try:
-            listed = wire.parse_workers(await self.client.ok("GET", f"{router}/workers", timeout_s=10),
-                                        f"GET {router}/workers")
+            listed = wire.parse_workers(
+                await self.client.ok("GET", f"{router}/workers", timeout_s=10), f"GET {router}/workers"
+            )
             for worker in listed:
                 if worker["url"] in dead and isinstance(worker.get("id"), str):
                     await self.client.call("DELETE", f"{router}/workers/{worker['id']}", timeout_s=10)
         except (Retryable, BadInput, ValueError):
             pass  # the router keeps trying it and its retries go elsewhere; the answers are checked anyway
 
-    async def _call(self, method: str, server: str, endpoint: str, body: Any = None,
-                    read: Callable[[Any, str], Any] = _as_is, timeout_s: float | None = None,
-                    gone: bool = False) -> Any:
+    async def _call(
+        self,
+        method: str,
+        server: str,
+        endpoint: str,
+        body: Any = None,
+        read: Callable[[Any, str], Any] = _as_is,
+        timeout_s: float | None = None,
+        gone: bool = False,
+    ) -> Any:
         """`method server+endpoint`, attempted as a /generate is (each call here is safe to repeat: a load of
         the same path and version, a flush, a read): a failure another attempt may mend (no connection, a
         timeout, 408, 429, 5xx) or an answer `read(answer, source)` refuses (ValueError naming the source
@@ -215,16 +238,20 @@ class SGLangEngine:
         partial = self.weights_dir / f".{path.name}.tmp"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(partial / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+            str(partial / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         shutil.copyfile(Path(self.config.model.path) / "config.json", partial / "config.json")
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)
         return path
 
     async def _push(self, path: Path, version: str) -> None:
-        await self._each("POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": version},
-                         _loaded)
+        await self._each(
+            "POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": version}, _loaded
+        )
         await self._each("POST", "/flush_cache", None)
 
     async def _each(self, method: str, endpoint: str, body, read: Callable[[Any, str], Any] = _as_is) -> None:
@@ -258,8 +285,10 @@ class SGLangEngine:
         for url in list(self.fleet.workers):
             got = await self._call("POST", url, "/weights_checker", {"action": "checksum"}, wire.parse_checksums)
             self._comparable(url, got, want)
-            out[url] = {name: digests[name] if got.checksums[name] == want[name] else f"sglang:{got.checksums[name]}"
-                        for name in want}
+            out[url] = {
+                name: digests[name] if got.checksums[name] == want[name] else f"sglang:{got.checksums[name]}"
+                for name in want
+            }
         return out
 
     def _comparable(self, url: str, got: wire.Checksums, want: dict[str, str]) -> None:
@@ -274,24 +303,30 @@ class SGLangEngine:
         elif set(got.checksums) != set(want):
             common = [n for n in want if n in got.checksums]
             differ = [n for n in common if got.checksums[n] != want[n]]
-            why = (f"it reports its own tensor layout ({len(common)} of the trainer's {len(want)} names in common; "
-                   f"only the server's: {sorted(set(got.checksums) - set(want))[:3]}, only the trainer's: "
-                   f"{sorted(set(want) - set(got.checksums))[:3]})"
-                   + (f"; of those in common, {len(differ)} differ, the first {differ[0]}" if differ else ""))
+            why = (
+                f"it reports its own tensor layout ({len(common)} of the trainer's {len(want)} names in common; "
+                f"only the server's: {sorted(set(got.checksums) - set(want))[:3]}, only the trainer's: "
+                f"{sorted(set(want) - set(got.checksums))[:3]})"
+                + (f"; of those in common, {len(differ)} differ, the first {differ[0]}" if differ else "")
+            )
         if why is not None:
-            raise BadInput(f"the trainer's weights cannot be compared with this server's: {why}; set "
-                           "rollout.verify_engine_weights = false to run without the weight-update check",
-                           path=f"{url}/weights_checker")
+            raise BadInput(
+                f"the trainer's weights cannot be compared with this server's: {why}; set "
+                "rollout.verify_engine_weights = false to run without the weight-update check",
+                path=f"{url}/weights_checker",
+            )
 
     async def server_infos(self) -> dict[str, dict]:
         """Each server's /server_info (its arguments, for the manifest): the run's first call to each server,
         so one that never answers, or not as SGLang, stops the run here (EngineUnavailable) before set-up."""
+
         def info(data: Any, source: str) -> dict:
             return wire.parse_object(data, source, "the server's arguments")
 
         workers = list(self.fleet.workers)
-        replies = await asyncio.gather(*(self._call("GET", url, "/server_info", read=info, timeout_s=30)
-                                         for url in workers))
+        replies = await asyncio.gather(
+            *(self._call("GET", url, "/server_info", read=info, timeout_s=30) for url in workers)
+        )
         return dict(zip(workers, replies))
 
     def export_weights(self, holder: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -299,12 +334,15 @@ class SGLangEngine:
             try:
                 return torch.tensor(data, dtype=torch.float32).to(self.dtype)
             except (TypeError, ValueError, RuntimeError, OverflowError):
-                raise ValueError(f"{source}: (answer): expected the values of the tensor as a (nested) list of "
-                                 f"numbers, got {str(data)[:80]}") from None
+                raise ValueError(
+                    f"{source}: (answer): expected the values of the tensor as a (nested) list of "
+                    f"numbers, got {str(data)[:80]}"
+                ) from None
 
         async def fetch(name: str) -> torch.Tensor:
-            return await self._call("POST", holder, "/get_weights_by_name", {"name": name, "truncate_size": 2**31 - 1},
-                                    values)
+            return await self._call(
+                "POST", holder, "/get_weights_by_name", {"name": name, "truncate_size": 2**31 - 1}, values
+            )
 
         async def all_of() -> dict[str, torch.Tensor]:
             return {name: await fetch(name) for name in names}

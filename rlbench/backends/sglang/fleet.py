@@ -39,6 +39,8 @@ from rlbench.errors import BadInput, EngineUnavailable
 STARTUP_TIMEOUT_S = 600.0  # a server loading a large model takes minutes
 ROUTER_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+
+
 @dataclass
 class Process:
     """A process rlbench started: a process group of its own, its output in `log`."""
@@ -66,17 +68,26 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def start_process(name: str, command: list[str], logs: Path, env: dict | None = None,
-                  stdout: int | None = None) -> Process:
+def start_process(
+    name: str, command: list[str], logs: Path, env: dict | None = None, stdout: int | None = None
+) -> Process:
     log = logs / f"{name.replace(' ', '-')}.log"
     with open(log, "wb") as sink:
-        popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout or sink, stderr=sink,
-                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        popen = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout or sink,
+            stderr=sink,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
     return Process(name, popen, log)
 
 
 def stop_processes(processes: list[Process], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to each process group, SIGKILL to whatever is left after `grace_s`."""
+
     def signal_group(proc: Process, sig: int) -> None:
         try:
             os.killpg(proc.popen.pid, sig)
@@ -123,11 +134,14 @@ def check_key(config) -> None:
     from rlbench.keys import CLIENT_API_KEY_ENV
 
     if config.rollout.sglang_server == "sglang" and api_key() is not None:
-        raise BadInput(f"{CLIENT_API_KEY_ENV} is set, and SGLang's own server takes its key only on its command line "
-                       "(--api-key), where every user of this machine can read it: start keyed SGLang servers "
-                       "yourself and name them (rollout.external_engine_addrs or rollout.sglang_router_url), or let "
-                       "rlbench start `rlbench serve` workers (rollout.sglang_server = \"rlbench\"), which take the "
-                       "key through their environment", field="rollout.sglang_server")
+        raise BadInput(
+            f"{CLIENT_API_KEY_ENV} is set, and SGLang's own server takes its key only on its command line "
+            "(--api-key), where every user of this machine can read it: start keyed SGLang servers "
+            "yourself and name them (rollout.external_engine_addrs or rollout.sglang_router_url), or let "
+            'rlbench start `rlbench serve` workers (rollout.sglang_server = "rlbench"), which take the '
+            "key through their environment",
+            field="rollout.sglang_server",
+        )
 
 
 def server_command(config, host: str, port: int, weights_dir: str | Path | None = None) -> list[str]:
@@ -137,18 +151,56 @@ def server_command(config, host: str, port: int, weights_dir: str | Path | None 
     rollout, model = config.rollout, config.model
     if rollout.sglang_server == "rlbench":
         allowed = weights_dir or rollout.weights_dir or tempfile.gettempdir()
-        return [sys.executable, "-m", "rlbench.cli", "serve", "--host", host, "--port", str(port),
-                "--weights-dir", str(allowed),
-                "--model-path", model.path, "--tokenizer-path", model.tokenizer, "--random-seed", str(config.seed),
-                "--load-format", "auto" if model.init == "checkpoint" else "dummy", "--dtype", model.dtype,
-                "--device", config.device, "--threads", str(config.threads),
-                "--decode", rollout.decode, "--decode-batch-size", str(rollout.decode_batch_size),
-                *passthrough(rollout.sglang)]
+        return [
+            sys.executable,
+            "-m",
+            "rlbench.cli",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--weights-dir",
+            str(allowed),
+            "--model-path",
+            model.path,
+            "--tokenizer-path",
+            model.tokenizer,
+            "--random-seed",
+            str(config.seed),
+            "--load-format",
+            "auto" if model.init == "checkpoint" else "dummy",
+            "--dtype",
+            model.dtype,
+            "--device",
+            config.device,
+            "--threads",
+            str(config.threads),
+            "--decode",
+            rollout.decode,
+            "--decode-batch-size",
+            str(rollout.decode_batch_size),
+            *passthrough(rollout.sglang),
+        ]
     check_key(config)
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model.path, "--tokenizer-path",
-            model.tokenizer, "--host", host, "--port", str(port), "--random-seed", str(config.seed),
-            # per-request sampling_seed takes effect only in this mode (sglang-api.md section 5)
-            "--enable-deterministic-inference", *passthrough(rollout.sglang)]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model.path,
+        "--tokenizer-path",
+        model.tokenizer,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--random-seed",
+        str(config.seed),
+        # per-request sampling_seed takes effect only in this mode (sglang-api.md section 5)
+        "--enable-deterministic-inference",
+        *passthrough(rollout.sglang),
+    ]
 
 
 def server_env(config, key: str | None = None) -> dict | None:
@@ -169,14 +221,24 @@ def server_env(config, key: str | None = None) -> dict | None:
     return env
 
 
-def launch_server(config, logs: Path, index: int, host: str = "127.0.0.1",
-                  weights_dir: str | Path | None = None, key: str | None = None) -> Process:
+def launch_server(
+    config,
+    logs: Path,
+    index: int,
+    host: str = "127.0.0.1",
+    weights_dir: str | Path | None = None,
+    key: str | None = None,
+) -> Process:
     """Start one server (`weights_dir`: server_command's; `key`: server_env's); `wait_server` says where it
     listens once it answers."""
     port = 0 if config.rollout.sglang_server == "rlbench" else free_port()
-    proc = start_process(f"server-{index}", server_command(config, host, port, weights_dir), logs,
-                         stdout=subprocess.PIPE,
-                         env=server_env(config, key))
+    proc = start_process(
+        f"server-{index}",
+        server_command(config, host, port, weights_dir),
+        logs,
+        stdout=subprocess.PIPE,
+        env=server_env(config, key),
+    )
     if port:
         proc.url = f"http://{host}:{port}"
     return proc
@@ -191,27 +253,43 @@ def wait_server(proc: Process, not_ready: Callable[[str], str | None], timeout_s
     url, why = proc.url, None
     while time.monotonic() < deadline:
         if not proc.alive():
-            raise EngineUnavailable(f"SGLang {proc.name} exited with code {proc.popen.returncode} before it answered "
-                                    f"(its last lines: {proc.tail() or 'none'})")
+            raise EngineUnavailable(
+                f"SGLang {proc.name} exited with code {proc.popen.returncode} before it answered "
+                f"(its last lines: {proc.tail() or 'none'})"
+            )
         if url is None:  # rlbench serve says where it listens on its first line
             ready, _, _ = select.select([proc.popen.stdout], [], [], 0.5)
             line = proc.popen.stdout.readline().decode(errors="replace") if ready else ""
             if line.startswith(LISTENING):
-                url = line[len(LISTENING):].split()[0]
+                url = line[len(LISTENING) :].split()[0]
             continue
         why = not_ready(url)
         if why is None:
             return url
         time.sleep(0.2)
     said = f"; the last answer: {why}" if why else ""
-    raise EngineUnavailable(f"SGLang {proc.name} did not answer within {timeout_s:.0f} s{said} "
-                            f"(its last lines: {proc.tail() or 'none'})")
+    raise EngineUnavailable(
+        f"SGLang {proc.name} did not answer within {timeout_s:.0f} s{said} (its last lines: {proc.tail() or 'none'})"
+    )
 
 
 def router_command(workers: list[str], port: int, metrics_port: int) -> list[str]:
     # A distinct --prometheus-port per router: two routers on one port panic (research.md section 5).
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(metrics_port), "--log-level", "error", "--worker-urls", *workers]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "error",
+        "--worker-urls",
+        *workers,
+    ]
 
 
 @dataclass
@@ -251,14 +329,17 @@ def start_router(fleet: Fleet, listed: Callable[[str], set[str]]) -> None:
     deadline = time.monotonic() + ROUTER_TIMEOUT_S
     while time.monotonic() < deadline:
         if not proc.alive():
-            raise EngineUnavailable(f"sglang-router exited with code {proc.popen.returncode} "
-                                    f"(its last lines: {proc.tail() or 'none'})")
+            raise EngineUnavailable(
+                f"sglang-router exited with code {proc.popen.returncode} (its last lines: {proc.tail() or 'none'})"
+            )
         if set(fleet.workers) <= listed(url):
             fleet.router, fleet.route = url, [url]
             return
         time.sleep(0.2)
-    raise EngineUnavailable(f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
-                            f"(its last lines: {proc.tail() or 'none'})")
+    raise EngineUnavailable(
+        f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
+        f"(its last lines: {proc.tail() or 'none'})"
+    )
 
 
 async def not_ready(client, url: str) -> str | None:

@@ -41,10 +41,18 @@ LISTENING = "rlbench serve: listening on "
 
 def request_body(req: GenerateRequest) -> dict:
     """One /generate body for one request: its ids, its sampling parameters, its own seed."""
-    return {"input_ids": list(req.prompt_ids), "return_logprob": True,
-            "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
-                                "top_p": req.top_p, "top_k": req.top_k if req.top_k > 0 else -1,
-                                "stop_token_ids": list(req.stop_token_ids), "sampling_seed": req.seed}}
+    return {
+        "input_ids": list(req.prompt_ids),
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k if req.top_k > 0 else -1,
+            "stop_token_ids": list(req.stop_token_ids),
+            "sampling_seed": req.seed,
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ def _show(got: Any) -> str:
 
 def parse_answer(body: Any, source: str, req: GenerateRequest, vocab: int) -> Answer:
     """Read one /generate answer and hold it to `req`; BadAnswer naming `source` and the field otherwise."""
+
     def bad(field: str, expected: str, got: Any) -> BadAnswer:
         return BadAnswer(f"{source}: {field}: expected {expected}, got {_show(got)}")
 
@@ -81,16 +90,22 @@ def parse_answer(body: Any, source: str, req: GenerateRequest, vocab: int) -> An
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
     if kind == "abort":
-        raise BadAnswer(f"{source}: meta_info.finish_reason: the server aborted the request "
-                        f"({_show(finish.get('message'))}); its partial output is not kept", aborted=True)
+        raise BadAnswer(
+            f"{source}: meta_info.finish_reason: the server aborted the request "
+            f"({_show(finish.get('message'))}); its partial output is not kept",
+            aborted=True,
+        )
     if kind not in ("stop", "length"):
         raise bad("meta_info.finish_reason", '{"type": "stop" | "length" | "abort", ...}', finish)
     ids, logprobs = _entries(meta.get("output_token_logprobs"), vocab, bad)
     if "output_ids" in body and body["output_ids"] != list(ids):
         raise bad("output_ids", f"the ids of meta_info.output_token_logprobs ({list(ids)[:8]}...)", body["output_ids"])
     if len(ids) > req.max_new_tokens:
-        raise bad("meta_info.output_token_logprobs", f"at most max_new_tokens = {req.max_new_tokens} tokens",
-                  f"{len(ids)} tokens")
+        raise bad(
+            "meta_info.output_token_logprobs",
+            f"at most max_new_tokens = {req.max_new_tokens} tokens",
+            f"{len(ids)} tokens",
+        )
     _agrees(finish, ids, req, bad)
     return Answer(ids, logprobs, kind, str(meta.get("weight_version")))
 
@@ -108,8 +123,12 @@ def _entries(entries: Any, vocab: int, bad) -> tuple[tuple[int, ...], tuple[floa
         logprob, token = entry[0], entry[1]
         if not valid_id(token, vocab):
             raise bad(f"{field}[{i}] token id", f"an id in [0, {vocab}) (the model's vocabulary)", token)
-        if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob) \
-                or logprob > 0:
+        if (
+            not isinstance(logprob, (int, float))
+            or isinstance(logprob, bool)
+            or not math.isfinite(logprob)
+            or logprob > 0
+        ):
             raise bad(f"{field}[{i}] logprob", "a finite log-probability <= 0", logprob)
         ids.append(token)
         logprobs.append(float(logprob))
@@ -125,15 +144,22 @@ def _agrees(finish: dict, ids: tuple[int, ...], req: GenerateRequest, bad) -> No
         raise bad(field, f"no token of stop_token_ids before the last (the request stops at {early[0]})", list(ids))
     if finish["type"] == "length":
         if len(ids) != req.max_new_tokens or (ids and ids[-1] in stops):
-            raise bad(field, f"length only with exactly max_new_tokens = {req.max_new_tokens} tokens, the last not a "
-                             f"stop token", f"{finish} with {len(ids)} tokens")
+            raise bad(
+                field,
+                f"length only with exactly max_new_tokens = {req.max_new_tokens} tokens, the last not a stop token",
+                f"{finish} with {len(ids)} tokens",
+            )
         return
     matched = finish.get("matched")
     if not ids or not isinstance(matched, int) or isinstance(matched, bool) or matched != ids[-1]:
         raise bad(field, "stop with matched = the last output token", f"{finish} after {list(ids)[-3:]}")
     if matched not in stops:
-        raise bad(field, f"a stop at one of the request's stop_token_ids {sorted(stops)} (a server stopping at its "
-                         "own end-of-sequence token? add it to rollout.stop_token_ids)", finish)
+        raise bad(
+            field,
+            f"a stop at one of the request's stop_token_ids {sorted(stops)} (a server stopping at its "
+            "own end-of-sequence token? add it to rollout.stop_token_ids)",
+            finish,
+        )
 
 
 # ---- /weights_checker ------------------------------------------------------------------------------
@@ -151,6 +177,7 @@ class Checksums:
 def parse_checksums(body: Any, source: str) -> Checksums:
     """SGLang 0.5.23's answer: {success, message, ranks: [{checksums, per_gpu_checksum, parallelism_info}],
     per_engine_checksum}; anything else is ValueError naming `source` and the field."""
+
     def bad(field: str, expected: str, got: Any) -> ValueError:
         return ValueError(f"{source}: {field}: expected {expected}, got {_show(got)}")
 
@@ -164,8 +191,9 @@ def parse_checksums(body: Any, source: str) -> Checksums:
     merged: dict[str, str] = {}
     for i, rank in enumerate(ranks):
         checksums = rank.get("checksums") if isinstance(rank, dict) else None
-        if not isinstance(checksums, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in checksums.items()):
+        if not isinstance(checksums, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()
+        ):
             raise bad(f"ranks[{i}].checksums", "an object of tensor name -> hex string", checksums)
         merged.update(checksums)
     return Checksums(merged, len(ranks))

@@ -34,40 +34,110 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 400
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 MILES_TEMPLATES = "miles/utils/chat_template_utils/templates"
 
-_QWEN = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<tool_call>", False),
-         ("</tool_call>", False), ("<tool_response>", False), ("</tool_response>", False), ("<think>", False),
-         ("</think>", False)]
+_QWEN = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
 # family: added tokens (content, special), eos, pad, the stop tokens of generation_config.json, the model repository
 # Miles names, and Miles' TITO family. Special flags follow the model repositories as far as Miles' code shows them
 # (Kimi: every marker special, <|im_middle|> too; DeepSeek: <｜User｜>/<｜Assistant｜> are not), else an assumption.
 FAMILIES = {
     "qwen3": dict(tokens=_QWEN, eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>", "<|endoftext|>"]),
-    "qwen35": dict(tokens=_QWEN + [("<|vision_start|>", True), ("<|vision_end|>", True), ("<|image_pad|>", True),
-                                   ("<|video_pad|>", True)],
-                   eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>", "<|endoftext|>"]),
-    "glm47": dict(tokens=[("<|endoftext|>", True), ("[MASK]", True), ("[gMASK]", True), ("[sMASK]", True),
-                          ("<sop>", True), ("<eop>", True), ("<|system|>", True), ("<|user|>", True),
-                          ("<|assistant|>", True), ("<|observation|>", True), ("<think>", False), ("</think>", False),
-                          ("<tool_call>", False), ("</tool_call>", False), ("<tool_response>", False),
-                          ("</tool_response>", False), ("<arg_key>", False), ("</arg_key>", False),
-                          ("<arg_value>", False), ("</arg_value>", False)],
-                  eos="<|endoftext|>", pad="<|endoftext|>", stops=["<|endoftext|>", "<|user|>", "<|observation|>"]),
-    "kimi25": dict(tokens=[("[BOS]", True), ("[EOS]", True), ("<|im_end|>", True), ("<|im_user|>", True),
-                           ("<|im_assistant|>", True), ("<|im_system|>", True), ("<|im_middle|>", True),
-                           ("<|tool_calls_section_begin|>", True), ("<|tool_calls_section_end|>", True),
-                           ("<|tool_call_begin|>", True), ("<|tool_call_argument_begin|>", True),
-                           ("<|tool_call_end|>", True), ("<think>", True), ("</think>", True)],
-                   eos="[EOS]", pad="[EOS]", stops=["<|im_end|>"]),
-    "minimax_m25": dict(tokens=[("]~!b[", True), ("]~b]", True), ("[e~[", True), ("<think>", False),
-                                ("</think>", False), ("<minimax:tool_call>", False), ("</minimax:tool_call>", False)],
-                        eos="[e~[", pad="[e~[", stops=["[e~["]),
-    "deepseek": dict(tokens=[("<｜begin▁of▁sentence｜>", True), ("<｜end▁of▁sentence｜>", True), ("<｜User｜>", False),
-                             ("<｜Assistant｜>", False), ("<think>", False), ("</think>", False)],
-                     eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"]),
+    "qwen35": dict(
+        tokens=_QWEN
+        + [("<|vision_start|>", True), ("<|vision_end|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True)],
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=["<|im_end|>", "<|endoftext|>"],
+    ),
+    "glm47": dict(
+        tokens=[
+            ("<|endoftext|>", True),
+            ("[MASK]", True),
+            ("[gMASK]", True),
+            ("[sMASK]", True),
+            ("<sop>", True),
+            ("<eop>", True),
+            ("<|system|>", True),
+            ("<|user|>", True),
+            ("<|assistant|>", True),
+            ("<|observation|>", True),
+            ("<think>", False),
+            ("</think>", False),
+            ("<tool_call>", False),
+            ("</tool_call>", False),
+            ("<tool_response>", False),
+            ("</tool_response>", False),
+            ("<arg_key>", False),
+            ("</arg_key>", False),
+            ("<arg_value>", False),
+            ("</arg_value>", False),
+        ],
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        stops=["<|endoftext|>", "<|user|>", "<|observation|>"],
+    ),
+    "kimi25": dict(
+        tokens=[
+            ("[BOS]", True),
+            ("[EOS]", True),
+            ("<|im_end|>", True),
+            ("<|im_user|>", True),
+            ("<|im_assistant|>", True),
+            ("<|im_system|>", True),
+            ("<|im_middle|>", True),
+            ("<|tool_calls_section_begin|>", True),
+            ("<|tool_calls_section_end|>", True),
+            ("<|tool_call_begin|>", True),
+            ("<|tool_call_argument_begin|>", True),
+            ("<|tool_call_end|>", True),
+            ("<think>", True),
+            ("</think>", True),
+        ],
+        eos="[EOS]",
+        pad="[EOS]",
+        stops=["<|im_end|>"],
+    ),
+    "minimax_m25": dict(
+        tokens=[
+            ("]~!b[", True),
+            ("]~b]", True),
+            ("[e~[", True),
+            ("<think>", False),
+            ("</think>", False),
+            ("<minimax:tool_call>", False),
+            ("</minimax:tool_call>", False),
+        ],
+        eos="[e~[",
+        pad="[e~[",
+        stops=["[e~["],
+    ),
+    "deepseek": dict(
+        tokens=[
+            ("<｜begin▁of▁sentence｜>", True),
+            ("<｜end▁of▁sentence｜>", True),
+            ("<｜User｜>", False),
+            ("<｜Assistant｜>", False),
+            ("<think>", False),
+            ("</think>", False),
+        ],
+        eos="<｜end▁of▁sentence｜>",
+        pad="<｜end▁of▁sentence｜>",
+        stops=["<｜end▁of▁sentence｜>"],
+    ),
 }
 
 # The originals: Miles' fixed file with Miles' change undone, each edit (old, new) applied exactly once.
@@ -167,13 +237,16 @@ def base_tokenizer() -> str:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(corpus(), trainer)
     return tok.to_str()
 
@@ -202,9 +275,15 @@ def build_one(name: str, base: str) -> tuple[dict[str, str], dict]:
     tok = Tokenizer.from_str(base)
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in spec["tokens"]])
     vocab = tok.get_vocab(with_added_tokens=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": spec["eos"],
-              "pad_token": spec["pad"], "unk_token": None, "model_max_length": 4096,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": spec["eos"],
+        "pad_token": spec["pad"],
+        "unk_token": None,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
     files = {}
     if source is not None:
         config["chat_template"] = template_text(source, original)
@@ -213,21 +292,32 @@ def build_one(name: str, base: str) -> tuple[dict[str, str], dict]:
     files[f"{name}/tokenizer.json"] = _dump(json.loads(tok.to_str()), indent=None)  # one line: half the bytes
     files[f"{name}/tokenizer_config.json"] = _dump(config)
     files[f"{name}/generation_config.json"] = _dump({"eos_token_id": [vocab[t] for t in spec["stops"]]})
-    return files, {"family": family, "model_repository": model, "original": original, "source": source,
-                   "stop_tokens": spec["stops"], "added_tokens": [[t, s] for t, s in spec["tokens"]]}
+    return files, {
+        "family": family,
+        "model_repository": model,
+        "original": original,
+        "source": source,
+        "stop_tokens": spec["stops"],
+        "added_tokens": [[t, s] for t, s in spec["tokens"]],
+    }
 
 
 def miles_commit(repo: Path) -> str:
-    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def check_against_miles(repo: Path, source: str) -> str:
     """The blob id of Miles' own file; the packaged file must be the same bytes."""
     from miles_tito_tokenizers import TEMPLATE_DIR
 
-    blob = subprocess.run(["git", "-C", str(repo), "rev-parse", f"HEAD:{MILES_TEMPLATES}/{source}"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    blob = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", f"HEAD:{MILES_TEMPLATES}/{source}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     data = (Path(TEMPLATE_DIR) / source).read_bytes()
     mine = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
     assert mine == blob, f"{source}: the packaged template is not Miles' file at HEAD"
@@ -245,18 +335,24 @@ def build(repo: Path, out: Path) -> list[Path]:
         made, source = build_one(name, base)
         files.update(made)
         if source["source"] and not source["source"].startswith("templates/"):
-            source["miles"] = {"repository": "radixark/miles", "commit": commit,
-                               "path": f"{MILES_TEMPLATES}/{source['source']}",
-                               "blob": check_against_miles(repo, source["source"]),
-                               "package": f"miles-tito-tokenizers {version('miles-tito-tokenizers')}"}
+            source["miles"] = {
+                "repository": "radixark/miles",
+                "commit": commit,
+                "path": f"{MILES_TEMPLATES}/{source['source']}",
+                "blob": check_against_miles(repo, source["source"]),
+                "package": f"miles-tito-tokenizers {version('miles-tito-tokenizers')}",
+            }
             if source["original"]:
-                source["note"] = ("reconstructed: Miles' fixed file with Miles' change undone (build_tokenizers.py "
-                                  "ORIGINAL_EDITS)" + (", the Qwen3 model cards' template" if name == "qwen3" else ""))
+                source["note"] = (
+                    "reconstructed: Miles' fixed file with Miles' change undone (build_tokenizers.py "
+                    "ORIGINAL_EDITS)" + (", the Qwen3 model cards' template" if name == "qwen3" else "")
+                )
         elif source["source"]:
             source["note"] = "the model's own template, from a public copy, not checked against the model repository"
         sources[name] = source
-    files["sources.json"] = _dump({"miles_commit": commit, "package": miles_tito_tokenizers.__name__,
-                                   "tokenizers": sources})
+    files["sources.json"] = _dump(
+        {"miles_commit": commit, "package": miles_tito_tokenizers.__name__, "tokenizers": sources}
+    )
     return _fixtures_build().write_files(out, files)
 
 
@@ -264,8 +360,9 @@ def _fixtures_build():
     """rlbench/fixtures/build.py (a script beside the fixtures, not a module of the package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fixtures_build",
-                                                  Path(__file__).resolve().parents[3] / "rlbench/fixtures/build.py")
+    spec = importlib.util.spec_from_file_location(
+        "fixtures_build", Path(__file__).resolve().parents[3] / "rlbench/fixtures/build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -11,13 +11,23 @@ HERE = Path(__file__).resolve().parent
 TOKENIZERS = HERE / "tokenizers"
 
 # tokenizer: (Miles' family, append roles) that Miles verifies its fixed template (or kwargs) with; and the original
-FIXED = {"qwen3-fixed": ("qwen3", ["tool", "user"]), "qwen3-2507-fixed": ("qwennext", ["tool", "user"]),
-         "qwen35-fixed": ("qwen35", ["tool", "user"]), "glm47": ("glm47", ["tool", "user"]),
-         "minimax-m25-fixed": ("minimax_m25", ["tool", "user"]), "kimi25-fixed": ("kimi25", ["tool", "user"])}
+FIXED = {
+    "qwen3-fixed": ("qwen3", ["tool", "user"]),
+    "qwen3-2507-fixed": ("qwennext", ["tool", "user"]),
+    "qwen35-fixed": ("qwen35", ["tool", "user"]),
+    "glm47": ("glm47", ["tool", "user"]),
+    "minimax-m25-fixed": ("minimax_m25", ["tool", "user"]),
+    "kimi25-fixed": ("kimi25", ["tool", "user"]),
+}
 # original: (the fixed one it goes with, kwargs that undo a kwargs-only fix: GLM-4.7's own template, as shipped)
-ORIGINAL = {"qwen3": ("qwen3-fixed", {}), "qwen3-2507": ("qwen3-2507-fixed", {}), "qwen35": ("qwen35-fixed", {}),
-            "glm47": ("glm47", {"clear_thinking": True}), "minimax-m25": ("minimax-m25-fixed", {}),
-            "kimi25": ("kimi25-fixed", {})}
+ORIGINAL = {
+    "qwen3": ("qwen3-fixed", {}),
+    "qwen3-2507": ("qwen3-2507-fixed", {}),
+    "qwen35": ("qwen35-fixed", {}),
+    "glm47": ("glm47", {"clear_thinking": True}),
+    "minimax-m25": ("minimax-m25-fixed", {}),
+    "kimi25": ("kimi25-fixed", {}),
+}
 
 
 @cache
@@ -57,20 +67,25 @@ def play(tok, tito, cls, stop: frozenset[int], skip_special: bool = False) -> di
         prompt = tito.render_messages(messages[:j], add_generation_prompt=True, tools=tools)
         turn = tito.render_messages(messages[: j + 1], add_generation_prompt=False, tools=tools)
         assert turn.startswith(prompt), cls.__name__
-        body, _ = _with_reasoning(turn[len(prompt):], messages[j], prompt)  # what a model that reasoned sampled
+        body, _ = _with_reasoning(turn[len(prompt) :], messages[j], prompt)  # what a model that reasoned sampled
         ids = encode(tok, body)
         at = next((i for i, t in enumerate(ids) if t in stop), None)
         if at is None:  # GLM: the stop is the next message's opener
             following = tito.render_messages(messages[: j + 2], add_generation_prompt=False, tools=tools)
-            ids = ids + encode(tok, following[len(turn):])[:1] if k + 1 < len(turns) else ids + [tok.eos_token_id]
+            ids = ids + encode(tok, following[len(turn) :])[:1] if k + 1 < len(turns) else ids + [tok.eos_token_id]
         else:
             ids = ids[: at + 1]
         sampled.append(ids)
         buffer = buffer + (encode(tok, decode(tok, ids, skip_special_tokens=True)) if skip_special else ids)
         if k + 1 < len(turns):
             buffer = tito.merge_tokens(messages[: j + 1], messages[: turns[k + 1]], buffer, tools=tools)
-    return {"messages": messages, "tools": tools, "token_ids": buffer, "sampled": sampled,
-            "chat_template_kwargs": dict(tito.chat_template_kwargs)}
+    return {
+        "messages": messages,
+        "tools": tools,
+        "token_ids": buffer,
+        "sampled": sampled,
+        "chat_template_kwargs": dict(tito.chat_template_kwargs),
+    }
 
 
 def naive(tok, tito, cls, stop: frozenset[int]) -> dict:

@@ -24,8 +24,9 @@ def _miles_passes(name: str, family: str, roles, kwargs) -> bool:
     decodes to the template's rendering (testing/chat_template_verify.py, thinking on)."""
     from miles_tito_tokenizers.testing import run_all_checks_via_tito
 
-    results = run_all_checks_via_tito(tokenizer(name), family, allowed_append_roles=set(roles), thinking="on",
-                                      extra_template_kwargs=kwargs)
+    results = run_all_checks_via_tito(
+        tokenizer(name), family, allowed_append_roles=set(roles), thinking="on", extra_template_kwargs=kwargs
+    )
     return bool(results) and all(r.passed for r in results)
 
 
@@ -88,8 +89,9 @@ def test_the_plain_builder_loses_what_each_family_builder_puts_back():
     which Miles' glm47 builder trims."""
     qwen = audit(TOKENIZERS / "qwen3-fixed", ["multi-turn", "tool-result"], kwargs={"clear_thinking": False})
     assert {f.mode for f in qwen.findings if f.strict} == {"separator"}
-    assert not audit(TOKENIZERS / "qwen3-fixed", ["multi-turn", "tool-result"], family="qwen3",
-                     roles=["tool", "user"]).findings
+    assert not audit(
+        TOKENIZERS / "qwen3-fixed", ["multi-turn", "tool-result"], family="qwen3", roles=["tool", "user"]
+    ).findings
     glm = audit(TOKENIZERS / "glm47", ["tool-result"], kwargs={"clear_thinking": False})
     assert "stop" in {f.mode for f in glm.findings if f.strict}
 
@@ -102,8 +104,11 @@ def test_deepseek_is_audited_through_its_encoder(name, family):
     thinking = _audit(name, family, None)
     assert thinking.strict and "template" in {f.mode for f in thinking.findings}
     chat = _audit(name, family, None, {"enable_thinking": False})
-    assert (chat.strict, chat.findings, sorted(chat.skipped)) == (False, [], ["multi-turn", "multi-turn-with-tools",
-                                                                              "reasoning", "truncated"])
+    assert (chat.strict, chat.findings, sorted(chat.skipped)) == (
+        False,
+        [],
+        ["multi-turn", "multi-turn-with-tools", "reasoning", "truncated"],
+    )
 
 
 def test_kwargs_roles_and_the_family_are_recorded_and_the_cli_exits_by_them():
@@ -111,12 +116,23 @@ def test_kwargs_roles_and_the_family_are_recorded_and_the_cli_exits_by_them():
     tool_user = run_cli(*base, "--tito-allowed-append-roles", "tool,user")
     assert tool_user.returncode == 0, tool_user.stderr
     doc = json.loads(tool_user.stdout)
-    assert (doc["builder"], doc["roles"], doc["kwargs"], doc["strict"]) == ("glm47", ["tool", "user"],
-                                                                           {"clear_thinking": False}, False)
+    assert (doc["builder"], doc["roles"], doc["kwargs"], doc["strict"]) == (
+        "glm47",
+        ["tool", "user"],
+        {"clear_thinking": False},
+        False,
+    )
     assert doc["findings"] and all(f["category"] for f in doc["findings"])
     # the user's kwargs win over the registered ones, in either spelling
-    cleared = run_cli(*base, "--tito-allowed-append-roles", "tool", "--tito-allowed-append-roles", "user",
-                      "--apply-chat-template-kwargs", '{"clear_thinking": true}')
+    cleared = run_cli(
+        *base,
+        "--tito-allowed-append-roles",
+        "tool",
+        "--tito-allowed-append-roles",
+        "user",
+        "--apply-chat-template-kwargs",
+        '{"clear_thinking": true}',
+    )
     assert cleared.returncode == 1 and json.loads(cleared.stdout)["kwargs"] == {"clear_thinking": True}
     strict = run_cli(*base, "--tito-allowed-append-roles", "tool,user", "--strict")
     assert strict.returncode == 1
@@ -124,14 +140,17 @@ def test_kwargs_roles_and_the_family_are_recorded_and_the_cli_exits_by_them():
     assert skipped.returncode == 0 and "shape multi-turn not audited: it appends user" in skipped.stderr
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tito-model", "llama9"], "unknown TITO model family 'llama9'"),
-    (["--tito-model", "qwen3", "--tito-allowed-append-roles", "developer"], "unknown append role(s) developer"),
-    (["--tito-model", "kimi25", "--tito-allowed-append-roles", "tool,user,system"], "No SUPPORTED_TEMPLATES row"),
-    (["--tito-allowed-append-roles", "tool"], "give --tito-model too"),
-    (["--chat-template-kwargs", "[1]"], "expected a JSON object"),
-    (["--chat-template-kwargs", "{"], "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tito-model", "llama9"], "unknown TITO model family 'llama9'"),
+        (["--tito-model", "qwen3", "--tito-allowed-append-roles", "developer"], "unknown append role(s) developer"),
+        (["--tito-model", "kimi25", "--tito-allowed-append-roles", "tool,user,system"], "No SUPPORTED_TEMPLATES row"),
+        (["--tito-allowed-append-roles", "tool"], "give --tito-model too"),
+        (["--chat-template-kwargs", "[1]"], "expected a JSON object"),
+        (["--chat-template-kwargs", "{"], "expected a JSON object"),
+    ],
+)
 def test_bad_builder_options_are_one_line_bad_input(argv, message):
     res = run_cli("check", "tito", "--audit", "--tokenizer", str(TOKENIZERS / "qwen3-fixed"), *argv)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
@@ -147,11 +166,18 @@ def test_no_real_template_makes_the_audit_an_internal_error():
     roles), and under a family whose markup it lacks: findings, or one line of bad input, never exit 3."""
     from rlbench.errors import BadInput
 
-    own = {**{k: v[0] for k, v in FIXED.items()}, **{k: FIXED[v[0]][0] for k, v in ORIGINAL.items()},
-           "deepseek-v32": "deepseekv32", "deepseek-v4": "deepseekv4"}
+    own = {
+        **{k: v[0] for k, v in FIXED.items()},
+        **{k: FIXED[v[0]][0] for k, v in ORIGINAL.items()},
+        "deepseek-v32": "deepseekv32",
+        "deepseek-v4": "deepseekv4",
+    }
     for name in sorted(p.name for p in TOKENIZERS.iterdir() if p.is_dir()):
-        for family, roles, kwargs in ((None, None, {}), (own[name], None, {"enable_thinking": True}),
-                                      (own[name], ["tool", "user"], {"enable_thinking": False})):
+        for family, roles, kwargs in (
+            (None, None, {}),
+            (own[name], None, {"enable_thinking": True}),
+            (own[name], ["tool", "user"], {"enable_thinking": False}),
+        ):
             try:
                 _audit(name, family, roles, kwargs)
             except BadInput as exc:

@@ -12,8 +12,10 @@ from rlbench.checks.tito import block_findings, encode
 from tests.conformance.miles.common import stops, tokenizer
 
 # Miles' ModelConfig: assistant start and the special tokens its cases use, per model
-MODELS = {"qwen3-fixed": ("<|im_start|>assistant", ("<|im_start|>", "<|im_end|>", "<|endoftext|>")),
-          "glm47": ("<|assistant|>", ("<|assistant|>", "<|user|>", "<|system|>", "<|observation|>", "<|endoftext|>"))}
+MODELS = {
+    "qwen3-fixed": ("<|im_start|>assistant", ("<|im_start|>", "<|im_end|>", "<|endoftext|>")),
+    "glm47": ("<|assistant|>", ("<|assistant|>", "<|user|>", "<|system|>", "<|observation|>", "<|endoftext|>")),
+}
 
 
 class Env:
@@ -34,8 +36,9 @@ class Env:
         return [m.type.value for m in self.compare.compare_sequences(expected, actual)]
 
     def rlbench(self, expected, actual):
-        return block_findings(self.tok, "case", "miles", actual, expected, [], [], stops=stops(self.name),
-                              compare=self.compare)
+        return block_findings(
+            self.tok, "case", "miles", actual, expected, [], [], stops=stops(self.name), compare=self.compare
+        )
 
 
 @pytest.fixture(params=sorted(MODELS))
@@ -78,12 +81,15 @@ def test_changed_text_after_a_non_assistant_special_is_non_assistant_text(env):
     assert {f.category for f in found} == {"non_assistant_text"}
 
 
-@pytest.mark.parametrize("name,opener,closer,role,category", [
-    ("qwen3-fixed", "<|im_start|>", "<|im_end|>", "assistant\n", "assistant_text"),
-    ("qwen3-fixed", "<|im_start|>", "<|im_end|>", "user\n", "non_assistant_text"),
-    ("glm47", "<|assistant|>", "<|user|>", "", "assistant_text"),
-    ("glm47", "<|user|>", "<|assistant|>", "", "non_assistant_text"),
-])
+@pytest.mark.parametrize(
+    "name,opener,closer,role,category",
+    [
+        ("qwen3-fixed", "<|im_start|>", "<|im_end|>", "assistant\n", "assistant_text"),
+        ("qwen3-fixed", "<|im_start|>", "<|im_end|>", "user\n", "non_assistant_text"),
+        ("glm47", "<|assistant|>", "<|user|>", "", "assistant_text"),
+        ("glm47", "<|user|>", "<|assistant|>", "", "non_assistant_text"),
+    ],
+)
 def test_assistant_and_other_text_as_each_template_opens_a_turn(name, opener, closer, role, category):
     e = Env(name)
     o, c = e.id(opener), e.id(closer)

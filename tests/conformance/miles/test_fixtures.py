@@ -31,8 +31,10 @@ def test_every_template_says_where_it_comes_from():
             assert "chat_template" not in config and (TOKENIZERS / name / "config.json").is_file()
             continue
         if "miles" in source:
-            assert source["miles"]["path"].endswith(source["source"]) and source["miles"]["commit"] == \
-                sources["miles_commit"]
+            assert (
+                source["miles"]["path"].endswith(source["source"])
+                and source["miles"]["commit"] == sources["miles_commit"]
+            )
             fixed = (TEMPLATE_DIR / source["source"]).read_text(encoding="utf-8")
             assert (config["chat_template"] == fixed) is not source["original"]
         if source["original"]:

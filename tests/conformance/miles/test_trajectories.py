@@ -11,8 +11,16 @@ import json
 import pytest
 
 from rlbench.checks.tito_run import check_run
-from tests.conformance.miles.common import FIXED, ORIGINAL, TOKENIZERS, naive, play, stops, tokenizer, \
-    trajectory_classes
+from tests.conformance.miles.common import (
+    FIXED,
+    ORIGINAL,
+    TOKENIZERS,
+    naive,
+    play,
+    stops,
+    tokenizer,
+    trajectory_classes,
+)
 from tests.conftest import run_cli
 
 
@@ -56,8 +64,9 @@ def test_the_cli_headlines_say_what_was_compared(tmp_path):
     rows, name = _rows("qwen3-fixed", "tito"), str(TOKENIZERS / "qwen3-fixed")
     tito = run_cli("check", "tito", _jsonl(tmp_path, rows), "--tokenizer", name)
     assert tito.returncode == 0 and "trained on what was sampled" in tito.stdout, tito.stdout
-    naive_rows = run_cli("check", "tito", _jsonl(tmp_path, _rows("qwen3-fixed", "naive"), drop=("sampled",)),
-                         "--tokenizer", name)
+    naive_rows = run_cli(
+        "check", "tito", _jsonl(tmp_path, _rows("qwen3-fixed", "naive"), drop=("sampled",)), "--tokenizer", name
+    )
     assert naive_rows.returncode == 0, naive_rows.stderr
     assert "equal to the chat template's re-render" in naive_rows.stdout and "no drift" not in naive_rows.stdout
     assert "a naive pipeline's ids are this re-render by construction" in naive_rows.stdout
@@ -97,8 +106,9 @@ def test_a_row_the_template_cannot_render_is_that_rows_finding(tmp_path):
     from miles_tito_tokenizers.testing import RetrySystemTrajectory, SingleToolTrajectory
 
     system = {"messages": RetrySystemTrajectory.MESSAGES, "tools": RetrySystemTrajectory.TOOLS, "token_ids": [1, 2]}
-    res = run_cli("check", "tito", _jsonl(tmp_path, [system]), "--tokenizer", str(TOKENIZERS / "qwen35-fixed"),
-                  "--json")
+    res = run_cli(
+        "check", "tito", _jsonl(tmp_path, [system]), "--tokenizer", str(TOKENIZERS / "qwen35-fixed"), "--json"
+    )
     assert res.returncode == 1, res.stderr
     [f] = json.loads(res.stdout)["findings"]
     assert (f["finding"]["mode"], f["where"]) == (

@@ -47,8 +47,11 @@ def write_checkpoint(directory: Path, seed: int = 1234, scale: float = 1.0) -> P
 
     model = build_model(FIXTURE_MODEL, seed, init="random")
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: (v * scale).contiguous() for k, v in named_weights(model).items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (v * scale).contiguous() for k, v in named_weights(model).items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     shutil.copyfile(FIXTURE_MODEL / "config.json", directory / "config.json")
     return directory
 
@@ -62,10 +65,15 @@ def server(request, tmp_path_factory) -> Server:
     from rlbench.serve.server import ServeConfig, serve_in_thread
 
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("served") / "model")
-    settings = {"model_path": str(checkpoint), "load_format": "auto", "port": 0, "decode_batch_size": 8,
-                "batch_wait_ms": 1.0,
-                "weights_dir": str(tmp_path_factory.getbasetemp()),  # the tests' checkpoints are written there
-                **getattr(request.module, "SERVE", {})}
+    settings = {
+        "model_path": str(checkpoint),
+        "load_format": "auto",
+        "port": 0,
+        "decode_batch_size": 8,
+        "batch_wait_ms": 1.0,
+        "weights_dir": str(tmp_path_factory.getbasetemp()),  # the tests' checkpoints are written there
+        **getattr(request.module, "SERVE", {}),
+    }
     serving = serve_in_thread(ServeConfig(**settings))
     try:
         yield Server(serving.url, serving)

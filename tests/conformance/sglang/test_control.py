@@ -28,8 +28,19 @@ LONG = 200  # new tokens of a request that is still running when the test acts o
 
 
 def _long(server, prompt_id: int = 0, **extra):
-    return server.post("/generate", {"text": f"Question {prompt_id}: the capital of France is", "sampling_params": {
-        "temperature": 0.8, "max_new_tokens": LONG, "ignore_eos": True, "sampling_seed": prompt_id}, **extra})
+    return server.post(
+        "/generate",
+        {
+            "text": f"Question {prompt_id}: the capital of France is",
+            "sampling_params": {
+                "temperature": 0.8,
+                "max_new_tokens": LONG,
+                "ignore_eos": True,
+                "sampling_seed": prompt_id,
+            },
+            **extra,
+        },
+    )
 
 
 def test_abort_all(server):
@@ -62,8 +73,11 @@ def test_abort_one_request_by_rid(server):
     "abort"; another one running beside it is not touched."""
     with ThreadPoolExecutor(2) as pool:
         victim = pool.submit(_long, server, 1, rid="abort-me")
-        other = pool.submit(server.post, "/generate", {"input_ids": [3, 4], "sampling_params": {
-            "max_new_tokens": 40, "ignore_eos": True}})
+        other = pool.submit(
+            server.post,
+            "/generate",
+            {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}},
+        )
         wait_running(server, in_flight=2)  # both in: the rid aborted must be the server's already
         assert server.post("/abort_request", {"rid": "abort-me"}).status_code == 200
         assert victim.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
@@ -79,14 +93,18 @@ def test_pause_resume_in_place(server):
         futures = {pool.submit(_long, server, i): i for i in range(count)}
         wait_running(server)
         assert server.post("/pause_generation", {"mode": "in_place"}).json() == {
-            "message": "Generation paused successfully.", "status": "ok"}
+            "message": "Generation paused successfully.",
+            "status": "ok",
+        }
         time.sleep(0.1)
         done_before = sum(1 for f in futures if f.done())
         time.sleep(0.5)
         done_after = sum(1 for f in futures if f.done())
         assert done_before < count and done_after == done_before
         assert server.post("/continue_generation", {}).json() == {
-            "message": "Generation continued successfully.", "status": "ok"}
+            "message": "Generation continued successfully.",
+            "status": "ok",
+        }
         answers = [f.result(timeout=60) for f in as_completed(futures)]
     assert all(a.status_code == 200 and len(a.json()["text"]) > 0 for a in answers)
 
@@ -107,8 +125,10 @@ def test_update_weights_non_blocking(server, tmp_path):
             futures = [pool.submit(_long, server, i) for i in range(6)]
             wait_running(server)
             server.post("/pause_generation", {"mode": mode})
-            answer = server.post("/update_weights_from_disk", {"model_path": new, "flush_cache": mode == "retract",
-                                                               "weight_version": f"after-{mode}"})
+            answer = server.post(
+                "/update_weights_from_disk",
+                {"model_path": new, "flush_cache": mode == "retract", "weight_version": f"after-{mode}"},
+            )
             assert answer.json()["success"] is True, answer.text
             server.post("/continue_generation", {})
             metas = [future.result().json()["meta_info"] for future in as_completed(futures)]
@@ -116,8 +136,13 @@ def test_update_weights_non_blocking(server, tmp_path):
         assert all(meta["weight_version"] == f"after-{mode}" for meta in metas)
         if mode == "in_place":
             spans = [meta["weight_versions"] for meta in metas if len(meta["weight_versions"]) == 2]
-            assert spans and all(s[0]["version"] == before and s[1]["version"] == "after-in_place"
-                                 and s[0]["end"] == s[1]["start"] and s[1]["end"] == LONG for s in spans)
+            assert spans and all(
+                s[0]["version"] == before
+                and s[1]["version"] == "after-in_place"
+                and s[0]["end"] == s[1]["start"]
+                and s[1]["end"] == LONG
+                for s in spans
+            )
         else:
             assert any(meta["num_retractions"] >= 1 for meta in metas)
         moved = server.get("/get_model_info").json()["model_path"]
@@ -170,10 +195,17 @@ def test_update_weights_right_after_abort_all(server, tmp_path):
     origin = server.get("/get_model_info").json()["model_path"]
     new = str(write_checkpoint(tmp_path / "new", seed=8))
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(server.post, "/generate", {"text": f"Question {i}: the capital of France is",
-                                                          "sampling_params": {"temperature": 0, "max_new_tokens": LONG,
-                                                                              "ignore_eos": False}})
-                   for i in range(6)]
+        futures = [
+            pool.submit(
+                server.post,
+                "/generate",
+                {
+                    "text": f"Question {i}: the capital of France is",
+                    "sampling_params": {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": False},
+                },
+            )
+            for i in range(6)
+        ]
         wait_running(server, in_flight=6)
         assert server.post("/abort_request", {"abort_all": True}).status_code == 200
         answer = server.post("/update_weights_from_disk", {"model_path": new})

@@ -70,10 +70,16 @@ def test_logprob_start_len(server):
     null (tokenizer_manager / logprob_result_processor, 0.5.23)."""
     start, new = 4, 4
     prompts = ["I have a very good idea on", "Today is a sunndy day and"]
-    answers = server.generate({"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": new,
-                                                                   "ignore_eos": True},
-                               "return_logprob": True, "top_logprobs_num": 5, "return_text_in_logprobs": True,
-                               "logprob_start_len": start})
+    answers = server.generate(
+        {
+            "text": prompts,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 5,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": start,
+        }
+    )
     for prompt, answer in zip(prompts, answers):
         meta = _meta(answer)
         assert meta["prompt_tokens"] == start + len(meta["input_token_logprobs"])
@@ -88,9 +94,15 @@ def test_logprob_with_long_prompt(server):
     completion_tokens 4, 4 output log-probs and 4 top lists of 5, the top-1 entry equal to the sampled one
     (greedy)."""
     new = 4
-    answer = server.generate({"text": "I have a very good idea on this. " * 4, "sampling_params": {
-        "temperature": 0, "max_new_tokens": new, "ignore_eos": True}, "return_logprob": True,
-        "logprob_start_len": -1, "top_logprobs_num": 5})
+    answer = server.generate(
+        {
+            "text": "I have a very good idea on this. " * 4,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "top_logprobs_num": 5,
+        }
+    )
     meta = _meta(answer)
     assert meta["completion_tokens"] == new
     assert len(meta["output_token_logprobs"]) == new and len(meta["output_top_logprobs"]) == new
@@ -103,11 +115,18 @@ def test_logprob_match(server):
     """test_srt_endpoint.py test_logprob_match: the output log-probs of a sampled continuation are close
     (max gap < 0.35) to its input log-probs when the prompt + continuation is scored again
     (max_new_tokens 0, logprob_start_len 0)."""
+
     def run(prompt, max_new_tokens, start=-1):
         body = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
-        return server.generate({**body, "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens,
-                                                            "ignore_eos": True},
-                                "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": start})
+        return server.generate(
+            {
+                **body,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": start,
+            }
+        )
 
     gen = run("I have a very good idea on how to", 32, 0)
     output = np.array([x[0] for x in _meta(gen)["output_token_logprobs"]])
@@ -119,17 +138,25 @@ def test_logprob_match(server):
     assert np.max(np.abs(output - scored)) < 0.35
 
 
-@pytest.mark.parametrize("input_len, output_len, start, return_logprob, top", [
-    (40, 4, 0, True, 0), (40, 8, 10, True, 3), (60, 4, 30, True, 3), (40, 4, 0, False, 3), (60, 8, 59, True, 0)])
+@pytest.mark.parametrize(
+    "input_len, output_len, start, return_logprob, top",
+    [(40, 4, 0, True, 0), (40, 8, 10, True, 3), (60, 4, 30, True, 3), (40, 4, 0, False, 3), (60, 8, 59, True, 0)],
+)
 def test_run_logprob_check(server, input_len, output_len, start, return_logprob, top):
     """sglang/test/test_utils.py run_logprob_check (0.5.23; test_srt_endpoint.py test_logprob_mixed runs it
     over a grid, here a small one): prompt_tokens and completion_tokens as asked; with return_logprob,
     len(input_token_logprobs) + logprob_start_len = prompt_tokens and one output entry per token; with
     top_logprobs_num, as many input top lists, one output top list of top_logprobs_num per token, and at
     temperature 0 the sampled entry is the top one (or tied with it)."""
-    res = server.generate({"input_ids": list(range(input_len)), "sampling_params": {
-        "temperature": 0, "max_new_tokens": output_len, "ignore_eos": True},
-        "return_logprob": return_logprob, "logprob_start_len": start, "top_logprobs_num": top})
+    res = server.generate(
+        {
+            "input_ids": list(range(input_len)),
+            "sampling_params": {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True},
+            "return_logprob": return_logprob,
+            "logprob_start_len": start,
+            "top_logprobs_num": top,
+        }
+    )
     meta = _meta(res)
     assert meta["prompt_tokens"] == input_len and meta["completion_tokens"] == output_len
     if not return_logprob:
@@ -153,10 +180,12 @@ def test_duplicate_rids(server):
     """test_abort.py TestAbortAll: the same rid twice in a row is fine (200, no error); a rid given to two
     concurrent requests gets one of them a 400 naming "Duplicate request ID"; a batch with a repeated rid is
     a 400 saying so; the server is healthy afterwards and answers a new rid with text."""
+
     def generate(rid, max_new_tokens=8):
-        return server.post("/generate", {"text": PROMPT, "sampling_params": {"temperature": 0,
-                                                                            "max_new_tokens": max_new_tokens},
-                                         "rid": rid})
+        return server.post(
+            "/generate",
+            {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}, "rid": rid},
+        )
 
     for _ in range(2):
         response = generate("dup-rid-test-sequential")
@@ -169,8 +198,14 @@ def test_duplicate_rids(server):
     first.join(30)
     rejected = [r for r in results.values() if r.status_code == 400]
     assert len(rejected) == 1 and "Duplicate request ID" in rejected[0].json()["error"]["message"]
-    batch = server.post("/generate", {"text": ["Hello", "World"], "sampling_params": {"max_new_tokens": 8},
-                                      "rid": ["dup-rid-batch", "dup-rid-batch"]})
+    batch = server.post(
+        "/generate",
+        {
+            "text": ["Hello", "World"],
+            "sampling_params": {"max_new_tokens": 8},
+            "rid": ["dup-rid-batch", "dup-rid-batch"],
+        },
+    )
     assert batch.status_code == 400 and "Duplicate request ID" in batch.json()["error"]["message"]
     assert server.get("/health").status_code == 200
     after = generate("after-dup-health")
@@ -186,14 +221,16 @@ def test_finish_reasons(server):
     free = server.generate(body)
     assert _meta(free)["finish_reason"] == {"type": "length", "length": 12}
     ids = free["output_ids"]
-    token = server.generate({**body, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                         "stop_token_ids": [ids[2]]}})
+    token = server.generate(
+        {**body, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "stop_token_ids": [ids[2]]}}
+    )
     cut = ids.index(ids[2]) + 1
     assert _meta(token)["finish_reason"] == {"type": "stop", "matched": ids[2]}
     assert token["output_ids"] == ids[:cut]
     word = free["text"][3:5]
-    text = server.generate({**body, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
-                                                        "ignore_eos": True, "stop": word}})
+    text = server.generate(
+        {**body, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "stop": word}}
+    )
     assert _meta(text)["finish_reason"] == {"type": "stop", "matched": word}
     assert text["text"] == free["text"][: free["text"].find(word)]
 
@@ -203,16 +240,18 @@ def test_weight_version_in_answers(server):
     server's weight version, and so does every /generate answer's meta_info."""
     version = server.get("/model_info").json()["weight_version"]
     assert isinstance(version, str)
-    answer = server.generate({"text": "Hello, how are you?", "sampling_params": {"temperature": 0.0,
-                                                                                 "max_new_tokens": 5}})
+    answer = server.generate(
+        {"text": "Hello, how are you?", "sampling_params": {"temperature": 0.0, "max_new_tokens": 5}}
+    )
     assert _meta(answer)["weight_version"] == version
 
 
 def test_parallel_sample(server):
     """test_skip_tokenizer_init.py test_parallel_sample / run_decode with n=3: a list of 3 answers, each
     with its own id, prompt_tokens the prompt's, as many output_ids as completion_tokens."""
-    answers = server.generate({"input_ids": [1, 2, 3, 4], "sampling_params": {"temperature": 0.5,
-                                                                              "max_new_tokens": 6, "n": 3}})
+    answers = server.generate(
+        {"input_ids": [1, 2, 3, 4], "sampling_params": {"temperature": 0.5, "max_new_tokens": 6, "n": 3}}
+    )
     assert isinstance(answers, list) and len(answers) == 3 and len({_meta(a)["id"] for a in answers}) == 3
     for answer in answers:
         assert _meta(answer)["prompt_tokens"] == 4
@@ -223,8 +262,11 @@ def test_stream(server):
     """test_srt_endpoint.py run_decode(stream=True) and test_skip_tokenizer_init.py run_decode_stream: the
     stream is `data: {json}` events ending with `data: [DONE]`; its last chunk holds the output of the same
     request sent without streaming (chunks are cumulative in SGLang's default mode)."""
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
-            "return_logprob": True}
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+        "return_logprob": True,
+    }
     whole = server.generate(body)
     response = server.post("/generate", {**body, "stream": True}, stream=True)
     lines = [line for line in response.iter_lines() if line]
@@ -238,8 +280,7 @@ def test_stream(server):
     # sampling_params.stream_interval (SamplingParams, 0.5.23): at least that many new tokens a chunk, and the last
     body["sampling_params"]["stream_interval"] = 3
     response = server.post("/generate", {**body, "stream": True}, stream=True)
-    sizes = [len(json.loads(line[6:])["output_ids"]) for line in response.iter_lines()
-             if line.startswith(b"data: {")]
+    sizes = [len(json.loads(line[6:])["output_ids"]) for line in response.iter_lines() if line.startswith(b"data: {")]
     assert sizes[-1] == 8 and all(b - a >= 3 for a, b in zip([0] + sizes[:-2], sizes[:-1]))
 
 
@@ -247,17 +288,24 @@ def test_logit_bias(server):
     """test_srt_endpoint.py test_logit_bias: a bias of +100 on one token (its id a string key) at temperature
     1 makes every sampled token that one."""
     target = 60
-    answer = server.generate({"text": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 4,
-                                                                  "logit_bias": {str(target): 100.0}},
-                              "return_logprob": True})
+    answer = server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "logit_bias": {str(target): 100.0}},
+            "return_logprob": True,
+        }
+    )
     assert [x[1] for x in _meta(answer)["output_token_logprobs"]] == [target] * 4
 
 
 def test_forbidden_token(server):
     """test_srt_endpoint.py test_forbidden_token: a bias of -100 on a token keeps it out of 50 sampled tokens
     (here the token the unbiased answer samples most, so the bias is what keeps it out)."""
-    body = {"text": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 50, "ignore_eos": True,
-                                                "sampling_seed": 3}, "return_logprob": True}
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 50, "ignore_eos": True, "sampling_seed": 3},
+        "return_logprob": True,
+    }
     free = [x[1] for x in _meta(server.generate(body))["output_token_logprobs"]]
     forbidden = max(set(free), key=free.count)
     body["sampling_params"]["logit_bias"] = {str(forbidden): -100.0}
@@ -271,8 +319,13 @@ def test_logit_bias_isolation(server):
     tokens and log-probs are those it gets alone."""
     target = 60
     plain = {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 11}
-    both = server.generate({"text": [PROMPT, PROMPT], "sampling_params": [
-        {**plain, "logit_bias": {str(target): 100.0}}, plain], "return_logprob": True})
+    both = server.generate(
+        {
+            "text": [PROMPT, PROMPT],
+            "sampling_params": [{**plain, "logit_bias": {str(target): 100.0}}, plain],
+            "return_logprob": True,
+        }
+    )
     alone = server.generate({"text": PROMPT, "sampling_params": plain, "return_logprob": True})
     assert [x[1] for x in _meta(both[0])["output_token_logprobs"]] == [target] * 4
     assert any(x[1] != target for x in _meta(both[1])["output_token_logprobs"])
@@ -285,9 +338,17 @@ def test_logprob_token_ids(server):
     the prompt's next token its log-prob is that token's; one output_token_ids_logprobs entry per new token,
     the sampled id's equal to its output log-prob (logits_processor / sampler, 0.5.23)."""
     prompt, probes = list(range(5, 205)), list(range(5, 205, 37))
-    meta = _meta(server.generate({"input_ids": prompt, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 4, "ignore_eos": True}, "return_logprob": True, "logprob_start_len": 0,
-        "token_ids_logprob": probes}))
+    meta = _meta(
+        server.generate(
+            {
+                "input_ids": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "token_ids_logprob": probes,
+            }
+        )
+    )
     assert len(meta["input_token_ids_logprobs"]) == len(meta["input_token_logprobs"])
     checked = 0
     for (logprob, token_id, *_), probed in zip(meta["input_token_logprobs"], meta["input_token_ids_logprobs"]):
@@ -308,9 +369,11 @@ def test_cache_tokens(server):
     after /flush_cache a prompt computes every token (0); sent again, all but its last are reused (SGLang's
     count: 99 of 100), and /flush_cache empties it again. A prompt that only shares a prefix with a kept one
     is computed whole (SGLang would reuse the prefix): 0."""
+
     def cached(ids):
         return _meta(server.generate({"input_ids": list(ids), "sampling_params": {"max_new_tokens": 1}}))[
-            "cached_tokens"]
+            "cached_tokens"
+        ]
 
     for _ in range(2):
         assert server.post("/flush_cache").status_code == 200
@@ -330,8 +393,18 @@ def test_a_reused_prompt_gives_the_same_bits(server, temperature):
     prompt = list(range(30, 75))
 
     def sample(seed):
-        answer = server.generate({"input_ids": prompt, "return_logprob": True, "sampling_params": {
-            "temperature": temperature, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": seed}})
+        answer = server.generate(
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {
+                    "temperature": temperature,
+                    "max_new_tokens": 6,
+                    "ignore_eos": True,
+                    "sampling_seed": seed,
+                },
+            }
+        )
         return _meta(answer)["output_token_logprobs"], _meta(answer)["cached_tokens"]
 
     fresh = []
@@ -341,8 +414,12 @@ def test_a_reused_prompt_gives_the_same_bits(server, temperature):
     reused = [sample(seed) for seed in range(3)]
     assert [c for _, c in fresh] == [0, 0, 0] and [c for _, c in reused] == [len(prompt) - 1] * 3
     assert [x for x, _ in reused] == [x for x, _ in fresh]
-    copies = server.generate({"input_ids": prompt, "sampling_params": {"temperature": temperature, "n": 3,
-                                                                      "max_new_tokens": 6, "ignore_eos": True}})
+    copies = server.generate(
+        {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": temperature, "n": 3, "max_new_tokens": 6, "ignore_eos": True},
+        }
+    )
     assert sorted(_meta(c)["cached_tokens"] for c in copies) == [len(prompt) - 1] * 3
 
 
@@ -353,8 +430,11 @@ def test_incremental_streaming_output(server):
     from dataclasses import replace
 
     server.needs_local("it switches the local server's --incremental-streaming-output")
-    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True,
-                                                "stream_interval": 2}, "return_logprob": True}
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 2},
+        "return_logprob": True,
+    }
     whole = server.generate(body)
     state = server.local.state
     config = state.config

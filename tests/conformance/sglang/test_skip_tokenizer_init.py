@@ -29,10 +29,21 @@ def _tokenizerless(server):
 
 
 def _decode(server, max_new_tokens=32, return_logprob=False, top_logprobs_num=0, n=1):
-    return server.generate({"input_ids": INPUT_IDS, "sampling_params": {
-        "temperature": 0 if n == 1 else 0.5, "max_new_tokens": max_new_tokens, "n": n, "stop_token_ids": [EOS]},
-        "stream": False, "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-        "logprob_start_len": 0})
+    return server.generate(
+        {
+            "input_ids": INPUT_IDS,
+            "sampling_params": {
+                "temperature": 0 if n == 1 else 0.5,
+                "max_new_tokens": max_new_tokens,
+                "n": n,
+                "stop_token_ids": [EOS],
+            },
+            "stream": False,
+            "return_logprob": return_logprob,
+            "top_logprobs_num": top_logprobs_num,
+            "logprob_start_len": 0,
+        }
+    )
 
 
 def _check_item(item, max_new_tokens, return_logprob):
@@ -79,15 +90,25 @@ def test_simple_decode_stream(server, return_logprob):
     if not server.get("/server_info").json().get("incremental_streaming_output"):
         pytest.skip("the server at RLBENCH_SGLANG_URL does not stream increments (--incremental-streaming-output)")
     whole = _decode(server, return_logprob=return_logprob)
-    response = server.post("/generate", {"input_ids": INPUT_IDS, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 32, "stop_token_ids": [EOS]}, "stream": True,
-        "return_logprob": return_logprob, "logprob_start_len": 0}, stream=True)
-    chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ")
-              and line[6:] != b"[DONE]"]
+    response = server.post(
+        "/generate",
+        {
+            "input_ids": INPUT_IDS,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "stop_token_ids": [EOS]},
+            "stream": True,
+            "return_logprob": return_logprob,
+            "logprob_start_len": 0,
+        },
+        stream=True,
+    )
+    chunks = [
+        json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ") and line[6:] != b"[DONE]"
+    ]
     assert len(chunks) > 1 and [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
     if return_logprob:
-        assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == \
-            whole["meta_info"]["output_token_logprobs"]
+        assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == whole["meta_info"][
+            "output_token_logprobs"
+        ]
 
 
 def test_a_text_prompt_is_refused(server):

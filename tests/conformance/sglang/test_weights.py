@@ -24,9 +24,13 @@ PROMPT = "The capital of France is"
 def _decode(server, with_logprobs: bool = False):
     """The greedy output (SGLang's tests compare its text), with its log-probs where asked: the tiny
     random model's greedy tokens can agree across two sets of weights, their log-probs do not."""
-    answer = server.generate({"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
-                                                                  "ignore_eos": True},
-                              "return_logprob": with_logprobs})
+    answer = server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True},
+            "return_logprob": with_logprobs,
+        }
+    )
     if not with_logprobs:
         return answer["output_ids"]
     return answer["output_ids"], [x[0] for x in answer["meta_info"]["output_token_logprobs"]]
@@ -102,8 +106,9 @@ def test_weight_version(server):
         assert response.status_code == 200
         assert response.json()["success"] is True and response.json()["new_version"] == new
         assert server.get("/model_info").json()["weight_version"] == new
-        answer = server.generate({"text": "Test persistence", "sampling_params": {"temperature": 0.0,
-                                                                                  "max_new_tokens": 3}})
+        answer = server.generate(
+            {"text": "Test persistence", "sampling_params": {"temperature": 0.0, "max_new_tokens": 3}}
+        )
         assert answer["meta_info"]["weight_version"] == new
 
 
@@ -114,8 +119,9 @@ def test_update_weight_version_with_weight_updates(server):
     info = server.get("/model_info").json()
     if info["load_format"] == "dummy":
         pytest.skip("the server started from dummy weights: its directory holds none to reload")
-    status, answer = _update(server, info["model_path"], load_format="auto", abort_all_requests=False,
-                             weight_version="disk_update_v2.0.0")
+    status, answer = _update(
+        server, info["model_path"], load_format="auto", abort_all_requests=False, weight_version="disk_update_v2.0.0"
+    )
     assert status == 200 and answer["message"].endswith(" Weight version updated to disk_update_v2.0.0.")
     assert server.get("/model_info").json()["weight_version"] == "disk_update_v2.0.0"
 

@@ -50,8 +50,13 @@ SCHEMA = "rlbench.conformance.slime-dumps/1"
 MODEL = "rlbench/fixtures/models/tiny-qwen3"
 TOKENIZER = "rlbench/fixtures/tokenizers/qwen-tiny"
 SEED, TEMPERATURE, TOP_P = 1234, 1.0, 0.5
-READ = ("slime/utils/types.py", "slime/observability/rollout_data_utils.py", "slime/backends/megatron_utils/loss.py",
-        "slime/utils/ppo_utils.py", "slime/utils/misc.py")
+READ = (
+    "slime/utils/types.py",
+    "slime/observability/rollout_data_utils.py",
+    "slime/backends/megatron_utils/loss.py",
+    "slime/utils/ppo_utils.py",
+    "slime/utils/misc.py",
+)
 PLACEHOLDERS = ("httpx", "pybase64")
 
 
@@ -74,8 +79,12 @@ def _slime(path: Path) -> Namespace:
     from slime.observability import rollout_data_utils
     from slime.utils import types as slime_types
 
-    loss.mpu = Namespace(get_context_parallel_world_size=lambda: 1, get_context_parallel_rank=lambda: 0,
-                         get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_group=lambda: None)
+    loss.mpu = Namespace(
+        get_context_parallel_world_size=lambda: 1,
+        get_context_parallel_rank=lambda: 0,
+        get_tensor_model_parallel_rank=lambda: 0,
+        get_tensor_model_parallel_group=lambda: None,
+    )
     return Namespace(Sample=slime_types.Sample, save=rollout_data_utils.save_debug_rollout_data, loss=loss)
 
 
@@ -92,8 +101,9 @@ class Maker:
 
     def prompt(self, number: int) -> tuple[list[dict], list[int]]:
         messages = [{"role": "user", "content": f"Is {number} even or odd?"}]
-        return messages, list(self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=True)["input_ids"])
+        return messages, list(
+            self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        )
 
     def logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -101,28 +111,44 @@ class Maker:
 
     def logprobs(self, tokens: list[int], response: int, nucleus=None, temperature: float = TEMPERATURE) -> list[float]:
         """slime's trainer-side log-probs of the last `response` ids (over the nucleus, where given)."""
-        args = Namespace(rollout_temperature=temperature, log_probs_chunk_size=-1, allgather_cp=False,
-                         entropy_coef=0.0)
+        args = Namespace(rollout_temperature=temperature, log_probs_chunk_size=-1, allgather_cp=False, entropy_coef=0.0)
         extra = {} if nucleus is None else {"top_p_token_ids": [nucleus[0]], "top_p_token_offsets": [nucleus[1]]}
         _, res = self.slime.loss.get_log_probs_and_entropy(
-            self.logits(tokens), args=args, unconcat_tokens=[torch.tensor(tokens)], total_lengths=[len(tokens)],
-            response_lengths=[response], **extra)
+            self.logits(tokens),
+            args=args,
+            unconcat_tokens=[torch.tensor(tokens)],
+            total_lengths=[len(tokens)],
+            response_lengths=[response],
+            **extra,
+        )
         return res["log_probs"][0].tolist()
 
     def sample(self, group: int, index: int, messages, prompt: list[int], number: int):
-        return self.slime.Sample(group_index=group, index=index, prompt=messages, tokens=list(prompt),
-                                 label=("even", "odd")[number % 2])
+        return self.slime.Sample(
+            group_index=group, index=index, prompt=messages, tokens=list(prompt), label=("even", "odd")[number % 2]
+        )
 
-    def engine_output(self, sample, ids: list[int], logprobs: list[float], finish: str = "stop", nucleus=None,
-                      text: str | None = None) -> None:
+    def engine_output(
+        self, sample, ids: list[int], logprobs: list[float], finish: str = "stop", nucleus=None, text: str | None = None
+    ) -> None:
         """Append what SGLang returned for one generate call, as slime's rollout does."""
-        meta = {"finish_reason": {"type": finish}, "weight_version": "1", "prompt_tokens": len(sample.tokens),
-                "cached_tokens": 0}
+        meta = {
+            "finish_reason": {"type": finish},
+            "weight_version": "1",
+            "prompt_tokens": len(sample.tokens),
+            "cached_tokens": 0,
+        }
         if nucleus is not None:
             meta["top_p_token_ids"] = np.asarray(nucleus[0], dtype=np.int32).tobytes()
             meta["top_p_token_offsets"] = np.asarray(nucleus[1], dtype=np.int32).tobytes()
-        sample.append_response_tokens(self.args, tokens=ids, log_probs=logprobs, trainable=True, meta_info=meta,
-                                      text=self.tok.decode(ids) if text is None else text)
+        sample.append_response_tokens(
+            self.args,
+            tokens=ids,
+            log_probs=logprobs,
+            trainable=True,
+            meta_info=meta,
+            text=self.tok.decode(ids) if text is None else text,
+        )
 
     def answered(self, group: int, index: int, number: int, answer: str, temperature: float = TEMPERATURE):
         """A one-turn sample answering `answer` (canonical ids and the end of turn), rewarded 1 when right."""
@@ -153,10 +179,15 @@ class Maker:
             offsets.append(len(kept))
             if tokens[-1] == self.tok.eos_token_id:
                 break
-        response = tokens[len(prompt):]
+        response = tokens[len(prompt) :]
         sample = self.sample(group, index, messages, prompt, number)
-        self.engine_output(sample, response, self.logprobs(tokens, len(response), (kept, offsets)),
-                           "stop" if response[-1] == self.tok.eos_token_id else "length", (kept, offsets))
+        self.engine_output(
+            sample,
+            response,
+            self.logprobs(tokens, len(response), (kept, offsets)),
+            "stop" if response[-1] == self.tok.eos_token_id else "length",
+            (kept, offsets),
+        )
         sample.reward = float(index % 2)
         return sample
 
@@ -208,11 +239,17 @@ def case_tool_span(make: Maker) -> tuple[list, dict]:
     call = tok.encode("I will call the tool.")
     _, observation = _non_canonical_pieces(tok, ["\nthe tool says: twelve is even\n", "\nresult: even\n"])
     assert tok.encode(tok.decode(call + observation))[: len(call)] == call  # the drift is inside the observation
-    messages = [{"role": "system", "content": [{"type": "text", "text": "You can call a parity tool."}]},
-                {"role": "user", "content": "Is 12 even or odd?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"type": "function", "function": {"name": "parity", "arguments": {"n": 11}}}]},
-                {"role": "tool", "content": "odd"}, {"role": "user", "content": "And 12?"}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "You can call a parity tool."}]},
+        {"role": "user", "content": "Is 12 even or odd?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "parity", "arguments": {"n": 11}}}],
+        },
+        {"role": "tool", "content": "odd"},
+        {"role": "user", "content": "And 12?"},
+    ]
     _, prompt = make.prompt(12)
     samples = []
     for j, answer in enumerate(("even", "odd")):
@@ -222,7 +259,7 @@ def case_tool_span(make: Maker) -> tuple[list, dict]:
         sample = make.sample(0, j, messages, prompt, 12)
         make.engine_output(sample, call, lps[: len(call)], "stop")
         sample.append_response_tokens(make.args, tokens=observation, trainable=False, text=tok.decode(observation))
-        make.engine_output(sample, final, lps[len(call) + len(observation):], "stop", text=answer)
+        make.engine_output(sample, final, lps[len(call) + len(observation) :], "stop", text=answer)
         sample.reward = float(j == 0)
         samples.append(sample)
     return samples, {"tool_span": [len(call), len(call) + len(observation)]}
@@ -230,8 +267,11 @@ def case_tool_span(make: Maker) -> tuple[list, dict]:
 
 def case_unequal_groups(make: Maker) -> tuple[list, dict]:
     sizes = (3, 2)
-    samples = [make.answered(g, sum(sizes[:g]) + j, 14 + g, ("even", "odd")[j % 2])
-               for g, size in enumerate(sizes) for j in range(size)]
+    samples = [
+        make.answered(g, sum(sizes[:g]) + j, 14 + g, ("even", "odd")[j % 2])
+        for g, size in enumerate(sizes)
+        for j in range(size)
+    ]
     for s in samples:  # kept in the recording; named as not used by replay
         s.teacher_log_probs = [lp - 0.1 for lp in s.rollout_log_probs]
         s.train_metadata = {"loss": "policy"}
@@ -247,8 +287,14 @@ def case_multimodal(make: Maker) -> tuple[list, dict]:
     return samples, {"refused_field": "multimodal_inputs"}
 
 
-CASES = {"removed": case_removed, "top_p": case_top_p, "no_logprobs": case_no_logprobs, "tool_span": case_tool_span,
-         "unequal_groups": case_unequal_groups, "multimodal": case_multimodal}
+CASES = {
+    "removed": case_removed,
+    "top_p": case_top_p,
+    "no_logprobs": case_no_logprobs,
+    "tool_span": case_tool_span,
+    "unequal_groups": case_unequal_groups,
+    "multimodal": case_multimodal,
+}
 
 
 def build(slime_path: Path, out: Path, commit: str) -> dict:
@@ -260,15 +306,27 @@ def build(slime_path: Path, out: Path, commit: str) -> dict:
         slime.save(str(out / name / "rollout_{rollout_id}.pt"), samples, rollout_id=0, evaluation=False)
         cases[name] = {"file": f"{name}/rollout_0.pt", "samples": len(samples), **facts}
     evaluation = [make.answered(0, j, 18, ("even", "odd")[j]) for j in range(2)]
-    slime.save(str(out / "eval" / "rollout_{rollout_id}.pt"), {"parity": {"samples": evaluation}}, rollout_id=0,
-               evaluation=True)
+    slime.save(
+        str(out / "eval" / "rollout_{rollout_id}.pt"),
+        {"parity": {"samples": evaluation}},
+        rollout_id=0,
+        evaluation=True,
+    )
     cases["eval"] = {"file": "eval/rollout_eval_0.pt", "samples": len(evaluation)}
-    doc = {"schema": SCHEMA, "command": "python tests/conformance/slime/build_dumps.py --slime SLIME --out DIR",
-           "slime": {"repo": "THUDM/slime", "commit": commit,
-                     "files": {f: hashlib.sha256((slime_path / f).read_bytes()).hexdigest() for f in READ}},
-           "sample_fields": list(slime.Sample.__dataclass_fields__),
-           "model": {"path": MODEL, "seed": SEED, "init": "random"}, "tokenizer": TOKENIZER,
-           "temperature": TEMPERATURE, "cases": cases}
+    doc = {
+        "schema": SCHEMA,
+        "command": "python tests/conformance/slime/build_dumps.py --slime SLIME --out DIR",
+        "slime": {
+            "repo": "THUDM/slime",
+            "commit": commit,
+            "files": {f: hashlib.sha256((slime_path / f).read_bytes()).hexdigest() for f in READ},
+        },
+        "sample_fields": list(slime.Sample.__dataclass_fields__),
+        "model": {"path": MODEL, "seed": SEED, "init": "random"},
+        "tokenizer": TOKENIZER,
+        "temperature": TEMPERATURE,
+        "cases": cases,
+    }
     (out / "cases.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 

@@ -43,12 +43,30 @@ import torch
 SCHEMA = "rlbench.conformance.slime-algo/1"
 # Imported by slime's modules at load and not called on the paths this script runs: placeholders where
 # not installed, and ray always (its remote decorator would wrap the class whose methods are called here).
-PLACEHOLDERS = ("ray", "sglang", "sglang_router", "httpx", "requests", "wandb", "tensorboard", "yaml", "pybase64",
-                "aiohttp", "uvicorn", "fastapi")
-READ = ("slime/utils/ppo_utils.py", "slime/backends/megatron_utils/loss.py",
-        "slime/backends/megatron_utils/cp_utils.py",
-        "slime/ray/rollout.py", "slime/rollout/_fanout_test_helpers.py", "slime/utils/distributed_utils.py",
-        "slime/observability/train_metric_utils.py", "slime/utils/arguments.py")
+PLACEHOLDERS = (
+    "ray",
+    "sglang",
+    "sglang_router",
+    "httpx",
+    "requests",
+    "wandb",
+    "tensorboard",
+    "yaml",
+    "pybase64",
+    "aiohttp",
+    "uvicorn",
+    "fastapi",
+)
+READ = (
+    "slime/utils/ppo_utils.py",
+    "slime/backends/megatron_utils/loss.py",
+    "slime/backends/megatron_utils/cp_utils.py",
+    "slime/ray/rollout.py",
+    "slime/rollout/_fanout_test_helpers.py",
+    "slime/utils/distributed_utils.py",
+    "slime/observability/train_metric_utils.py",
+    "slime/utils/arguments.py",
+)
 
 
 # --------------------------------------------------------------------------- shims
@@ -88,10 +106,18 @@ def install_shims(slime: Path) -> None:
     sys.path.insert(0, str(slime))
     from megatron.core import mpu
 
-    one_rank = {"get_context_parallel_world_size": 1, "get_context_parallel_rank": 0, "is_pipeline_last_stage": True,
-                "get_tensor_model_parallel_group": None, "get_tensor_model_parallel_rank": 0,
-                "get_tensor_model_parallel_world_size": 1, "get_data_parallel_world_size": 1,
-                "get_data_parallel_rank": 0, "get_data_parallel_group": None, "get_context_parallel_group": None}
+    one_rank = {
+        "get_context_parallel_world_size": 1,
+        "get_context_parallel_rank": 0,
+        "is_pipeline_last_stage": True,
+        "get_tensor_model_parallel_group": None,
+        "get_tensor_model_parallel_rank": 0,
+        "get_tensor_model_parallel_world_size": 1,
+        "get_data_parallel_world_size": 1,
+        "get_data_parallel_rank": 0,
+        "get_data_parallel_group": None,
+        "get_context_parallel_group": None,
+    }
     for name, value in one_rank.items():
         setattr(mpu, name, lambda *a, _v=value, **k: _v)
     torch.distributed.all_reduce = lambda tensor, *a, **k: None  # one rank: the reduction is the value
@@ -121,16 +147,24 @@ def make_inputs() -> dict:
     samples, start = [], 0
     for i, (p, r) in enumerate(zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)):
         ids = [i] + torch.randint(0, VOCAB, (p + r - 1,), generator=gen).tolist()
-        rows = logits[start + p - 1: start + p + r - 1]  # the rows predicting the response tokens
+        rows = logits[start + p - 1 : start + p + r - 1]  # the rows predicting the response tokens
         own = torch.log_softmax(rows, -1).gather(-1, torch.tensor(ids[p:])[:, None])[:, 0]
         old = own + torch.randn(r, generator=gen) * 0.6
         ref = own + torch.randn(r, generator=gen) * 0.5
         rollout = old + torch.randn(r, generator=gen) * 0.5
         mask = [1] * r
         if i == TOOL_SPAN[0]:
-            mask[TOOL_SPAN[1][0]:TOOL_SPAN[1][1]] = [0] * (TOOL_SPAN[1][1] - TOOL_SPAN[1][0])
-        samples.append({"tokens": ids, "prompt_length": p, "loss_mask": mask, "old_logprobs": _f32(old),
-                        "ref_logprobs": _f32(ref), "rollout_logprobs": _f32(rollout)})
+            mask[TOOL_SPAN[1][0] : TOOL_SPAN[1][1]] = [0] * (TOOL_SPAN[1][1] - TOOL_SPAN[1][0])
+        samples.append(
+            {
+                "tokens": ids,
+                "prompt_length": p,
+                "loss_mask": mask,
+                "old_logprobs": _f32(old),
+                "ref_logprobs": _f32(ref),
+                "rollout_logprobs": _f32(rollout),
+            }
+        )
         start += p + r
     samples[0]["ref_logprobs"][1] += 4.0  # k3 of about 50 there: low_var_kl clamps it to 10
     rewards, groups = REWARD_LAYOUTS["equal"]
@@ -151,25 +185,58 @@ REWARD_LAYOUTS = {
 # (name, layout, slime function, slime arguments, rlbench's options, whether rlbench gives the same)
 REWARD_CASES = [
     ("grpo", "equal", "default", {"n_samples_per_prompt": 4, "rollout_batch_size": 2}, {}, True),
-    ("grpo_no_std", "equal", "default", {"n_samples_per_prompt": 4, "rollout_batch_size": 2,
-                                         "grpo_std_normalization": False}, {"normalize_std": False}, True),
-    ("reinforce_plus_plus_baseline", "equal", "default",
-     {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "advantage_estimator": "reinforce_plus_plus_baseline"},
-     {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True}, True),
-    ("reinforce_plus_plus", "equal", "default",
-     {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "advantage_estimator": "reinforce_plus_plus"},
-     {"advantage": "reinforce_plus_plus", "normalize_advantages": True}, True),
+    (
+        "grpo_no_std",
+        "equal",
+        "default",
+        {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "grpo_std_normalization": False},
+        {"normalize_std": False},
+        True,
+    ),
+    (
+        "reinforce_plus_plus_baseline",
+        "equal",
+        "default",
+        {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "advantage_estimator": "reinforce_plus_plus_baseline"},
+        {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True},
+        True,
+    ),
+    (
+        "reinforce_plus_plus",
+        "equal",
+        "default",
+        {"n_samples_per_prompt": 4, "rollout_batch_size": 2, "advantage_estimator": "reinforce_plus_plus"},
+        {"advantage": "reinforce_plus_plus", "normalize_advantages": True},
+        True,
+    ),
     ("unequal_by_group_index", "unequal", "group_index", {}, {}, True),
-    ("unequal_by_group_index_no_std", "unequal", "group_index", {"grpo_std_normalization": False},
-     {"normalize_std": False}, True),
-    ("unequal_baseline_by_group_index", "unequal", "group_index", {"grpo_std_normalization": False},
-     {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True}, True),
+    (
+        "unequal_by_group_index_no_std",
+        "unequal",
+        "group_index",
+        {"grpo_std_normalization": False},
+        {"normalize_std": False},
+        True,
+    ),
+    (
+        "unequal_baseline_by_group_index",
+        "unequal",
+        "group_index",
+        {"grpo_std_normalization": False},
+        {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True},
+        True,
+    ),
     # slime's default on uneven groups: a count of n_samples_per_prompt * rollout_batch_size is
     # reshaped into groups of n_samples_per_prompt regardless of group_index; any other count is one group
-    ("unequal_default_reshaped", "unequal", "default", {"n_samples_per_prompt": 4, "rollout_batch_size": 2}, {},
-     False),
-    ("unequal_default_one_group", "unequal", "default", {"n_samples_per_prompt": 3, "rollout_batch_size": 3}, {},
-     False),
+    ("unequal_default_reshaped", "unequal", "default", {"n_samples_per_prompt": 4, "rollout_batch_size": 2}, {}, False),
+    (
+        "unequal_default_one_group",
+        "unequal",
+        "default",
+        {"n_samples_per_prompt": 3, "rollout_batch_size": 3},
+        {},
+        False,
+    ),
     # float32 group statistics: a group of equal rewards is off by an ulp, divided by std + 1e-6 = 1e-6
     ("constant_group", "constant", "default", {"n_samples_per_prompt": 3, "rollout_batch_size": 2}, {}, False),
     # the std of one value is NaN in slime's group-index normalisation; rlbench gives the group 0
@@ -179,15 +246,43 @@ REWARD_CASES = [
 
 def slime_args(**changes) -> Namespace:
     """slime's defaults (slime/utils/arguments.py) for the arguments these calls read."""
-    args = dict(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None,
-                n_samples_per_prompt=4, rollout_batch_size=2, kl_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
-                kl_loss_type="k1", use_unbiased_kl=False, entropy_coef=0.0, eps_clip=0.2, eps_clip_high=0.2,
-                eps_clip_c=None, normalize_advantages=False, calculate_per_token_loss=False, use_tis=False,
-                tis_clip=2.0, tis_clip_low=0.0, custom_tis_function_path=None, get_mismatch_metrics=False,
-                use_rollout_logprobs=False, use_opsm=False, use_opd=False, custom_advantage_function_path=None,
-                custom_pg_loss_reducer_function_path=None, gamma=1.0, lambd=1.0, rollout_temperature=1.0,
-                rollout_top_p=1.0, log_probs_chunk_size=-1, allgather_cp=False, loss_type="policy_loss",
-                recompute_loss_function=False)
+    args = dict(
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=True,
+        reward_key=None,
+        n_samples_per_prompt=4,
+        rollout_batch_size=2,
+        kl_coef=0.0,
+        use_kl_loss=False,
+        kl_loss_coef=0.0,
+        kl_loss_type="k1",
+        use_unbiased_kl=False,
+        entropy_coef=0.0,
+        eps_clip=0.2,
+        eps_clip_high=0.2,
+        eps_clip_c=None,
+        normalize_advantages=False,
+        calculate_per_token_loss=False,
+        use_tis=False,
+        tis_clip=2.0,
+        tis_clip_low=0.0,
+        custom_tis_function_path=None,
+        get_mismatch_metrics=False,
+        use_rollout_logprobs=False,
+        use_opsm=False,
+        use_opd=False,
+        custom_advantage_function_path=None,
+        custom_pg_loss_reducer_function_path=None,
+        gamma=1.0,
+        lambd=1.0,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        log_probs_chunk_size=-1,
+        allgather_cp=False,
+        loss_type="policy_loss",
+        recompute_loss_function=False,
+    )
     args.update(changes)
     if args["n_samples_per_prompt"] == 1:  # as slime_validate_args
         args["grpo_std_normalization"] = False
@@ -198,8 +293,9 @@ def _manager(args: Namespace):
     """What RolloutManager's reward and train-data methods read of `self`."""
     from slime.ray.rollout import RolloutManager
 
-    manager = types.SimpleNamespace(args=args, custom_reward_post_process_func=None,
-                                    custom_convert_samples_to_train_data_func=None)
+    manager = types.SimpleNamespace(
+        args=args, custom_reward_post_process_func=None, custom_convert_samples_to_train_data_func=None
+    )
     manager._post_process_rewards = lambda samples: RolloutManager._post_process_rewards(manager, samples)
     return manager, RolloutManager
 
@@ -222,8 +318,15 @@ def reward_case(name, layout, function, changes, options, same) -> dict:
     else:
         _, normalised = grpo_normalize_by_group_index(args, samples)
         called = "slime.rollout._fanout_test_helpers.grpo_normalize_by_group_index"
-    return {"name": name, "layout": layout, "slime_function": called, "slime_args": changes, "options": options,
-            "same": same, "normalised": _plain(normalised)}
+    return {
+        "name": name,
+        "layout": layout,
+        "slime_function": called,
+        "slime_args": changes,
+        "options": options,
+        "same": same,
+        "normalised": _plain(normalised),
+    }
 
 
 # --------------------------------------------------------------------------- loss cases
@@ -249,26 +352,54 @@ LOSS_CASES = [
     ("gspo", {"advantage": "gspo"}, 1.0, False),
     ("gspo_per_token_dual_clip", {"advantage": "gspo", "per_token_loss": True, "eps_clip_c": 1.5}, 1.0, False),
     ("cispo", {"advantage": "cispo", "eps_clip_high": 0.28}, 1.0, False),
-    ("cispo_wide", {"advantage": "cispo", "eps_clip": 1.0, "eps_clip_high": 4.0, "per_token_loss": True}, 1.0,
-     False),
+    ("cispo_wide", {"advantage": "cispo", "eps_clip": 1.0, "eps_clip_high": 4.0, "per_token_loss": True}, 1.0, False),
     ("reinforce_plus_plus", {"advantage": "reinforce_plus_plus", "normalize_advantages": True}, 1.0, False),
-    ("reinforce_plus_plus_baseline", {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True,
-                                      "use_tis": True}, 1.0, True),
+    (
+        "reinforce_plus_plus_baseline",
+        {"advantage": "reinforce_plus_plus_baseline", "normalize_advantages": True, "use_tis": True},
+        1.0,
+        True,
+    ),
 ]
 
 
 def loss_args(options: dict, temperature: float) -> Namespace:
     """slime's arguments for rlbench's AlgoConfig options (the mapping each field's help names)."""
-    o = {"advantage": "grpo", "normalize_std": True, "eps_clip": 0.2, "eps_clip_high": 0.2, "eps_clip_c": None,
-         "kl_coef": 0.0, "kl_type": "k3", "entropy_coef": 0.0, "normalize_advantages": False,
-         "per_token_loss": False, "use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0.0, **options}
-    return slime_args(advantage_estimator=o["advantage"], grpo_std_normalization=o["normalize_std"],
-                      eps_clip=o["eps_clip"], eps_clip_high=o["eps_clip_high"], eps_clip_c=o["eps_clip_c"],
-                      use_kl_loss=o["kl_coef"] > 0, kl_loss_coef=o["kl_coef"], kl_loss_type=o["kl_type"],
-                      entropy_coef=o["entropy_coef"], normalize_advantages=o["normalize_advantages"],
-                      calculate_per_token_loss=o["per_token_loss"], use_tis=o["use_tis"], tis_clip=o["tis_clip"],
-                      tis_clip_low=o["tis_clip_low"], rollout_temperature=temperature, n_samples_per_prompt=4,
-                      rollout_batch_size=2)
+    o = {
+        "advantage": "grpo",
+        "normalize_std": True,
+        "eps_clip": 0.2,
+        "eps_clip_high": 0.2,
+        "eps_clip_c": None,
+        "kl_coef": 0.0,
+        "kl_type": "k3",
+        "entropy_coef": 0.0,
+        "normalize_advantages": False,
+        "per_token_loss": False,
+        "use_tis": False,
+        "tis_clip": 2.0,
+        "tis_clip_low": 0.0,
+        **options,
+    }
+    return slime_args(
+        advantage_estimator=o["advantage"],
+        grpo_std_normalization=o["normalize_std"],
+        eps_clip=o["eps_clip"],
+        eps_clip_high=o["eps_clip_high"],
+        eps_clip_c=o["eps_clip_c"],
+        use_kl_loss=o["kl_coef"] > 0,
+        kl_loss_coef=o["kl_coef"],
+        kl_loss_type=o["kl_type"],
+        entropy_coef=o["entropy_coef"],
+        normalize_advantages=o["normalize_advantages"],
+        calculate_per_token_loss=o["per_token_loss"],
+        use_tis=o["use_tis"],
+        tis_clip=o["tis_clip"],
+        tis_clip_low=o["tis_clip_low"],
+        rollout_temperature=temperature,
+        n_samples_per_prompt=4,
+        rollout_batch_size=2,
+    )
 
 
 def probes(total: int) -> torch.Tensor:
@@ -286,36 +417,75 @@ def loss_case(inputs: dict, name: str, options: dict, temperature: float, traine
     args = loss_args(options, temperature)
     # slime asserts that no sample is fully masked in reinforce_plus_plus's returns: keep the sample there
     remove = not options.get("advantage", "").startswith("reinforce_plus_plus") or options["advantage"].endswith(
-        "baseline")
-    samples = [Sample(group_index=s["group"], index=i, tokens=list(s["tokens"]),
-                      response_length=len(s["tokens"]) - s["prompt_length"], reward=s["reward"],
-                      loss_mask=list(s["loss_mask"]), rollout_log_probs=list(s["rollout_logprobs"]),
-                      remove_sample=remove and i == inputs["removed"], status=Sample.Status.COMPLETED)
-               for i, s in enumerate(inputs["samples"])]
+        "baseline"
+    )
+    samples = [
+        Sample(
+            group_index=s["group"],
+            index=i,
+            tokens=list(s["tokens"]),
+            response_length=len(s["tokens"]) - s["prompt_length"],
+            reward=s["reward"],
+            loss_mask=list(s["loss_mask"]),
+            rollout_log_probs=list(s["rollout_logprobs"]),
+            remove_sample=remove and i == inputs["removed"],
+            status=Sample.Status.COMPLETED,
+        )
+        for i, s in enumerate(inputs["samples"])
+    ]
     manager, cls = _manager(args)
     data = cls._convert_samples_to_train_data(manager, samples)
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     tensorize_rollout_data_for_training(data)
-    rollout = {**data, "log_probs": [torch.tensor(s["old_logprobs"]) for s in inputs["samples"]],
-               "ref_log_probs": [torch.tensor(s["ref_logprobs"]) for s in inputs["samples"]]}
+    rollout = {
+        **data,
+        "log_probs": [torch.tensor(s["old_logprobs"]) for s in inputs["samples"]],
+        "ref_log_probs": [torch.tensor(s["ref_logprobs"]) for s in inputs["samples"]],
+    }
     compute_advantages_and_returns(args, rollout)
 
     logits = torch.tensor(inputs["logits"])[None].requires_grad_(True)
     batch = {**rollout, "unconcat_tokens": rollout["tokens"]}
     loss, normalizer, log = loss_function(args, batch, num_microbatches=1, step_global_batch_size=N, logits=logits)
     (loss / normalizer).backward()  # Megatron divides the per-token loss's gradients by the token count
-    metrics = reduce_train_step_metrics([log], calculate_per_token_loss=args.calculate_per_token_loss,
-                                        step_global_batch_size=N, cp_size=1, dp_with_cp_group=None)
+    metrics = reduce_train_step_metrics(
+        [log],
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        step_global_batch_size=N,
+        cp_size=1,
+        dp_with_cp_group=None,
+    )
     grad = logits.grad[0].double()
-    return {"name": name, "options": options, "temperature": temperature, "removed": remove, "trainer": trainer,
-            "slime_args": {k: v for k, v in vars(args).items() if k in SLIME_OPTION_ARGS},
-            "advantages": per_sample(rollout["advantages"], rollout["loss_masks"]),
-            "metrics": metrics, "grad_probes": [float((grad * p).sum()) for p in probes(grad.shape[0])]}
+    return {
+        "name": name,
+        "options": options,
+        "temperature": temperature,
+        "removed": remove,
+        "trainer": trainer,
+        "slime_args": {k: v for k, v in vars(args).items() if k in SLIME_OPTION_ARGS},
+        "advantages": per_sample(rollout["advantages"], rollout["loss_masks"]),
+        "metrics": metrics,
+        "grad_probes": [float((grad * p).sum()) for p in probes(grad.shape[0])],
+    }
 
 
-SLIME_OPTION_ARGS = ("advantage_estimator", "grpo_std_normalization", "eps_clip", "eps_clip_high", "eps_clip_c",
-                     "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coef", "normalize_advantages",
-                     "calculate_per_token_loss", "use_tis", "tis_clip", "tis_clip_low", "rollout_temperature")
+SLIME_OPTION_ARGS = (
+    "advantage_estimator",
+    "grpo_std_normalization",
+    "eps_clip",
+    "eps_clip_high",
+    "eps_clip_c",
+    "use_kl_loss",
+    "kl_loss_coef",
+    "kl_loss_type",
+    "entropy_coef",
+    "normalize_advantages",
+    "calculate_per_token_loss",
+    "use_tis",
+    "tis_clip",
+    "tis_clip_low",
+    "rollout_temperature",
+)
 
 
 def per_sample(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[float]:
@@ -337,8 +507,12 @@ def commit_of(slime: Path, given: str | None) -> str:
     if given:
         return given
     try:  # the checkout's own commit, not that of a repository it happens to sit in
-        top, commit = subprocess.run(["git", "-C", str(slime), "rev-parse", "--show-toplevel", "HEAD"], check=True,
-                                     capture_output=True, text=True).stdout.split()
+        top, commit = subprocess.run(
+            ["git", "-C", str(slime), "rev-parse", "--show-toplevel", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         if Path(top).resolve() == slime.resolve():
             return commit
     except (OSError, subprocess.CalledProcessError, ValueError):

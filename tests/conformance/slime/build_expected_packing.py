@@ -23,8 +23,15 @@ OUT = Path(__file__).resolve().parent / "expected_packing.json"
 
 def cases() -> list[tuple[list[int], int]]:
     """(lengths, max tokens per micro-batch): hand-made edge cases, then seeded random steps."""
-    made = [([4, 7, 3, 5, 12, 1, 6], 10), ([5, 5, 5], 10), ([10, 10], 10), ([11], 10), ([1] * 9, 4), ([], 8),
-            ([3, 9, 2, 8, 1, 7], 9)]
+    made = [
+        ([4, 7, 3, 5, 12, 1, 6], 10),
+        ([5, 5, 5], 10),
+        ([10, 10], 10),
+        ([11], 10),
+        ([1] * 9, 4),
+        ([], 8),
+        ([3, 9, 2, 8, 1, 7], 9),
+    ]
     rng = random.Random(24)
     for _ in range(12):
         lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 40))]
@@ -35,12 +42,14 @@ def cases() -> list[tuple[list[int], int]]:
 def main() -> None:
     given = slime_parser(__doc__.splitlines()[0]).parse_args()
     commit = commit_of(given.slime, given.commit)
-    spec = importlib.util.spec_from_file_location("seqlen_balancing",
-                                                  given.slime / "slime" / "utils" / "seqlen_balancing.py")
+    spec = importlib.util.spec_from_file_location(
+        "seqlen_balancing", given.slime / "slime" / "utils" / "seqlen_balancing.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    out = [{"lengths": lengths, "max_tokens": cap, "bins": module.first_fit_pack(lengths, cap)}
-           for lengths, cap in cases()]
+    out = [
+        {"lengths": lengths, "max_tokens": cap, "bins": module.first_fit_pack(lengths, cap)} for lengths, cap in cases()
+    ]
     OUT.write_text(json.dumps({"slime_commit": commit, "cases": out}, indent=1) + "\n")
     print(f"wrote {OUT} ({len(out)} cases, slime {commit[:12]})")
 

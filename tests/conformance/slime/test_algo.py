@@ -106,15 +106,27 @@ def flat_batch(case: dict) -> dict[str, torch.Tensor]:
     """The inputs as a step's flat recording tensors (the removed sample's mask all 0 where slime
     removed it), with the old and reference log-probs the logprob stage would add."""
     given = INPUTS["samples"]
-    masks = [[0] * len(s["loss_mask"]) if case["removed"] and i == INPUTS["removed"] else s["loss_mask"]
-             for i, s in enumerate(given)]
-    prompts = [s["tokens"][:s["prompt_length"]] for s in given]
-    responses = [s["tokens"][s["prompt_length"]:] for s in given]
-    tensors = recording.pack(prompts, responses, masks, [s["rollout_logprobs"] for s in given],
-                             list(range(len(given))), [s["group"] for s in given])
+    masks = [
+        [0] * len(s["loss_mask"]) if case["removed"] and i == INPUTS["removed"] else s["loss_mask"]
+        for i, s in enumerate(given)
+    ]
+    prompts = [s["tokens"][: s["prompt_length"]] for s in given]
+    responses = [s["tokens"][s["prompt_length"] :] for s in given]
+    tensors = recording.pack(
+        prompts,
+        responses,
+        masks,
+        [s["rollout_logprobs"] for s in given],
+        list(range(len(given))),
+        [s["group"] for s in given],
+    )
     for key in ("old_logprobs", "ref_logprobs"):
-        tensors[key] = recording.pack(prompts, responses, masks, [s[key] for s in given], [0] * len(given),
-                                      [0] * len(given))["rollout_logprobs"] * tensors["loss_mask"]
+        tensors[key] = (
+            recording.pack(prompts, responses, masks, [s[key] for s in given], [0] * len(given), [0] * len(given))[
+                "rollout_logprobs"
+            ]
+            * tensors["loss_mask"]
+        )
     tensors["rewards"] = torch.tensor([s["reward"] for s in given], dtype=torch.float32)
     return tensors
 
@@ -140,8 +152,10 @@ def rlbench_case(name: str) -> dict:
     batch = samples.train_batch({**tensors, "advantages": advantages})
     width = batch.tokens.shape[1]
     mask, offsets = batch.loss_mask, tensors["offsets"]
-    old, ref, rollout = (recording.padded(tensors[k], offsets, width) * mask
-                         for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs"))
+    old, ref, rollout = (
+        recording.padded(tensors[k], offsets, width) * mask
+        for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+    )
     logits = padded_logits(tensors).requires_grad_(True)
     logp = algo.token_logprobs(logits, batch.tokens, case["temperature"])
     entropy = algo.token_entropy(logits, case["temperature"])
@@ -149,10 +163,16 @@ def rlbench_case(name: str) -> dict:
     loss, terms = algo.policy_loss(logp, old, advantages, mask, entropy, config, reduce, ref, rollout)
     loss.backward()
     grad = torch.cat([logits.grad[i, : int(offsets[i + 1] - offsets[i])] for i in range(len(offsets) - 1)]).double()
-    got = {"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()},
-           "train_rollout_logprob_abs_diff": metrics.logprob_abs_diff(tensors, config.per_token_loss)}
-    return {"advantages": advantages.tolist(), "metrics": got,
-            "grad_probes": [float((grad * p).sum()) for p in probes(grad.shape[0])]}
+    got = {
+        "loss": float(loss.detach()),
+        **{k: float(v.detach()) for k, v in terms.items()},
+        "train_rollout_logprob_abs_diff": metrics.logprob_abs_diff(tensors, config.per_token_loss),
+    }
+    return {
+        "advantages": advantages.tolist(),
+        "metrics": got,
+        "grad_probes": [float((grad * p).sum()) for p in probes(grad.shape[0])],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_CASES))
@@ -175,12 +195,19 @@ def test_trainer_metrics_are_slimes(name):
     tensors = flat_batch(case)
     batch = samples.train_batch({**tensors, "advantages": torch.tensor(case["advantages"])})
     width, offsets = batch.tokens.shape[1], tensors["offsets"]
-    batch.old_logprobs, ref, rollout = (recording.padded(tensors[k], offsets, width) * batch.loss_mask
-                                        for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs"))
+    batch.old_logprobs, ref, rollout = (
+        recording.padded(tensors[k], offsets, width) * batch.loss_mask
+        for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs")
+    )
     batch.ref_logprobs = ref if config.kl_coef > 0 else None
     batch.rollout_logprobs = rollout if config.use_tis else None
-    trainer = TorchTrainer(TableLogits(padded_logits(tensors)), TrainConfig(minibatches=1, micro_batch_size=3),
-                           config, case["temperature"], seed=0)
+    trainer = TorchTrainer(
+        TableLogits(padded_logits(tensors)),
+        TrainConfig(minibatches=1, micro_batch_size=3),
+        config,
+        case["temperature"],
+        seed=0,
+    )
     got = trainer.train_step(batch, step=0).metrics
     for key, want in case["metrics"].items():
         if key != "train_rollout_logprob_abs_diff":  # the logprob stage's (test_loss_case_is_slimes)
@@ -191,13 +218,24 @@ def test_trainer_metrics_are_slimes(name):
 
 # (case, the case it differs from by one option, the output that option changes)
 OPTION_EFFECTS = [
-    ("grpo_clip_high", "grpo", "loss"), ("grpo_no_std", "grpo", "advantages"), ("grpo_dual_clip", "grpo", "loss"),
-    ("grpo_kl_k1", "grpo", "loss"), ("grpo_kl_k2", "grpo_kl_k1", "kl_loss"), ("grpo_kl_k3", "grpo_kl_k1", "kl_loss"),
-    ("grpo_kl_low_var_kl", "grpo_kl_k3", "kl_loss"), ("grpo_entropy", "grpo", "loss"),
-    ("grpo_temperature", "grpo", "loss"), ("grpo_normalize_advantages", "grpo", "advantages"),
-    ("grpo_per_token", "grpo", "loss"), ("grpo_tis", "grpo", "loss"), ("grpo_tis_bounds", "grpo_tis", "loss"),
-    ("gspo", "grpo", "loss"), ("gspo", "grpo", "grad_probes"), ("cispo", "grpo", "grad_probes"),
-    ("gspo_per_token_dual_clip", "gspo", "loss"), ("cispo_wide", "cispo", "loss"),
+    ("grpo_clip_high", "grpo", "loss"),
+    ("grpo_no_std", "grpo", "advantages"),
+    ("grpo_dual_clip", "grpo", "loss"),
+    ("grpo_kl_k1", "grpo", "loss"),
+    ("grpo_kl_k2", "grpo_kl_k1", "kl_loss"),
+    ("grpo_kl_k3", "grpo_kl_k1", "kl_loss"),
+    ("grpo_kl_low_var_kl", "grpo_kl_k3", "kl_loss"),
+    ("grpo_entropy", "grpo", "loss"),
+    ("grpo_temperature", "grpo", "loss"),
+    ("grpo_normalize_advantages", "grpo", "advantages"),
+    ("grpo_per_token", "grpo", "loss"),
+    ("grpo_tis", "grpo", "loss"),
+    ("grpo_tis_bounds", "grpo_tis", "loss"),
+    ("gspo", "grpo", "loss"),
+    ("gspo", "grpo", "grad_probes"),
+    ("cispo", "grpo", "grad_probes"),
+    ("gspo_per_token_dual_clip", "gspo", "loss"),
+    ("cispo_wide", "cispo", "loss"),
     ("reinforce_plus_plus", "grpo_normalize_advantages", "advantages"),
     ("reinforce_plus_plus_baseline", "grpo_normalize_advantages", "advantages"),
     ("grpo_per_token_kl_tis", "grpo_per_token", "loss"),

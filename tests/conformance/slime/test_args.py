@@ -29,23 +29,43 @@ def _slime_view(config) -> dict:
     """rlbench's config in slime's terms: what each slime setting became."""
     samples = config.data.prompts_per_step * config.rollout.n_samples_per_prompt
     return {
-        "prompt_data": config.data.path, "input_key": config.data.prompt_key, "label_key": config.data.label_key,
+        "prompt_data": config.data.path,
+        "input_key": config.data.prompt_key,
+        "label_key": config.data.label_key,
         "apply_chat_template": config.data.apply_chat_template,
-        "apply_chat_template_kwargs": config.data.chat_template_kwargs, "rollout_shuffle": config.data.shuffle,
-        "rollout_batch_size": config.data.prompts_per_step, "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
-        "global_batch_size": samples // config.train.minibatches, "num_rollout": config.steps,
-        "rollout_max_response_len": config.rollout.max_new_tokens, "rollout_temperature": config.rollout.temperature,
-        "rollout_top_p": config.rollout.top_p, "rollout_top_k": config.rollout.top_k,
-        "rollout_seed": config.rollout.sampling_seed, "rollout_stop_token_ids": list(config.rollout.stop_token_ids),
-        "seed": config.seed, "lr": config.train.lr, "weight_decay": config.train.weight_decay,
-        "adam_beta1": config.train.betas[0], "adam_beta2": config.train.betas[1], "adam_eps": config.train.adam_eps,
-        "clip_grad": config.train.grad_clip, "micro_batch_size": config.train.micro_batch_size,
-        "advantage_estimator": config.algo.advantage, "kl_loss_type": config.algo.kl_type,
-        "kl_coef": 0.0, "eps_clip": config.algo.eps_clip,  # slime's reward KL: rlbench accepts 0 only
-        "eps_clip_high": config.algo.eps_clip_high, "eps_clip_c": config.algo.eps_clip_c,
-        "entropy_coef": config.algo.entropy_coef, "normalize_advantages": config.algo.normalize_advantages,
-        "grpo_std_normalization": config.algo.normalize_std, "calculate_per_token_loss": config.algo.per_token_loss,
-        "use_tis": config.algo.use_tis, "tis_clip": config.algo.tis_clip, "tis_clip_low": config.algo.tis_clip_low,
+        "apply_chat_template_kwargs": config.data.chat_template_kwargs,
+        "rollout_shuffle": config.data.shuffle,
+        "rollout_batch_size": config.data.prompts_per_step,
+        "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
+        "global_batch_size": samples // config.train.minibatches,
+        "num_rollout": config.steps,
+        "rollout_max_response_len": config.rollout.max_new_tokens,
+        "rollout_temperature": config.rollout.temperature,
+        "rollout_top_p": config.rollout.top_p,
+        "rollout_top_k": config.rollout.top_k,
+        "rollout_seed": config.rollout.sampling_seed,
+        "rollout_stop_token_ids": list(config.rollout.stop_token_ids),
+        "seed": config.seed,
+        "lr": config.train.lr,
+        "weight_decay": config.train.weight_decay,
+        "adam_beta1": config.train.betas[0],
+        "adam_beta2": config.train.betas[1],
+        "adam_eps": config.train.adam_eps,
+        "clip_grad": config.train.grad_clip,
+        "micro_batch_size": config.train.micro_batch_size,
+        "advantage_estimator": config.algo.advantage,
+        "kl_loss_type": config.algo.kl_type,
+        "kl_coef": 0.0,
+        "eps_clip": config.algo.eps_clip,  # slime's reward KL: rlbench accepts 0 only
+        "eps_clip_high": config.algo.eps_clip_high,
+        "eps_clip_c": config.algo.eps_clip_c,
+        "entropy_coef": config.algo.entropy_coef,
+        "normalize_advantages": config.algo.normalize_advantages,
+        "grpo_std_normalization": config.algo.normalize_std,
+        "calculate_per_token_loss": config.algo.per_token_loss,
+        "use_tis": config.algo.use_tis,
+        "tis_clip": config.algo.tis_clip,
+        "tis_clip_low": config.algo.tis_clip_low,
         "max_tokens_per_micro_batch": config.train.max_tokens_per_micro_batch,
     }
 
@@ -87,24 +107,37 @@ def test_each_setting_is_slimes(name):
 
 def test_the_cases_cover_every_mapped_argument():
     given = {arg.split("=")[0] for case in EXPECTED["cases"].values() for arg in case["argv"] if arg.startswith("--")}
-    untested = sorted(set(slime_args.ARGS) - given - {"--hf-checkpoint", "--save", "--save-interval", "--rm-type",
-                                                       "--custom-rm-path", "--custom-generate-function-path",
-                                                       "--tensor-model-parallel-size"})
+    untested = sorted(
+        set(slime_args.ARGS)
+        - given
+        - {
+            "--hf-checkpoint",
+            "--save",
+            "--save-interval",
+            "--rm-type",
+            "--custom-rm-path",
+            "--custom-generate-function-path",
+            "--tensor-model-parallel-size",
+        }
+    )
     assert untested == []
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--colocate"], "no such option: --colocate"),
-    (["--ref-load", "/x"], "no such option: --ref-load"),
-    (["--optimizer", "sgd"], "--optimizer: --optimizer sgd: rlbench computes --optimizer adam only"),
-    (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef and --kl-loss-coef"),
-    (["--rollout-temperature", "0"], "slime requires --rollout-temperature > 0"),
-    (["--advantage-estimator", "reinforce_plus_plus"], "needs --normalize-advantages"),
-    (["--save-interval", "2"], "--save-interval needs --save"),
-    (["--rollout-batch-size", "5"], "--rollout-batch-size is given twice"),
-    (["--lr", "fast"], "--lr: expected a number, got 'fast'"),
-    (["--use-tis=1"], "--use-tis is a flag: it takes no value"),
-])
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--colocate"], "no such option: --colocate"),
+        (["--ref-load", "/x"], "no such option: --ref-load"),
+        (["--optimizer", "sgd"], "--optimizer: --optimizer sgd: rlbench computes --optimizer adam only"),
+        (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef and --kl-loss-coef"),
+        (["--rollout-temperature", "0"], "slime requires --rollout-temperature > 0"),
+        (["--advantage-estimator", "reinforce_plus_plus"], "needs --normalize-advantages"),
+        (["--save-interval", "2"], "--save-interval needs --save"),
+        (["--rollout-batch-size", "5"], "--rollout-batch-size is given twice"),
+        (["--lr", "fast"], "--lr: expected a number, got 'fast'"),
+        (["--use-tis=1"], "--use-tis is a flag: it takes no value"),
+    ],
+)
 def test_what_slime_refuses_or_rlbench_does_not_model_is_refused_by_name(tmp_path, extra, says):
     argv = EXPECTED["cases"]["defaults"]["argv"] + extra
     res = cli("run", "--out", str(tmp_path / "r"), *argv)
@@ -136,8 +169,7 @@ def test_slimes_quick_start_grpo_runs_on_the_fixture(tmp_path):
     assert printed.returncode == 0, printed.stderr
     shown = json.loads(printed.stdout)
     assert shown["config"]["algo"]["eps_clip_high"] == 0.28 and shown["config"]["train"]["betas"] == [0.9, 0.98]
-    assert {row["argument"]: row["sets"] for row in shown["slime"]}["--global-batch-size"] == {
-        "train.minibatches": 1}
+    assert {row["argument"]: row["sets"] for row in shown["slime"]}["--global-batch-size"] == {"train.minibatches": 1}
     res = cli("run", *argv, "--rm-type", "parity", "--out", str(tmp_path / "q"), "--json")
     assert res.returncode == 0, res.stderr
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())

@@ -51,6 +51,8 @@ def _seeded_model(tmp_path_factory):
 
 def _model() -> Path:
     return _SEEDED["model"]
+
+
 FLOAT_ROUNDING = 1e-5
 
 
@@ -77,7 +79,7 @@ def _import(tmp_path, dump: Path, name: str = "imported") -> tuple[Path, dict]:
 
 def _response(tensors, i: int, key: str) -> list:
     a, b = int(tensors["offsets"][i]), int(tensors["offsets"][i + 1])
-    return tensors[key][a + int(tensors["prompt_lengths"][i]): b].tolist()
+    return tensors[key][a + int(tensors["prompt_lengths"][i]) : b].tolist()
 
 
 def test_the_dumps_are_slimes_and_every_sample_field_is_used_kept_or_refused():
@@ -146,8 +148,13 @@ def test_samples_without_engine_logprobs_are_named_never_zero(tmp_path):
     tito = check_run(run, model_dir=_model())  # the non-canonical one is undetermined, not drift
     assert tito.findings == [] and tito.evidence == {"no_logprobs": len(CASES["cases"]["no_logprobs"]["non_canonical"])}
     # filled with 0.0, as before: a huge mismatch, and the non-canonical sample looks re-tokenised
-    zeros = _edited(tmp_path, "no_logprobs", lambda samples: [s.update(rollout_log_probs=[0.0] * s["response_length"])
-                                                              for s in samples if s["rollout_log_probs"] is None])
+    zeros = _edited(
+        tmp_path,
+        "no_logprobs",
+        lambda samples: [
+            s.update(rollout_log_probs=[0.0] * s["response_length"]) for s in samples if s["rollout_log_probs"] is None
+        ],
+    )
     run, _ = _import(tmp_path, zeros, "zeros")
     assert check_logprobs(run, recompute=True).stats["train_rollout_logprob_abs_diff"] > 1.0
     assert [f.finding.mode for f in check_run(run, model_dir=_model()).findings] == ["reencode"]
@@ -166,8 +173,9 @@ def test_a_tool_observation_inside_the_response_is_not_judged_as_sampled_ids(tmp
     assert (tito.findings, tito.non_canonical) == ([], 0)
     assert check_logprobs(run, recompute=True).stats["max_abs"] <= FLOAT_ROUNDING
     # the observation judged as if sampled: its log-prob 0.0 is no engine's, and its ids look re-tokenised
-    trained = _edited(tmp_path, "tool_span", lambda samples: [s.update(loss_mask=[1] * s["response_length"])
-                                                              for s in samples])
+    trained = _edited(
+        tmp_path, "tool_span", lambda samples: [s.update(loss_mask=[1] * s["response_length"]) for s in samples]
+    )
     run, _ = _import(tmp_path, trained, "trained")
     findings = check_run(run, model_dir=_model()).findings
     prompt = int(read_step(run, 0)[0]["prompt_lengths"][0])
@@ -182,8 +190,9 @@ def test_unequal_groups_are_accepted_with_each_samples_group(tmp_path):
     groups = [g for g, size in enumerate(sizes) for _ in range(size)]
     assert [s["group"] for s in meta["samples"]] == groups == tensors["group_index"].tolist()
     # kept in the metadata, and named as what replay does not train with
-    assert all(s["slime"]["teacher_log_probs"] and s["slime"]["train_metadata"] == {"loss": "policy"}
-               for s in meta["samples"])
+    assert all(
+        s["slime"]["teacher_log_probs"] and s["slime"]["train_metadata"] == {"loss": "policy"} for s in meta["samples"]
+    )
     assert any(n.startswith("teacher_log_probs kept in 5 samples") for n in summary["notes"])
     assert any(n.startswith("train_metadata kept in 5 samples") for n in summary["notes"])
     # the groups come from group_index, not from where a sample sits in the dump
@@ -195,10 +204,14 @@ def test_unequal_groups_are_accepted_with_each_samples_group(tmp_path):
 def test_a_multimodal_sample_is_refused_in_one_line_naming_the_field(tmp_path):
     res = run_cli("import", "slime", str(_dump("multimodal")), "--out", str(tmp_path / "mm"))
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert f"samples[1].{CASES['cases']['multimodal']['refused_field']}: set, and multimodal samples are not " \
-           "supported" in res.stderr and not (tmp_path / "mm").exists()
-    text_only = _edited(tmp_path, "multimodal", lambda samples: samples[1].update(multimodal_inputs=None,
-                                                                                  multimodal_train_inputs=None))
+    assert (
+        f"samples[1].{CASES['cases']['multimodal']['refused_field']}: set, and multimodal samples are not supported"
+        in res.stderr
+        and not (tmp_path / "mm").exists()
+    )
+    text_only = _edited(
+        tmp_path, "multimodal", lambda samples: samples[1].update(multimodal_inputs=None, multimodal_train_inputs=None)
+    )
     _import(tmp_path, text_only)
 
 
@@ -211,8 +224,17 @@ def test_an_eval_dump_is_refused_for_training_in_one_line(tmp_path):
     _import(tmp_path, renamed)
 
 
-@pytest.mark.parametrize("name, is_eval", [("rollout_eval_3.pt", True), ("eval_3.pt", True), ("eval_3/data.pt", True),
-                                           ("rollout_3.pt", False), ("eval_31.pt", False), ("medieval_3.pt", False)])
+@pytest.mark.parametrize(
+    "name, is_eval",
+    [
+        ("rollout_eval_3.pt", True),
+        ("eval_3.pt", True),
+        ("eval_3/data.pt", True),
+        ("rollout_3.pt", False),
+        ("eval_31.pt", False),
+        ("medieval_3.pt", False),
+    ],
+)
 def test_eval_dumps_are_told_by_slimes_name_for_them(name, is_eval):
     from rlbench.replay.slime import is_eval_dump
 
