@@ -293,7 +293,7 @@ def _sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
     if not isinstance(index, int) or isinstance(index, bool):
         raise BadInput(f"{where}.index: expected an integer, got {index!r}", path=path)
     status = raw.get("status", "completed")
-    if status not in STATUS_TO_FINISH:
+    if not isinstance(status, str) or status not in STATUS_TO_FINISH:  # a dict or list would not even hash
         raise BadInput(
             f"{where}.status: expected one of slime's statuses ({', '.join(STATUS_TO_FINISH)}), got {status!r}",
             path=path,

@@ -339,6 +339,7 @@ def test_fields_are_kept_in_the_metadata_as_json_and_what_replay_does_not_use_is
             "samples[2].multimodal_train_input_id: set, and multimodal",
         ),
         (lambda s: s.update(status="done"), "samples[2].status: expected one of slime's statuses"),
+        (lambda s: s.update(status={"nested": [1]}), "samples[2].status: expected one of slime's statuses"),
         (lambda s: s.update(remove_sample=1), "samples[2].remove_sample: expected true or false"),
         (
             lambda s: s.update(rollout_top_p_token_ids=[10**6, 2], rollout_top_p_token_offsets=[0, 1, 2]),
