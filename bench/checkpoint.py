@@ -36,7 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]  # the 
 
 import torch  # noqa: E402
 
-from rlbench.backends.torch_trainer import optimizer_tensors  # noqa: E402
+from rlbench.backends.optimizer_state import optimizer_tensors
 from rlbench.core import loop, tensor_file  # noqa: E402
 from rlbench.rundir import digest  # noqa: E402
 from rlbench.session import build  # noqa: E402

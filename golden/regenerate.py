@@ -2,8 +2,9 @@
 
 Each entry of suite.json (or of --suite FILE) is `rlbench run ARGS` (from the repository root), whose run directory
 `rlbench golden update` turns into NAME.json beside the suite file, the reason appended to the file's history. A CUDA
-run's file is NAME/<gpu>-torch<v>-cuda<v>-transformers<v>.json instead (rlbench.checks.golden.golden_file_name): on
-the GPU machine this writes the file for that machine's GPU and versions, and leaves other machines' files alone.
+run's file is NAME/<gpu>-torch<v>-cuda<v>-transformers<v>.json instead
+(rlbench.checks.golden_build.golden_file_name): on the GPU machine this writes the file for that machine's GPU
+and versions, and leaves other machines' files alone.
 Only through `rlbench golden update`: the suite (tests/cpu/test_golden_suite.py) checks that the
 committed files are what it writes for the same run.
 """
@@ -23,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from rlbench.checks.golden import golden_file_name  # noqa: E402
+from rlbench.checks.golden_build import golden_file_name
 
 
 def main() -> int:

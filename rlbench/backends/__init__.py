@@ -6,6 +6,7 @@ prompt_cache.py   prompt prefills kept between generations (`rlbench serve`'s pr
 sampling.py       its token choice: Gumbel-max over counter-based noise, top-k / top-p (SGLang's semantics)
 sampling_triton.py  that choice as one Triton kernel on a GPU (rows that are not top-k/top-p filtered)
 torch_trainer.py  embedded trainer: the transformers model, AdamW, minibatches, micro-batches, checkpoints
+optimizer_state.py  AdamW's groups and state by parameter name (both trainers' checkpoints)
 registry.py       which trainer and engine a run needs (installed extras, Ray bundles), and how to make them
 megatron/         `--trainer megatron`: a megatron-core GPTModel, tensor and data parallel
 sglang/           `--rollout sglang`: SGLang servers over their native HTTP API, through sglang-router

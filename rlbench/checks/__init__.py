@@ -9,7 +9,8 @@ tito_report.py       what check tito reports: each finding where it is, the coun
 tito_builders.py     the token-in-token-out builders check tito --audit plays
 tito_miles.py        Miles' TITO library (miles-tito-tokenizers) as rlbench uses it
 logprobs.py          check logprobs: train-inference log-prob mismatch statistics and gates
-golden.py            golden files (rlbench's and Megatron-LM's): format, reading, golden update
+golden.py            golden files (rlbench's and Megatron-LM's): format and reading
+golden_build.py      golden files written: golden update, golden/regenerate.py
 golden_tolerance.py  tolerance families, their defaults, --tolerance overrides
 golden_compare.py    check golden: tiers, refusals with the reason, per-metric comparison, report
 plot.py              check golden --plot: each metric against its golden band (matplotlib)

@@ -556,6 +556,7 @@ metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earl
 new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that \
 is not a valid golden file is refused and left as it is."""
     from rlbench.checks import golden as g
+    from rlbench.checks import golden_build
     from rlbench.rundir.directory import read_run
 
     overrides = [g.parse_override(spec) for spec in tolerance or []]
@@ -566,8 +567,8 @@ is not a valid golden file is refused and left as it is."""
             "is a Megatron-LM golden values file; write the rlbench golden file to another path", path=golden
         )
     command = shlex.join(["rlbench", *sys.argv[1:]])
-    doc, changes = g.build_golden(run, reason, command, previous, overrides, step_interval)
-    g.write_golden(golden, doc)
+    doc, changes = golden_build.build_golden(run, reason, command, previous, overrides, step_interval)
+    golden_build.write_golden(golden, doc)
     for note in run.notes:
         stderr.print(f"note: {run_dir}: {note}", markup=False, highlight=False, soft_wrap=True)
     metrics = doc["metrics"]

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rlbench.checks import golden as g
+from rlbench.checks.golden_build import golden_file_name
 from rlbench.checks.golden_compare import compare
 from rlbench.config import RunConfig, apply_overrides
 from rlbench.rundir.directory import read_run
@@ -660,14 +661,14 @@ def test_a_cuda_golden_file_is_keyed_to_its_gpu_and_versions():
         "device_name": "NVIDIA H200",
         "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.17.0", "python": "3.12.3"},
     }
-    assert g.golden_file_name("default", {"device": "cpu", "versions": cuda["versions"]}) == "default.json"
+    assert golden_file_name("default", {"device": "cpu", "versions": cuda["versions"]}) == "default.json"
     assert (
-        g.golden_file_name("default-cuda", cuda)
+        golden_file_name("default-cuda", cuda)
         == "default-cuda/nvidia_h200-torch2.11.0_cu130-cuda13.0-transformers5.17.0.json"
     )
-    names = {g.golden_file_name("d", cuda)}
+    names = {golden_file_name("d", cuda)}
     for key, value in (("torch", "2.12.0"), ("cuda", "12.8"), ("transformers", "5.18.0")):
-        names.add(g.golden_file_name("d", {**cuda, "versions": {**cuda["versions"], key: value}}))
-    names.add(g.golden_file_name("d", {**cuda, "device": "cuda:1", "device_name": "NVIDIA H100 80GB HBM3"}))
-    names.add(g.golden_file_name("d", {**cuda, "versions": {**cuda["versions"], "python": "3.13.0"}}))
+        names.add(golden_file_name("d", {**cuda, "versions": {**cuda["versions"], key: value}}))
+    names.add(golden_file_name("d", {**cuda, "device": "cuda:1", "device_name": "NVIDIA H100 80GB HBM3"}))
+    names.add(golden_file_name("d", {**cuda, "versions": {**cuda["versions"], "python": "3.13.0"}}))
     assert len(names) == 5  # each of GPU, torch, CUDA, transformers makes its own file; python does not

@@ -13,7 +13,8 @@ import shutil
 import pytest
 import torch
 
-from rlbench.backends.torch_trainer import TorchTrainer, check_weight_decays, decay_groups, decays
+from rlbench.backends.torch_trainer import TorchTrainer
+from rlbench.backends.optimizer_state import check_weight_decays, decay_groups, decays
 from rlbench.config import load_config
 from rlbench.core.model import build_model
 from rlbench.errors import BadInput

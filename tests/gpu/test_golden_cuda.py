@@ -1,7 +1,7 @@
 """GPU golden logs (tests/gpu/golden/suite.json): a CUDA run checked in the exact tier against the golden file
 made on this GPU model with these torch, CUDA and transformers builds (deterministic mode repeats bit for bit).
 
-Golden files are keyed to that environment (rlbench.checks.golden.golden_file_name), so the test runs on the
+Golden files are keyed to that environment (rlbench.checks.golden_build.golden_file_name), so the test runs on the
 GPU machine's own versions and never skips for a file made elsewhere. Where this environment has no file yet,
 it fails and says how to make one: deliberately, with a reason, by `golden/regenerate.py`."""
 
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from rlbench.checks.golden import golden_file_name
+from rlbench.checks.golden_build import golden_file_name
 from tests.conftest import REPO, run_cli
 
 HERE = REPO / "tests" / "gpu" / "golden"

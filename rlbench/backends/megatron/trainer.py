@@ -41,8 +41,8 @@ import torch.distributed as dist
 from rlbench.backends.megatron import faults, launch
 from rlbench.backends.megatron import model as mmodel
 from rlbench.backends.megatron.convert import Dims, hf_names, params, to_hf, to_megatron
-from rlbench.backends.torch_trainer import (
-    TorchTrainer,
+from rlbench.backends.torch_trainer import TorchTrainer
+from rlbench.backends.optimizer_state import (
     check_weight_decays,
     decay_groups,
     load_optimizer_state,
