@@ -8,8 +8,10 @@ error, 130 Ctrl-C.
     app.py        the typer app, the consoles, the options every command shares, --version; tables,
                   progress and --help as they read without a terminal
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
-    runs.py       run, replay, diff, import slime
-    checks.py     check logprobs / tito / golden, golden update
+    runs.py       run, replay, diff
+    imports.py    import slime
+    checks.py     check logprobs / tito (the check group)
+    golden.py     check golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
     report.py     report: one HTML page of a run, or of where two runs part
     __main__.py   `python -m rlbench.cli`: the same as the `rlbench` console script
@@ -94,6 +96,8 @@ def _fail(message: str, code: int = 2, kind: str = "error") -> None:
 
 # Importing them registers their commands on `app`, in this order (the order of `rlbench --help`).
 from rlbench.cli import runs  # noqa: E402,F401
+from rlbench.cli import imports  # noqa: E402,F401
 from rlbench.cli import checks  # noqa: E402,F401
+from rlbench.cli import golden  # noqa: E402,F401
 from rlbench.cli import serve  # noqa: E402,F401
 from rlbench.cli import report  # noqa: E402,F401

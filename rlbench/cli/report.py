@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from rlbench.cli.app import Debug, app, stdout
-from rlbench.cli.checks import parse_renames
+from rlbench.cli.golden import parse_renames
 from rlbench.errors import BadInput
 
 

@@ -1,4 +1,4 @@
-"""`rlbench run`, `replay`, `diff` and `import slime`."""
+"""`rlbench run`, `replay` and `diff` (`import slime`: imports.py)."""
 
 from __future__ import annotations
 
@@ -441,79 +441,3 @@ def _render_diff(res) -> None:
         render_table(around)
     if res.advice:
         stdout.print(f"advice: {res.advice}", markup=False, highlight=False, soft_wrap=True)
-
-
-import_app = typer.Typer(help="Turn other frameworks' dumps into rlbench recordings.", no_args_is_help=True)
-app.add_typer(import_app, name="import")
-
-
-@import_app.command("slime")
-def import_slime(
-    dumps: Annotated[
-        list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")
-    ],
-    out: Annotated[Path, typer.Option(help="The run directory to create.")],
-    model: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="Model directory (config.json, optional "
-            "model.safetensors) that replay and train-only will "
-            "train. \\[default: the fixture]"
-        ),
-    ] = None,
-    tokenizer: Annotated[
-        Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. \\[default: the fixture]")
-    ] = None,
-    reward_key: Annotated[
-        Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")
-    ] = None,
-    as_json: AsJson = False,
-    debug: Debug = False,
-) -> None:
-    """Import slime's debug rollout dumps as a recording that check, diff and replay accept.
-
-    Files load with torch.load(weights_only=True); one that needs more unpickling is refused. Rollout ids become steps \
-in id order. Every field of slime's Sample is used, kept in the samples' metadata, or refused by name: samples slime \
-removed (remove_sample) stay in their groups, untrained and unjudged; samples without engine log-probs are not judged \
-by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; groups may differ in size; multimodal \
-samples and evaluation dumps (eval_<id>) are refused.
-    """
-    from rlbench.config import ModelConfig
-    from rlbench.core.model import weight_files
-    from rlbench.replay.slime import import_slime as run_import
-
-    defaults = ModelConfig()
-    # The model the dumps were sampled with: its checkpoint where it has one (recorded as model.init).
-    init = "checkpoint" if model is not None and weight_files(model) else "random"
-    summary = run_import(
-        dumps,
-        out,
-        ModelConfig(path=str(model or defaults.path), init=init, tokenizer=str(tokenizer or defaults.tokenizer)),
-        reward_key,
-        model_given=model is not None,
-    )
-    if as_json:
-        stdout.print_json(json.dumps(summary))
-    else:
-        _render_import(summary)
-
-
-def _render_import(summary: dict) -> None:
-    sizes = sorted({s for step in summary["group_sizes"] for s in step})
-    groups = f"groups of {sizes[0]}" if len(sizes) == 1 else f"groups of {sizes[0]} to {sizes[-1]} samples"
-    stdout.print(
-        f"imported {summary['steps']} rollout ids ({summary['samples']} samples, {groups}) into {summary['out']}",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
-    lines = {
-        "removed": "removed by slime (remove_sample): kept in their groups, not trained, not judged",
-        "without_logprobs": "without engine log-probs: the log-prob checks do not judge them",
-        "top_p": "with a recorded top-p nucleus",
-    }
-    for key, text in lines.items():
-        if summary[key]:
-            stdout.print(f"{summary[key]} samples {text}", markup=False, highlight=False, soft_wrap=True)
-    for note in summary["notes"]:
-        stdout.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

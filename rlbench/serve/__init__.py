@@ -11,5 +11,6 @@ error shape and listed in docs/sglang-ray.md.
     weights.py        weight loads (all or nothing) and SGLang's /weights_checker
     auth.py           --api-key: SGLang's 401 for a request without the key, before any route
     app.py            the routes, request bodies (bounded, JSON), the error handlers
+    bodies.py         what the routes share: a body's fields held to their kinds, readable paths, JSON answers
     server.py         ServeConfig, the model and engine it loads, binding (127.0.0.1 by default) and uvicorn
 """

@@ -15,9 +15,7 @@ With an api key (ServeConfig.api_key) auth.py's gate answers a request without i
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -35,6 +33,7 @@ from rlbench.serve import request_gates as gates
 from rlbench.serve.answer import Answers, delta, prompt_logprobs
 from rlbench.serve.weights import LoadFailed
 from rlbench.serve.worker import Job
+from rlbench.serve.bodies import no_text, outside_root, update_answer, body_fields, loads_body, sse_event, json_response
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 FLUSHED = (
@@ -108,10 +107,10 @@ class Handlers:
         return Response(status_code=200)
 
     async def server_info(self, _request: Request) -> Response:
-        return _json_response(self.state.server_info())
+        return json_response(self.state.server_info())
 
     async def model_info(self, _request: Request) -> Response:
-        return _json_response(self.state.model_info())
+        return json_response(self.state.model_info())
 
     async def loads(self, _request: Request) -> Response:
         """SGLang's /v1/loads, its core section: what runs and what waits."""
@@ -123,7 +122,7 @@ class Handlers:
             "num_waiting_reqs": waiting,
             "max_total_num_tokens": self.state.context_len * self.state.config.decode_batch_size,
         }
-        return _json_response(
+        return json_response(
             {
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "version": self.state.version,
@@ -140,7 +139,7 @@ class Handlers:
         events with `stream`."""
         state = self.state
         body = await _json(request, state.config.max_request_bytes)
-        encode = state.encode if state.tokenizer is not None else _no_text
+        encode = state.encode if state.tokenizer is not None else no_text
         try:
             call = await _maybe_off_loop(request, lambda: rq.parse_generate(body, state.vocab, encode))
         except gates.RequestError as exc:  # SGLang checks values inside the stream: a stream gets them in-band
@@ -155,7 +154,7 @@ class Handlers:
             self.answers.build(item, job, prompt, call.return_text_in_logprobs, final=True)
             for item, job, prompt in zip(call.items, done, prompts)
         ]
-        return _json_response(items if call.batched else items[0])
+        return json_response(items if call.batched else items[0])
 
     async def _start(self, call: rq.GenerateCall) -> tuple[list[Job], list]:
         """Check the items' lengths and rids, wait out a pause, score prompts where asked, submit."""
@@ -248,14 +247,14 @@ class Handlers:
                 sent[i] = len(job.output_ids)
                 if job.done:
                     pending.discard(i)
-                yield _event(chunk)
+                yield sse_event(chunk)
         yield b"data: [DONE]\n\n"
 
     # ---- control ------------------------------------------------------------------------------
 
     async def abort_request(self, request: Request) -> Response:
         """SGLang's /abort_request {rid, abort_all}: 200 with an empty body."""
-        body = _fields(
+        body = body_fields(
             await _json(request, self.state.config.max_request_bytes, required=True),
             {"rid": (str, type(None)), "abort_all": bool},
         )
@@ -263,19 +262,21 @@ class Handlers:
         return Response(status_code=200)
 
     async def pause_generation(self, request: Request) -> Response:
-        body = _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"mode": str})
+        body = body_fields(await _json(request, self.state.config.max_request_bytes, required=True), {"mode": str})
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise gates.pydantic_error(
                 "mode", "literal_error", "Input should be 'abort', 'retract' or 'in_place'", mode
             )
         self.state.worker.pause(mode)
-        return _json_response({"message": "Generation paused successfully.", "status": "ok"})
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: Request) -> Response:
-        _fields(await _json(request, self.state.config.max_request_bytes, required=True), {"torch_empty_cache": bool})
+        body_fields(
+            await _json(request, self.state.config.max_request_bytes, required=True), {"torch_empty_cache": bool}
+        )
         self.state.worker.resume()
-        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: Request) -> Response:
         """Empty the engine's prompt cache, as SGLang its radix cache: refused (400) while requests run (or
@@ -303,7 +304,7 @@ class Handlers:
         requests before it; take its weight version. SGLang's answer: {success, message,
         num_paused_requests}, 400 when it failed (the served weights then unchanged)."""
         state = self.state
-        body = _fields(
+        body = body_fields(
             await _json(request, state.config.max_request_bytes, required=True),
             {
                 "model_path": str,
@@ -322,17 +323,17 @@ class Handlers:
         )
         refused = [k for k in ("is_async", "keep_pause", "manifest") if body.get(k)]
         if refused:
-            return _update_answer(False, f"rlbench serve does not implement {refused[0]} (docs/sglang-ray.md)")
+            return update_answer(False, f"rlbench serve does not implement {refused[0]} (docs/sglang-ray.md)")
         outside = outside_root(body["model_path"], state.config.weights_root())
         if outside:
-            return _update_answer(False, outside)
+            return update_answer(False, outside)
         if body.get("abort_all_requests"):
             state.worker.abort(abort_all=True)
         fmt = body.get("load_format") or state.load_format
         try:
             message = await state.worker.call(state.load_weights, body["model_path"], fmt, barrier=True)
         except LoadFailed as exc:
-            return _update_answer(False, str(exc))
+            return update_answer(False, str(exc))
         if body.get("weight_version") is not None:
             self._set_version(body["weight_version"])
         if body.get("torch_empty_cache") and state.config.device.startswith("cuda"):
@@ -341,14 +342,14 @@ class Handlers:
             await state.worker.call(torch.cuda.empty_cache)
         # recapture_cuda_graph: there are no CUDA graphs to capture; token_step: 0.5.23 answers nothing of it.
         if body.get("flush_cache", True) and state.worker.busy(count_waiting=False):
-            return _update_answer(
+            return update_answer(
                 False,
                 "Weights were updated, but the cache was not flushed because requests are "
                 "still running or queued. Retract or finish them, then call /flush_cache.",
             )
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
-        return _update_answer(True, message)
+        return update_answer(True, message)
 
     def _set_version(self, version: str) -> None:
         old, self.state.weight_version = self.state.weight_version, version
@@ -356,7 +357,7 @@ class Handlers:
             self.state.worker.version_changed(old)
 
     async def update_weight_version(self, request: Request) -> Response:
-        body = _fields(
+        body = body_fields(
             await _json(request, self.state.config.max_request_bytes, required=True),
             {"new_version": str, "abort_all_requests": bool},
             required=("new_version",),
@@ -364,7 +365,7 @@ class Handlers:
         if body.get("abort_all_requests", True):
             self.state.worker.abort(abort_all=True)
         self._set_version(body["new_version"])
-        return _json_response(
+        return json_response(
             {
                 "success": True,
                 "message": f"Weight version updated to {body['new_version']}",
@@ -375,7 +376,7 @@ class Handlers:
     async def weights_checker(self, request: Request) -> Response:
         """SGLang's /weights_checker (weights.py): checksum by default, snapshot, compare, reset_tensors."""
         body = await _json(request, self.state.config.max_request_bytes, required=False)
-        body = _fields(
+        body = body_fields(
             body if body is not None else {},
             {"action": str, "allow_quant_error": bool, "skip_tensor_list": (list, type(None)), "selector": str},
         )
@@ -389,9 +390,9 @@ class Handlers:
             raise gates.pydantic_error("skip_tensor_list", "string_type", "Input should be a valid string", skip)
         action = body.get("action", "checksum")
         if selector == "draft":  # no draft model: nothing to check, as SGLang answers without a draft runner
-            return _json_response({"success": True, "message": "Success."})
+            return json_response({"success": True, "message": "Success."})
         answer = await self.state.worker.call(self._check, action, skip)
-        return _json_response(answer, status_code=200 if answer["success"] else 400)
+        return json_response(answer, status_code=200 if answer["success"] else 400)
 
     def _check(self, action: str, skip: list[str] | None) -> dict:
         """The checker's action (the engine's thread); reset_tensors rewrites the weights in place, so the
@@ -404,7 +405,7 @@ class Handlers:
     async def get_weights_by_name(self, request: Request) -> Response:
         """The first `truncate_size` rows of the named parameter (a tied lm_head reads the embeddings), as
         SGLang's model answers; an unknown name is its 400."""
-        body = _fields(
+        body = body_fields(
             await _json(request, self.state.config.max_request_bytes, required=True),
             {"name": str, "truncate_size": int},
             required=("name",),
@@ -424,90 +425,32 @@ class Handlers:
         values = await self.state.worker.call(read)
         if values is None:
             raise gates.value("Get parameter by name failed")
-        return _json_response(values)
+        return json_response(values)
 
 
 async def _error_events(exc: gates.RequestError):
     """A ValueError after a stream began, as SGLang sends it: in-band, then [DONE]."""
     message = exc.body["error"]["message"] if isinstance(exc.body.get("error"), dict) else str(exc.body)
-    yield _event(
+    yield sse_event(
         {"error": {"message": message, "type": "invalid_request_error", "code": exc.status, "retryable": False}}
     )
     yield b"data: [DONE]\n\n"
 
 
-def _no_text(_text: str) -> list[int]:
-    raise gates.value(
-        "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
-        "input_ids or re-initialize the engine with skip_tokenizer_init=False."
-    )
-
-
-def outside_root(path: str, root: Path | None) -> str | None:
-    """Why `path` may not be read (it is not below `root`, symbolic links followed), or None; a server
-    without a root (ServeConfig.weights_root) reads any path, as SGLang's does."""
-    if root is None:
-        return None
-    try:
-        resolved = Path(path).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:
-        return f"Failed to get weights iterator: {exc.__class__.__name__}: {str(exc)[:200]}."
-    if resolved == root or root in resolved.parents:
-        return None
-    return (
-        f"Failed to update weights: {path} is outside the directory this server reads weights from ({root}; "
-        f"rlbench serve --weights-dir). Nothing was changed."
-    )
-
-
-def _update_answer(success: bool, message: str) -> Response:
-    return _json_response(
-        {"success": success, "message": message, "num_paused_requests": 0}, status_code=200 if success else 400
-    )
-
-
-def _fields(body: Any, kinds: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
-    """A control request's body as its SGLang struct takes it: an object, the fields it declares of their
-    types (unknown fields ignored), the required ones present; else the pydantic envelope."""
-    if not isinstance(body, dict):
-        raise gates.pydantic_error("", "model_type", "Input should be an object", body)
-    for name in required:
-        if name not in body:
-            raise gates.pydantic_error(name, "missing", "Field required", body)
-    for name, kind in kinds.items():
-        if name in body:
-            ok = isinstance(body[name], kind) and not (isinstance(body[name], bool) and kind is int)
-            if not ok:
-                raise gates.pydantic_error(name, "type_error", f"Input should be {_kind_name(kind)}", body[name])
-    return body
-
-
-def _kind_name(kind: Any) -> str:
-    names = {
-        str: "a valid string",
-        bool: "a valid boolean",
-        int: "a valid integer",
-        dict: "a valid dictionary",
-        list: "a valid list",
-    }
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(names.get(k, "null") for k in kinds)
-
-
 async def refused(_request: Request, exc: gates.RequestError) -> Response:
     """A refused request (request.py): SGLang's answer for it."""
-    return _json_response(exc.body, status_code=exc.status)
+    return json_response(exc.body, status_code=exc.status)
 
 
 async def http_error(_request: Request, exc: HTTPException) -> Response:
     """404, 405: JSON, as SGLang's FastAPI answers."""
-    return _json_response({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    return json_response({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 async def internal(_request: Request, exc: Exception) -> Response:
     """What nothing above foresaw: a 400 in SGLang's ValueError shape, naming it (a request never gets a
     5xx from rlbench serve); the server lives on."""
-    return _json_response({"error": {"message": f"{exc.__class__.__name__}: {str(exc)[:300]}"}}, status_code=400)
+    return json_response({"error": {"message": f"{exc.__class__.__name__}: {str(exc)[:300]}"}}, status_code=400)
 
 
 async def _json(request: Request, limit: int, required: bool = True) -> Any:
@@ -543,40 +486,11 @@ async def _json(request: Request, limit: int, required: bool = True) -> Any:
         )
     route = f"{request.method} {request.url.path}"
     if len(raw) > PARSE_OFF_LOOP:
-        return await asyncio.to_thread(_loads, raw, route)
-    return _loads(raw, route)
-
-
-def _loads(raw: bytes, route: str) -> Any:
-    """JSON as SGLang 0.5.23 reads every body (its ORJSONRequest): orjson, which refuses what Python's json
-    would take (a UTF-8 byte-order mark, NaN, Infinity; an integer past 64 bits becomes a float), with
-    FastAPI's 400 for it."""
-    import orjson
-
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise gates.json_invalid(exc.pos, exc.msg, route) from None
+        return await asyncio.to_thread(loads_body, raw, route)
+    return loads_body(raw, route)
 
 
 async def _maybe_off_loop(request: Request, parse):
     """Run `parse` on a thread when the body was large (tokenising a long text must not stall the loop)."""
     size = int(request.headers.get("content-length") or 0)
     return await asyncio.to_thread(parse) if size > PARSE_OFF_LOOP else parse()
-
-
-def _event(obj: Any) -> bytes:
-    import orjson
-
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _json_response(content: Any, status_code: int = 200, headers: dict | None = None) -> Response:
-    """orjson's bytes (as SGLang answers); Python's json where orjson cannot (an integer past 64 bits)."""
-    import orjson
-
-    try:
-        raw = orjson.dumps(content)
-    except TypeError:
-        raw = json.dumps(content).encode()
-    return Response(content=raw, status_code=status_code, headers=headers, media_type="application/json")

@@ -96,7 +96,7 @@ def test_where_weight_updates_may_read_from(tmp_path):
     """SGLang's rule where only trusted callers reach the server (loopback, or a key): any readable path;
     --weights-dir narrows it; beyond loopback without a key --weights-dir is required, so no unauthenticated
     request can name an arbitrary file."""
-    from rlbench.serve.app import outside_root
+    from rlbench.serve.bodies import outside_root
 
     assert ServeConfig().weights_root() is None and outside_root("/etc", None) is None
     assert ServeConfig(host="0.0.0.0", api_key=KEY).weights_root() is None
