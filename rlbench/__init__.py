@@ -3,8 +3,9 @@
 Importing it pins the portable CPU numerics before anything imports torch (numerics.py).
 
     config.py     the run configuration: RunConfig, read from TOML and overrides, validated
-    config_sections.py  its components, one frozen dataclass each (model, data, rollout, placement, reward,
-                  algorithm, trainer), and `setting`, the field with its help
+    config_sections.py  its components, one frozen dataclass each (model, data, rollout, reward, algorithm,
+                  trainer), and `setting`, the field with its help
+    config_placement.py  its placement component (local or Ray actors) and how a Ray address is read
     validate.py   the value checks every config shares: a failing value is BadInput naming its key
     slime_args.py slime's own command-line arguments mapped onto the run config (`rlbench run <slime args>`)
     command.py    a command line to its RunConfig (options, the TOML file, slime's arguments, --sglang-*,

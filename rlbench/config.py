@@ -30,12 +30,12 @@ from rlbench.config_sections import (
     AlgoConfig,
     DataConfig,
     ModelConfig,
-    PlacementConfig,
     RewardConfig,
     RolloutConfig,
     TrainConfig,
     setting,
 )
+from rlbench.config_placement import PlacementConfig
 
 Mode = Literal["full", "rollout-only", "train-only"]
 MODES = ("full", "rollout-only", "train-only")

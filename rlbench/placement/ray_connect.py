@@ -58,7 +58,7 @@ def start_local(num_cpus: int, **options) -> None:
 
 def connect(address: str, timeout: float) -> None:
     """Connect to the Ray cluster at `address` within `timeout` seconds, or BadInput in one line."""
-    from rlbench.config_sections import ray_address_parts
+    from rlbench.config_placement import ray_address_parts
 
     deadline = time.monotonic() + timeout
     _, host, port = ray_address_parts(address)

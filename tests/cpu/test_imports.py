@@ -100,7 +100,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # session.py sits above core/ (the stages and what they read), backends/ and placement/: it chooses between them.
 LAYERS = [
     {"errors", "validate", "extras", "numerics", "keys", "fixtures"},
-    {"config_sections"},
+    {"config_sections", "config_placement"},
     {"config", "slime_args"},
     {"rundir"},
     {"core", "tasks"},

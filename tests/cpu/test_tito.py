@@ -254,7 +254,7 @@ def test_the_fast_paths_skip_transformers_wrapper_and_are_built_once():
     """render, encode and decode go to the compiled template and the Rust tokenizer, not through the tokenizer's
     Python methods (their cost, bench/tito_throughput.py); the compiled template, byte table and special ids are
     made once per tokenizer."""
-    from rlbench.checks.tito_audit import conversation_shapes
+    from rlbench.checks.tito_shapes import conversation_shapes
 
     class Counting:  # the Rust tokenizer, its decode calls counted
         def __init__(self, backend):
@@ -335,7 +335,7 @@ def test_render_without_transformers_private_compiler_is_the_public_path(monkeyp
     import sys
     import types
 
-    from rlbench.checks.tito_audit import conversation_shapes
+    from rlbench.checks.tito_shapes import conversation_shapes
 
     # rlbench's import sees a module without it; transformers' own code keeps its module
     monkeypatch.setitem(sys.modules, "transformers.utils.chat_template_utils", types.ModuleType("without"))

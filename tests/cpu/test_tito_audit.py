@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from rlbench.checks import tito_audit
-from rlbench.checks.tito_audit import audit, audit_shape, conversation_shapes
+from rlbench.checks import tito_audit, tito_shapes
+from rlbench.checks.tito_audit import audit, audit_shape
+from rlbench.checks.tito_shapes import conversation_shapes
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, run_cli
 
@@ -82,7 +83,7 @@ def test_the_conversation_shapes_are_the_documented_ones():
             "assistant: odd",
         ],
     )
-    tools = [tito_audit.CALCULATOR]
+    tools = [tito_shapes.CALCULATOR]
     shapes = conversation_shapes()
     assert {name: ([line(m) for m in messages], t) for name, (messages, t) in shapes.items()} == {
         "single-turn": (parity[:2], None),
@@ -303,7 +304,7 @@ def test_the_special_finding_points_at_the_dropped_special_token():
         assert f.where.startswith("decode of turn ")
 
 
-_user, _assistant = tito_audit._user, tito_audit._assistant
+_user, _assistant = tito_shapes.user_message, tito_shapes.assistant_message
 
 
 def _generation_prompt_followed_by(tok, text):
@@ -330,7 +331,7 @@ def test_the_builder_renders_each_step_with_the_shapes_tools(monkeypatch):
     monkeypatch.setattr(tito_builders, "render", spy)
     audit(TOKENIZERS / "tito-clean", ["tool-result-with-tools", "multi-turn"], kwargs={"enable_thinking": False})
     steps = [(1, True), (1, True), (2, False), (3, True), (2, False), (3, True), (3, True), (4, False), (4, False)]
-    tools, kw = [tito_audit.CALCULATOR], {"enable_thinking": False}
+    tools, kw = [tito_shapes.CALCULATOR], {"enable_thinking": False}
     assert calls == [(1, None, True, kw), (1, None, False, kw)] + [(n, tools, g, kw) for n, g in steps] + [
         (n, None, g, kw) for n, g in steps
     ]
@@ -414,7 +415,7 @@ def test_the_special_finding_is_special_even_where_classify_would_say_otherwise(
 
 def test_the_special_finding_points_past_text_sampled_before_the_dropped_token():
     tok = load_tokenizer(TOKENIZERS / "tito-special")
-    messages = [_user("Is 3 plus 4 odd?"), _assistant("Let me see.", tool_calls=[tito_audit._call("3+4")])]
+    messages = [_user("Is 3 plus 4 odd?"), _assistant("Let me see.", tool_calls=[tito_shapes.calculator_call("3+4")])]
     [f] = audit_shape(tok, "s", messages, None)
     assert f.where == "decode of turn 1" and f.expected[0] == 316 and f.context_text == "ee."
     assert f.got_text.startswith("calc") and f.expected_text.startswith("<tool_call>cal")

@@ -9,7 +9,7 @@ import pytest
 from jinja2 import TemplateError
 
 from rlbench.checks.tito import render
-from rlbench.checks.tito_audit import conversation_shapes
+from rlbench.checks.tito_shapes import conversation_shapes
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO
 

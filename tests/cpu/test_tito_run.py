@@ -276,7 +276,7 @@ def _clean_row(tools=None, **extra):
 def test_jsonl_rows_render_with_their_tools_and_without_none_valued_keys(tmp_path):
     """`tools` is read (a row rendered with tools is not drift), and `content: None` is no key, as transformers
     gives it to the template, not the text "None"."""
-    from rlbench.checks.tito_audit import CALCULATOR
+    from rlbench.checks.tito_shapes import CALCULATOR
 
     row, _ = _clean_row(tools=[CALCULATOR])
     report = check_run(_jsonl(tmp_path, [row]), TITO_CLEAN)

@@ -220,7 +220,7 @@ def corpus() -> list[str]:
     """The texts the tokenizers are trained on: the conversations rlbench's audit and Miles' mock trajectories play."""
     from miles_tito_tokenizers.testing import mock_trajectories
 
-    from rlbench.checks.tito_audit import conversation_shapes
+    from rlbench.checks.tito_shapes import conversation_shapes
 
     lines = []
     for messages, _ in conversation_shapes().values():

@@ -55,7 +55,7 @@ def test_an_original_template_fails_where_miles_fails_and_where_rlbench_says_mor
 
 
 def _shapes():
-    from rlbench.checks.tito_audit import conversation_shapes
+    from rlbench.checks.tito_shapes import conversation_shapes
 
     return list(conversation_shapes())
 
