@@ -33,7 +33,8 @@ from rlbench.checks.golden_tolerance import (  # noqa: F401 - re-exported: golde
     read_tolerance,
 )
 from rlbench.errors import BadInput
-from rlbench.rundir.directory import RunDir, atomic_write
+from rlbench.rundir.directory import RunDir
+from rlbench.rundir.writes import atomic_write
 
 
 def _now() -> str:

@@ -5,5 +5,6 @@ resume.py   cut a killed run back to its committed steps and continue it
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
 slime.py    import slime's debug rollout dumps (torch.load with weights_only=True)
+slime_sample.py  one sample of such a dump, field by field (used, kept or refused by name)
 pickled.py  what a refused dump's pickle names, read from its opcodes, none run
 """

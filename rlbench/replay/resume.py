@@ -19,7 +19,8 @@ from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
 from rlbench.replay.replay import source_config
-from rlbench.rundir.directory import atomic_write, foreign_entries, read_run, step_name
+from rlbench.rundir.directory import foreign_entries, read_run, step_name
+from rlbench.rundir.writes import atomic_write
 from rlbench.rundir.lock import RunLock
 
 

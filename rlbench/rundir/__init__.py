@@ -1,6 +1,7 @@
 """The run directory's storage, used by the loop on every step and by every reader.
 
-directory.py   the run directory: atomic writes, the step commit, validated reading
+directory.py   the run directory: the step commit, checkpoints, validated reading
+writes.py      atomic file writes, fsynced appends, the one ordered background writer
 recording.py   a step's samples as flat safetensors tensors and per-sample JSON, self-verifying
 digest.py      checksums of named tensors (name, dtype, shape, bytes), computed on their device: wordsum/1
 algorithm.py   the schema's and the checksum algorithm's names, and the refusal of a directory or recording

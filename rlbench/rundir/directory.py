@@ -17,7 +17,7 @@ atomically: made whole (lock, logs, manifest) in a sibling temporary directory a
 so a kill leaves either no run directory or a complete one. Nothing is written through a link: files
 are opened with O_NOFOLLOW, and resume refuses a directory holding links or entries it did not make.
 
-The bytes are made on the caller's thread; the writes and fsyncs run in order on one background
+The bytes are made on the caller's thread; the writes and fsyncs run in order on one background (writes.py)
 thread, so the disk's latency overlaps the next step's compute instead of adding to it (an fsync
 costs ~4 ms here, six of them were a fifth of a step). Order is what makes the commit protocol
 hold, and one thread keeps it: a crash loses at most the steps still queued, never committed ones.
@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shutil
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +38,7 @@ from rlbench.rundir.algorithm import CHECKSUM, SCHEMA, older_checksums
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.jsonio import parse_json, read_bytes, read_json
 from rlbench.rundir.lock import NAME as LOCK_NAME, RunLock
+from rlbench.rundir.writes import fsync_dir, write_new, atomic_write, append_line, OrderedWriter
 
 if TYPE_CHECKING:  # readers (check golden, diff's first pass) need no torch
     import torch
@@ -70,51 +68,6 @@ CHECKSUM_KEYS = (
 )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_new(path: Path, data: bytes | memoryview) -> None:
-    """Write a whole file, never through a link: a link at `path` is removed, not followed."""
-    if path.is_symlink():
-        path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def atomic_write(path: Path, data: bytes, sync_dir: bool = True) -> None:
-    """Write `data` to `path` via a temporary file, fsync, rename: readers see old or new, never half.
-    With sync_dir=False the caller fsyncs the directory once for several files."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    _write_new(tmp, data)
-    if path.parent.name == "rollouts":
-        hit("rollout.tmp_written")
-    os.replace(tmp, path)
-    if sync_dir:
-        _fsync_dir(path.parent)
-
-
-def append_line(path: Path, obj: dict) -> None:
-    line = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link is an error, not followed
-    with os.fdopen(fd, "ab") as fh:
-        if path.name == "metrics.jsonl":
-            fh.write(line[: len(line) // 2])
-            fh.flush()
-            hit("metrics.half_written")
-            line = line[len(line) // 2 :]
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def step_name(step: int) -> str:
     return f"{step:06d}"
 
@@ -141,52 +94,6 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
             )
         rows.append(row)
     return rows, notes
-
-
-class OrderedWriter:
-    """Runs write jobs one at a time, in submission order, on a background thread.
-
-    A failed job stops the queue; its exception is raised in the caller at the next submit or
-    flush, so a full disk stops the run instead of passing silently.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="rlbench-writer", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is not None and self._error is None:
-                    job()
-            except BaseException as exc:  # handed to the caller's thread, re-raised there
-                self._error = exc
-            finally:
-                self._jobs.task_done()
-            if job is None:
-                return
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._raise()
-        self._jobs.put(job)
-
-    def flush(self) -> None:
-        """Wait until every submitted job has run; raise the first failure."""
-        self._jobs.join()
-        self._raise()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-        self._raise()
 
 
 class RunWriter:
@@ -227,7 +134,7 @@ class RunWriter:
             (tmp / "rollouts").mkdir()
             (tmp / "checkpoints").mkdir()
             for log in ("checksums.jsonl", "metrics.jsonl"):
-                _write_new(tmp / log, b"")
+                write_new(tmp / log, b"")
             atomic_write(tmp / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
             hit("claim.made")
             try:
@@ -241,7 +148,7 @@ class RunWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         lock.moved(root)
-        _fsync_dir(root.parent)
+        fsync_dir(root.parent)
         return lock
 
     def _refuse_taken(self, manifest: dict) -> None:
@@ -287,7 +194,7 @@ class RunWriter:
             for name, data in files.items():
                 atomic_write(self.root / "rollouts" / name, data, sync_dir=False)
             if files:
-                _fsync_dir(self.root / "rollouts")
+                fsync_dir(self.root / "rollouts")
                 hit("rollout.renamed")
             append_line(self.root / "checksums.jsonl", checksum_line)
             hit("checksums.appended")
@@ -310,14 +217,14 @@ class RunWriter:
         tmp.mkdir()
         for name, data in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # per-rank subdirectories
-            _write_new(tmp / name, data)
+            write_new(tmp / name, data)
             hit("checkpoint.partial")
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         hit("checkpoint.tmp_complete")
         if final.exists():  # only after a crash between rename and commit: the same step is rewritten
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         hit("checkpoint.renamed")
 
     def has_checkpoint(self, steps_done: int) -> bool:

@@ -17,7 +17,8 @@ from rlbench.errors import BadInput
 from rlbench.rundir import recording
 from rlbench.rundir.digest import weights_digest
 from rlbench.rundir.algorithm import CHECKSUM
-from rlbench.rundir.directory import SCHEMA, RunWriter, atomic_write, read_run
+from rlbench.rundir.directory import SCHEMA, RunWriter, read_run
+from rlbench.rundir.writes import atomic_write
 
 PROPERTY = settings(max_examples=50, deadline=None, database=None)  # hermetic: no .hypothesis/
 MANIFEST = {

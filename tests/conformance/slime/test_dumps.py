@@ -23,7 +23,7 @@ import torch
 
 from rlbench.checks.logprobs import check_logprobs
 from rlbench.checks.tito_run import check_run
-from rlbench.replay.slime import FIELDS
+from rlbench.replay.slime_sample import FIELDS
 from rlbench.rundir.recording import read_step
 from tests.conftest import REPO, run_cli
 
