@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
+
+if TYPE_CHECKING:  # annotations only: the SGLang wire and the CLI import this module without torch
+    import torch
 
 # The recording's tensors that hold token ids (recording.py names the layout).
 ID_TENSORS = ("tokens", "top_p_ids")
