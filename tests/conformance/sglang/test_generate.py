@@ -272,7 +272,8 @@ def test_stream(server):
     lines = [line for line in response.iter_lines() if line]
     assert response.headers["content-type"].startswith("text/event-stream") and lines[-1] == b"data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
-    assert all(line.startswith(b"data: ") for line in lines) and len(chunks) >= 2
+    # how many chunks depends on when the streamer wakes (a late one finds every token there): not on the answer
+    assert all(line.startswith(b"data: ") for line in lines) and len(chunks) >= 1
     assert chunks[-1]["output_ids"] == whole["output_ids"]
     assert [x[1] for x in _meta(chunks[-1])["output_token_logprobs"]] == whole["output_ids"]
     assert all(_meta(c)["finish_reason"] is None for c in chunks[:-1])
@@ -444,7 +445,10 @@ def test_incremental_streaming_output(server):
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: {")]
     finally:
         state.config = config
-    assert len(chunks) == 5 and all(len(c["output_ids"]) <= 2 for c in chunks)
+    # A chunk goes out once stream_interval new tokens are there: a streamer that wakes late (a busy machine) finds
+    # more and sends them together, so the count of chunks depends on timing; what they carry does not.
+    sizes = [len(c["output_ids"]) for c in chunks]
+    assert 1 <= len(chunks) <= 5 and all(size >= 2 for size in sizes[:-1]) and sizes[-1] >= 1, sizes
     assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert [x for c in chunks for x in _meta(c)["output_token_logprobs"]] == _meta(whole)["output_token_logprobs"]

@@ -104,7 +104,8 @@ def test_simple_decode_stream(server, return_logprob):
     chunks = [
         json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ") and line[6:] != b"[DONE]"
     ]
-    assert len(chunks) > 1 and [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    # the chunks' count depends on when the streamer wakes; what they carry, concatenated, does not
+    assert len(chunks) >= 1 and [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
     if return_logprob:
         assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == whole["meta_info"][
             "output_token_logprobs"
