@@ -24,6 +24,21 @@ from rlbench.config import RunConfig, load_config  # noqa: E402
 settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 REPO = Path(__file__).resolve().parents[1]
+# Miles' miles/ package (a real slime Sample and http_utils), unpacked by tests/get_miles.py (the README's test
+# command runs it): never installed, since its wheel also ships sglang/ and megatron/core trees.
+MILES = REPO / ".vendor" / "miles-rl-0.0.2"
+
+
+@pytest.fixture
+def miles(monkeypatch):
+    """Miles' package on this process's path (and its children's, through PYTHONPATH); a missing one fails with the
+    command that fetches it."""
+    if not (MILES / "miles" / "utils" / "types.py").is_file():
+        pytest.fail(f"Miles' miles/ package is not in {MILES}: run `python tests/get_miles.py` (the README's set-up)")
+    monkeypatch.syspath_prepend(str(MILES))
+    paths = [str(MILES), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    return MILES
 
 
 def word_level_tokenizer():

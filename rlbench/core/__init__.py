@@ -12,6 +12,7 @@ tensor_file.py   safetensors files made in one copy from where the tensors live
 algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
 reward.py        verifiers (parity, exact_match) and the --custom-rm-path contract
 generate.py      the custom generate function contract (multi-turn, agentic): Trajectory, GenerateEnv
+slime_contract.py  slime's plugin contract: its generate and reward functions loaded, checked, called as slime does
 plugins.py       load a function by dotted path
 metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
 vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer

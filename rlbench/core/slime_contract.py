@@ -1,0 +1,174 @@
+"""slime's rollout plugin contract, as slime calls it (THUDM/slime 624b824a: slime/rollout/sglang_rollout.py
+`generate_and_rm`, `GenerateState`; slime/rollout/rm_hub/__init__.py; tests/plugin_contracts/): a user's custom
+generate function and custom reward function, loaded by dotted path, checked the way slime's contract tests
+check them, and called exactly as slime's `generate_and_rm` calls them, on a real `Sample` of the installed slime
+(else of Miles, its fork with the same contract).
+
+- generate: `async def generate(args, sample, sampling_params[, evaluation=False]) -> Sample | list[Sample]`; its
+  first three parameters named so (test_plugin_generate_contracts.py `_assert_generate_signature`), awaited, with
+  `evaluation=` passed only when a parameter of that name is declared (`**kwargs` does not count); a sample's own
+  `generate_function_path` wins over the run's.
+- reward: `async def rm(args, sample) -> float`, or under `--group-rm` `rm(args, samples) -> list[float]`
+  (test_plugin_path_loading_contracts.py: parameters starting so); skipped for a sample whose generate function
+  set `reward`; a returned list is scored in one batched call, and not at all when one of its samples is aborted.
+- sampling_params: slime's dict (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
+  skip_special_tokens, `no_stop_trim`, `spaces_between_special_tokens`; `custom_params` asking for the top-p
+  nucleus when top_p < 1), a copy per sample, and under deterministic inference `sampling_seed = rollout_seed +
+  the sample's index in its group`.
+
+Miles (miles-rl 0.0.2) calls a function of this shape the same way (miles/rollout/inference_rollout/
+compatibility.py `LegacyGenerateFnAdapter`: a function of three or more parameters whose first is not `input`);
+its own newer shape, `generate(input: GenerateFnInput) -> GenerateFnOutput`, is refused here by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rlbench.core.plugins import load_function
+from rlbench.errors import BadInput
+
+GENERATE_FIELD = "rollout.custom_generate_function_path"
+REWARD_FIELD = "reward.custom_rm_path"
+GENERATE_PARAMS = ("args", "sample", "sampling_params")  # test_plugin_generate_contracts.py
+SOURCES = ("slime.utils.types", "miles.utils.types")  # the installed slime first, else Miles
+
+
+def sample_class() -> type:
+    """The `Sample` class plugins are handed: slime's where slime is importable, else Miles'."""
+    import importlib
+
+    for name in SOURCES:
+        try:
+            return importlib.import_module(name).Sample
+        except ImportError:
+            continue
+    raise BadInput(
+        "a slime plugin needs slime's Sample class, and neither slime nor Miles is importable here: install slime "
+        "from its source (pip install -e <slime checkout> --no-deps), or put Miles' miles/ package on the path "
+        "(python tests/get_miles.py unpacks it from the miles-rl wheel without installing the wheel)",
+        field=GENERATE_FIELD,
+    )
+
+
+def _names(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def load_generate(path: str) -> Callable:
+    """The custom generate function at `path`, held to slime's contract (BadInput naming the rule otherwise)."""
+    fn = load_function(path, GENERATE_FIELD)
+    names = _names(fn)
+    if names[:1] == ["input"]:
+        raise BadInput(
+            f"{path} takes Miles' GenerateFnInput (generate(input)); slime's contract is "
+            "generate(args, sample, sampling_params), which Miles also calls",
+            field=GENERATE_FIELD,
+        )
+    if tuple(names[:3]) != GENERATE_PARAMS:
+        raise BadInput(
+            f"{path}'s parameters are ({', '.join(names)}): slime's contract starts them (args, sample, "
+            "sampling_params) (tests/plugin_contracts/test_plugin_generate_contracts.py)",
+            field=GENERATE_FIELD,
+        )
+    if not inspect.iscoroutinefunction(fn):
+        raise BadInput(
+            f"{path} is not an async function: slime awaits it (await fn(args, sample, sampling_params), "
+            "slime/rollout/sglang_rollout.py generate_and_rm)",
+            field=GENERATE_FIELD,
+        )
+    return fn
+
+
+def load_reward(path: str, group: bool) -> Callable:
+    """The custom reward function at `path`: `rm(args, sample)`, or `rm(args, samples)` under `--group-rm`."""
+    fn = load_function(path, REWARD_FIELD)
+    names, expected = _names(fn), ("args", "samples" if group else "sample")
+    if tuple(names[:2]) != expected:
+        mode = "with --group-rm" if group else "without --group-rm"
+        raise BadInput(
+            f"{path}'s parameters are ({', '.join(names)}): {mode} slime's contract starts them "
+            f"({', '.join(expected)}) (tests/plugin_contracts/test_plugin_path_loading_contracts.py)",
+            field=REWARD_FIELD,
+        )
+    if not inspect.iscoroutinefunction(fn):
+        raise BadInput(
+            f"{path} is not an async function: slime awaits it (slime/rollout/rm_hub/__init__.py async_rm)",
+            field=REWARD_FIELD,
+        )
+    return fn
+
+
+def sampling_params(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_new_tokens: int,
+    stop: list[str] | None,
+    stop_token_ids: list[int] | None,
+    skip_special_tokens: bool,
+) -> dict[str, Any]:
+    """slime's base sampling_params (GenerateState.__init__), from the run's rollout settings."""
+    params = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+        "stop": stop,
+        "stop_token_ids": stop_token_ids,
+        "skip_special_tokens": skip_special_tokens,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    if top_p != 1.0:
+        params["custom_params"] = {"return_top_p_token_ids": True}
+    return params
+
+
+def group_params(base: dict[str, Any], group_size: int, rollout_seed: int, deterministic: bool) -> list[dict]:
+    """Each sample's own copy of `base` in a group of `group_size` (generate_and_rm_group): under deterministic
+    inference with `sampling_seed = rollout_seed + its index in the group`, as slime sets it."""
+    return [{**base, **({"sampling_seed": rollout_seed + i} if deterministic else {})} for i in range(group_size)]
+
+
+async def call_generate(fn: Callable, args: Any, sample: Any, params: dict, evaluation: bool = False):
+    """One call of a custom generate function as slime makes it: `evaluation=` only when the function declares
+    a parameter of that name."""
+    if "evaluation" in inspect.signature(fn).parameters:
+        return await fn(args, sample, params, evaluation=evaluation)
+    return await fn(args, sample, params)
+
+
+async def generate_and_rm(
+    args: Any,
+    sample: Any,
+    params: dict,
+    generate: Callable,
+    reward: Callable | None,
+    group_rm: bool,
+    evaluation: bool = False,
+    load: Callable[[str], Callable] = load_generate,
+):
+    """slime's `generate_and_rm` for one sample: generate (the sample's own `generate_function_path` first, else
+    `generate`), then the reward unless the function set it, the sample was aborted, or `group_rm` defers it
+    to the group; a returned list is scored in one batched call of `reward`, not at all when one of its samples
+    is aborted. `reward`: None where no reward plugin is named (the caller scores the samples itself)."""
+    status = type(sample).Status
+    if sample.status in (status.COMPLETED, status.TRUNCATED):
+        return sample  # slime asserts a response (and a reward without --group-rm) and generates nothing
+    own = getattr(sample, "generate_function_path", None)
+    result = await call_generate(load(own) if own else generate, args, sample, params, evaluation)
+    if group_rm or reward is None:
+        return result
+    if isinstance(result, list):
+        if any(s.status == status.ABORTED for s in result):
+            return result
+        need = [s for s in result if s.reward is None]  # batched_async_rm: called even when `need` is empty
+        for s, value in zip(need, await reward(args, need)):
+            s.reward = value
+        return result
+    if result.status != status.ABORTED and result.reward is None:
+        result.reward = await reward(args, result)
+    return result

@@ -1,0 +1,125 @@
+"""slime's plugin contract (rlbench/core/slime_contract.py) on a real Sample (Miles', miles-rl 0.0.2): each rule
+held by a test naming where slime states it (THUDM/slime 624b824a)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from rlbench.core import slime_contract as sc
+from rlbench.errors import BadInput
+from tests.slime_plugins import contract_cases as cases
+
+CASES = "tests.slime_plugins.contract_cases"
+
+
+@pytest.fixture
+def Sample(miles):
+    cases.CALLS.clear()
+    return sc.sample_class()
+
+
+def _run(sample, generate, reward=None, group_rm=False, evaluation=False, params=None):
+    fn = sc.load_generate(f"{CASES}.{generate}")
+    rm = None if reward is None else sc.load_reward(f"{CASES}.{reward}", group_rm)
+    return asyncio.run(sc.generate_and_rm(None, sample, params or {}, fn, rm, group_rm, evaluation))
+
+
+def test_the_sample_is_miles_where_slime_is_absent(Sample):
+    assert Sample.__module__ == "miles.utils.types" and Sample.Status.ABORTED.value == "aborted"
+
+
+def test_without_slime_or_miles_one_line_says_what_to_install(monkeypatch):
+    for name in sc.SOURCES:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    with pytest.raises(BadInput, match="neither slime nor Miles is importable here: install slime"):
+        sc.sample_class()
+
+
+@pytest.mark.parametrize(
+    "name, rule",
+    [
+        ("not_async", "is not an async function: slime awaits it"),
+        ("wrong_names", r"parameters are \(args, prompt, params\): slime's contract starts them \(args, sample, "),
+        ("miles_style", "takes Miles' GenerateFnInput"),
+    ],
+)
+def test_a_generate_function_off_the_contract_is_refused_by_rule(Sample, name, rule):
+    """test_plugin_generate_contracts.py `_assert_generate_signature`: the first three parameters are (args, sample,
+    sampling_params); sglang_rollout.py generate_and_rm awaits the function."""
+    with pytest.raises(BadInput, match=rule) as err:
+        sc.load_generate(f"{CASES}.{name}")
+    assert err.value.field == sc.GENERATE_FIELD
+
+
+def test_reward_functions_by_mode(Sample):
+    """test_plugin_path_loading_contracts.py `test_custom_rm_path_aligns_with_expected_format`: (args, sample), or
+    (args, samples) with --group-rm; rm_hub awaits them."""
+    sc.load_reward(f"{CASES}.reward", group=False)
+    sc.load_reward(f"{CASES}.group_reward", group=True)
+    with pytest.raises(BadInput, match=r"with --group-rm slime's contract starts them \(args, samples\)"):
+        sc.load_reward(f"{CASES}.reward", group=True)
+    with pytest.raises(BadInput, match="is not an async function"):
+        sc.load_reward(f"{CASES}.sync_reward", group=False)
+
+
+def test_evaluation_is_passed_only_to_a_parameter_of_that_name(Sample):
+    """sglang_rollout.py generate_and_rm: `if "evaluation" in inspect.signature(fn).parameters`."""
+    _run(Sample(index=1), "generate_with_evaluation", evaluation=True)
+    _run(Sample(index=2), "generate_with_kwargs", evaluation=True)
+    assert cases.CALLS == [("generate_with_evaluation", 1, True), ("generate_with_kwargs", 2, {})]
+
+
+def test_a_samples_own_generate_function_wins(Sample):
+    """test_generate_and_rm_prefers_per_sample_generate_function."""
+    sample = Sample(index=3, generate_function_path=f"{CASES}.generate_with_evaluation")
+    _run(sample, "generate")
+    assert [c[0] for c in cases.CALLS] == ["generate_with_evaluation"]
+
+
+def test_rewards_as_slime_gives_them(Sample):
+    """generate_and_rm: the reward function for a sample without one; skipped where the generate function set it or
+    aborted the sample; --group-rm leaves it to the group."""
+    assert _run(Sample(index=4), "generate", "reward").reward == 0.5
+    assert _run(Sample(index=5), "generate_sets_reward", "reward").reward == 0.25
+    assert _run(Sample(index=6), "aborts", "reward").reward is None
+    assert _run(Sample(index=7), "generate", "group_reward", group_rm=True).reward is None
+    assert cases.CALLS[-1][0] == "generate" and ("reward", 4) in cases.CALLS and ("reward", 5) not in cases.CALLS
+
+
+def test_a_fan_out_is_scored_in_one_batched_call_unless_one_is_aborted(Sample):
+    """generate_and_rm's list branch: `batched_async_rm` over the samples without a reward (custom_rm_path: one call
+    with the list); any aborted sample: the list comes back unscored."""
+    out = _run(Sample(index=8), "fan_out", "reward")
+    assert [s.reward for s in out] == [1.0, 0.5] and cases.CALLS == [("reward", [8])]
+    out = _run(Sample(index=9), "fan_out_one_aborted", "reward")
+    assert [s.reward for s in out] == [None, None] and cases.CALLS == [("reward", [8])]
+
+
+def test_a_finished_sample_is_not_generated_again(Sample):
+    sample = Sample(index=10, response="even", reward=1.0, status=Sample.Status.COMPLETED)
+    assert _run(sample, "generate", "reward") is sample and cases.CALLS == []
+
+
+def test_sampling_params_as_generate_state_builds_them():
+    """GenerateState.__init__ and generate_and_rm_group: slime's keys, the nucleus asked for when top_p < 1, a copy
+    per sample, `sampling_seed = rollout_seed + index in group` under deterministic inference."""
+    base = sc.sampling_params(0.8, 0.9, -1, 16, None, [2], False)
+    assert base == {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_new_tokens": 16,
+        "stop": None,
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+        "custom_params": {"return_top_p_token_ids": True},
+    }
+    assert "custom_params" not in sc.sampling_params(1.0, 1.0, -1, 16, None, None, False)
+    group = sc.group_params(base, 3, 42, deterministic=True)
+    assert [p["sampling_seed"] for p in group] == [42, 43, 44] and group[0] is not group[1]
+    assert all("sampling_seed" not in p for p in sc.group_params(base, 3, 42, deterministic=False))
