@@ -172,3 +172,64 @@ async def generate_and_rm(
     if result.status != status.ABORTED and result.reward is None:
         result.reward = await reward(args, result)
     return result
+
+
+def plugin_args(config, router_ip: str, router_port: int, engines: int, rollout_seed: int, group_rm: bool = False):
+    """slime's argument namespace as a plugin reads it (every `args.X` slime/rollout/sglang_rollout.py,
+    rm_hub/__init__.py, utils/http_utils.py and slime's example generate functions read at 624b824a), valued from
+    the run's config `config` (a RunConfig) where rlbench holds the setting, else at slime's parser's default; the
+    engine's router at `router_ip:router_port` serving `engines` engines of one GPU each."""
+    from argparse import Namespace
+
+    rollout, data = config.rollout, config.data
+    return Namespace(
+        # the model and the data (slime/utils/arguments.py)
+        hf_checkpoint=config.model.path,
+        seed=config.seed,
+        rollout_batch_size=data.prompts_per_step,
+        over_sampling_batch_size=data.prompts_per_step,  # slime sets it to rollout_batch_size when absent
+        n_samples_per_prompt=rollout.n_samples_per_prompt,
+        apply_chat_template=data.apply_chat_template,
+        apply_chat_template_kwargs=dict(data.chat_template_kwargs),
+        rollout_global_dataset=True,
+        multimodal_keys=None,
+        # sampling (GenerateState's sampling_params)
+        rollout_temperature=rollout.temperature,
+        rollout_top_p=rollout.top_p,
+        rollout_top_k=rollout.top_k,
+        rollout_max_response_len=rollout.max_new_tokens,
+        rollout_max_context_len=None,
+        rollout_stop=None,
+        rollout_stop_token_ids=list(rollout.stop_token_ids) or None,
+        rollout_skip_special_tokens=False,
+        rollout_seed=rollout_seed,
+        sglang_enable_deterministic_inference=True,  # rlbench's runs are: each request's tokens fixed by its seed
+        # plugins and rewards
+        custom_generate_function_path=rollout.custom_generate_function_path,
+        custom_rm_path=config.reward.custom_rm_path,
+        group_rm=group_rm,
+        rm_type=None,
+        rm_url=None,
+        reward_key=None,
+        eval_reward_key=None,
+        rollout_sample_hook_path=[],
+        dynamic_sampling_filter_path=None,
+        rollout_sample_filter_path=None,
+        rollout_all_samples_process_path=None,
+        partial_rollout=False,
+        mask_offpolicy_in_partial_rollout=False,
+        use_rollout_routing_replay=False,
+        max_tokens_per_gpu=None,
+        eval_datasets=[],
+        ci_test=False,
+        # where the engine is (slime/backends/sglang_utils/arguments.py; http_utils.init_http_client)
+        sglang_router_ip=router_ip,
+        sglang_router_port=router_port,
+        sglang_server_concurrency=512,
+        sglang_dp_size=1,
+        rollout_num_engines=engines,
+        rollout_num_gpus=engines,
+        rollout_num_gpus_per_engine=1,
+        num_gpus_per_node=8,
+        use_distributed_post=False,
+    )

@@ -123,3 +123,42 @@ def test_sampling_params_as_generate_state_builds_them():
     group = sc.group_params(base, 3, 42, deterministic=True)
     assert [p["sampling_seed"] for p in group] == [42, 43, 44] and group[0] is not group[1]
     assert all("sampling_seed" not in p for p in sc.group_params(base, 3, 42, deterministic=False))
+
+
+# Every args.X slime's rollout code, rm_hub, http_utils and its example generate functions read (624b824a).
+READ_BY_SLIME = """hf_checkpoint rollout_temperature rollout_top_p rollout_top_k rollout_max_context_len
+rollout_max_response_len rollout_skip_special_tokens rollout_stop rollout_stop_token_ids rollout_seed
+over_sampling_batch_size dynamic_sampling_filter_path partial_rollout mask_offpolicy_in_partial_rollout
+custom_generate_function_path rollout_sample_hook_path rollout_global_dataset apply_chat_template
+apply_chat_template_kwargs multimodal_keys rollout_batch_size n_samples_per_prompt max_tokens_per_gpu
+use_rollout_routing_replay use_distributed_post rm_type reward_key eval_reward_key group_rm rm_url custom_rm_path
+rollout_sample_filter_path rollout_all_samples_process_path ci_test rollout_num_gpus rollout_num_gpus_per_engine
+num_gpus_per_node rollout_num_engines sglang_router_ip sglang_router_port sglang_server_concurrency sglang_dp_size
+sglang_enable_deterministic_inference eval_datasets""".split()
+
+
+def test_the_plugin_args_hold_every_field_slime_reads_valued_from_the_run():
+    from rlbench.config import load_config
+
+    config = load_config(
+        rollout__temperature=0.7, rollout__top_p=0.9, rollout__max_new_tokens=12, rollout__stop_token_ids=(5,)
+    )
+    args = sc.plugin_args(config, "127.0.0.1", 30000, engines=2, rollout_seed=42)
+    assert [name for name in READ_BY_SLIME if not hasattr(args, name)] == []
+    assert (args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len) == (0.7, 0.9, 12)
+    assert args.rollout_stop_token_ids == [5] and args.hf_checkpoint == config.model.path
+    assert (args.rollout_batch_size, args.n_samples_per_prompt) == (
+        config.data.prompts_per_step,
+        config.rollout.n_samples_per_prompt,
+    )
+    assert (args.sglang_router_ip, args.sglang_router_port, args.rollout_num_engines) == ("127.0.0.1", 30000, 2)
+    base = sc.sampling_params(
+        args.rollout_temperature,
+        args.rollout_top_p,
+        args.rollout_top_k,
+        args.rollout_max_response_len,
+        args.rollout_stop,
+        args.rollout_stop_token_ids,
+        args.rollout_skip_special_tokens,
+    )
+    assert base["max_new_tokens"] == 12 and base["custom_params"] == {"return_top_p_token_ids": True}
