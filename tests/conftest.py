@@ -180,8 +180,14 @@ def record_sweep(**counts: int) -> None:
 
 
 def pytest_configure(config):
+    import signal
     import tempfile
 
+    # A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so would
+    # every process the tests start: the tests that press Ctrl-C on a run or a server would see nothing happen. A
+    # handler here is reset to the default in each child at exec, as in a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) owns the directory
         os.environ["RLBENCH_SWEEP_DIR"] = tempfile.mkdtemp(prefix="rlbench-sweep-")
 
