@@ -16,6 +16,9 @@ check them, and called exactly as slime's `generate_and_rm` calls them, on a rea
   nucleus when top_p < 1), a copy per sample, and under deterministic inference `sampling_seed = rollout_seed +
   the sample's index in its group`.
 
+- what comes back: a Sample or a list of them, each held to what slime trains (`returned`: lengths aligned with
+  response_length, trainable tokens with their log-probs, a real Status), in slime's own words where it has them.
+
 Miles (miles-rl 0.0.2) calls a function of this shape the same way (miles/rollout/inference_rollout/
 compatibility.py `LegacyGenerateFnAdapter`: a function of three or more parameters whose first is not `input`);
 its own newer shape, `generate(input: GenerateFnInput) -> GenerateFnOutput`, is refused here by name.
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlbench.core.plugins import load_function
+from rlbench.core.vocab import valid_id
 from rlbench.errors import BadInput
 
 GENERATE_FIELD = "rollout.custom_generate_function_path"
@@ -233,3 +237,43 @@ def plugin_args(config, router_ip: str, router_port: int, engines: int, rollout_
         num_gpus_per_node=8,
         use_distributed_post=False,
     )
+
+
+def returned(result: Any, sample_cls: type, path: str, vocab: int) -> list:
+    """What a custom generate function returned, as a list of samples, each held to what slime's training reads
+    (BadInput naming `path`, the sample and the rule, in slime's own words where slime has them: Sample's
+    `_validate_response_metadata_lengths` and `append_response_tokens`)."""
+    samples = result if isinstance(result, list) else [result]
+    if not samples or not all(isinstance(s, sample_cls) for s in samples):
+        got = type(result).__name__ if not isinstance(result, list) else f"a list of {len(samples)} holding others"
+        raise BadInput(
+            f"{path} returned {got}, expected a Sample or a list of Samples (slime/rollout/sglang_rollout.py "
+            "generate_and_rm)",
+            field=GENERATE_FIELD,
+        )
+    for i, s in enumerate(samples):
+        where = f"{path}: sample {i}" if len(samples) > 1 else path
+        if not isinstance(s.status, sample_cls.Status):
+            raise BadInput(f"{where}: status is {s.status!r}, expected a Sample.Status", field=GENERATE_FIELD)
+        tokens, length = s.tokens, s.response_length
+        if not isinstance(tokens, list) or not all(valid_id(t, vocab) for t in tokens):
+            raise BadInput(f"{where}: tokens: expected a list of ids in [0, {vocab})", field=GENERATE_FIELD)
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= len(tokens):
+            raise BadInput(
+                f"{where}: response_length {length!r}: expected 0..{len(tokens)} (len(tokens))", field=GENERATE_FIELD
+            )
+        mask = [1] * length if s.loss_mask is None else s.loss_mask
+        if len(mask) != length:
+            raise BadInput(f"{where}: loss_mask length {len(mask)} != response_length {length}", field=GENERATE_FIELD)
+        if any(m not in (0, 1) for m in mask):
+            raise BadInput(f"{where}: loss_mask: expected 0s and 1s", field=GENERATE_FIELD)
+        logprobs = s.rollout_log_probs
+        if logprobs is None and any(mask) and s.status != sample_cls.Status.ABORTED and not s.remove_sample:
+            raise BadInput(
+                f"{where}: trainable response tokens require rollout log probabilities.", field=GENERATE_FIELD
+            )
+        if logprobs is not None and len(logprobs) != length:
+            raise BadInput(
+                f"{where}: rollout_log_probs length {len(logprobs)} != response_length {length}", field=GENERATE_FIELD
+            )
+    return samples

@@ -162,3 +162,44 @@ def test_the_plugin_args_hold_every_field_slime_reads_valued_from_the_run():
         args.rollout_skip_special_tokens,
     )
     assert base["max_new_tokens"] == 12 and base["custom_params"] == {"return_top_p_token_ids": True}
+
+
+def _returned(Sample, result):
+    return sc.returned(result, Sample, "my.generate", vocab=100)
+
+
+def test_a_returned_sample_is_held_to_what_slime_trains(Sample):
+    """A retool-like sample (model tokens trainable with their log-probs, tool output masked 0 with 0.0) passes;
+    each break of slime's invariants is refused naming the plugin, the sample and the rule, in slime's words
+    (types.py `_validate_response_metadata_lengths`, `append_response_tokens`)."""
+    done = Sample.Status.COMPLETED
+
+    def sample(**changes):
+        fields = dict(
+            tokens=[1, 2, 3, 4, 5, 6],
+            response_length=4,
+            loss_mask=[1, 0, 0, 1],
+            rollout_log_probs=[-0.5, 0.0, 0.0, -1.25],
+            status=done,
+        )
+        return Sample(**{**fields, **changes})
+
+    good = sample()
+    assert _returned(Sample, good) == [good] and _returned(Sample, [good, sample()]) == [good, sample()]
+    assert _returned(Sample, sample(loss_mask=None, rollout_log_probs=[0.0] * 4))  # None: every token trains
+    assert _returned(Sample, sample(rollout_log_probs=None, status=Sample.Status.ABORTED))  # not trained
+    refusals = [
+        ("not a sample", "returned str, expected a Sample or a list of Samples"),
+        ([good, "x"], "returned a list of 2 holding others"),
+        (sample(rollout_log_probs=None), "trainable response tokens require rollout log probabilities."),
+        (sample(loss_mask=[1, 0]), "loss_mask length 2 != response_length 4"),
+        (sample(rollout_log_probs=[-0.5]), "rollout_log_probs length 1 != response_length 4"),
+        (sample(status="completed"), "status is 'completed', expected a Sample.Status"),
+        (sample(tokens=[1, 2, 3, 4, 5, 100]), r"tokens: expected a list of ids in \[0, 100\)"),
+        (sample(response_length=7), r"response_length 7: expected 0..6"),
+        ([good, sample(loss_mask=[1, 2, 0, 1])], "my.generate: sample 1: loss_mask: expected 0s and 1s"),
+    ]
+    for result, rule in refusals:
+        with pytest.raises(BadInput, match=rule) as err:
+            _returned(Sample, result)
+        assert err.value.field == sc.GENERATE_FIELD and "my.generate" in str(err.value)
