@@ -16,6 +16,8 @@ check them, and called exactly as slime's `generate_and_rm` calls them, on a rea
   nucleus when top_p < 1), a copy per sample, and under deterministic inference `sampling_seed = rollout_seed +
   the sample's index in its group`.
 
+- a step: every sample at once, at most slime's concurrency generating at a time (`run_groups`), the results in
+  (group, index) order whatever order they finish in; under `--group-rm` each group scored in one call.
 - what comes back: a Sample or a list of them, each held to what slime trains (`returned`: lengths aligned with
   response_length, trainable tokens with their log-probs, a real Status), in slime's own words where it has them.
 
@@ -26,6 +28,8 @@ its own newer shape, `generate(input: GenerateFnInput) -> GenerateFnOutput`, is 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -154,16 +158,19 @@ async def generate_and_rm(
     group_rm: bool,
     evaluation: bool = False,
     load: Callable[[str], Callable] = load_generate,
+    semaphore: asyncio.Semaphore | None = None,
 ):
     """slime's `generate_and_rm` for one sample: generate (the sample's own `generate_function_path` first, else
-    `generate`), then the reward unless the function set it, the sample was aborted, or `group_rm` defers it
-    to the group; a returned list is scored in one batched call of `reward`, not at all when one of its samples
-    is aborted. `reward`: None where no reward plugin is named (the caller scores the samples itself)."""
+    `generate`; holding `semaphore` meanwhile, as slime holds GenerateState's, generation only), then the reward
+    unless the function set it, the sample was aborted, or `group_rm` defers it to the group; a returned list is
+    scored in one batched call of `reward`, not at all when one of its samples is aborted. `reward`: None where no
+    reward plugin is named (the caller scores the samples itself)."""
     status = type(sample).Status
     if sample.status in (status.COMPLETED, status.TRUNCATED):
         return sample  # slime asserts a response (and a reward without --group-rm) and generates nothing
     own = getattr(sample, "generate_function_path", None)
-    result = await call_generate(load(own) if own else generate, args, sample, params, evaluation)
+    async with semaphore or contextlib.nullcontext():
+        result = await call_generate(load(own) if own else generate, args, sample, params, evaluation)
     if group_rm or reward is None:
         return result
     if isinstance(result, list):
@@ -176,6 +183,42 @@ async def generate_and_rm(
     if result.status != status.ABORTED and result.reward is None:
         result.reward = await reward(args, result)
     return result
+
+
+async def run_groups(
+    args: Any,
+    groups: list[list],
+    params: list[list[dict]],
+    generate: Callable,
+    reward: Callable | None,
+    group_rm: bool,
+    concurrency: int,
+) -> list[list]:
+    """A step's groups as slime's `generate_and_rm_group` runs them: every sample at once, at most `concurrency`
+    generating at a time, then under `group_rm` each group scored in one call. Results come back in the order the
+    groups and samples were given (asyncio.gather's), whatever order they finish in: a step's samples are ordered
+    by (group, index), never by completion. `params[g][i]`: sample i of group g's sampling_params."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def group(samples: list, group_params: list[dict]) -> list:
+        done = await asyncio.gather(
+            *(
+                generate_and_rm(args, s, p, generate, reward, group_rm, semaphore=semaphore)
+                for s, p in zip(samples, group_params)
+            )
+        )
+        if group_rm and reward is not None:
+            if any(isinstance(d, list) for d in done):  # slime would set `reward` on a list and fail there
+                raise BadInput(
+                    "a generate function that returns lists (fan-out) cannot be scored by group (--group-rm): slime's "
+                    "generate_and_rm_group sets each result's reward, and a list has none",
+                    field=GENERATE_FIELD,
+                )
+            for sample, value in zip(done, await reward(args, list(done))):
+                sample.reward = value
+        return list(done)
+
+    return list(await asyncio.gather(*(group(g, p) for g, p in zip(groups, params))))
 
 
 def plugin_args(config, router_ip: str, router_port: int, engines: int, rollout_seed: int, group_rm: bool = False):

@@ -203,3 +203,52 @@ def test_a_returned_sample_is_held_to_what_slime_trains(Sample):
         with pytest.raises(BadInput, match=rule) as err:
             _returned(Sample, result)
         assert err.value.field == sc.GENERATE_FIELD and "my.generate" in str(err.value)
+
+
+def _groups_in_order(Sample, finish_order: list[int], concurrency: int, group_rm: bool = False):
+    from types import SimpleNamespace
+
+    async def go():
+        args = SimpleNamespace(finish_order=finish_order, finished=[], gates={i: asyncio.Event() for i in range(6)})
+        args.gates[finish_order[0]].set()
+        groups = [[Sample(group_index=g, index=3 * g + i) for i in range(3)] for g in range(2)]
+        generate = sc.load_generate(f"{CASES}.finishes_in_given_order")
+        rm = sc.load_reward(f"{CASES}.group_reward" if group_rm else f"{CASES}.reward", group_rm)
+        out = await sc.run_groups(args, groups, [[{}] * 3] * 2, generate, rm, group_rm, concurrency)
+        return out, args.finished
+
+    return asyncio.run(go())
+
+
+def test_a_steps_samples_come_back_by_group_and_index_whatever_order_they_finish_in(Sample):
+    """generate_and_rm_group's asyncio.gather: the results in the order given. Completion orders are forced by
+    events (no clock): the reverse of the samples' order with every sample in flight, their own order one at a
+    time; both give the same step."""
+    reverse, one_by_one = _groups_in_order(Sample, [5, 4, 3, 2, 1, 0], 64), _groups_in_order(Sample, list(range(6)), 1)
+    assert reverse[1] == [5, 4, 3, 2, 1, 0] and one_by_one[1] == [0, 1, 2, 3, 4, 5]
+    for out, _ in (reverse, one_by_one):
+        assert [[(s.index, s.response, s.reward) for s in g] for g in out] == [
+            [(i, f"answer {i}", 0.5) for i in range(3)],
+            [(i, f"answer {i}", 0.5) for i in range(3, 6)],
+        ]
+
+
+def test_group_rm_scores_each_group_in_one_call_and_refuses_a_fan_out(Sample):
+    out, _ = _groups_in_order(Sample, list(range(6)), 2, group_rm=True)
+    assert [s.reward for g in out for s in g] == [0.75] * 6
+    assert ("group_reward", [0, 1, 2]) in cases.CALLS and ("group_reward", [3, 4, 5]) in cases.CALLS
+
+    async def fan():
+        groups = [[Sample(group_index=0, index=0)]]
+        return await sc.run_groups(
+            None,
+            groups,
+            [[{}]],
+            sc.load_generate(f"{CASES}.fan_out"),
+            sc.load_reward(f"{CASES}.group_reward", True),
+            True,
+            4,
+        )
+
+    with pytest.raises(BadInput, match="cannot be scored by group"):
+        asyncio.run(fan())

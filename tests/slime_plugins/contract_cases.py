@@ -85,3 +85,16 @@ async def group_reward(args, samples):
 
 def sync_reward(args, sample):
     return 0.0
+
+
+async def finishes_in_given_order(args, sample, sampling_params):
+    """Finishes when the sample before it in `args.finish_order` has (an event each, no clock), records that it
+    finished, and answers with its own index: a test sets an order other than the samples' own."""
+    await args.gates[sample.index].wait()
+    args.finished.append(sample.index)
+    position = args.finish_order.index(sample.index)
+    if position + 1 < len(args.finish_order):
+        args.gates[args.finish_order[position + 1]].set()
+    sample.response, sample.status = f"answer {sample.index}", type(sample).Status.COMPLETED
+    sample.tokens, sample.response_length = [sample.index], 1
+    return sample
