@@ -252,3 +252,28 @@ def test_group_rm_scores_each_group_in_one_call_and_refuses_a_fan_out(Sample):
 
     with pytest.raises(BadInput, match="cannot be scored by group"):
         asyncio.run(fan())
+
+
+def test_what_the_loaders_accept_is_what_slimes_own_contract_tests_accept(Sample):
+    """slime's tests/plugin_contracts, run on these plugins at 624b824a (tests/slime_plugins/slime_verdicts.json,
+    how in its made_by): each plugin the loaders accept passed slime's signature checks, each they refuse failed
+    them (a generate function that leaves the reward to a reward function fails slime's test only for the test's
+    stub arguments, which hold none)."""
+    import json
+    from pathlib import Path
+
+    verdicts = json.loads((Path(cases.__file__).parent / "slime_verdicts.json").read_text())
+    for name, verdict in verdicts["generate"].items():
+        try:
+            sc.load_generate(f"{CASES}.{name}")
+            accepted = True
+        except BadInput:
+            accepted = False
+        assert accepted == verdict["accepts"], (name, verdict["slime"])
+    for verdict in verdicts["reward"]:
+        try:
+            sc.load_reward(f"{CASES}.{verdict['name']}", verdict["group_rm"])
+            accepted = True
+        except BadInput:
+            accepted = False
+        assert accepted == verdict["accepts"], verdict
