@@ -97,13 +97,7 @@ class RunConfig:
             self.rollouts,
         )
         number(self.checkpoint_every, "checkpoint_every", 1, 10_000_000, integer=True)
-        number(self.threads, "threads", 1, 1024, integer=True)
-        check(
-            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-            "device",
-            "cpu, cuda or cuda:N",
-            self.device,
-        )
+        check_run_wide(self)
         if self.model.dtype == "float64":  # the CPU invariance check's precision, run where it runs
             check(
                 self.device == "cpu",
@@ -118,9 +112,6 @@ class RunConfig:
                 "embedded engine, hf)",
                 self.model.dtype,
             )
-        number(self.tp, "tp", 1, 1024, integer=True)
-        number(self.dp, "dp", 1, 1024, integer=True)
-        check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
         if self.train.backend != "megatron":
             check(
                 self.tp == self.dp == 1,
@@ -187,6 +178,21 @@ class RunConfig:
         )
 
 
+def check_run_wide(config) -> None:
+    """The run-wide settings a RunConfig and a TrainerSetup both hold: torch threads, device, layout, determinism
+    (validate.check and number: BadInput naming the first that is off)."""
+    number(config.threads, "threads", 1, 1024, integer=True)
+    check(
+        isinstance(config.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", config.device) is not None,
+        "device",
+        "cpu, cuda or cuda:N",
+        config.device,
+    )
+    number(config.tp, "tp", 1, 1024, integer=True)
+    number(config.dp, "dp", 1, 1024, integer=True)
+    check(isinstance(config.deterministic, bool), "deterministic", "true or false", config.deterministic)
+
+
 @dataclass(frozen=True)
 class TrainerSetup:
     """A trainer's own part of a run's config (torchtitan's components own their configs the same way): its
@@ -207,16 +213,7 @@ class TrainerSetup:
     threads: int = 1
 
     def __post_init__(self) -> None:
-        number(self.tp, "tp", 1, 1024, integer=True)
-        number(self.dp, "dp", 1, 1024, integer=True)
-        number(self.threads, "threads", 1, 1024, integer=True)
-        check(isinstance(self.deterministic, bool), "deterministic", "true or false", self.deterministic)
-        check(
-            isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-            "device",
-            "cpu, cuda or cuda:N",
-            self.device,
-        )
+        check_run_wide(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
