@@ -129,8 +129,7 @@ def main() -> None:
         for name in args.layouts.split(","):
             tp, dp = layout(name)
             first, second = root / f"{dtype}-{name}-a", root / f"{dtype}-{name}-b"
-            for out in (first, second):
-                run(toml, out, tp, dp, args.device, args.steps)
+            walls = [run(toml, out, tp, dp, args.device, args.steps) for out in (first, second)]
             same = (first / "checksums.jsonl").read_bytes() == (second / "checksums.jsonl").read_bytes()
             diff = subprocess.run(
                 [
@@ -161,7 +160,7 @@ def main() -> None:
                     )
             print(
                 f"  {dtype} {name} (TP={tp}, DP={dp}): two runs bit for bit: {same}; against tp1: {verdict}; "
-                f"{stages(first)}"
+                f"{stages(first)}" + (f" ({walls[0]:.0f} s, {walls[1]:.0f} s wall)" if all(walls) else "")
             )
 
 
