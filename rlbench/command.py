@@ -69,7 +69,7 @@ def split_extra(args: list[str]) -> tuple[dict, dict]:
     sglang, rest, i = {}, [], 0
     while i < len(args):
         arg = args[i]
-        if arg.startswith("--sglang-") and len(arg) > len("--sglang-"):
+        if arg.startswith("--sglang-") and len(arg) > len("--sglang-") and arg.partition("=")[0] not in slime_args.ARGS:
             key, _, value = arg[len("--sglang-") :].partition("=")
             if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value, i = args[i + 1], i + 1

@@ -155,7 +155,15 @@ class RolloutConfig:
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
     true_on_policy: bool = False
-    custom_generate_function_path: str | None = None  # multi-turn / agentic rollouts (rlbench/core/generate.py)
+    custom_generate_function_path: str | None = setting(
+        None,
+        "Custom generate function by dotted path: slime's async generate(args, sample, sampling_params) (run against "
+        "the engine behind SGLang's /generate, docs/usage.md \"Your slime plugins\"), or rlbench's "
+        "fn(env, prompt, prompt_ids, seed) -> Trajectory (rlbench/core/generate.py).",
+    )
+    sglang_server_concurrency: int = setting(
+        512, "slime's --sglang-server-concurrency: slime plugins generating at once (per engine of one GPU)."
+    )
     sglang_router_url: str | None = setting(
         None, "sglang: an sglang-router someone else runs (its servers: GET /workers); rlbench starts nothing."
     )
@@ -187,6 +195,7 @@ class RolloutConfig:
             number(self.sampling_seed, "rollout.sampling_seed", 0, 2**63 - 1, integer=True)
         check(isinstance(self.true_on_policy, bool), "rollout.true_on_policy", "true or false", self.true_on_policy)
         text(self.custom_generate_function_path, "rollout.custom_generate_function_path", optional=True)
+        number(self.sglang_server_concurrency, "rollout.sglang_server_concurrency", 1, 1_000_000, integer=True)
         check(
             isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
             "rollout.top_k",
@@ -299,12 +308,16 @@ class RewardConfig:
     verifier: str = "parity"
     custom_rm_path: str | None = setting(
         None,
-        "Reward function by dotted path, package.module.function: fn(sample) -> float; none: the built-in verifier.",
+        "Reward function by dotted path, package.module.function: slime's async rm(args, sample) -> float (with "
+        "group_rm: rm(args, samples) -> list[float]), or rlbench's fn(sample: RewardInput) -> float; none: the "
+        "built-in verifier.",
     )
+    group_rm: bool = setting(False, "slime's --group-rm: the slime reward function scores each group in one call.")
 
     def __post_init__(self) -> None:
         text(self.verifier, "reward.verifier")
         text(self.custom_rm_path, "reward.custom_rm_path", optional=True)
+        check(isinstance(self.group_rm, bool), "reward.group_rm", "true or false", self.group_rm)
 
 
 @dataclass(frozen=True)

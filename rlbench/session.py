@@ -139,6 +139,8 @@ def run(
     finally:  # an error or Ctrl-C still lands every step already handed to the writer
         if ctx.writer is not None:
             ctx.writer.close()
+        if ctx.plugin_rollout is not None:
+            ctx.plugin_rollout.close()
         if ctx.engine is not None:
             ctx.engine.close()
         if ctx.trainer is not None:
@@ -186,18 +188,25 @@ def build(
     recorded_ids = _check_recording(config, source, start) if source is not None else 0
     dataset, reward_name, reward_fn = _dataset_and_reward(config, source)
     generate_name, generate_fn = _generate_fn(config, source)
+    plugin = _slime_plugins(config, tokenizer, source)
+    if plugin is not None:
+        generate_name, generate_fn = "", None
+        if plugin.reward is not None:  # slime's reward scores inside generate_and_rm, never in the reward stage
+            reward_fn = None
     model, weights = _model(config, tokenizer, source, recorded_ids)
     initial_digest = weights_digest(named_weights(model))
     model_weights = _first_sync_reference(config, model, start)
     trainer, engine = _local_backends(config, model, start, init_checkpoint)
     made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
+    if plugin is not None:
+        made["plugins"] = plugin.describe()
     prompt_ids = _prompt_ids(config, tokenizer, dataset, model)
     cursor = (
         None
         if source is not None
         else PromptCursor(len(dataset), config.seed, config.data.prompts_per_step, config.data.shuffle)
     )
-    trainer, engine, made, writer = _start(config, model, start, init_checkpoint, trainer, engine, made, resume)
+    trainer, engine, made, writer = _start(config, model, start, init_checkpoint, trainer, engine, made, resume, plugin)
     stop_token_ids = _stop_token_ids(config, tokenizer)
     generate_env = None if generate_fn is None else _generate_env(config, engine, tokenizer, stop_token_ids)
     return Context(
@@ -218,6 +227,7 @@ def build(
         generate_name=generate_name,
         generate_env=generate_env,
         model_weights=model_weights,
+        plugin_rollout=plugin,
     )
 
 
@@ -387,6 +397,7 @@ def _start(
     engine: RolloutEngine | None,
     made: dict,
     resume: bool,
+    plugin=None,
 ) -> tuple[Trainer | None, RolloutEngine | None, dict, RunWriter | None]:
     """The backends outside this process (Ray actors under `--placement ray`, else the SGLang servers
     of `--rollout sglang`), the manifest completed with the engines' server info in JSON-normal form
@@ -402,15 +413,40 @@ def _start(
             engine = registry.open_sglang_engine(config)
         if engine is not None and hasattr(engine, "server_info"):
             made["engines"] = engine.server_info
+        if plugin is not None:  # slime plugins: the engine behind /generate, their HTTP client
+            plugin.start(engine)
         made = json.loads(json.dumps(made))
         if config.out:
             writer = RunWriter(Path(config.out), None if resume else made, record=config.record)
     except BaseException:
-        for backend in (engine, trainer):
+        for backend in (plugin, engine, trainer):
             if backend is not None:
                 backend.close()
         raise
     return trainer, engine, made, writer
+
+
+def _slime_plugins(config: RunConfig, tokenizer, source: RunDir | None):
+    """The run's slime plugins (rlbench/slime_rollout.py), where it generates with a generate function of slime's
+    shape; None for rlbench's own contract (core/generate.py) and for runs without one. A reward function of
+    slime's shape needs one: it scores inside slime's generate_and_rm."""
+    from rlbench.slime_rollout import SlimeRollout, is_slime_generate, is_slime_reward
+
+    if source is not None:
+        return None
+    path, rm = config.rollout.custom_generate_function_path, config.reward.custom_rm_path
+    if path and is_slime_generate(path):
+        return SlimeRollout(config, tokenizer)
+    if rm and is_slime_reward(rm):
+        raise BadInput(
+            f"{rm} is a slime reward function (async rm(args, sample)), which slime calls from its generate_and_rm: "
+            "give a slime generate function too (--custom-generate-function-path), or an rlbench verifier "
+            "fn(sample: RewardInput) -> float",
+            field="reward.custom_rm_path",
+        )
+    if config.reward.group_rm:
+        raise BadInput("--group-rm needs a slime generate and reward function", field="reward.group_rm")
+    return None
 
 
 def _generate_env(

@@ -90,13 +90,15 @@ ARGS: dict[str, SlimeArg] = {
     "--custom-rm-path": _arg(
         "str",
         "reward.custom_rm_path",
-        help="rlbench's contract: fn(sample: RewardInput) -> float, not slime's async (args, sample)",
+        help="slime's contract, async rm(args, sample) -> float (or rlbench's fn(sample: RewardInput) -> float)",
     ),
+    "--group-rm": _arg("flag", "reward.group_rm", help="slime's batched reward: rm(args, samples) per group"),
     "--custom-generate-function-path": _arg(
         "str",
         "rollout.custom_generate_function_path",
-        help="rlbench's contract (rlbench/core/generate.py), not slime's",
+        help="slime's contract, async generate(args, sample, sampling_params) (or rlbench's, core/generate.py)",
     ),
+    "--sglang-server-concurrency": _arg("int", "rollout.sglang_server_concurrency"),
 }
 
 # Accepted at the one value rlbench computes; any other value is refused.

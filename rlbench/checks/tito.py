@@ -44,6 +44,7 @@ MODES = {
     "position": (5, "a turn renders differently once it is no longer last"),
     "special": (8, "special tokens dropped by decode(skip_special_tokens=True)"),
     "truncated": (10, "a truncated turn closed with an end-of-turn never sampled, and continued after"),
+    "unsampled": (0, "trained as sampled, but no request of the step sampled these ids with these log-probs"),
     "template": (0, "the chat template raised on this conversation"),
     "other": (0, "unclassified"),
 }

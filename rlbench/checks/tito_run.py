@@ -48,6 +48,10 @@ def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Find
     eos = tok.eos_token_id
     for k in range(len(turns)):
         got = list(turns[k]["prompt_ids"]) + list(turns[k]["output_ids"])
+        if turns[k].get("sampled") is False:  # a slime plugin's span the engine's request log does not hold
+            prompt = list(turns[k]["prompt_ids"])
+            why = turns[k].get("why", "not sampled by the engine")
+            return finding(tok, label, f"turn {k}: {why}", got, prompt, len(prompt), [], [], ("unsampled", True))
         last = k + 1 == len(turns)
         nxt, where = (
             (list(trained), "the trained ids") if last else (list(turns[k + 1]["prompt_ids"]), f"turn {k + 1}'s prompt")

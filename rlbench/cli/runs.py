@@ -144,6 +144,10 @@ def run(
         Optional[str],
         config_option("reward.custom_rm_path", default_text=f"the built-in {_DEFAULT.reward.verifier!r} verifier"),
     ] = None,
+    custom_generate_function_path: Annotated[
+        Optional[str], config_option("rollout.custom_generate_function_path", default_text="the engine's own")
+    ] = None,
+    group_rm: Annotated[bool, config_option("reward.group_rm", "--group-rm", flag_value=True)] = False,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,

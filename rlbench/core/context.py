@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlbench.config import RunConfig
 from rlbench.core.data import PromptCursor
@@ -46,6 +46,8 @@ class Context:
     generate_fn: Callable[..., Trajectory] | None = None
     generate_name: str = ""
     generate_env: GenerateEnv | None = None
+    # slime plugins (rlbench/slime_rollout.py): rollout(step, prompts, prompt_ids) -> (samples, groups not trained)
+    plugin_rollout: Any = None
     # The weights the model was built with, until the first sync checks the trainer's export against them.
     model_weights: dict[str, torch.Tensor] | None = None
 

@@ -77,6 +77,15 @@ def step_requests(ctx: Context, state: StepState) -> list[GenerateRequest]:
 
 def rollout(ctx: Context, state: StepState) -> None:
     n = ctx.config.rollout.n_samples_per_prompt
+    if ctx.plugin_rollout is not None:  # slime plugins: the samples as they return them, the data as trained
+        state.samples, dropped = ctx.plugin_rollout.rollout(state.step, state.prompts, ctx.prompt_ids)
+        if dropped:
+            state.extra["dropped_groups"] = dropped
+        state.tensors = samples.flatten(state.samples)
+        state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
+        _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the plugin's log-probs")
+        _checksum_rollout(state)
+        return
     requests = step_requests(ctx, state)
     if ctx.generate_fn is not None:
         state.samples = [
@@ -111,6 +120,14 @@ def rollout(ctx: Context, state: StepState) -> None:
 
 def reward(ctx: Context, state: StepState) -> None:
     for s in state.samples:
+        if s.reward is not None:  # set by a slime plugin (its generate or reward function): kept, and said so
+            s.extra.setdefault("reward_from", "plugin")
+            continue
+        if ctx.reward_fn is None:
+            raise BadInput(
+                f"step {state.step}: sample {s.index} has no reward, and {ctx.reward_name} scores in the rollout",
+                field="reward.custom_rm_path",
+            )
         s.reward = score(
             ctx.reward_name,
             ctx.reward_fn,

@@ -194,7 +194,9 @@ class ServerState:
     """The loaded engine and what the server reports about itself; the weights change only on the
     engine's thread (worker.py), through `load_weights`."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, engine=None, tokenizer=None):
+        """`engine` (and its `tokenizer`): serve a run's own engine (slime plugins under `rlbench run`) instead
+        of loading `config.model_path`; the run keeps its weights in step with its trainer."""
         from rlbench import __version__
         from rlbench.backends.hf_engine import HFEngine
         from rlbench.core.model import build_model, load_tokenizer
@@ -205,15 +207,30 @@ class ServerState:
 
         self.config = config
         self.version = __version__
-        self.determinism = configure_determinism(config.threads, config.device)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
-        model = build_model(
-            config.model_path, config.random_seed, config.dtype, config.device, init=LOAD_FORMATS[config.load_format]
-        )
-        self.engine = HFEngine(
-            model, device=config.device, engine_id="serve", decode=config.decode, batch_size=config.decode_batch_size
-        )
-        del model
+        if engine is None:
+            self.determinism = configure_determinism(config.threads, config.device)
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_path)
+            model = build_model(
+                config.model_path,
+                config.random_seed,
+                config.dtype,
+                config.device,
+                init=LOAD_FORMATS[config.load_format],
+            )
+            engine = HFEngine(
+                model,
+                device=config.device,
+                engine_id="serve",
+                decode=config.decode,
+                batch_size=config.decode_batch_size,
+            )
+            del model
+        else:  # the run set up determinism and holds the tokenizer
+            self.determinism, self.tokenizer = None, tokenizer
+        self.engine = engine
+        # Each answered request as {"input_ids", "output_ids", "logprobs", "seed", "finish"}, when a list is given
+        # (appended on the server's event loop; read between steps, when no request is in flight).
+        self.request_log: list[dict] | None = None
         if config.prefix_cache_mb:
             from rlbench.backends.prompt_cache import PromptCache
 
@@ -360,8 +377,8 @@ def serve(config: ServeConfig, announce) -> None:
 class ServingThread:
     """`rlbench serve` on a thread of this process: `url`, `state`, and `close()`."""
 
-    def __init__(self, config: ServeConfig):
-        self.state = ServerState(config)
+    def __init__(self, config: ServeConfig, engine=None, tokenizer=None):
+        self.state = ServerState(config, engine, tokenizer)
         self.sock = bind(config.host, config.port)
         self.state.port = self.sock.getsockname()[1]
         self.url = url_of(self.sock)
@@ -380,5 +397,5 @@ class ServingThread:
         self.sock.close()
 
 
-def serve_in_thread(config: ServeConfig) -> ServingThread:
-    return ServingThread(config)
+def serve_in_thread(config: ServeConfig, engine=None, tokenizer=None) -> ServingThread:
+    return ServingThread(config, engine, tokenizer)
