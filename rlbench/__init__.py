@@ -18,6 +18,8 @@ Importing it pins the portable CPU numerics before anything imports torch (numer
                   naming the extra when one is needed
     session.py    a run assembled and driven: `build` (inputs checked, backends made here or as Ray actors,
                   the manifest) and `run` (the steps in order); above core/, backends/ and placement/
+    slime_rollout.py  slime plugins under `rlbench run`: slime's generate and reward functions against the
+                  run's engine behind /generate, their samples held to its request log; beside session.py
     cli/          the `rlbench` command line: the only package that prints; errors -> exit codes
     core/         the loop's stages (one function each) and what they read (Context), the backend
                   protocols, seeding, data, rewards, the RL algorithm

@@ -185,7 +185,8 @@ class SlimeRollout:
         else:
             from urllib.parse import urlsplit
 
-            url = urlsplit(engine.router_url)
+            # the router the run uses (without one, use_router = false, the first server: slime posts to one URL)
+            url = urlsplit(engine.fleet.router or engine.fleet.route[0])
             host, port, engines = url.hostname, url.port, max(1, rollout.num_engines)
         self.args = contract.plugin_args(config, host, port, engines, self.rollout_seed, reward.group_rm)
         import tempfile
@@ -229,7 +230,7 @@ class SlimeRollout:
         params = [contract.group_params(self.base_params, n, self.rollout_seed, True) for _ in groups]
         if self.server is not None:
             self.server.state.request_log.clear()
-            self.server.state.weight_version = str(self.engine.weight_version)
+            self.server.state.weight_version = str(_version(self.engine))
         results = self.loop.run(
             contract.run_groups(
                 self.args, groups, params, self.generate, self.reward, self.config.reward.group_rm, self.concurrency
@@ -299,7 +300,7 @@ class SlimeRollout:
             finish_reason=STATUS_FINISH.get(status, "abort"),
             seed=params.get("sampling_seed", 0),
             engine_id="serve" if self.server is not None else "sglang",
-            weight_version=int(self.engine.weight_version),
+            weight_version=_version(self.engine),
             reward=None if reward is None else float(reward),
             extra=extra,
         )
@@ -317,6 +318,13 @@ class SlimeRollout:
 
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+
+
+def _version(engine) -> int:
+    """The weight version the engine holds: the embedded engine's, or the one the run pushed to SGLang's."""
+    if hasattr(engine, "weight_version"):
+        return int(engine.weight_version)
+    return int(engine.version) if engine.version is not None else 0
 
 
 def _rollout_id(returned: list, index: int, path: str) -> int:

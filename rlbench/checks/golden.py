@@ -80,6 +80,7 @@ TRANSPORT_KEYS = (
     "request_attempts",
     "verify_engine_weights",
     "weights_dir",
+    "sglang_server_concurrency",  # how many slime plugin samples generate at once: never what they compute
 )
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.
@@ -88,6 +89,7 @@ LATER_KEYS = {
     ("dp",): 1,
     ("train", "megatron"): {},
     ("rollout", "sglang"): {},
+    ("reward", "group_rm"): False,  # slime's --group-rm (issue 36)
     # slime's options (issue 21), each at the value that computes what rlbench computed before it
     ("algo", "eps_clip_c"): None,
     ("algo", "normalize_advantages"): False,

@@ -41,6 +41,8 @@ EXPECTED_RUN_OPTIONS = {
     "--dp",
     "--deterministic",
     "--custom-rm-path",
+    "--custom-generate-function-path",
+    "--group-rm",
     "--device",
     "--threads",
     "--no-record",

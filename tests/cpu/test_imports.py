@@ -106,7 +106,7 @@ LAYERS = [
     {"core", "tasks"},
     {"backends"},
     {"serve", "placement"},
-    {"session"},
+    {"session", "slime_rollout"},
     {"replay"},
     {"checks"},
     {"report", "command"},

@@ -41,7 +41,9 @@ def test_the_block_names_every_command():
     assert len(commands()) >= 20
 
 
-def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch):
+def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch, miles):
+    """`miles`: slime's Sample and http_utils for the slime plugin example (Miles' package on the path, as the
+    "Your slime plugins" section says)."""
     for name in ("examples", "configs", "golden", "rlbench"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)

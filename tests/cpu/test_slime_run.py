@@ -200,3 +200,26 @@ def test_a_slime_reward_without_a_slime_generate_function_is_refused(tmp_path, m
     done = cli("run", "-c", str(_config(tmp_path, steps=1)), "--custom-rm-path", f"{PLUGINS}.reward")
     assert done.returncode == 2
     assert "is a slime reward function" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_same_plugin_runs_against_an_sglang_fleet_unchanged(tmp_path, miles):
+    """`--rollout sglang`: two `rlbench serve` processes behind sglang-router, the plugin posting to the router.
+    No request log there: the samples carry no turns, and the rollout is the embedded run's, bit for bit."""
+    embedded = _run(tmp_path, "embedded", "append_tokens")
+    fleet = _run(
+        tmp_path,
+        "fleet",
+        "append_tokens",
+        "--rollout",
+        "sglang",
+        "--sglang-server",
+        "rlbench",
+        "--rollout-num-engines",
+        "2",
+    )
+    assert _checksums(fleet) == _checksums(embedded)
+    _, meta = recording.read_step(fleet, 0)
+    assert all("turns" not in s for s in meta["samples"]) and meta["samples"][0]["engine_id"] == "sglang"
+    done = cli("check", "tito", str(fleet))  # judged by evidence: never "no drift" without the engine's ids
+    assert "the recording holds no engine ids" in done.stdout and "no drift" not in done.stdout, done.stdout
+    assert "cannot be told sampled from re-tokenised" in done.stdout

@@ -165,6 +165,7 @@ def test_modes_are_numbered_as_the_research_notes_number_them():
         "position": 5,
         "special": 8,
         "truncated": 10,
+        "unsampled": 0,  # rlbench's own: a slime plugin's trained span no request of the step sampled
         "template": 0,
         "other": 0,
     }

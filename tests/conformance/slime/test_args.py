@@ -118,6 +118,8 @@ def test_the_cases_cover_every_mapped_argument():
             "--custom-rm-path",
             "--custom-generate-function-path",
             "--tensor-model-parallel-size",
+            "--group-rm",  # plugin settings, which slime's rollout reads (tests/cpu/test_slime_run.py)
+            "--sglang-server-concurrency",
         }
     )
     assert untested == []
