@@ -200,6 +200,8 @@ def build(
     made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
     if plugin is not None:
         made["plugins"] = plugin.describe()
+    elif generate_fn is not None:
+        made["plugins"] = {"contract": "rlbench", "generate": generate_name}
     prompt_ids = _prompt_ids(config, tokenizer, dataset, model)
     cursor = (
         None

@@ -62,6 +62,7 @@ def _summary(result, history: list[dict] | None = None) -> dict:
         "reward_last10": statistics.fmean(rewards[-k:]) if rewards else None,
         "final_loss": last.get("train/loss"),
         "weights": _weights_line(result.manifest.get("weights")),
+        "plugins": _plugins_line(result.manifest.get("plugins")),
         "wall_time": result.wall_time,  # this invocation's
         "final_metrics": last,
     }
@@ -79,6 +80,15 @@ def _weights_line(weights: dict | None) -> str:
     return f"{what} {weights.get('path')} ({len(files)} file{'s' * (len(files) != 1)}, first sha256 {digest[:12]})"
 
 
+def _plugins_line(plugins: dict | None) -> str | None:
+    """Which contract the run called its generate function with, in one line (None: no generate function)."""
+    if not isinstance(plugins, dict):
+        return None
+    if plugins.get("contract") == "slime":
+        return f"slime's contract, {plugins.get('sample_class')}: {plugins.get('generate')}"
+    return f"rlbench's contract: {plugins.get('generate')}"
+
+
 def _render_summary(summary: dict) -> None:
     table = Table(title="rlbench run", show_header=False)
     table.add_column(style="bold")
@@ -88,6 +98,7 @@ def _render_summary(summary: dict) -> None:
         ("mode", summary["mode"]),
         ("seed", str(summary["seed"])),
         ("initial weights", summary["weights"]),
+        *([("generate function", summary["plugins"])] if summary.get("plugins") else []),
         ("steps", str(summary["steps"])),
         ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
         ("reward, last 10 steps", f"{summary['reward_last10']:.3f}"),

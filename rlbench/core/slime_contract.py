@@ -145,8 +145,19 @@ async def call_generate(fn: Callable, args: Any, sample: Any, params: dict, eval
     """One call of a custom generate function as slime makes it: `evaluation=` only when the function declares
     a parameter of that name."""
     if "evaluation" in inspect.signature(fn).parameters:
-        return await fn(args, sample, params, evaluation=evaluation)
-    return await fn(args, sample, params)
+        return await _plugin(fn, GENERATE_FIELD, fn(args, sample, params, evaluation=evaluation))
+    return await _plugin(fn, GENERATE_FIELD, fn(args, sample, params))
+
+
+async def _plugin(fn: Callable, field: str, call):
+    """Await a plugin's coroutine; what it raises (but Ctrl-C and cancellation) becomes BadInput naming it."""
+    try:
+        return await call
+    except (KeyboardInterrupt, asyncio.CancelledError, BadInput):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a plugin's bug, named, the cause kept for --debug
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        raise BadInput(f"{name} raised {exc.__class__.__name__}: {exc}", field=field) from exc
 
 
 async def generate_and_rm(
@@ -177,11 +188,11 @@ async def generate_and_rm(
         if any(s.status == status.ABORTED for s in result):
             return result
         need = [s for s in result if s.reward is None]  # batched_async_rm: called even when `need` is empty
-        for s, value in zip(need, await reward(args, need)):
+        for s, value in zip(need, await _plugin(reward, REWARD_FIELD, reward(args, need))):
             s.reward = value
         return result
     if result.status != status.ABORTED and result.reward is None:
-        result.reward = await reward(args, result)
+        result.reward = await _plugin(reward, REWARD_FIELD, reward(args, result))
     return result
 
 
@@ -214,7 +225,7 @@ async def run_groups(
                     "generate_and_rm_group sets each result's reward, and a list has none",
                     field=GENERATE_FIELD,
                 )
-            for sample, value in zip(done, await reward(args, list(done))):
+            for sample, value in zip(done, await _plugin(reward, REWARD_FIELD, reward(args, list(done)))):
                 sample.reward = value
         return list(done)
 

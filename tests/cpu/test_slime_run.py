@@ -57,6 +57,16 @@ def test_token_appending_plugin_passes_tito_and_two_runs_write_the_same_bytes(tm
     first = _run(tmp_path, "a", "append_tokens")
     second = _run(tmp_path, "b", "append_tokens")
     assert _checksums(first) == _checksums(second)
+    shown = cli(
+        "run",
+        "-c",
+        str(_config(tmp_path, steps=1)),
+        "--out",
+        str(tmp_path / "c"),
+        "--custom-generate-function-path",
+        f"{PLUGINS}.append_tokens",
+    )
+    assert "slime's contract, miles.utils.types.Sample: tests.slime_plugins.examples.append_tokens" in shown.stdout
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["plugins"]["contract"] == "slime"
     assert manifest["plugins"]["sample_class"] == "miles.utils.types.Sample"
@@ -162,6 +172,7 @@ def test_resume_after_a_kill_mid_rollout_continues_to_the_same_bytes(tmp_path, m
         ),
         (f"{PLUGINS}.returns_text", "returned str, expected a Sample or a list of Samples"),
         (f"{PLUGINS}.no_logprobs", "trainable response tokens require rollout log probabilities."),
+        (f"{PLUGINS}.raises", "raised ValueError: the tool server is down"),
     ],
 )
 def test_a_plugin_breaking_slimes_contract_exits_2_with_one_line(tmp_path, miles, generate, says):

@@ -147,3 +147,7 @@ async def reward(args, sample):
 
 async def group_reward(args, samples):
     return [_parity(s) + 0.5 * (i == 0) for i, s in enumerate(samples)]
+
+
+async def raises(args, sample, sampling_params):
+    raise ValueError("the tool server is down")
