@@ -202,17 +202,49 @@ class TorchTrainer:
     def train_step(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
         cfg, acfg = self.train_config, self.algo_config
         n = batch.tokens.shape[0]
+        if acfg.use_tis and batch.rollout_logprobs is None:
+            raise BadInput(
+                f"step {step}: TIS needs the rollout log-probs, and the batch has none", field="algo.use_tis"
+            )
+        if batch.rollouts is not None:
+            return self._train_rollouts(batch, step)
         if n % cfg.minibatches:  # never drop the samples that do not fit
             raise BadInput(
                 f"step {step} has {n} samples, which do not split into {cfg.minibatches} equal minibatches",
                 field="train.minibatches",
             )
-        if acfg.use_tis and batch.rollout_logprobs is None:
-            raise BadInput(
-                f"step {step}: TIS needs the rollout log-probs, and the batch has none", field="algo.use_tis"
-            )
         order = torch.randperm(n, generator=generator(self.seed, "minibatch", step))
         per_update = n // cfg.minibatches
+        minibatches = [order[update * per_update : (update + 1) * per_update] for update in range(cfg.minibatches)]
+        return self._updates(batch, minibatches, None)
+
+    def _train_rollouts(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
+        """A step whose samples share rollouts (a slime fan-out): the rollouts shuffled and split into equal
+        minibatches, each minibatch the samples of its rollouts (slime's build_dp_schedule: a step holds whole
+        rollouts), the loss a mean over its rollouts (algo.rollout_reducer)."""
+        cfg = self.train_config
+        ids, inverse = torch.unique(batch.rollouts, return_inverse=True)
+        if len(ids) % cfg.minibatches:
+            raise BadInput(
+                f"step {step} has {len(ids)} rollouts, which do not split into {cfg.minibatches} equal minibatches",
+                field="train.minibatches",
+            )
+        order = torch.randperm(len(ids), generator=generator(self.seed, "minibatch", step))
+        per_update = len(ids) // cfg.minibatches
+        minibatches = []
+        for update in range(cfg.minibatches):
+            chosen = torch.zeros(len(ids), dtype=torch.bool)
+            chosen[order[update * per_update : (update + 1) * per_update]] = True
+            minibatches.append(chosen[inverse].nonzero()[:, 0])
+        if self.algo_config.per_token_loss:  # the per-token loss is a token mean whatever the rollouts
+            return self._updates(batch, minibatches, None)
+        denominators = algo.rollout_denominators(batch.loss_mask, batch.rollouts)
+        return self._updates(batch, minibatches, (denominators, per_update))
+
+    def _updates(self, batch: algo.TrainBatch, minibatches: list[torch.Tensor], rollouts) -> algo.TrainStats:
+        """One optimizer update per minibatch (sample positions); `rollouts`: (each sample's rollout token total,
+        rollouts per minibatch) where samples share rollouts, else None."""
+        cfg, acfg = self.train_config, self.algo_config
         # every gradient's lanes stay on its device until the step's end: one copy to the host a step
         grads = digest.Digests([None, *self.param_names()])  # None: all of them, in order; a name: its own
         # Metric sums and losses stay on the device until the step's end: no wait for the GPU mid-step.
@@ -223,15 +255,20 @@ class TorchTrainer:
         # a minibatch's loss adds up in float32, or in float64 in a float64 run (then recorded rounded to float32)
         wide = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
         self.model.train()
-        for update in range(cfg.minibatches):
-            index = order[update * per_update : (update + 1) * per_update]
+        for index in minibatches:
+            per_update = len(index)
             # per-token loss: each micro-batch's masked sum over the whole minibatch's token count
             tokens = algo.token_denominator(batch.loss_mask[index]) if acfg.per_token_loss else None
             self.zero_grads()
             total = torch.zeros((), dtype=wide, device=self.device)
             for mb in self.train_micro_batches(lengths[index].tolist()):
-                weight = 1.0 if tokens is not None else len(mb) / per_update
-                part = self._loss(batch, index[list(mb)], weight=weight, sums=sums, tokens=tokens)
+                rows = index[list(mb)]
+                if rollouts is not None:  # the micro-batch's share of the mean over the minibatch's rollouts
+                    shared = (rollouts[0][rows], rollouts[1])
+                    part = self._loss(batch, rows, weight=1.0, sums=sums, rollouts=shared)
+                else:
+                    weight = 1.0 if tokens is not None else len(mb) / per_update
+                    part = self._loss(batch, rows, weight=weight, sums=sums, tokens=tokens)
                 part.backward()
                 total += part.detach()
             self.finalize_grads()
@@ -250,10 +287,17 @@ class TorchTrainer:
         )
 
     def _loss(
-        self, batch: algo.TrainBatch, index: torch.Tensor, weight: float, sums: dict, tokens: torch.Tensor | None = None
+        self,
+        batch: algo.TrainBatch,
+        index: torch.Tensor,
+        weight: float,
+        sums: dict,
+        tokens: torch.Tensor | None = None,
+        rollouts: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """One micro-batch's share of the minibatch loss (times `weight`); adds its share of each metric
-        to `sums`. `tokens`: the minibatch's token count, for the per-token loss (None: per-sample)."""
+        to `sums`. `tokens`: the minibatch's token count, for the per-token loss (None: per-sample);
+        `rollouts`: these samples' rollout token totals and the minibatch's rollout count (algo.rollout_reducer)."""
         acfg = self.algo_config
         mask = batch.loss_mask[index]
         columns = mask.any(dim=0).nonzero()[:, 0]
@@ -280,7 +324,9 @@ class TorchTrainer:
             mask,
             entropy,
             acfg,
-            algo.reducer(mask, tokens),
+            algo.reducer(mask, tokens)
+            if rollouts is None
+            else algo.rollout_reducer(mask, rollouts[0].to(self.device, mask.dtype), rollouts[1]),
             given["ref_logprobs"],
             given["rollout_logprobs"],
         )

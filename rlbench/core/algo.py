@@ -20,7 +20,10 @@ tests/conformance/slime/expected_algo.json, which holds rlbench to them within 1
 - Aggregation (slime's reducer): a token mean within each sample, then a mean over samples, so long
   responses do not outweigh short ones; with `per_token_loss`, the sum over a minibatch's trained
   tokens over their count. A sample with no trained token (slime's remove_sample) counts in both
-  denominators: as one sample, or as one token (slime's clamp_min(mask.sum(), 1)).
+  denominators: as one sample, or as one token (slime's clamp_min(mask.sum(), 1)). Where a slime plugin's
+  fan-out gave one rollout several samples (their shared `rollout_id`), minibatches hold whole rollouts and the
+  mean is over rollouts, each a token mean over all its samples' trained tokens (slime #1933's
+  rollout_mask_sums); the per-token loss is unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None  # [n, L] or None when KL is off
     lengths: torch.Tensor | None = None  # [n] real length of each row (the rest is padding)
     rollout_logprobs: torch.Tensor | None = None  # [n, L] the engine's log-probs, for TIS (None when it is off)
+    # [n] int64: the rollout each sample belongs to, where a slime plugin's fan-out gave one rollout several samples
+    # (None: one sample, one rollout). Minibatches then hold whole rollouts, and the loss is a mean over rollouts.
+    rollouts: torch.Tensor | None = None
 
 
 @dataclass
@@ -227,6 +233,22 @@ def token_denominator(mask: torch.Tensor) -> torch.Tensor:
     """The per-token loss's denominator for a minibatch: its trained tokens, a sample with none counting
     as one (slime's sum of clamp_min(loss_mask.sum(), 1))."""
     return mask.sum(-1).clamp(min=1).sum()
+
+
+def rollout_denominators(mask: torch.Tensor, rollouts: torch.Tensor) -> torch.Tensor:
+    """Each sample's rollout's trained-token total (slime's `rollout_mask_sums`, convert_samples_to_train_data)."""
+    totals = mask.sum(-1)
+    _, inverse = torch.unique(rollouts, return_inverse=True)
+    return torch.zeros(int(inverse.max()) + 1, dtype=totals.dtype).index_add(0, inverse, totals)[inverse]
+
+
+def rollout_reducer(
+    mask: torch.Tensor, denominators: torch.Tensor, rollouts: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """slime's reducer for samples that share rollouts (get_sum_of_sample_mean with `sample_denoms`, over the
+    step's rollout count, slime #1933): each sample's masked sum over its rollout's token total, summed, over
+    the `rollouts` of the minibatch: one token-weighted mean per rollout, then a mean over rollouts."""
+    return lambda values: ((values * mask).sum(-1) / denominators.clamp(min=1)).sum() / rollouts
 
 
 def reducer(mask: torch.Tensor, tokens: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:

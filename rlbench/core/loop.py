@@ -219,6 +219,15 @@ def advantage(ctx: Context, state: StepState) -> None:
     state.checksums["advantages"] = _digest(state.tensors, "advantages")
 
 
+def rollouts(sample_meta: list[dict]) -> torch.Tensor | None:
+    """Each sample's rollout where a slime plugin's fan-out gave a rollout several samples (their recorded
+    `rollout_id`); None where every sample is a rollout of its own (the trainers' per-sample path)."""
+    ids = [m.get("rollout_id") for m in sample_meta]
+    if not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids) or len(set(ids)) == len(ids):
+        return None
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
     """The step's groups: each sample's "group" from its recorded metadata where every sample has one
     (a slime import, slime's group_index: groups of any size), else consecutive groups of
@@ -247,6 +256,7 @@ def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
 
 def logprob(ctx: Context, state: StepState) -> None:
     state.batch = samples.train_batch(state.tensors)
+    state.batch.rollouts = rollouts(state.sample_meta)
     per_sample = ctx.config.rollout.true_on_policy
     state.batch.old_logprobs = (
         ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths, per_sample=per_sample)

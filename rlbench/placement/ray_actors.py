@@ -87,6 +87,7 @@ class TrainerActor:
                 given.get("ref_logprobs"),
                 given.get("lengths"),
                 given.get("rollout_logprobs"),
+                given.get("rollouts"),
             ),
             step,
         )
