@@ -157,7 +157,8 @@ def test_resume_after_a_kill_mid_rollout_continues_to_the_same_bytes(tmp_path, m
     # 16 requests a step (8 samples, 2 turns): the 20th is step 1's fourth
     done = _process(*args, "--out", str(killed), env_path=path, extra_env={"RLBENCH_FAILPOINT": "serve.generate@20"})
     assert done.returncode == -9, done.stderr[-2000:]
-    assert len((killed / "checksums.jsonl").read_text().splitlines()) == 1
+    # step 0 computed; committed or still in the run writer's hands when the kill came (it writes off the loop)
+    assert len((killed / "checksums.jsonl").read_text().splitlines()) in (0, 1)
     done = _process("run", "--resume", str(killed), env_path=path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _checksums(killed) == _checksums(clean)
