@@ -277,7 +277,7 @@ class SlimeRollout:
         status = s.status.value
         extra = {
             "group": group,
-            "rollout_id": rollout_id,
+            "rollout": rollout_id,  # the rollout it trains as: slime's Sample.rollout_id, else its index
             "slime_index": s.index,
             "slime_group_index": s.group_index,
             "status": status,

@@ -17,7 +17,11 @@ app.add_typer(import_app, name="import")
 @import_app.command("slime")
 def import_slime(
     dumps: Annotated[
-        list[Path], typer.Argument(help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}).")
+        list[Path],
+        typer.Argument(
+            help="slime --save-debug-rollout-data files (torch.save of {rollout_id, samples}), or one --dump-details "
+            "directory (rollout_data/ and train_data/)."
+        ),
     ],
     out: Annotated[Path, typer.Option(help="The run directory to create.")],
     model: Annotated[
@@ -44,6 +48,12 @@ in id order. Every field of slime's Sample is used, kept in the samples' metadat
 removed (remove_sample) stay in their groups, untrained and unjudged; samples without engine log-probs are not judged \
 by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; groups may differ in size; multimodal \
 samples and evaluation dumps (eval_<id>) are refused.
+
+    A --dump-details directory brings slime's train dumps too (train_data/<id>.pt, format 2): each is joined to its \
+rollout dump sample by sample (position, index, ids, lengths, loss mask, engine log-probs, DP shards and \
+micro-batches), and the recording gains the trainer's log-probs (old_logprobs, ref_logprobs on trained tokens), the \
+advantages and the DP layout, for diff and check. A pair that does not join is a finding (exit 1) naming the \
+rollout and the samples, and nothing is written.
     """
     from rlbench.config import ModelConfig
     from rlbench.core.model import weight_files

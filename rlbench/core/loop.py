@@ -221,8 +221,9 @@ def advantage(ctx: Context, state: StepState) -> None:
 
 def rollouts(sample_meta: list[dict]) -> torch.Tensor | None:
     """Each sample's rollout where a slime plugin's fan-out gave a rollout several samples (their recorded
-    `rollout_id`); None where every sample is a rollout of its own (the trainers' per-sample path)."""
-    ids = [m.get("rollout_id") for m in sample_meta]
+    `rollout`, slime's shared Sample.rollout_id); None where every sample is a rollout of its own (the trainers'
+    per-sample path). An imported slime dump's `rollout_id` is the step's, not this."""
+    ids = [m.get("rollout") for m in sample_meta]
     if not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids) or len(set(ids)) == len(ids):
         return None
     return torch.tensor(ids, dtype=torch.long)

@@ -4,7 +4,8 @@ replay.py   replay a recording with no engine, verifying each stage; the train-o
 resume.py   cut a killed run back to its committed steps and continue it
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
-slime.py    import slime's debug rollout dumps (torch.load with weights_only=True)
+slime.py    import slime's debug rollout dumps, or a --dump-details directory (torch.load with weights_only=True)
+slime_train.py  slime's train dumps (format 2) read field by field and joined to their rollout dumps
 slime_sample.py  one sample of such a dump, field by field (used, kept or refused by name)
-pickled.py  what a refused dump's pickle names, read from its opcodes, none run
+pickled.py  dumps loaded with weights_only=True; what a refused one's pickle names, from its opcodes, none run
 """

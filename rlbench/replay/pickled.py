@@ -7,14 +7,20 @@ calls nothing), and the classes and functions a pickle uses are the arguments of
 ("module name") and of its STACK_GLOBAL opcodes (the two strings pushed before it, given directly or from the
 memo). The pickle is torch's zip archive's `*/data.pkl`, or in torch's legacy format the pickles at the file's
 start (magic number, protocol, system info, then the object), read until the first that does not parse.
+`load_torch_file` loads a dump so (slime's rollout and train dumps), a refusal named from its opcodes.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 import pickletools
 import zipfile
 from pathlib import Path
+
+import torch
+
+from rlbench.errors import BadInput
 
 # Pickle's own machinery for building an object of a class: not what the file holds.
 MACHINERY = {
@@ -108,4 +114,37 @@ def what_it_holds(names: list[str]) -> str:
     return (
         f"holds {shown} objects, which rlbench does not load (it reads plain data and tensors only, with "
         "torch.load(weights_only=True))"
+    )
+
+
+def load_torch_file(path: Path):
+    """A torch.save file, loaded with torch.load(weights_only=True): plain containers, numbers, strings and
+    tensors; anything more is refused, named from its pickle's opcodes (none run)."""
+    if not path.is_file():
+        raise BadInput("dump not found", path=path)
+    if path.stat().st_size == 0:
+        raise BadInput("empty file (0 bytes): not a torch.save file", path=path)
+    try:
+        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle: rlbench loads it or names what it holds
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            dump = torch.load(path, map_location="cpu", weights_only=True)
+    except (Exception, RecursionError) as exc:  # pickle.UnpicklingError for what weights_only refuses
+        lines = str(exc).splitlines() or [""]
+        if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
+            raise BadInput(_refusal(path, lines), path=path) from None
+        raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {lines[0][:120]})", path=path) from None
+    return dump
+
+
+def _refusal(path: Path, lines: list[str]) -> str:
+    """Why a dump that torch.load(weights_only=True) refused is refused: what it holds, read from its pickle's
+    opcodes, none run (pickled.py). torch's own text invites the user to allowlist the class, which would run it:
+    where the opcodes cannot be read, only its first sentence is kept."""
+    names = refused_globals(path)
+    if names:
+        return f"refused: the dump {what_it_holds(names)}"
+    reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])
+    reason = reason.split(" Please use", 1)[0].removeprefix("WeightsUnpickler error: ")[:160]
+    return (
+        f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles nothing else ({reason})"
     )

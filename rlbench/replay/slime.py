@@ -27,7 +27,6 @@ Every field of slime's Sample (slime/utils/types.py) is used, kept or refused (F
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 import torch
@@ -35,24 +34,13 @@ import torch
 from rlbench.config import ModelConfig, RunConfig
 from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
+from rlbench.replay.pickled import load_torch_file
 from rlbench.replay.slime_sample import FIELDS, NOT_TRAINED, read_sample
 
 
 def load_dump(path: Path) -> dict:
-    """One dump file, loaded without unpickling anything but plain data."""
-    if not path.is_file():
-        raise BadInput("dump not found", path=path)
-    if path.stat().st_size == 0:
-        raise BadInput("empty file (0 bytes): not a torch.save file", path=path)
-    try:
-        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle: rlbench loads it or names what it holds
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            dump = torch.load(path, map_location="cpu", weights_only=True)
-    except (Exception, RecursionError) as exc:  # pickle.UnpicklingError for what weights_only refuses
-        lines = str(exc).splitlines() or [""]
-        if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
-            raise BadInput(_refusal(path, lines), path=path) from None
-        raise BadInput(f"not a torch.save file ({exc.__class__.__name__}: {lines[0][:120]})", path=path) from None
+    """One rollout dump file, loaded without unpickling anything but plain data."""
+    dump = load_torch_file(path)
     if (
         not isinstance(dump, dict)
         or not isinstance(dump.get("rollout_id"), int)
@@ -66,22 +54,6 @@ def load_dump(path: Path) -> dict:
             path=path,
         )
     return dump
-
-
-def _refusal(path: Path, lines: list[str]) -> str:
-    """Why a dump that torch.load(weights_only=True) refused is refused: what it holds, read from its pickle's
-    opcodes, none run (pickled.py). torch's own text invites the user to allowlist the class, which would run it:
-    where the opcodes cannot be read, only its first sentence is kept."""
-    from rlbench.replay.pickled import refused_globals, what_it_holds
-
-    names = refused_globals(path)
-    if names:
-        return f"refused: the dump {what_it_holds(names)}"
-    reason = next((line.strip() for line in lines if "GLOBAL" in line or "global" in line), lines[0])
-    reason = reason.split(" Please use", 1)[0].removeprefix("WeightsUnpickler error: ")[:160]
-    return (
-        f"refused: loading needs more than torch.load(weights_only=True), and rlbench unpickles nothing else ({reason})"
-    )
 
 
 def is_eval_dump(path: Path, rollout_id: int) -> bool:
@@ -125,7 +97,7 @@ def _step_tensors(rows: list[dict]) -> dict[str, torch.Tensor]:
 def _read_step(dump: dict, path: Path, reward_key: str | None, vocab: int, vocabulary: str) -> list[dict]:
     """One dump's samples, ordered by (group, index), their ids held to the vocabulary."""
     rows = sorted(
-        (read_sample(raw, path, i, reward_key) for i, raw in enumerate(dump["samples"])),
+        ({**read_sample(raw, path, i, reward_key), "position": i} for i, raw in enumerate(dump["samples"])),
         key=lambda r: (r["group_index"], r["index"]),
     )
     if not rows:
@@ -177,15 +149,43 @@ def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
     return counts, notes
 
 
+def dump_directory(directory: Path) -> tuple[list[Path], dict[int, Path], list[str]]:
+    """A `--dump-details` directory's training rollout dumps (rollout_data/{id}.pt), its train dumps by rollout
+    id (train_data/{id}.pt, slime's format 2; a format-1 file per rank is read, and refused by name), and notes
+    on what was skipped (evaluation dumps)."""
+    rollouts = directory / "rollout_data"
+    if not rollouts.is_dir():
+        raise BadInput("not a slime --dump-details directory (no rollout_data/)", path=directory)
+    files = sorted(rollouts.glob("*.pt"))
+    evals = [f for f in files if f.stem.startswith("eval_")]
+    train: dict[int, Path] = {}
+    for f in sorted((directory / "train_data").glob("*.pt")):
+        stem = f.stem.split("_")[0]
+        if stem.isdigit():
+            train.setdefault(int(stem), f)
+    notes = [f"{len(evals)} evaluation dumps (rollout_data/eval_<id>.pt) skipped: not training data"] if evals else []
+    if not (directory / "train_data").is_dir():
+        notes.append("no train_data/: the rollout side only")
+    return [f for f in files if f not in evals], train, notes
+
+
 def import_slime(
     dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None, model_given: bool = True
 ) -> dict:
     """Write the dumps as a recording at `out`; return a summary. Token ids are held to the model's
-    vocabulary when a model was given (`model_given`), else to the tokenizer's."""
+    vocabulary when a model was given (`model_given`), else to the tokenizer's. A single `--dump-details`
+    directory brings its train dumps too, each joined to its rollout dump (slime_train.py) before anything is
+    written: a broken join is a Divergence (exit 1) naming the samples, and nothing is written."""
     from rlbench.core.model import load_tokenizer
 
     if not dumps:
         raise BadInput("no dump files given", field="DUMP")
+    train_files: dict[int, Path] = {}
+    dir_notes: list[str] = []
+    if len(dumps) == 1 and Path(dumps[0]).is_dir():
+        dumps, train_files, dir_notes = dump_directory(Path(dumps[0]))
+        if not dumps:
+            raise BadInput("no training rollout dumps in rollout_data/", path=Path(dumps[0]) if dumps else None)
     loaded = sorted(((load_dump(Path(p)), Path(p)) for p in dumps), key=lambda item: item[0]["rollout_id"])
     ids = [d["rollout_id"] for d, _ in loaded]
     if len(set(ids)) != len(ids):
@@ -197,8 +197,10 @@ def import_slime(
         vocab, vocabulary = len(tokenizer), f"the tokenizer's vocabulary ({model.tokenizer})"
     steps = [(dump["rollout_id"], path, _read_step(dump, path, reward_key, vocab, vocabulary)) for dump, path in loaded]
     counts, notes = _notes(steps)
+    notes = dir_notes + notes
+    trained = _train_side(loaded, steps, train_files, notes) if train_files else None
     sizes = [_group_sizes(rows) for _, _, rows in steps]
-    _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)))
+    _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)), trained)
     flat = sorted({s for step_sizes in sizes for s in step_sizes})
     return {
         "out": str(out),
@@ -213,6 +215,105 @@ def import_slime(
     }
 
 
+def _train_side(loaded, steps, train_files: dict[int, Path], notes: list[str]) -> list[dict] | None:
+    """Each step's train-side tensors and layout from its train dump, joined to its rollout dump; None where the
+    train dumps do not cover every sample of every step (then the recording holds the rollout side only, said in
+    a note). Every finding of every join is gathered first: a Divergence naming them (nothing written)."""
+    from rlbench.errors import Divergence
+    from rlbench.replay.slime_train import join, read_train_dump
+
+    joined, findings = [], []
+    for (dump, _), (rollout_id, _, rows) in zip(loaded, steps):
+        path = train_files.get(rollout_id)
+        if path is None:
+            findings.append(f"rollout {rollout_id}: no train dump (train_data/{rollout_id}.pt)")
+            continue
+        train = read_train_dump(path)
+        if train.rollout_id != rollout_id:
+            raise BadInput(f"rollout_id {train.rollout_id}, in the file of rollout {rollout_id}", path=path)
+        result = join(dump["samples"], train)
+        findings += result.findings
+        notes += result.notes
+        if train.unknown:
+            notes.append(f"rollout {rollout_id}: train-dump fields kept, not read: {', '.join(train.unknown)}")
+        joined.append((train, result, rows))
+    if findings:
+        shown = "; ".join(findings[:3]) + (f"; and {len(findings) - 3} more" if len(findings) > 3 else "")
+        raise Divergence(f"the train dumps do not join their rollout dumps ({len(findings)} findings): {shown}")
+    out = []
+    for train, result, rows in joined:
+        by_position = {p: train.samples[k] for k, p in result.pairs}
+        if len(by_position) != len(rows):
+            notes.append("not every rollout sample was trained: the recording holds the rollout side only")
+            return None
+        out.append(_train_tensors(train, [by_position[r["position"]] for r in rows], rows, notes))
+    return out
+
+
+def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str]) -> dict:
+    """One step's train-side tensors in the recording's layout (token-aligned, 0 on prompt and untrained tokens,
+    as rlbench's own old_logprobs are) and what is kept: per-sample advantages where each sample's are one value
+    over its trained tokens (the GRPO family), the DP layout, and the other fields in each sample's metadata."""
+    from rlbench.replay.slime_train import SAMPLE_FIELDS
+
+    def flat(name: str) -> torch.Tensor:
+        values = []
+        for s, r in zip(samples, rows):
+            mask = r["loss_mask"]
+            got = s[name].tolist() if torch.is_tensor(s[name]) else list(s[name])
+            values += [0.0] * r["prompt_length"] + [float(v) * m for v, m in zip(got, mask)]
+        return torch.tensor(values, dtype=torch.float32)
+
+    tensors = {"old_logprobs": flat("log_probs")} if all(s.get("log_probs") is not None for s in samples) else {}
+    if all(s.get("ref_log_probs") is not None for s in samples):
+        tensors["ref_logprobs"] = flat("ref_log_probs")
+    if all(s.get("advantages") is not None for s in samples):
+        per_sample = []
+        for s, r in zip(samples, rows):
+            values = [
+                float(v) for v in (s["advantages"].tolist() if torch.is_tensor(s["advantages"]) else s["advantages"])
+            ]
+            trained = [v for v, m in zip(values, r["loss_mask"]) if m] or values[:1]
+            per_sample.append(trained[0] if len(set(trained)) == 1 else None)
+        if None in per_sample:
+            notes.append(
+                f"rollout {train.rollout_id}: advantages vary within samples (a per-token estimator): kept, "
+                "not recorded as the advantages stage"
+            )
+        else:
+            tensors["advantages"] = torch.tensor(per_sample, dtype=torch.float32)
+    kept = [
+        {
+            k: (v.tolist() if torch.is_tensor(v) else v)
+            for k, v in s.items()
+            if not SAMPLE_FIELDS.get(k, "kept").startswith("used")
+        }
+        for s in samples
+    ]
+    layout = [
+        {
+            k: shard.get(k)
+            for k in (
+                "rank",
+                "data_parallel_rank",
+                "partition",
+                "sample_indices",
+                "micro_batch_indices",
+                "num_microbatches",
+                "global_batch_sizes",
+            )
+        }
+        for shard in train.shards
+    ]
+    return {
+        "tensors": tensors,
+        "kept": kept,
+        "dp": [s["data_parallel_rank"] for s in samples],
+        "layout": layout,
+        "file": str(train.path),
+    }
+
+
 def _write(
     steps: list[tuple[int, Path, list[dict]]],
     sizes: list[list[int]],
@@ -220,6 +321,7 @@ def _write(
     model: ModelConfig,
     dumps: list[Path],
     vocab: Vocab,
+    trained: list[dict] | None = None,
 ) -> None:
     """The recording: a rollout-only manifest (its vocabulary: the one the ids were held to, core/vocab.py)
     and one committed step per dump. The dumps do not say slime's batch settings: prompts per step and
@@ -228,7 +330,7 @@ def _write(
     import json
 
     from rlbench.session import versions
-    from rlbench.core.loop import StepState, checksum_inputs
+    from rlbench.core.loop import StepState, checksum_inputs, recorded_checksums
     from rlbench.core.model import file_digest
     from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
@@ -247,7 +349,16 @@ def _write(
                 "config": config.to_dict(),
                 "seed": config.seed,
                 "mode": "rollout-only",
-                "stages": ["data", "rollout", "reward"],
+                "stages": ["data", "rollout", "reward"]
+                + (
+                    [
+                        stage
+                        for key, stage in (("advantages", "advantage"), ("old_logprobs", "logprob"))
+                        if key in trained[0]["tensors"]
+                    ]
+                    if trained
+                    else []
+                ),
                 "reward_fn": "imported",
                 "versions": versions(),
                 "device": "cpu",
@@ -256,6 +367,7 @@ def _write(
                     "files": [str(p) for _, p, _ in steps],
                     "rollout_ids": [rid for rid, _, _ in steps],
                     "group_sizes": sizes,
+                    **({"train_files": [t["file"] for t in trained], "train_format": 2} if trained else {}),
                 },
                 "hashes": {
                     "model_config": file_digest(Path(model.path) / "config.json"),
@@ -273,7 +385,17 @@ def _write(
             state = StepState(step)
             state.tensors = _step_tensors(rows)
             state.sample_meta = [{**r["meta"], "rollout_id": rollout_id} for r in rows]
+            if trained:
+                side = trained[step]
+                state.tensors.update(side["tensors"])
+                for meta, kept, dp in zip(state.sample_meta, side["kept"], side["dp"]):
+                    meta["slime_train"] = kept
+                    meta["data_parallel_rank"] = dp
+                state.extra["dp_shards"] = side["layout"]
             checksum_inputs(state)
-            writer.commit_step(step, state.tensors, state.sample_meta, state.checksums, state.metrics)
+            state.checksums.update(
+                {k: v for k, v in recorded_checksums(state.tensors).items() if k in ("advantages", "old_logprobs")}
+            )
+            writer.commit_step(step, state.tensors, state.sample_meta, state.checksums, state.metrics, state.extra)
     finally:
         writer.close()

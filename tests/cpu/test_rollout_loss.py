@@ -26,9 +26,9 @@ def test_the_rollout_reducer_is_one_token_mean_per_rollout_then_a_mean_over_roll
 
 
 def test_only_shared_rollouts_take_the_rollout_path():
-    assert rollouts([{"rollout_id": 0}, {"rollout_id": 1}]) is None  # a rollout each: the per-sample path
+    assert rollouts([{"rollout": 0}, {"rollout": 1}]) is None  # a rollout each: the per-sample path
     assert rollouts([{"index": 0}, {"index": 1}]) is None  # no rollout recorded (every run but a fan-out)
-    assert rollouts([{"rollout_id": 3}, {"rollout_id": 3}, {"rollout_id": 4}]).tolist() == [3, 3, 4]
+    assert rollouts([{"rollout": 3}, {"rollout": 3}, {"rollout": 4}]).tolist() == [3, 3, 4]
 
 
 def _trainer(minibatches: int, seed: int = 3):
@@ -78,3 +78,9 @@ def test_one_sample_per_rollout_trains_as_the_per_sample_path_within_float_noise
     batch.rollouts = torch.arange(8)
     second = shared.train_step(batch, step=0)
     assert torch.allclose(first.losses, second.losses, rtol=1e-5, atol=1e-7), (first.losses, second.losses)
+
+
+def test_an_imported_dumps_rollout_id_is_not_a_fan_out():
+    """An imported slime dump records the step's rollout id on every sample (`rollout_id`): that is not a shared
+    rollout, and replay of an import keeps the per-sample path."""
+    assert rollouts([{"rollout_id": 7}, {"rollout_id": 7}, {"rollout_id": 7}]) is None

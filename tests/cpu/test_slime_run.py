@@ -134,7 +134,7 @@ def test_fan_out_trains_in_one_step_and_replays_without_the_plugin(tmp_path, mil
     tensors, meta = recording.read_step(run, 0)
     samples = meta["samples"]
     assert len(samples) == 2 * 4 * 2  # prompts x samples x agents, in one step
-    pairs = [(s["rollout_id"], s["plugin"]["fan_out"]) for s in samples]
+    pairs = [(s["rollout"], s["plugin"]["fan_out"]) for s in samples]
     assert pairs[:4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [s["group"] for s in samples] == [0] * 8 + [1] * 8
     # replay: neither the plugin's package nor Miles on the path, and not run from the checkout

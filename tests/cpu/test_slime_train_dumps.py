@@ -1,0 +1,138 @@
+"""slime's train-side dumps (rlbench/replay/slime_train.py) and `--dump-details` directories imported whole: the
+fixtures in examples/slime-dump-details were written by slime's own writers (tests/slime_dumps/make_dumps.py, slime
+624b824a8: three rollouts, two DP ranks). Each case plants one change in a copy and asserts where it is found."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, cli
+
+V2 = REPO / "examples" / "slime-dump-details"
+
+
+def _import(directory: Path, out: Path):
+    return cli("import", "slime", str(directory), "--out", str(out))
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    shutil.copytree(V2, target)
+    return target
+
+
+def _edit(path: Path, change) -> None:
+    dump = torch.load(path, weights_only=True)
+    change(dump)
+    torch.save(dump, path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    done = _import(V2, out)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_dump_directory_imports_whole_and_two_imports_compare_equal(reference, tmp_path):
+    manifest = json.loads((reference / "manifest.json").read_text())
+    assert manifest["imported"]["rollout_ids"] == [0, 1, 2] and manifest["imported"]["train_format"] == 2
+    assert manifest["stages"] == ["data", "rollout", "reward", "advantage", "logprob"]
+    again = tmp_path / "again"
+    done = _import(V2, again)
+    assert "1 evaluation dumps (rollout_data/eval_<id>.pt) skipped" in done.stdout
+    same = cli("diff", str(reference), str(again))
+    assert same.returncode == 0
+    assert "3 steps x 6 stages, 18 checksums compared" in same.stdout
+    assert "advantages, old_logprobs" in same.stdout
+    from rlbench.rundir import recording
+
+    tensors, meta = recording.read_step(reference, 1)
+    train = torch.load(V2 / "train_data" / "1.pt", weights_only=True)
+    first = next(s for s in train["samples"] if s["rollout_position"] == 0)
+    prompt = int(tensors["prompt_lengths"][0])
+    mask = first["loss_masks"].tolist()
+    expected = [v * m for v, m in zip(first["log_probs"].tolist(), mask)]
+    assert tensors["old_logprobs"][prompt : prompt + len(mask)].tolist() == pytest.approx(expected)
+    assert float(tensors["advantages"][0]) == pytest.approx(float(first["advantages"][0]))
+    assert meta["samples"][0]["data_parallel_rank"] == 0 and "kl" in meta["samples"][0]["slime_train"]
+
+
+def _log_prob(dump):
+    dump["samples"][5]["log_probs"][0] += 0.5
+
+
+def _advantage(dump):
+    dump["samples"][3]["advantages"] += 1.0
+
+
+def _rollout_log_prob(dump):  # both files say so: the engine's log-prob itself differs
+    dump["samples"][2]["rollout_log_probs"][1] = -9.0
+
+
+def _reward(dump):
+    dump["samples"][6]["reward"] = 1.0 - dump["samples"][6]["reward"]
+
+
+@pytest.mark.parametrize(
+    ("files", "change", "stage", "sample"),
+    [
+        (["train_data/1.pt"], _log_prob, "old_logprobs", 5),
+        (["train_data/1.pt"], _advantage, "advantages", 3),
+        (["rollout_data/1.pt", "train_data/1.pt"], _rollout_log_prob, "rollout_logprobs", 2),
+        (["rollout_data/1.pt"], _reward, "rewards", 6),
+    ],
+)
+def test_a_planted_change_is_found_at_its_rollout_stage_and_sample(reference, tmp_path, files, change, stage, sample):
+    planted = _copy(tmp_path, "planted")
+    for name in files:
+        _edit(planted / name, change)
+    out = tmp_path / "out"
+    assert _import(planted, out).returncode == 0
+    done = cli("diff", str(reference), str(out), "--json")
+    assert done.returncode == 1, done.stdout
+    first = json.loads(done.stdout)["first"]
+    assert (first["step"], first["stage"]) == (1, stage), first
+    assert f"sample {sample}" in first["where"], first
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d["samples"][4].update(rollout_position=40), "rollout_position 40"),
+        (lambda d: d["samples"][2].update(sample_index=99), "sample_index 99 != the rollout dump's index"),
+        (lambda d: d["samples"][1]["tokens"].__setitem__(0, 7), "tokens differ from the rollout dump's at token 0"),
+        (
+            lambda d: d.update(
+                samples=[s for s in d["samples"] if s["data_parallel_rank"] == 0], dp_shards=d["dp_shards"][:1]
+            ),
+            "are missing from the train dump",
+        ),
+        (lambda d: d["dp_shards"][1]["micro_batch_indices"].pop(), "micro-batches do not cover its rows"),
+    ],
+)
+def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_written(tmp_path, change, says):
+    broken = _copy(tmp_path, "broken")
+    _edit(broken / "train_data" / "2.pt", change)
+    out = tmp_path / "out"
+    done = _import(broken, out)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rollout 2" in done.stderr and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_slimes_format_1_is_named_and_refused(tmp_path):
+    old = _copy(tmp_path, "v1")
+    for path in (old / "train_data").glob("*.pt"):
+        path.unlink()
+    torch.save({"rollout_id": 0, "rank": 0, "rollout_data": {"tokens": []}}, old / "train_data" / "0_0.pt")
+    done = _import(old, tmp_path / "out")
+    assert done.returncode == 2
+    assert "format 1" in done.stderr and "0_0.pt" in done.stderr

@@ -1,0 +1,117 @@
+"""Build the slime debug-dump fixtures with slime's own writers, offline, on the CPU:
+
+    python tests/slime_dumps/make_dumps.py --slime SLIME_CHECKOUT [--out examples/slime-dump-details]
+
+SLIME_CHECKOUT: a checkout of THUDM/slime at the commit this script names (COMMIT); its `slime/` package is
+imported from there (it needs torch, numpy and httpx only). What it writes is a `--dump-details` directory as
+slime writes one for three rollouts of a run with two data-parallel ranks:
+
+- rollout_data/{id}.pt: slime.observability.rollout_data_utils.save_debug_rollout_data, on slime `Sample`s
+  whose token ids are the fixture tokenizer's (rlbench/fixtures/tokenizers/qwen-tiny), and eval_{id}.pt for
+  rollout 0 (an eval dump, which an import skips);
+- train_data/{id}.pt: format 2, slime.observability.train_data_utils._build_dump_payload over what each DP
+  rank holds after training (restore_context_parallel_fields_to_cpu with context parallelism 1, as the writer
+  runs it), saved as save_debug_train_data saves it (torch.save of the payload). The values a trainer would
+  compute (log_probs, ref_log_probs, advantages, returns, kl) are seeded numbers: the fixtures test reading,
+  joining and comparing, not training.
+
+The files are committed; tests never run slime. Rerun this only to change them, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+COMMIT = "624b824a8"  # THUDM/slime, 2026-08-21 ("[NFC] Add observability subfolder (#2298)")
+ROLLOUTS, PROMPTS, PER_PROMPT, DP = 3, 2, 4, 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slime", required=True, help=f"a checkout of THUDM/slime at {COMMIT}")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "examples" / "slime-dump-details"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(args.slime).resolve()))
+    import torch
+    from slime.observability.rollout_data_utils import save_debug_rollout_data
+    from slime.observability.train_data_utils import _build_dump_payload, restore_context_parallel_fields_to_cpu
+    from slime.utils.types import Sample
+
+    out = Path(args.out)
+    rng = random.Random(20261127)
+    for rollout_id in range(ROLLOUTS):
+        samples = []
+        for g in range(PROMPTS):
+            prompt = [rng.randrange(3, 300) for _ in range(6 + g)]
+            for j in range(PER_PROMPT):
+                n = rng.randrange(3, 8)
+                response = [rng.randrange(3, 300) for _ in range(n)]
+                mask = [1] * n if j != 1 else [1, 1] + [0] * (n - 3) + [1]  # a tool span in one sample a group
+                samples.append(
+                    Sample(
+                        group_index=rollout_id * PROMPTS + g,
+                        index=(rollout_id * PROMPTS + g) * PER_PROMPT + j,  # slime's data source: a run-wide count
+                        prompt=f"prompt {g}",
+                        tokens=prompt + response,
+                        response=f"response {j}",
+                        response_length=n,
+                        label="even",
+                        reward=float(rng.randrange(2)),
+                        loss_mask=mask,
+                        rollout_log_probs=[round(-rng.random() * 3, 4) for _ in range(n)],
+                        status=Sample.Status.COMPLETED,
+                    )
+                )
+        template = str(out / "rollout_data" / "{rollout_id}.pt")
+        save_debug_rollout_data(template, samples, rollout_id=rollout_id, evaluation=False)
+        if rollout_id == 0:
+            save_debug_rollout_data(template, {"toy": {"samples": samples[:2]}}, rollout_id=0, evaluation=True)
+
+        def shard(partition: list[int], samples: list = samples) -> dict:
+            """One DP rank's rollout_data at dump time: its rows (positions in the rollout dump) and what the
+            trainer computed for them."""
+            rows = [samples[p] for p in partition]
+            per_token = {
+                name: [torch.tensor([round(rng.gauss(0, 1), 4) for _ in range(s.response_length)]) for s in rows]
+                for name in ("log_probs", "ref_log_probs", "kl")
+            }
+            advantages = [torch.full((s.response_length,), round(rng.gauss(0, 1), 4)) for s in rows]
+            return restore_context_parallel_fields_to_cpu(
+                {
+                    "partition": list(partition),
+                    "tokens": [torch.tensor(s.tokens) for s in rows],
+                    "response_lengths": [s.response_length for s in rows],
+                    "total_lengths": [len(s.tokens) for s in rows],
+                    "rewards": [s.reward - 0.5 for s in rows],
+                    "raw_reward": [s.reward for s in samples],  # the whole batch, in the rollout dump's order
+                    "local_raw_reward": [s.reward for s in rows],
+                    "truncated": [0 for _ in rows],
+                    "sample_indices": [s.index for s in rows],
+                    "rollout_ids": list(partition),
+                    "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.int32) for s in rows],
+                    "rollout_mask_sums": torch.tensor([float(sum(s.loss_mask)) for s in rows]),
+                    "rollout_log_probs": [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in rows],
+                    **per_token,
+                    "advantages": advantages,
+                    "returns": [a.clone() for a in advantages],
+                    "micro_batch_indices": [[0, 1], [2, 3]],  # local rows, two micro-batches of two
+                    "num_microbatches": [2],
+                    "global_batch_sizes": [len(samples)],
+                },
+                lambda value, _total, _response: value,  # context parallelism 1: each rank holds the whole value
+                keep_restored=True,
+            )
+
+        positions = list(range(len(samples)))
+        shards = [{"rank": r, "data_parallel_rank": r, "rollout_data": shard(positions[r::DP])} for r in range(DP)]
+        path = out / "train_data" / f"{rollout_id}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(_build_dump_payload(shards, rollout_id=rollout_id, writer_rank=0), path)
+    print(f"wrote {out} with slime {COMMIT}'s writers")
+
+
+if __name__ == "__main__":
+    main()
