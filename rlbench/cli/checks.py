@@ -23,7 +23,7 @@ app.add_typer(check_app, name="check")
 
 @check_app.command("logprobs")
 def check_logprobs(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_dir: Annotated[Path, typer.Argument(help="A run directory, or a slime --dump-details directory.")],
     recompute: Annotated[
         bool,
         typer.Option(
@@ -65,20 +65,22 @@ exceeded."""
     from dataclasses import asdict
 
     from rlbench.checks.logprobs import check_logprobs as run_check
+    from rlbench.replay.slime import as_runs
 
-    report = run_check(
-        run_dir,
-        top,
-        {
-            "train_rollout_logprob_abs_diff": max_mean,
-            "token_mean_abs": max_token_mean,
-            "p99_abs": max_p99,
-            "max_abs": max_abs,
-            "k3_kl": max_k3,
-            "mean_exp_abs": max_exp,
-        },
-        recompute,
-    )
+    with as_runs(run_dir) as (run,):  # a slime --dump-details directory is imported first
+        report = run_check(
+            run,
+            top,
+            {
+                "train_rollout_logprob_abs_diff": max_mean,
+                "token_mean_abs": max_token_mean,
+                "p99_abs": max_p99,
+                "max_abs": max_abs,
+                "k3_kl": max_k3,
+                "mean_exp_abs": max_exp,
+            },
+            recompute,
+        )
     if as_json:
         stdout.print_json(json.dumps(asdict(report)))
     else:

@@ -33,7 +33,11 @@ def import_slime(
         ),
     ] = None,
     tokenizer: Annotated[
-        Optional[Path], typer.Option(help="Tokenizer directory the dumps were tokenised with. \\[default: the fixture]")
+        Optional[Path],
+        typer.Option(
+            help="Tokenizer directory the dumps were tokenised with. \\[default: a --dump-details directory's "
+            "tokenizer/, else the fixture]"
+        ),
     ] = None,
     reward_key: Annotated[
         Optional[str], typer.Option(help="When rewards are dicts: the key to use (slime's --reward-key).")
@@ -65,7 +69,9 @@ rollout and the samples, and nothing is written.
     summary = run_import(
         dumps,
         out,
-        ModelConfig(path=str(model or defaults.path), init=init, tokenizer=str(tokenizer or defaults.tokenizer)),
+        ModelConfig(
+            path=str(model or defaults.path), init=init, tokenizer=str(tokenizer or _saved(dumps) or defaults.tokenizer)
+        ),
         reward_key,
         model_given=model is not None,
     )
@@ -73,6 +79,13 @@ rollout and the samples, and nothing is written.
         stdout.print_json(json.dumps(summary))
     else:
         _render_import(summary)
+
+
+def _saved(dumps: list[Path]) -> Path | None:
+    """The tokenizer slime saved in a --dump-details directory (DIR/tokenizer/), where one is given."""
+    if len(dumps) == 1 and (dumps[0] / "tokenizer").is_dir():
+        return dumps[0] / "tokenizer"
+    return None
 
 
 def _render_import(summary: dict) -> None:

@@ -57,7 +57,10 @@ a run directory, a corrupt recording) exits 2 with no file left.
         raise BadInput("exists: give a new file (a report never overwrites one)", path=out)
     if not out.parent.is_dir():
         raise BadInput("no such directory to write the report into", path=out.parent)
-    page = render(collect(run_dir, run_b, golden, parse_renames(rename), tier, ignore or []))
+    from rlbench.replay.slime import as_runs
+
+    with as_runs(run_dir, run_b) as (a, b):  # a slime --dump-details directory is imported first
+        page = render(collect(a, b, golden, parse_renames(rename), tier, ignore or []))
     handle, temporary = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=out.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:

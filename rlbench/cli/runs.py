@@ -369,9 +369,13 @@ def _render_replay(res) -> None:
 
 @app.command()
 def diff(
-    run_a: Annotated[Path, typer.Argument(help="A run directory.")],
+    run_a: Annotated[Path, typer.Argument(help="A run directory, or a slime --dump-details directory.")],
     run_b: Annotated[
-        Path, typer.Argument(help="Another run directory (a replay, a resumed run, a run on other hardware...).")
+        Path,
+        typer.Argument(
+            help="Another run directory (a replay, a resumed run, a run on other hardware, another slime run's "
+            "--dump-details directory...)."
+        ),
     ],
     atol: Annotated[
         Optional[float],
@@ -397,8 +401,11 @@ Exit 0: no difference; exit 1: a difference.
     from dataclasses import asdict
 
     from rlbench.replay.diff import diff as diff_runs
+    from rlbench.replay.slime import as_runs
 
-    res = diff_runs(run_a, run_b, atol, rtol, steps)
+    with as_runs(run_a, run_b) as (a, b):  # a slime --dump-details directory is imported first
+        res = diff_runs(a, b, atol, rtol, steps)
+    res.a, res.b = str(run_a), str(run_b)
     if as_json:
         stdout.print_json(json.dumps(asdict(res), default=str))
     else:
@@ -423,8 +430,13 @@ def _render_diff(res) -> None:
         checkpoints = describe({side: len(done) for side, done in res.checkpoints_verified.items()})
         stdout.print(
             f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
-            f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); recordings verified: "
-            f"{verified}; {checkpoints}",
+            f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); "
+            + (
+                f"the training schedules (DP shards, micro-batches) of {res.schedules_compared} steps compared; "
+                if res.schedules_compared
+                else ""
+            )
+            + f"recordings verified: {verified}; {checkpoints}",
             markup=False,
             highlight=False,
             soft_wrap=True,

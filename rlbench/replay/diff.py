@@ -65,6 +65,7 @@ class DiffResult:
     recordings_verified: dict[str, int] = field(default_factory=dict)  # {"A": steps, "B": steps}
     checkpoints_verified: dict[str, list[int]] = field(default_factory=dict)  # {"A": [steps done, ...], "B": ...}
     advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
+    schedules_compared: int = 0  # steps whose training schedules (imported slime DP shards) were compared
 
 
 def verify_recordings(run: RunDir) -> int:
@@ -268,6 +269,39 @@ def _span(text: str, run_a: RunDir, run_b: RunDir) -> range:
     return range(first, last)
 
 
+# The stages a training schedule (DP layout, micro-batches) can change: where a different one is named first.
+TRAIN_SIDE = ("advantages", "old_logprobs", "loss", "grads", "weights", "engine_weights")
+
+
+def _schedules_recorded(run: RunDir) -> bool:
+    """Whether the run's steps record their training schedule: an import of slime's train dumps (DP shards)."""
+    return bool((run.manifest.get("imported") or {}).get("train_format"))
+
+
+def _schedule_difference(run_a: RunDir, run_b: RunDir, step: int) -> Difference | None:
+    """Where two imported slime runs trained a step's samples differently: another DP layout, or other
+    micro-batches on a DP rank (each a list of the samples' rollout positions)."""
+    from rlbench.rundir.recording import read_step
+
+    layouts = [read_step(run.root, step)[1].get("dp_shards") or [] for run in (run_a, run_b)]
+    if layouts[0] == layouts[1]:
+        return None
+    if len(layouts[0]) != len(layouts[1]):
+        return Difference(step, "schedule", f"DP layout: {len(layouts[0])} DP ranks in A, {len(layouts[1])} in B")
+    for a, b in zip(*layouts):
+        rank = a.get("data_parallel_rank")
+        for key in ("partition", "micro_batch_indices", "num_microbatches", "global_batch_sizes"):
+            if a.get(key) != b.get(key):
+                return Difference(
+                    step,
+                    "schedule",
+                    f"DP rank {rank}: {key} differs (the samples trained together, and so every number after them)",
+                    a=a.get(key),
+                    b=b.get(key),
+                )
+    return Difference(step, "schedule", "the DP layout differs")
+
+
 def diff(
     a: str | Path, b: str | Path, atol: float | None = None, rtol: float | None = None, steps: str | None = None
 ) -> DiffResult:
@@ -307,8 +341,13 @@ def diff(
             field="stages",
         )
     first, comparisons = None, 0
+    schedules = _schedules_recorded(run_a) and _schedules_recorded(run_b)
     for step in steps:
+        schedule = _schedule_difference(run_a, run_b, step) if schedules else None
         for stage in stages:
+            if schedule is not None and stage in TRAIN_SIDE:  # the cause, named before the numbers it changes
+                first = schedule
+                break
             comparisons += 1
             if sums_a[step][stage] == sums_b[step][stage]:
                 continue  # equal bits: equal within any tolerance
@@ -324,6 +363,8 @@ def diff(
                 )
             if first is not None:
                 break
+        if first is None and schedule is not None:
+            first = schedule
         if first is not None:
             break
     if first is None and set(sums_a) != set(sums_b):
@@ -350,6 +391,7 @@ def diff(
         verified,
         {side: v.steps_done for side, v in checkpoints.items()},
         layout_advice(run_a.manifest, run_b.manifest, first),
+        len(steps) if schedules else 0,
     )
 
 

@@ -27,6 +27,7 @@ Every field of slime's Sample (slime/utils/types.py) is used, kept or refused (F
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -399,3 +400,41 @@ def _write(
             writer.commit_step(step, state.tensors, state.sample_meta, state.checksums, state.metrics, state.extra)
     finally:
         writer.close()
+
+
+def is_dump_directory(path: Path) -> bool:
+    """A slime `--dump-details` directory (rollout_data/ beside, no run directory's manifest)."""
+    return (Path(path) / "rollout_data").is_dir() and not (Path(path) / "manifest.json").exists()
+
+
+@contextmanager
+def as_runs(*paths: Path):
+    """Each path as a run directory: itself, or a slime `--dump-details` directory imported (with the tokenizer
+    slime saved beside its dumps, DIR/tokenizer/) into a temporary run directory, removed afterwards. What diff,
+    report and check logprobs read a slime run through."""
+    import shutil
+    import tempfile
+
+    made: list[Path] = []
+    try:
+        runs = []
+        for path in paths:
+            if path is None or not is_dump_directory(Path(path)):
+                runs.append(path)
+                continue
+            path = Path(path)
+            tokenizer = path / "tokenizer"
+            if not tokenizer.is_dir():
+                raise BadInput(
+                    "a slime --dump-details directory without tokenizer/ (slime saves it there with a global "
+                    "dataset): import it with `rlbench import slime DIR --tokenizer TOKENIZER --out RUN` and give RUN",
+                    path=path,
+                )
+            made.append(Path(tempfile.mkdtemp(prefix="rlbench-slime-dump-")))
+            run = made[-1] / path.name
+            import_slime([path], run, ModelConfig(init="random", tokenizer=str(tokenizer)), model_given=False)
+            runs.append(run)
+        yield runs
+    finally:
+        for directory in made:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,7 @@ def test_a_dump_directory_imports_whole_and_two_imports_compare_equal(reference,
     assert same.returncode == 0
     assert "3 steps x 6 stages, 18 checksums compared" in same.stdout
     assert "advantages, old_logprobs" in same.stdout
+    assert "the training schedules (DP shards, micro-batches) of 3 steps compared" in same.stdout
     from rlbench.rundir import recording
 
     tensors, meta = recording.read_step(reference, 1)
@@ -136,3 +138,51 @@ def test_slimes_format_1_is_named_and_refused(tmp_path):
     done = _import(old, tmp_path / "out")
     assert done.returncode == 2
     assert "format 1" in done.stderr and "0_0.pt" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            lambda d: [shard.update(micro_batch_indices=[[0, 1, 2], [3]]) for shard in d["dp_shards"]],
+            "micro_batch_indices differs",
+        ),
+        (lambda d: d["dp_shards"][0].update(global_batch_sizes=[4, 4], num_microbatches=[1, 1]), "num_microbatches"),
+    ],
+)
+def test_another_micro_batch_split_is_named_as_the_cause_before_the_numbers(reference, tmp_path, change, says):
+    planted = _copy(tmp_path, "split")
+    _edit(planted / "train_data" / "1.pt", change)
+    out = tmp_path / "out"
+    assert _import(planted, out).returncode == 0
+    done = cli("diff", str(reference), str(out), "--json")
+    assert done.returncode == 1, done.stdout
+    first = json.loads(done.stdout)["first"]
+    assert (first["step"], first["stage"]) == (1, "schedule") and says in first["where"], first
+
+
+def test_diff_check_and_report_take_a_dump_directory_itself(tmp_path):
+    """No import step: diff, check logprobs and report read a --dump-details directory as they read a run (its
+    tokenizer the one slime saved beside the dumps), and name it, not a temporary copy."""
+    from tests.cpu.test_report import open_in_browser
+
+    before = set(Path(tempfile.gettempdir()).glob("rlbench-slime-dump-*"))
+    same = cli("diff", str(V2), str(V2))
+    assert same.returncode == 0 and "3 steps x 6 stages, 18 checksums compared" in same.stdout, same.stderr
+    planted = _copy(tmp_path, "planted")
+    _edit(planted / "train_data" / "2.pt", _log_prob)
+    differ = cli("diff", str(V2), str(planted), "--json")
+    assert differ.returncode == 1
+    found = json.loads(differ.stdout)
+    assert (found["first"]["step"], found["first"]["stage"]) == (2, "old_logprobs") and found["b"] == str(planted)
+    check = cli("check", "logprobs", str(V2), "--json")
+    assert check.returncode == 0 and json.loads(check.stdout)["source"] == "recorded"
+    for name, runs in (("one", [V2]), ("pair", [V2, planted])):
+        page = tmp_path / f"{name}.html"
+        done = cli("report", *map(str, runs), "--out", str(page))
+        assert done.returncode == 0, done.stderr
+        dom, console = open_in_browser(page, tmp_path / f"{name}.png")
+        assert console == []
+        if name == "pair":
+            assert "First divergence at <b>step 2</b>, stage <b>old_logprobs</b>" in dom
+    assert set(Path(tempfile.gettempdir()).glob("rlbench-slime-dump-*")) == before  # the imports were removed

@@ -9,6 +9,7 @@ slime writes one for three rollouts of a run with two data-parallel ranks:
 - rollout_data/{id}.pt: slime.observability.rollout_data_utils.save_debug_rollout_data, on slime `Sample`s
   whose token ids are the fixture tokenizer's (rlbench/fixtures/tokenizers/qwen-tiny), and eval_{id}.pt for
   rollout 0 (an eval dump, which an import skips);
+- tokenizer/: the run's tokenizer (the fixture's), saved as slime's data source saves it;
 - train_data/{id}.pt: format 2, slime.observability.train_data_utils._build_dump_payload over what each DP
   rank holds after training (restore_context_parallel_fields_to_cpu with context parallelism 1, as the writer
   runs it), saved as save_debug_train_data saves it (torch.save of the payload). The values a trainer would
@@ -110,6 +111,11 @@ def main() -> None:
         path = out / "train_data" / f"{rollout_id}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_build_dump_payload(shards, rollout_id=rollout_id, writer_rank=0), path)
+    # slime's data source saves the run's tokenizer beside the dumps (rollout/data_source.py: save_pretrained)
+    from transformers import AutoTokenizer
+
+    fixture = Path(__file__).resolve().parents[2] / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
+    AutoTokenizer.from_pretrained(fixture).save_pretrained(out / "tokenizer")
     print(f"wrote {out} with slime {COMMIT}'s writers")
 
 
