@@ -84,7 +84,7 @@ rollout and the samples, and nothing is written.
 def _saved(dumps: list[Path]) -> Path | None:
     """The tokenizer slime saved in a --dump-details directory (DIR/tokenizer/), where one is given."""
     if len(dumps) == 1 and (dumps[0] / "tokenizer").is_dir():
-        return dumps[0] / "tokenizer"
+        return (dumps[0] / "tokenizer").resolve()
     return None
 
 

@@ -432,7 +432,8 @@ def as_runs(*paths: Path):
                 )
             made.append(Path(tempfile.mkdtemp(prefix="rlbench-slime-dump-")))
             run = made[-1] / path.name
-            import_slime([path], run, ModelConfig(init="random", tokenizer=str(tokenizer)), model_given=False)
+            model = ModelConfig(init="random", tokenizer=str(tokenizer.resolve()))
+            import_slime([path.resolve()], run, model, model_given=False)
             runs.append(run)
         yield runs
     finally:

@@ -186,3 +186,17 @@ def test_diff_check_and_report_take_a_dump_directory_itself(tmp_path):
         if name == "pair":
             assert "First divergence at <b>step 2</b>, stage <b>old_logprobs</b>" in dom
     assert set(Path(tempfile.gettempdir()).glob("rlbench-slime-dump-*")) == before  # the imports were removed
+
+
+def test_check_logprobs_gives_slimes_own_metric_for_each_rollout():
+    """slime's train_rollout_logprob_abs_diff of each rollout, computed by slime's own reducer on the same tensors
+    (tests/slime_dumps/make_dumps.py `expected_metrics`, committed in tests/slime_dumps/expected.json), against
+    `check logprobs` on the dump directory, run from its relative path as a user types it."""
+    expected = json.loads((REPO / "tests" / "slime_dumps" / "expected.json").read_text())
+    done = cli("check", "logprobs", "examples/slime-dump-details", "--json", cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    got = {str(row["step"]): row["train_rollout_logprob_abs_diff"] for row in json.loads(done.stdout)["per_step"]}
+    slime = expected["train_rollout_logprob_abs_diff"]
+    assert set(got) == set(slime) == {"0", "1", "2"}
+    for rollout, value in slime.items():
+        assert abs(got[rollout] - value) <= 1e-6, (rollout, got[rollout], value)

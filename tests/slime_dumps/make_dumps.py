@@ -10,6 +10,7 @@ slime writes one for three rollouts of a run with two data-parallel ranks:
   whose token ids are the fixture tokenizer's (rlbench/fixtures/tokenizers/qwen-tiny), and eval_{id}.pt for
   rollout 0 (an eval dump, which an import skips);
 - tokenizer/: the run's tokenizer (the fixture's), saved as slime's data source saves it;
+- tests/slime_dumps/expected.json: slime's own train_rollout_logprob_abs_diff of each rollout (expected_metrics);
 - train_data/{id}.pt: format 2, slime.observability.train_data_utils._build_dump_payload over what each DP
   rank holds after training (restore_context_parallel_fields_to_cpu with context parallelism 1, as the writer
   runs it), saved as save_debug_train_data saves it (torch.save of the payload). The values a trainer would
@@ -111,12 +112,48 @@ def main() -> None:
         path = out / "train_data" / f"{rollout_id}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_build_dump_payload(shards, rollout_id=rollout_id, writer_rank=0), path)
+    expected_metrics(out, Path(__file__).resolve().parent / "expected.json")
     # slime's data source saves the run's tokenizer beside the dumps (rollout/data_source.py: save_pretrained)
     from transformers import AutoTokenizer
 
     fixture = Path(__file__).resolve().parents[2] / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
     AutoTokenizer.from_pretrained(fixture).save_pretrained(out / "tokenizer")
     print(f"wrote {out} with slime {COMMIT}'s writers")
+
+
+def expected_metrics(dumps: Path, path: Path) -> None:
+    """slime's train_rollout_logprob_abs_diff of each rollout, computed by slime's own reducer on the train dump's
+    tensors: loss.py's sum_of_sample_mean(|log_probs - rollout_log_probs|) with slime/backends/megatron_utils/
+    cp_utils.py's get_sum_of_sample_mean (context parallelism 1: megatron-core's mpu stood in for by the two answers
+    it gives there), over the step's rollouts (its global batch size), as the logged metric is reduced."""
+    import json
+    import types
+
+    import megatron.core
+    import torch
+
+    mpu = types.ModuleType("megatron.core.mpu")
+    mpu.get_context_parallel_world_size = lambda: 1
+    mpu.get_context_parallel_rank = lambda: 0
+    sys.modules["megatron.core.mpu"] = megatron.core.mpu = mpu
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+
+    values = {}
+    for file in sorted((dumps / "train_data").glob("*.pt")):
+        dump = torch.load(file, weights_only=True)
+        samples = dump["samples"]
+        reduce = get_sum_of_sample_mean(
+            [s["total_lengths"] for s in samples],
+            [s["response_lengths"] for s in samples],
+            [s["loss_masks"] for s in samples],
+            [s["rollout_mask_sums"] for s in samples],
+        )
+        delta = torch.cat([(s["log_probs"] - s["rollout_log_probs"]).abs() for s in samples])
+        rollouts = dump["dp_shards"][0]["global_batch_sizes"][0]
+        values[str(dump["rollout_id"])] = float(reduce(delta)) / rollouts
+    path.write_text(
+        json.dumps({"slime_commit": COMMIT, "train_rollout_logprob_abs_diff": values}, indent=1, sort_keys=True) + "\n"
+    )
 
 
 if __name__ == "__main__":
