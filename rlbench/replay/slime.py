@@ -36,7 +36,7 @@ from rlbench.config import ModelConfig, RunConfig
 from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 from rlbench.replay.pickled import load_torch_file
-from rlbench.replay.slime_sample import FIELDS, NOT_TRAINED, read_sample
+from rlbench.replay.slime_sample import FIELDS, NOT_TRAINED, plain_json, read_sample
 
 
 def load_dump(path: Path) -> dict:
@@ -48,6 +48,13 @@ def load_dump(path: Path) -> dict:
         or not isinstance(dump.get("samples"), list)
     ):
         raise BadInput("expected {'rollout_id': int, 'samples': [Sample.to_dict(), ...]}", path=path)
+    extra = sorted(set(dump) - {"rollout_id", "samples", "metadata"})
+    if extra:
+        raise BadInput(
+            f"top-level keys slime's (and Miles') rollout dump does not write: {', '.join(extra)}", path=path
+        )
+    if not isinstance(dump.get("metadata", {}), dict):
+        raise BadInput("expected a dict (Miles' rollout-dump metadata)", path=path, field="metadata")
     if is_eval_dump(path, dump["rollout_id"]):
         raise BadInput(
             f"an evaluation dump (slime writes eval_{dump['rollout_id']} in the --save-debug-rollout-data "
@@ -199,9 +206,18 @@ def import_slime(
     steps = [(dump["rollout_id"], path, _read_step(dump, path, reward_key, vocab, vocabulary)) for dump, path in loaded]
     counts, notes = _notes(steps)
     notes = dir_notes + notes
+    metadata = {
+        rid: plain_json(d["metadata"], p, "metadata") for (d, p), (rid, _, _) in zip(loaded, steps) if d.get("metadata")
+    }
+    if metadata:
+        keys = sorted({k for m in metadata.values() for k in m})
+        notes.append(
+            f"Miles' rollout-dump metadata ({', '.join(keys)}) of {len(metadata)} rollout ids kept in their steps' "
+            "JSON, not used"
+        )
     trained = _train_side(loaded, steps, train_files, notes) if train_files else None
     sizes = [_group_sizes(rows) for _, _, rows in steps]
-    _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)), trained)
+    _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)), trained, metadata)
     flat = sorted({s for step_sizes in sizes for s in step_sizes})
     return {
         "out": str(out),
@@ -323,6 +339,7 @@ def _write(
     dumps: list[Path],
     vocab: Vocab,
     trained: list[dict] | None = None,
+    metadata: dict | None = None,
 ) -> None:
     """The recording: a rollout-only manifest (its vocabulary: the one the ids were held to, core/vocab.py)
     and one committed step per dump. The dumps do not say slime's batch settings: prompts per step and
@@ -393,6 +410,8 @@ def _write(
                     meta["slime_train"] = kept
                     meta["data_parallel_rank"] = dp
                 state.extra["dp_shards"] = side["layout"]
+            if (metadata or {}).get(rollout_id):
+                state.extra["miles_metadata"] = metadata[rollout_id]
             checksum_inputs(state)
             state.checksums.update(
                 {k: v for k, v in recorded_checksums(state.tensors).items() if k in ("advantages", "old_logprobs")}

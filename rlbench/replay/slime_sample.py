@@ -93,19 +93,19 @@ def _floats(value, path: Path, where: str) -> list[float]:
     return [float(v) for v in value]
 
 
-def _plain(value, path: Path, where: str):
+def plain_json(value, path: Path, where: str):
     """`value` as JSON keeps it: tensors as lists, tuples as lists, integer dict keys as decimal strings."""
     if torch.is_tensor(value):
         return value.tolist()
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_plain(v, path, f"{where}[{k}]") for k, v in enumerate(value)]
+        return [plain_json(v, path, f"{where}[{k}]") for k, v in enumerate(value)]
     if isinstance(value, dict):
         bad = next((k for k in value if not isinstance(k, (str, int)) or isinstance(k, bool)), None)
         if bad is not None:
             raise BadInput(f"{where}: a key {bad!r} that JSON cannot keep (string and integer keys only)", path=path)
-        return {str(k): _plain(v, path, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): plain_json(v, path, f"{where}.{k}") for k, v in value.items()}
     raise BadInput(f"{where}: holds a {type(value).__name__}, which the recording's JSON cannot keep", path=path)
 
 
@@ -133,7 +133,7 @@ def _messages(prompt, path: Path, where: str) -> list[dict]:
                     )
         elif content is not None and not isinstance(content, str):
             raise BadInput(f"{where}[{k}].content: expected a string, null or a list of content parts", path=path)
-    return _plain(prompt, path, where)
+    return plain_json(prompt, path, where)
 
 
 def _nucleus(raw: dict, path: Path, where: str, n: int) -> tuple[list[int], list[int]] | None:
@@ -201,9 +201,9 @@ def _spans(raw: dict, path: Path, where: str) -> tuple[list[int], int, list[int]
 
 def _kept(raw: dict, path: Path, where: str) -> dict:
     """Every field that is not used, as JSON, under its own name (a dict reward too, whole)."""
-    kept = {k: _plain(v, path, f"{where}.{k}") for k, v in raw.items() if FIELDS.get(k) not in ("used", "refused")}
+    kept = {k: plain_json(v, path, f"{where}.{k}") for k, v in raw.items() if FIELDS.get(k) not in ("used", "refused")}
     if isinstance(raw.get("reward"), dict):
-        kept["reward"] = _plain(raw["reward"], path, f"{where}.reward")
+        kept["reward"] = plain_json(raw["reward"], path, f"{where}.reward")
     return kept
 
 
@@ -261,7 +261,7 @@ def read_sample(raw: dict, path: Path, i: int, reward_key: str | None) -> dict:
             "prompt_index": group,
             "group": group,
             "messages": messages,
-            "label": _plain(raw.get("label"), path, f"{where}.label"),
+            "label": plain_json(raw.get("label"), path, f"{where}.label"),
             "response": raw.get("response") or "",
             "response_length": n,
             "finish_reason": STATUS_TO_FINISH[status],

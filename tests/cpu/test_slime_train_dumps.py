@@ -78,6 +78,12 @@ def _rollout_log_prob(dump):  # both files say so: the engine's log-prob itself 
     dump["samples"][2]["rollout_log_probs"][1] = -9.0
 
 
+def _token(dump):  # a sampled id, in both files: the rollout itself differs
+    sample = dump["samples"][4]
+    tokens = sample["tokens"]
+    tokens[-1] = 5 if tokens[-1] != 5 else 6
+
+
 def _reward(dump):
     dump["samples"][6]["reward"] = 1.0 - dump["samples"][6]["reward"]
 
@@ -89,6 +95,7 @@ def _reward(dump):
         (["train_data/1.pt"], _advantage, "advantages", 3),
         (["rollout_data/1.pt", "train_data/1.pt"], _rollout_log_prob, "rollout_logprobs", 2),
         (["rollout_data/1.pt"], _reward, "rewards", 6),
+        (["rollout_data/1.pt", "train_data/1.pt"], _token, "rollout_tokens", 4),
     ],
 )
 def test_a_planted_change_is_found_at_its_rollout_stage_and_sample(reference, tmp_path, files, change, stage, sample):
@@ -200,3 +207,22 @@ def test_check_logprobs_gives_slimes_own_metric_for_each_rollout():
     assert set(got) == set(slime) == {"0", "1", "2"}
     for rollout, value in slime.items():
         assert abs(got[rollout] - value) <= 1e-6, (rollout, got[rollout], value)
+
+
+def test_miles_rollout_dump_metadata_is_kept_and_an_unknown_top_level_key_refused(tmp_path):
+    """Miles' rollout dumps carry a top-level `metadata` (radixark/miles e0540eb29): kept in the step's JSON and
+    named; a key neither writes is refused by name, never dropped."""
+    from rlbench.rundir import recording
+
+    miles = _copy(tmp_path, "miles")
+    _edit(miles / "rollout_data" / "1.pt", lambda d: d.update(metadata={"prompt_group_sizes": [4, 4]}))
+    out = tmp_path / "out"
+    done = _import(miles, out)
+    assert done.returncode == 0, done.stderr
+    assert "Miles' rollout-dump metadata (prompt_group_sizes) of 1 rollout ids kept" in done.stdout
+    _, meta = recording.read_step(out, 1)
+    assert meta["miles_metadata"] == {"prompt_group_sizes": [4, 4]}
+    odd = _copy(tmp_path, "odd")
+    _edit(odd / "rollout_data" / "2.pt", lambda d: d.update(sampler_state={"x": 1}))
+    done = _import(odd, tmp_path / "odd-out")
+    assert done.returncode == 2 and "does not write: sampler_state" in done.stderr and "2.pt" in done.stderr
