@@ -157,20 +157,23 @@ def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
     return counts, notes
 
 
-def dump_directory(directory: Path) -> tuple[list[Path], dict[int, Path], list[str]]:
+def dump_directory(directory: Path) -> tuple[list[Path], dict[int, list[Path]], list[str]]:
     """A `--dump-details` directory's training rollout dumps (rollout_data/{id}.pt), its train dumps by rollout
-    id (train_data/{id}.pt, slime's format 2; a format-1 file per rank is read, and refused by name), and notes
-    on what was skipped (evaluation dumps)."""
+    id (train_data/{id}.pt, slime's format 2; or format 1's file per rank, train_data/{id}_{rank}.pt, in rank
+    order), and notes on what was skipped (evaluation dumps)."""
     rollouts = directory / "rollout_data"
     if not rollouts.is_dir():
         raise BadInput("not a slime --dump-details directory (no rollout_data/)", path=directory)
     files = sorted(rollouts.glob("*.pt"))
     evals = [f for f in files if f.stem.startswith("eval_")]
-    train: dict[int, Path] = {}
-    for f in sorted((directory / "train_data").glob("*.pt")):
-        stem = f.stem.split("_")[0]
-        if stem.isdigit():
-            train.setdefault(int(stem), f)
+    train: dict[int, list[Path]] = {}
+    ranked = []
+    for f in (directory / "train_data").glob("*.pt"):
+        parts = f.stem.split("_")
+        if all(part.isdigit() for part in parts) and len(parts) in (1, 2):
+            ranked.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else -1, f))
+    for rollout_id, _, f in sorted(ranked):
+        train.setdefault(rollout_id, []).append(f)
     notes = [f"{len(evals)} evaluation dumps (rollout_data/eval_<id>.pt) skipped: not training data"] if evals else []
     if not (directory / "train_data").is_dir():
         notes.append("no train_data/: the rollout side only")
@@ -188,7 +191,7 @@ def import_slime(
 
     if not dumps:
         raise BadInput("no dump files given", field="DUMP")
-    train_files: dict[int, Path] = {}
+    train_files: dict[int, list[Path]] = {}
     dir_notes: list[str] = []
     if len(dumps) == 1 and Path(dumps[0]).is_dir():
         dumps, train_files, dir_notes = dump_directory(Path(dumps[0]))
@@ -232,20 +235,23 @@ def import_slime(
     }
 
 
-def _train_side(loaded, steps, train_files: dict[int, Path], notes: list[str]) -> list[dict] | None:
+def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[str]) -> list[dict] | None:
     """Each step's train-side tensors and layout from its train dump, joined to its rollout dump; None where the
     train dumps do not cover every sample of every step (then the recording holds the rollout side only, said in
     a note). Every finding of every join is gathered first: a Divergence naming them (nothing written)."""
     from rlbench.errors import Divergence
-    from rlbench.replay.slime_train import join, read_train_dump
+    from rlbench.replay.slime_train import join, read_train_dump, read_train_dump_v1
 
     joined, findings = [], []
     for (dump, _), (rollout_id, _, rows) in zip(loaded, steps):
-        path = train_files.get(rollout_id)
-        if path is None:
+        paths = train_files.get(rollout_id)
+        if not paths:
             findings.append(f"rollout {rollout_id}: no train dump (train_data/{rollout_id}.pt)")
             continue
-        train = read_train_dump(path)
+        if len(paths) == 1 and "_" not in paths[0].stem:
+            train, path = read_train_dump(paths[0]), paths[0]
+        else:
+            train, path = read_train_dump_v1(paths, dump["samples"], findings), paths[0]
         if train.rollout_id != rollout_id:
             raise BadInput(f"rollout_id {train.rollout_id}, in the file of rollout {rollout_id}", path=path)
         result = join(dump["samples"], train)
@@ -328,6 +334,7 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
         "dp": [s["data_parallel_rank"] for s in samples],
         "layout": layout,
         "file": str(train.path),
+        "format": train.format_version,
     }
 
 
@@ -385,7 +392,11 @@ def _write(
                     "files": [str(p) for _, p, _ in steps],
                     "rollout_ids": [rid for rid, _, _ in steps],
                     "group_sizes": sizes,
-                    **({"train_files": [t["file"] for t in trained], "train_format": 2} if trained else {}),
+                    **(
+                        {"train_files": [t["file"] for t in trained], "train_format": trained[0]["format"]}
+                        if trained
+                        else {}
+                    ),
                 },
                 "hashes": {
                     "model_config": file_digest(Path(model.path) / "config.json"),

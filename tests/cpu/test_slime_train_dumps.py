@@ -137,14 +137,14 @@ def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_w
     assert not out.exists()
 
 
-def test_slimes_format_1_is_named_and_refused(tmp_path):
+def test_a_format_1_file_that_is_not_what_slime_writes_is_refused_by_name(tmp_path):
     old = _copy(tmp_path, "v1")
     for path in (old / "train_data").glob("*.pt"):
         path.unlink()
     torch.save({"rollout_id": 0, "rank": 0, "rollout_data": {"tokens": []}}, old / "train_data" / "0_0.pt")
     done = _import(old, tmp_path / "out")
     assert done.returncode == 2
-    assert "format 1" in done.stderr and "0_0.pt" in done.stderr
+    assert "rollout_data: expected a dict of columns with response_lengths" in done.stderr and "0_0.pt" in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -226,3 +226,34 @@ def test_miles_rollout_dump_metadata_is_kept_and_an_unknown_top_level_key_refuse
     _edit(odd / "rollout_data" / "2.pt", lambda d: d.update(sampler_state={"x": 1}))
     done = _import(odd, tmp_path / "odd-out")
     assert done.returncode == 2 and "does not write: sampler_state" in done.stderr and "2.pt" in done.stderr
+
+
+def _v1_directory(tmp_path: Path) -> Path:
+    """The same rollouts with their train dumps in slime's format 1 (a file per rank, 2 DP x 2 TP copies), written
+    by slime's own format-1 writer from the same ranks' data (make_dumps.py --v1-writer)."""
+    v1 = tmp_path / "v1"
+    shutil.copytree(V2 / "rollout_data", v1 / "rollout_data")
+    shutil.copytree(V2 / "tokenizer", v1 / "tokenizer")
+    shutil.copytree(REPO / "tests" / "slime_dumps" / "v1" / "train_data", v1 / "train_data")
+    return v1
+
+
+def test_format_1_per_rank_files_read_as_the_same_run(reference, tmp_path):
+    v1 = _v1_directory(tmp_path)
+    out = tmp_path / "out"
+    done = _import(v1, out)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "manifest.json").read_text())["imported"]["train_format"] == 1
+    same = cli("diff", str(reference), str(out))
+    assert same.returncode == 0, same.stdout
+    assert "3 steps x 6 stages" in same.stdout and "schedules (DP shards, micro-batches) of 3 steps" in same.stdout
+
+
+def test_format_1_copies_that_disagree_and_rows_without_a_sample_are_findings(tmp_path):
+    v1 = _v1_directory(tmp_path)
+    _edit(v1 / "train_data" / "1_1.pt", lambda d: d["rollout_data"]["log_probs"][0].add_(1.0))
+    _edit(v1 / "train_data" / "2_2.pt", lambda d: d["rollout_data"]["sample_indices"].__setitem__(0, 999))
+    done = _import(v1, tmp_path / "out")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ranks 0 and 1 hold the same rows and disagree" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

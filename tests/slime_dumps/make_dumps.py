@@ -10,6 +10,7 @@ slime writes one for three rollouts of a run with two data-parallel ranks:
   whose token ids are the fixture tokenizer's (rlbench/fixtures/tokenizers/qwen-tiny), and eval_{id}.pt for
   rollout 0 (an eval dump, which an import skips);
 - tokenizer/: the run's tokenizer (the fixture's), saved as slime's data source saves it;
+- with --v1-writer: tests/slime_dumps/v1/train_data/{id}_{rank}.pt, the same ranks' data in slime's format 1;
 - tests/slime_dumps/expected.json: slime's own train_rollout_logprob_abs_diff of each rollout (expected_metrics);
 - train_data/{id}.pt: format 2, slime.observability.train_data_utils._build_dump_payload over what each DP
   rank holds after training (restore_context_parallel_fields_to_cpu with context parallelism 1, as the writer
@@ -35,6 +36,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slime", required=True, help=f"a checkout of THUDM/slime at {COMMIT}")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "examples" / "slime-dump-details"))
+    parser.add_argument(
+        "--v1-writer",
+        help="slime's format-1 writer, `git show 681b3adca^:slime/utils/train_dump_utils.py` of slime's history: "
+        "with it, the same ranks' data is also written in format 1 (4 ranks: 2 DP x 2 TP copies) to --out-v1",
+    )
+    parser.add_argument("--out-v1", default=str(Path(__file__).resolve().parent / "v1" / "train_data"))
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.slime).resolve()))
     import torch
@@ -109,6 +116,8 @@ def main() -> None:
 
         positions = list(range(len(samples)))
         shards = [{"rank": r, "data_parallel_rank": r, "rollout_data": shard(positions[r::DP])} for r in range(DP)]
+        if args.v1_writer:  # before the payload is built from them: format 1 saved each rank's rollout_data as is
+            write_v1(args.v1_writer, Path(args.out_v1), rollout_id, shards)
         path = out / "train_data" / f"{rollout_id}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_build_dump_payload(shards, rollout_id=rollout_id, writer_rank=0), path)
@@ -119,6 +128,35 @@ def main() -> None:
     fixture = Path(__file__).resolve().parents[2] / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
     AutoTokenizer.from_pretrained(fixture).save_pretrained(out / "tokenizer")
     print(f"wrote {out} with slime {COMMIT}'s writers")
+
+
+def write_v1(writer: str, out: Path, rollout_id: int, shards: list[dict]) -> None:
+    """Format 1 as slime wrote it before 681b3adca: each rank's rollout_data (its rows without their positions:
+    process_rollout_data popped `partition`) saved by slime's own writer, once per rank, tensor-parallel ranks
+    (rank = 2 * dp + tp) writing the same rows."""
+    import copy
+    import importlib.util
+    from argparse import Namespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("slime_v1_train_dump_utils", writer)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    get_rank = torch.distributed.get_rank
+    try:
+        for shard in shards:
+            for tp in range(2):
+                data = copy.deepcopy(shard["rollout_data"])
+                data.pop("partition")
+                rank = 2 * shard["data_parallel_rank"] + tp
+                torch.distributed.get_rank = lambda *a, _rank=rank, **k: _rank
+                template = str(out / "{rollout_id}_{rank}.pt")
+                module.save_debug_train_data(
+                    Namespace(save_debug_train_data=template), rollout_id=rollout_id, rollout_data=data
+                )
+    finally:
+        torch.distributed.get_rank = get_rank
 
 
 def expected_metrics(dumps: Path, path: Path) -> None:
