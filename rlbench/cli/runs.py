@@ -441,6 +441,7 @@ def _render_diff(res) -> None:
             highlight=False,
             soft_wrap=True,
         )
+        _render_largest(res)
         return
     d = res.first
     stdout.print(f"[bold red]first difference[/]: step {d.step}, stage {d.stage} ({how})")
@@ -468,3 +469,16 @@ def _render_diff(res) -> None:
         render_table(around)
     if res.advice:
         stdout.print(f"advice: {res.advice}", markup=False, highlight=False, soft_wrap=True)
+    _render_largest(res)
+
+
+def _render_largest(res) -> None:
+    """With a tolerance: each value stage's largest difference over the run, wherever it was (within or not)."""
+    for stage, big in res.largest.items():
+        rel = f", {big['max_rel']:.3e} relative" if big["max_rel"] is not None else ""
+        stdout.print(
+            f"largest difference, {stage}: {big['max_abs']:.3e}{rel} at step {big['step']}, {big['where']}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -66,6 +66,9 @@ class DiffResult:
     checkpoints_verified: dict[str, list[int]] = field(default_factory=dict)  # {"A": [steps done, ...], "B": ...}
     advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
     schedules_compared: int = 0  # steps whose training schedules (imported slime DP shards) were compared
+    # With a tolerance: each value stage's largest |a - b| over every step compared ({stage: {"step", "where",
+    # "max_abs", "max_rel"}}), whether or not it is within the tolerance; a stage equal bit for bit is left out.
+    largest: dict[str, dict] = field(default_factory=dict)
 
 
 def verify_recordings(run: RunDir) -> int:
@@ -392,7 +395,42 @@ def diff(
         {side: v.steps_done for side, v in checkpoints.items()},
         layout_advice(run_a.manifest, run_b.manifest, first),
         len(steps) if schedules else 0,
+        _largest(run_a, run_b, steps, stages, sums_a, sums_b) if tol is not None else {},
     )
+
+
+VALUE_STAGES = {**{k: v for k, v in TOKEN_STAGES.items() if k != "rollout_tokens"}, **SAMPLE_STAGES, "loss": "losses"}
+
+
+def _largest(run_a: RunDir, run_b: RunDir, steps: list[int], stages: list[str], sums_a: dict, sums_b: dict) -> dict:
+    """Each value stage's largest |a - b| over the steps both runs committed (a stage whose checksums agree at
+    every step is 0 there and left out): where it is, and how large, absolute and relative."""
+    found: dict[str, dict] = {}
+    for step in steps:
+        differing = [k for k in stages if k in VALUE_STAGES and sums_a[step][k] != sums_b[step][k]]
+        if not differing:
+            continue
+        (ta, _), (tb, _) = _load(run_a, step), _load(run_b, step)
+        for stage in differing:
+            key = VALUE_STAGES[stage]
+            a, b = ta.get(key), tb.get(key)
+            if a is None or b is None or a.shape != b.shape or not a.is_floating_point():
+                continue
+            delta = (a.double() - b.double()).abs()
+            worst = int(delta.argmax())
+            size = float(delta[worst])
+            if stage not in found or size > found[stage]["max_abs"]:
+                where = _token_place(ta, worst) if key in TOKEN_STAGES.values() else f"sample {worst}"
+                if stage == "loss":
+                    where = f"minibatch {worst}"
+                scale = max(abs(float(a[worst])), abs(float(b[worst])))
+                found[stage] = {
+                    "step": step,
+                    "where": where,
+                    "max_abs": size,
+                    "max_rel": size / scale if scale else None,
+                }
+    return found
 
 
 def _metric_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) -> Difference | None:

@@ -257,3 +257,26 @@ def test_format_1_copies_that_disagree_and_rows_without_a_sample_are_findings(tm
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ranks 0 and 1 hold the same rows and disagree" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_with_a_tolerance_each_stage_reports_its_largest_difference(reference, tmp_path):
+    """Two changes in train log-probs: 0.5 at rollout 1, 1e-4 at rollout 2. Within rtol 1e-2 the runs part at the
+    first; within atol 1 they agree; either way the stage's largest difference is named, step and place."""
+    planted = _copy(tmp_path, "near")
+    _edit(planted / "train_data" / "1.pt", _log_prob)
+    _edit(
+        planted / "train_data" / "2.pt",
+        lambda d: d["samples"][0]["log_probs"].__setitem__(0, d["samples"][0]["log_probs"][0] + 1e-4),
+    )
+    out = tmp_path / "out"
+    assert _import(planted, out).returncode == 0
+    for tolerance, code in ((["--rtol", "1e-2"], 1), (["--atol", "1"], 0)):
+        done = cli("diff", str(reference), str(out), *tolerance, "--json")
+        assert done.returncode == code, done.stdout
+        largest = json.loads(done.stdout)["largest"]
+        assert set(largest) == {"old_logprobs"}
+        assert largest["old_logprobs"]["step"] == 1 and "sample 5" in largest["old_logprobs"]["where"]
+        assert abs(largest["old_logprobs"]["max_abs"] - 0.5) < 1e-6
+    text = cli("diff", str(reference), str(out), "--atol", "1")
+    assert text.stdout.startswith("no difference (within atol=1")
+    assert "largest difference, old_logprobs: 5.000e-01" in text.stdout and "at step 1, sample 5" in text.stdout
