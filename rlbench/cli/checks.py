@@ -129,7 +129,7 @@ def check_tito(
     target: Annotated[
         Optional[Path],
         typer.Argument(
-            help="A run directory, or a JSONL of {messages, "
+            help="A run directory, a slime --dump-details directory, or a JSONL of {messages, "
             "token_ids} trajectories (optional per row: tools, "
             "chat_template_kwargs, sampled: the engine's "
             "output ids of each assistant turn)."
@@ -239,7 +239,12 @@ with --strict.
             raise BadInput(
                 "--tito-model and --tito-allowed-append-roles choose the builder --audit plays", field="--tito-model"
             )
-        report = check_run(target, tokenizer, model, kwargs=kwargs if template_kwargs is not None else None)
+        from rlbench.replay.slime import as_runs
+
+        with as_runs(target) as (run,):  # a slime --dump-details directory is imported first
+            report = check_run(run, tokenizer, model, kwargs=kwargs if template_kwargs is not None else None)
+        if run != target:  # named as the user gave it, not as the temporary import
+            report.source = str(target)
         findings = [
             (f"{f.step}/{f.sample}" if f.step is not None else str(f.sample), f.finding) for f in report.findings
         ]

@@ -184,6 +184,8 @@ def test_diff_check_and_report_take_a_dump_directory_itself(tmp_path):
     assert (found["first"]["step"], found["first"]["stage"]) == (2, "old_logprobs") and found["b"] == str(planted)
     check = cli("check", "logprobs", str(V2), "--json")
     assert check.returncode == 0 and json.loads(check.stdout)["source"] == "recorded"
+    tito = cli("check", "tito", str(V2))  # no engine ids in slime's dumps: judged by evidence, never "no drift"
+    assert tito.stdout.startswith(f"{V2}: the recording holds no engine ids") and "no drift" not in tito.stdout
     for name, runs in (("one", [V2]), ("pair", [V2, planted])):
         page = tmp_path / f"{name}.html"
         done = cli("report", *map(str, runs), "--out", str(page))
