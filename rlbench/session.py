@@ -61,6 +61,7 @@ from rlbench.rundir.directory import RunDir, RunWriter, read_run
 from rlbench.rundir.failpoints import hit
 from rlbench.rundir.manifest import manifest
 from rlbench.rundir.recording import finish_reasons, read_step
+from rlbench.slime_rollout import slime_plugins
 
 if TYPE_CHECKING:
     import torch
@@ -188,7 +189,7 @@ def build(
     recorded_ids = _check_recording(config, source, start) if source is not None else 0
     dataset, reward_name, reward_fn = _dataset_and_reward(config, source)
     generate_name, generate_fn = _generate_fn(config, source)
-    plugin = _slime_plugins(config, tokenizer, source)
+    plugin = slime_plugins(config, tokenizer, source)
     if plugin is not None:
         generate_name, generate_fn = "", None
         if plugin.reward is not None:  # slime's reward scores inside generate_and_rm, never in the reward stage
@@ -426,29 +427,6 @@ def _start(
                 backend.close()
         raise
     return trainer, engine, made, writer
-
-
-def _slime_plugins(config: RunConfig, tokenizer, source: RunDir | None):
-    """The run's slime plugins (rlbench/slime_rollout.py), where it generates with a generate function of slime's
-    shape; None for rlbench's own contract (core/generate.py) and for runs without one. A reward function of
-    slime's shape needs one: it scores inside slime's generate_and_rm."""
-    from rlbench.slime_rollout import SlimeRollout, is_slime_generate, is_slime_reward
-
-    if source is not None:
-        return None
-    path, rm = config.rollout.custom_generate_function_path, config.reward.custom_rm_path
-    if path and is_slime_generate(path):
-        return SlimeRollout(config, tokenizer)
-    if rm and is_slime_reward(rm):
-        raise BadInput(
-            f"{rm} is a slime reward function (async rm(args, sample)), which slime calls from its generate_and_rm: "
-            "give a slime generate function too (--custom-generate-function-path), or an rlbench verifier "
-            "fn(sample: RewardInput) -> float",
-            field="reward.custom_rm_path",
-        )
-    if config.reward.group_rm:
-        raise BadInput("--group-rm needs a slime generate and reward function", field="reward.group_rm")
-    return None
 
 
 def _generate_env(

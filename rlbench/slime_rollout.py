@@ -180,7 +180,7 @@ class SlimeRollout:
                 served_model_name=config.model.path,
             )
             self.server = serve_in_thread(serve, engine, self.tokenizer)
-            self.server.state.request_log = []
+            self.server.state.worker.request_log = []
             host, port, engines = "127.0.0.1", self.server.state.port, 1
         else:
             from urllib.parse import urlsplit
@@ -229,14 +229,14 @@ class SlimeRollout:
         groups = [[self._sample(step, g, j, p, prompt_ids[p.index]) for j in range(n)] for g, p in enumerate(prompts)]
         params = [contract.group_params(self.base_params, n, self.rollout_seed, True) for _ in groups]
         if self.server is not None:
-            self.server.state.request_log.clear()
+            self.server.state.worker.request_log.clear()
             self.server.state.weight_version = str(_version(self.engine))
         results = self.loop.run(
             contract.run_groups(
                 self.args, groups, params, self.generate, self.reward, self.config.reward.group_rm, self.concurrency
             )
         )
-        log = list(self.server.state.request_log) if self.server is not None else None
+        log = list(self.server.state.worker.request_log) if self.server is not None else None
         vocab = self.vocab
         out: list[Sample] = []
         dropped: list[dict] = []
@@ -384,3 +384,24 @@ def _turn(tokens: list[int], start: int, end: int, logprobs: list[float], log: l
         }
     best = next((r for r in found if r["input_ids"] == before), found[0])
     return {"prompt_ids": list(best["input_ids"]), "output_ids": span}
+
+
+def slime_plugins(config: RunConfig, tokenizer, source) -> SlimeRollout | None:
+    """The run's slime plugins (rlbench/slime_rollout.py), where it generates with a generate function of slime's
+    shape; None for rlbench's own contract (core/generate.py) and for runs without one. A reward function of
+    slime's shape needs one: it scores inside slime's generate_and_rm."""
+    if source is not None:
+        return None
+    path, rm = config.rollout.custom_generate_function_path, config.reward.custom_rm_path
+    if path and is_slime_generate(path):
+        return SlimeRollout(config, tokenizer)
+    if rm and is_slime_reward(rm):
+        raise BadInput(
+            f"{rm} is a slime reward function (async rm(args, sample)), which slime calls from its generate_and_rm: "
+            "give a slime generate function too (--custom-generate-function-path), or an rlbench verifier "
+            "fn(sample: RewardInput) -> float",
+            field="reward.custom_rm_path",
+        )
+    if config.reward.group_rm:
+        raise BadInput("--group-rm needs a slime generate and reward function", field="reward.group_rm")
+    return None

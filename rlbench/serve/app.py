@@ -150,8 +150,6 @@ class Handlers:
             return StreamingResponse(self._stream(call), media_type="text/event-stream")
         jobs, prompts = await self._start(call)
         done = await asyncio.gather(*(job.future for job in jobs))
-        for job in done:
-            self._log(job)
         items = [
             self.answers.build(item, job, prompt, call.return_text_in_logprobs, final=True)
             for item, job, prompt in zip(call.items, done, prompts)
@@ -208,20 +206,6 @@ class Handlers:
         state.worker.submit(jobs)
         return jobs, prompts
 
-    def _log(self, job: Job) -> None:
-        """The request's ids in and out, with its log-probs, where the server keeps a request log."""
-        log = self.state.request_log
-        if log is not None:
-            log.append(
-                {
-                    "input_ids": list(job.request.prompt_ids),
-                    "output_ids": list(job.output_ids),
-                    "logprobs": list(job.logprobs),
-                    "seed": job.request.seed,
-                    "finish": job.finish.kind if job.finish is not None else None,
-                }
-            )
-
     def _text_of(self, item: rq.Item):
         if not item.sampling.stop:
             return None
@@ -263,7 +247,6 @@ class Handlers:
                 sent[i] = len(job.output_ids)
                 if job.done:
                     pending.discard(i)
-                    self._log(job)
                 yield sse_event(chunk)
         yield b"data: [DONE]\n\n"
 

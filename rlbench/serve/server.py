@@ -228,9 +228,6 @@ class ServerState:
         else:  # the run set up determinism and holds the tokenizer
             self.determinism, self.tokenizer = None, tokenizer
         self.engine = engine
-        # Each answered request as {"input_ids", "output_ids", "logprobs", "seed", "finish"}, when a list is given
-        # (appended on the server's event loop; read between steps, when no request is in flight).
-        self.request_log: list[dict] | None = None
         if config.prefix_cache_mb:
             from rlbench.backends.prompt_cache import PromptCache
 

@@ -104,6 +104,9 @@ class Call:
 class EngineWorker:
     def __init__(self, engine, gather_s: float = 0.002, max_rows: int = 64):
         self.engine, self.gather_s, self.max_rows = engine, gather_s, max_rows
+        # Each ended request as {"input_ids", "output_ids", "logprobs", "seed", "finish"}, where a list is given
+        # (slime plugins under `rlbench run`: appended on the event loop, read between steps, none in flight).
+        self.request_log: list[dict] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbench-engine")
         self._queue: list[Job | Call] = []  # waiting jobs and barrier calls, in arrival order
         self._between: list[Call] = []  # calls that run between two tokens
@@ -371,6 +374,16 @@ class EngineWorker:
         self._queue = retracted + self._queue
 
     def _resolve(self, job: Job) -> None:
+        if self.request_log is not None:
+            self.request_log.append(
+                {
+                    "input_ids": list(job.request.prompt_ids),
+                    "output_ids": list(job.output_ids),
+                    "logprobs": list(job.logprobs),
+                    "seed": job.request.seed,
+                    "finish": job.finish.kind,
+                }
+            )
         job.progressed.set()
         if job.future is not None and not job.future.done():
             job.future.set_result(job)
