@@ -54,10 +54,12 @@ by the log-prob checks; a top-p nucleus is kept for check logprobs --recompute; 
 samples and evaluation dumps (eval_<id>) are refused.
 
     A --dump-details directory brings slime's train dumps too (train_data/<id>.pt, format 2; or format 1's \
-<id>_<rank>.pt): each is joined to its rollout dump sample by sample (position, index, ids, lengths, loss mask, \
-engine log-probs, DP shards and micro-batches), and the recording gains the trainer's log-probs (old_logprobs, \
-ref_logprobs on trained tokens), the advantages and the DP layout, for diff and check. A pair that does not join \
-is a finding (exit 1) naming the rollout and the samples, and nothing is written.
+<id>_<rank>.pt, tensor-, pipeline- and context-parallel ranks put together): each is joined to its rollout dump \
+sample by sample (position, index, ids, lengths, loss mask, engine log-probs, DP shards and micro-batches), and the \
+recording gains the trainer's log-probs (old_logprobs, ref_logprobs on trained tokens), the advantages, the DP \
+layout and every other train-dump field, for diff and check. A pair that does not join is a finding (exit 1) naming \
+the rollout and the samples, and nothing is written. Miles' trajectory/ JSONL puts each conversation back in its \
+sample's metadata; its other sidecars are named and not read.
     """
     from rlbench.config import ModelConfig
     from rlbench.core.model import weight_files

@@ -432,7 +432,8 @@ def _render_diff(res) -> None:
             f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
             f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); "
             + (
-                f"the training schedules (DP shards, micro-batches) of {res.schedules_compared} steps compared; "
+                f"the training schedules (DP shards, micro-batches) of {res.schedules_compared} steps and "
+                f"{res.train_fields_compared} values of the train dumps' other fields compared; "
                 if res.schedules_compared
                 else ""
             )

@@ -3,9 +3,12 @@
 replay.py   replay a recording with no engine, verifying each stage; the train-only config
 resume.py   cut a killed run back to its committed steps and continue it
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
+diff_slime.py  what diff compares in imported slime runs beyond the stages: schedules, the train dumps' other fields
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
 slime.py    import slime's debug rollout dumps, or a --dump-details directory (torch.load with weights_only=True)
 slime_train.py  slime's train dumps (format 2) read field by field and joined to their rollout dumps
+slime_train_v1.py  format 1 (a file per rank, slime before 2026-08 and Miles): TP, PP and CP ranks put together
+slime_dir.py  a --dump-details directory: its parts, and Miles' sidecars
 slime_sample.py  one sample of such a dump, field by field (used, kept or refused by name)
 pickled.py  dumps loaded with weights_only=True; what a refused one's pickle names, from its opcodes, none run
 """

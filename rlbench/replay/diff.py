@@ -26,6 +26,7 @@ import math
 
 from rlbench.errors import BadInput
 from rlbench.replay.checkpoints import verify_checkpoints
+from rlbench.replay.diff_slime import schedule_difference, schedules_recorded, train_fields_difference
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
@@ -66,6 +67,7 @@ class DiffResult:
     checkpoints_verified: dict[str, list[int]] = field(default_factory=dict)  # {"A": [steps done, ...], "B": ...}
     advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
     schedules_compared: int = 0  # steps whose training schedules (imported slime DP shards) were compared
+    train_fields_compared: int = 0  # values of imported train dumps' other fields (kl, returns, ...) compared
     # With a tolerance: each value stage's largest |a - b| over every step compared ({stage: {"step", "where",
     # "max_abs", "max_rel"}}), whether or not it is within the tolerance; a stage equal bit for bit is left out.
     largest: dict[str, dict] = field(default_factory=dict)
@@ -276,35 +278,6 @@ def _span(text: str, run_a: RunDir, run_b: RunDir) -> range:
 TRAIN_SIDE = ("advantages", "old_logprobs", "loss", "grads", "weights", "engine_weights")
 
 
-def _schedules_recorded(run: RunDir) -> bool:
-    """Whether the run's steps record their training schedule: an import of slime's train dumps (DP shards)."""
-    return bool((run.manifest.get("imported") or {}).get("train_format"))
-
-
-def _schedule_difference(run_a: RunDir, run_b: RunDir, step: int) -> Difference | None:
-    """Where two imported slime runs trained a step's samples differently: another DP layout, or other
-    micro-batches on a DP rank (each a list of the samples' rollout positions)."""
-    from rlbench.rundir.recording import read_step
-
-    layouts = [read_step(run.root, step)[1].get("dp_shards") or [] for run in (run_a, run_b)]
-    if layouts[0] == layouts[1]:
-        return None
-    if len(layouts[0]) != len(layouts[1]):
-        return Difference(step, "schedule", f"DP layout: {len(layouts[0])} DP ranks in A, {len(layouts[1])} in B")
-    for a, b in zip(*layouts):
-        rank = a.get("data_parallel_rank")
-        for key in ("partition", "micro_batch_indices", "num_microbatches", "global_batch_sizes"):
-            if a.get(key) != b.get(key):
-                return Difference(
-                    step,
-                    "schedule",
-                    f"DP rank {rank}: {key} differs (the samples trained together, and so every number after them)",
-                    a=a.get(key),
-                    b=b.get(key),
-                )
-    return None  # the same rows and micro-batches on every DP rank (which global ranks wrote them aside)
-
-
 def diff(
     a: str | Path, b: str | Path, atol: float | None = None, rtol: float | None = None, steps: str | None = None
 ) -> DiffResult:
@@ -337,6 +310,12 @@ def diff(
         for side, count in verified.items()
         if count == 0
     ]
+    notes += [
+        f"{side}: the rollout dumps' other sample fields (kept in each sample's `slime` metadata: its metadata, "
+        "fields slime's Sample does not declare) are not compared"
+        for side, run in (("A", run_a), ("B", run_b))
+        if (run.manifest.get("imported") or {}).get("rollout_ids") is not None
+    ]
     if not stages:
         raise BadInput(
             f"the runs share no stage (A: {', '.join(keys_a)}; B: {', '.join(keys_b)}): nothing to compare",
@@ -344,9 +323,11 @@ def diff(
             field="stages",
         )
     first, comparisons = None, 0
-    schedules = _schedules_recorded(run_a) and _schedules_recorded(run_b)
+    schedules = schedules_recorded(run_a) and schedules_recorded(run_b)
+    train_fields = 0
     for step in steps:
-        schedule = _schedule_difference(run_a, run_b, step) if schedules else None
+        found = schedule_difference(run_a, run_b, step) if schedules else None
+        schedule = Difference(step, **found) if found else None
         for stage in stages:
             if schedule is not None and stage in TRAIN_SIDE:  # the cause, named before the numbers it changes
                 first = schedule
@@ -368,6 +349,10 @@ def diff(
                 break
         if first is None and schedule is not None:
             first = schedule
+        if first is None and schedules:  # what the train dumps hold beside the stages: kl, returns, ...
+            found, compared = train_fields_difference(run_a, run_b, step, tol)
+            first = Difference(step, **found) if found else None
+            train_fields += compared
         if first is not None:
             break
     if first is None and set(sums_a) != set(sums_b):
@@ -395,6 +380,7 @@ def diff(
         {side: v.steps_done for side, v in checkpoints.items()},
         layout_advice(run_a.manifest, run_b.manifest, first),
         len(steps) if schedules else 0,
+        train_fields,
         _largest(run_a, run_b, steps, stages, sums_a, sums_b) if tol is not None else {},
     )
 

@@ -86,6 +86,24 @@ def _scan(stream: io.BytesIO, names: list[str]) -> None:
             recent.append(None)
 
 
+def plain_pickle(path: Path) -> str | None:
+    """What a file written by pickle.dump rather than torch.save holds at its top ("list", "dict", ...): None for
+    torch's zip archive, torch's legacy format (its first pickle a number, the magic) or what does not parse.
+    Read from the first opcodes, none run."""
+    try:
+        if zipfile.is_zipfile(path):
+            return None
+        with open(path, "rb") as stream:
+            for op, _, _ in pickletools.genops(stream):
+                if op.name in ("PROTO", "FRAME"):
+                    continue
+                kinds = {"EMPTY_LIST": "list", "EMPTY_DICT": "dict", "EMPTY_TUPLE": "tuple", "MARK": "list or tuple"}
+                return None if op.name.startswith(("LONG", "INT", "BININT")) else kinds.get(op.name, "object")
+    except (OSError, ValueError, EOFError):
+        return None
+    return None
+
+
 def refused_globals(path: Path) -> list[str]:
     """The classes and functions in the file that torch.load(weights_only=True) does not load: what made it refuse
     the file (pickle's own machinery and the types torch allows left out)."""

@@ -36,12 +36,32 @@ from rlbench.config import ModelConfig, RunConfig
 from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 from rlbench.replay.pickled import load_torch_file
+from rlbench.replay.slime_dir import dump_directory, restore_trajectories
 from rlbench.replay.slime_sample import FIELDS, NOT_TRAINED, plain_json, read_sample
 
 
 def load_dump(path: Path) -> dict:
-    """One rollout dump file, loaded without unpickling anything but plain data."""
+    """One rollout dump file, loaded without unpickling anything but plain data. slime's formats before 2025-07-23
+    (tests/slime_dumps/NOTES.md 3.2) are named and refused: the train-data columns (e0be9a075..1dc85516d^, no
+    samples), and plain pickle (1dc85516d..ed2f3a999^: samples with no rollout id or group_index, pickled as
+    Python objects)."""
+    from rlbench.replay.pickled import plain_pickle
+
+    kind = plain_pickle(path) if path.is_file() else None
+    if kind is not None:
+        raise BadInput(
+            f"a plain pickle of a {kind}, not a torch.save file: slime's rollout dumps of 2025-06-24 to 2025-07-23 "
+            "(1dc85516d..ed2f3a999^) were pickle.dump of the samples, with no rollout id or group_index; rlbench "
+            "runs no pickle and reads slime's format since ed2f3a999 ({'rollout_id', 'samples'} by torch.save)",
+            path=path,
+        )
     dump = load_torch_file(path)
+    if isinstance(dump, dict) and "samples" not in dump and {"tokens", "response_lengths"} <= set(dump):
+        raise BadInput(
+            "slime's first rollout dump format (2025-06, e0be9a075..1dc85516d^): the train data's columns, not "
+            "samples; rlbench reads the samples slime dumps since ed2f3a999",
+            path=path,
+        )
     if (
         not isinstance(dump, dict)
         or not isinstance(dump.get("rollout_id"), int)
@@ -157,29 +177,6 @@ def _notes(steps: list[tuple[int, Path, list[dict]]]) -> tuple[dict, list[str]]:
     return counts, notes
 
 
-def dump_directory(directory: Path) -> tuple[list[Path], dict[int, list[Path]], list[str]]:
-    """A `--dump-details` directory's training rollout dumps (rollout_data/{id}.pt), its train dumps by rollout
-    id (train_data/{id}.pt, slime's format 2; or format 1's file per rank, train_data/{id}_{rank}.pt, in rank
-    order), and notes on what was skipped (evaluation dumps)."""
-    rollouts = directory / "rollout_data"
-    if not rollouts.is_dir():
-        raise BadInput("not a slime --dump-details directory (no rollout_data/)", path=directory)
-    files = sorted(rollouts.glob("*.pt"))
-    evals = [f for f in files if f.stem.startswith("eval_")]
-    train: dict[int, list[Path]] = {}
-    ranked = []
-    for f in (directory / "train_data").glob("*.pt"):
-        parts = f.stem.split("_")
-        if all(part.isdigit() for part in parts) and len(parts) in (1, 2):
-            ranked.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else -1, f))
-    for rollout_id, _, f in sorted(ranked):
-        train.setdefault(rollout_id, []).append(f)
-    notes = [f"{len(evals)} evaluation dumps (rollout_data/eval_<id>.pt) skipped: not training data"] if evals else []
-    if not (directory / "train_data").is_dir():
-        notes.append("no train_data/: the rollout side only")
-    return [f for f in files if f not in evals], train, notes
-
-
 def import_slime(
     dumps: list[Path], out: Path, model: ModelConfig, reward_key: str | None = None, model_given: bool = True
 ) -> dict:
@@ -193,11 +190,15 @@ def import_slime(
         raise BadInput("no dump files given", field="DUMP")
     train_files: dict[int, list[Path]] = {}
     dir_notes: list[str] = []
+    directory = None
     if len(dumps) == 1 and Path(dumps[0]).is_dir():
-        dumps, train_files, dir_notes = dump_directory(Path(dumps[0]))
+        directory = Path(dumps[0])
+        dumps, train_files, dir_notes = dump_directory(directory)
         if not dumps:
             raise BadInput("no training rollout dumps in rollout_data/", path=Path(dumps[0]) if dumps else None)
     loaded = sorted(((load_dump(Path(p)), Path(p)) for p in dumps), key=lambda item: item[0]["rollout_id"])
+    if directory is not None:
+        dir_notes += restore_trajectories(directory, loaded)
     ids = [d["rollout_id"] for d, _ in loaded]
     if len(set(ids)) != len(ids):
         raise BadInput(f"rollout ids repeat across the dumps: {ids}", field="DUMP")
@@ -240,7 +241,8 @@ def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[s
     train dumps do not cover every sample of every step (then the recording holds the rollout side only, said in
     a note). Every finding of every join is gathered first: a Divergence naming them (nothing written)."""
     from rlbench.errors import Divergence
-    from rlbench.replay.slime_train import join, read_train_dump, read_train_dump_v1
+    from rlbench.replay.slime_train import join, read_train_dump
+    from rlbench.replay.slime_train_v1 import read_train_dump_v1
 
     joined, findings = [], []
     for (dump, _), (rollout_id, _, rows) in zip(loaded, steps):
@@ -256,7 +258,7 @@ def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[s
             raise BadInput(f"rollout_id {train.rollout_id}, in the file of rollout {rollout_id}", path=path)
         result = join(dump["samples"], train)
         findings += result.findings
-        notes += result.notes
+        notes += train.notes + result.notes
         if train.unknown:
             notes.append(f"rollout {rollout_id}: train-dump fields kept, not read: {', '.join(train.unknown)}")
         joined.append((train, result, rows))
@@ -273,6 +275,26 @@ def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[s
     return out
 
 
+SHARD_LAYOUT = (
+    "rank",
+    "data_parallel_rank",
+    "partition",
+    "sample_indices",
+    "micro_batch_indices",
+    "num_microbatches",
+    "global_batch_sizes",
+)
+
+
+def _plain(value):
+    """A shard's field as JSON holds it (tensors as lists)."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str]) -> dict:
     """One step's train-side tensors in the recording's layout (token-aligned, 0 on prompt and untrained tokens,
     as rlbench's own old_logprobs are) and what is kept: per-sample advantages where each sample's are one value
@@ -284,7 +306,7 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
         for s, r in zip(samples, rows):
             mask = r["loss_mask"]
             got = s[name].tolist() if torch.is_tensor(s[name]) else list(s[name])
-            values += [0.0] * r["prompt_length"] + [float(v) * m for v, m in zip(got, mask)]
+            values += [0.0] * r["prompt_length"] + [float(v) if m else 0.0 for v, m in zip(got, mask)]
         return torch.tensor(values, dtype=torch.float32)
 
     tensors = {"old_logprobs": flat("log_probs")} if all(s.get("log_probs") is not None for s in samples) else {}
@@ -300,32 +322,32 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
             per_sample.append(trained[0] if len(set(trained)) == 1 else None)
         if None in per_sample:
             notes.append(
-                f"rollout {train.rollout_id}: advantages vary within samples (a per-token estimator): kept, "
-                "not recorded as the advantages stage"
+                f"rollout {train.rollout_id}: advantages vary within samples (a per-token estimator): kept per "
+                "token in each sample's train fields, not recorded as the advantages stage"
             )
         else:
             tensors["advantages"] = torch.tensor(per_sample, dtype=torch.float32)
-    kept = [
-        {
+    kept = []
+    for s, r in zip(samples, rows):
+        fields = {
             k: (v.tolist() if torch.is_tensor(v) else v)
             for k, v in s.items()
             if not SAMPLE_FIELDS.get(k, "kept").startswith("used")
         }
-        for s in samples
-    ]
+        if "advantages" in s and "advantages" not in tensors:
+            fields["advantages"] = [float(v) for v in s["advantages"]]
+        # what the trainer computed on tokens outside the loss mask: not in the stages (0 there), kept to compare
+        untrained = [i for i, m in enumerate(r["loss_mask"]) if not m]
+        if untrained:
+            fields["untrained_tokens"] = {"response_tokens": untrained} | {
+                name: [float(s[name][i]) for i in untrained]
+                for name in ("log_probs", "ref_log_probs", "advantages")
+                if s.get(name) is not None
+            }
+        kept.append(fields)
     layout = [
-        {
-            k: shard.get(k)
-            for k in (
-                "rank",
-                "data_parallel_rank",
-                "partition",
-                "sample_indices",
-                "micro_batch_indices",
-                "num_microbatches",
-                "global_batch_sizes",
-            )
-        }
+        {k: shard.get(k) for k in SHARD_LAYOUT}
+        | {k: _plain(v) for k, v in shard.items() if k not in SHARD_LAYOUT}  # any other field the shard holds
         for shard in train.shards
     ]
     return {

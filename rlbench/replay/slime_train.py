@@ -10,12 +10,8 @@ What slime writes (THUDM/slime 624b824a; tests/slime_dumps/NOTES.md has the hist
   from context parallelism to the response length. `dp_shards` keeps each DP rank's layout: its rows
   (`partition`, `sample_indices`), `micro_batch_indices` (local rows per micro-batch), `num_microbatches` and
   `global_batch_sizes` (per optimizer step).
-- format 1 (slime 2025-07 to 2026-08, Miles' `miles-rl` 0.0.2): a file per rank, `{rollout_id}_{rank}.pt`,
-  `{"rollout_id", "rank", "rollout_data": {column: [...]}}`, its rows DP-local with no positions; per-token
-  fields sliced by context parallelism, computed fields on the last pipeline stage only. Read by
-  `read_train_dump_v1` as format 2 would hold it: ranks with the same rows are one DP shard (the copy with the
-  trainer's log-probs read, copies that disagree a finding), rows joined by `sample_indices` <-> `index`;
-  context parallelism above 1 refused by name (slices not reassembled yet).
+- format 1 (slime 2025-07 to 2026-08, Miles): a file per rank, read as format 2 would hold it by
+  slime_train_v1.py.
 
 Every field of a format-2 sample is used, kept or refused by name (SAMPLE_FIELDS); a field slime's writer does
 not produce is kept and named. Loaded with torch.load(weights_only=True) as the rollout import loads its
@@ -38,9 +34,9 @@ import torch
 from rlbench.errors import BadInput
 from rlbench.replay.pickled import load_torch_file
 
-# Per-token fields, whose length is the sample's response length once restored from context parallelism.
-PER_TOKEN = (
-    "loss_masks",
+# What context parallelism splits: slime's _CONTEXT_PARALLEL_FIELDS (observability/train_data_utils.py, the fields
+# format 2 restores), and Miles' ref_entropy (dashboard/dump_reader.py's _CP_SHARDED_FIELDS).
+CP_FIELDS = (
     "rollout_log_probs",
     "teacher_log_probs",
     "log_probs",
@@ -51,7 +47,10 @@ PER_TOKEN = (
     "kl",
     "entropy",
     "opd_reverse_kl",
+    "ref_entropy",
 )
+# Per-token fields, whose length is the sample's response length once restored from context parallelism.
+PER_TOKEN = ("loss_masks", *[name for name in CP_FIELDS if name != "ref_entropy"])
 # What each field of a format-2 sample is, and what rlbench does with it.
 SAMPLE_FIELDS = {
     # the join
@@ -104,6 +103,7 @@ class TrainDump:
     raw_reward: list | None
     unknown: list[str] = field(default_factory=list)  # sample fields slime's writer does not produce: kept, named
     format_version: int = 2
+    notes: list[str] = field(default_factory=list)  # how a format-1 dump was put together (context parallelism)
 
 
 @dataclass
@@ -157,14 +157,14 @@ def read_train_dump(path: Path) -> TrainDump:
         raise BadInput(f"top-level keys slime's format 2 does not write: {', '.join(extra)}", path=path)
     unknown: set[str] = set()
     for i, sample in enumerate(dump["samples"]):
-        _check_sample(sample, path, i, unknown)
+        check_sample(sample, path, i, unknown)
     for r, shard in enumerate(dump["dp_shards"]):
         _check_shard(shard, path, r)
     raw = dump.get("raw_reward")
     return TrainDump(path, dump["rollout_id"], dump["rank"], dump["samples"], dump["dp_shards"], raw, sorted(unknown))
 
 
-def _check_sample(sample, path: Path, i: int, unknown: set[str]) -> None:
+def check_sample(sample, path: Path, i: int, unknown: set[str]) -> None:
     where = f"samples[{i}]"
     if not isinstance(sample, dict):
         raise BadInput(f"expected a dict, got {type(sample).__name__}", path=path, field=where)
@@ -304,105 +304,3 @@ def _shards(rid: int, train: TrainDump) -> list[str]:
             if flat != list(range(len(partition if partition is not None else rows))):
                 out.append(f"rollout {rid}: DP rank {r}'s micro-batches do not cover its rows exactly once")
     return out
-
-
-V1_KEYS = {"rollout_id", "rank", "rollout_data", "cp_rank", "cp_size", "qkv_format"}  # Miles adds the last three
-V1_LAYOUT = ("micro_batch_indices", "num_microbatches", "global_batch_sizes")
-V1_WHOLE_BATCH = ("raw_reward",)  # the whole rollout batch, in the rollout dump's order, on every rank
-
-
-def read_train_dump_v1(paths: list[Path], rollout_samples: list[dict], findings: list[str]) -> TrainDump:
-    """A rollout's format-1 train dump: one file per rank (slime before 681b3adca, Miles 0.0.2), read as one
-    format-2 dump would hold it. Ranks holding the same rows (by `sample_indices`) are one DP shard's
-    tensor-parallel copies or pipeline stages: the one with the trainer's `log_probs` (the last stage) is read,
-    and copies that disagree are a finding; each shard's rows are joined to the rollout dump by
-    `sample_indices` <-> `index` (format 1 records no position). A file whose per-token fields are sliced by
-    context parallelism is refused by name (not reassembled yet). A row whose index the rollout dump does not
-    hold is a finding."""
-    files = []
-    for path in paths:
-        dump = load_torch_file(path)
-        if not isinstance(dump, dict) or not {"rollout_id", "rank", "rollout_data"} <= set(dump):
-            raise BadInput("expected {'rollout_id', 'rank', 'rollout_data'} (slime's format 1)", path=path)
-        extra = sorted(set(dump) - V1_KEYS)
-        if extra:
-            raise BadInput(f"top-level keys format 1 does not write: {', '.join(extra)}", path=path)
-        if (dump.get("cp_size") or 1) > 1:
-            raise BadInput(
-                f"context parallelism {dump['cp_size']}: per-token fields are sliced by rank, not reassembled yet",
-                path=path,
-                field="cp_size",
-            )
-        data = dump["rollout_data"]
-        if not isinstance(data, dict) or not isinstance(data.get("response_lengths"), list):
-            raise BadInput("expected a dict of columns with response_lengths", path=path, field="rollout_data")
-        indices = data.get("sample_indices")
-        if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
-            raise BadInput(
-                "expected every row's Sample.index: format 1 joins by it (a sample without one cannot be joined)",
-                path=path,
-                field="rollout_data.sample_indices",
-            )
-        files.append((path, dump, data, tuple(indices)))
-    rollout_id = files[0][1]["rollout_id"]
-    shards: dict[tuple, list] = {}
-    for item in files:
-        shards.setdefault(item[3], []).append(item)
-    position = {s.get("index"): p for p, s in enumerate(rollout_samples)}
-    samples, layout, raw = [], [], None
-    for dp_rank, (indices, holders) in enumerate(
-        sorted(shards.items(), key=lambda kv: min(h[1]["rank"] for h in kv[1]))
-    ):
-        chosen = next((h for h in holders if h[2].get("log_probs") is not None), holders[0])
-        path, dump, data = chosen[0], chosen[1], chosen[2]
-        for other in holders:
-            if other is not chosen and other[2].get("log_probs") is not None and not _same(other[2], data):
-                findings.append(
-                    f"rollout {rollout_id}: ranks {dump['rank']} and {other[1]['rank']} hold the same rows and "
-                    "disagree (tensor-parallel copies should be equal)"
-                )
-        n = len(data["response_lengths"])
-        columns = {
-            k: v
-            for k, v in data.items()
-            if k not in V1_LAYOUT and k not in V1_WHOLE_BATCH and isinstance(v, (list, tuple)) and len(v) == n
-        }
-        for row in range(n):
-            index = indices[row]
-            if index not in position:
-                findings.append(
-                    f"rollout {rollout_id}, rank {dump['rank']} row {row} (sample_index {index}): no sample of that "
-                    "index in the rollout dump"
-                )
-                continue
-            sample = {k: v[row] for k, v in columns.items() if k != "sample_indices"}
-            sample.update(rollout_position=position[index], sample_index=index, data_parallel_rank=dp_rank)
-            samples.append(sample)
-        raw = data.get("raw_reward", raw)
-        layout.append(
-            {
-                "rank": dump["rank"],
-                "data_parallel_rank": dp_rank,
-                "sample_indices": list(indices),
-                "partition": [position.get(i) for i in indices],
-                **{k: data.get(k) for k in V1_LAYOUT},
-            }
-        )
-    samples.sort(key=lambda s: s["rollout_position"])
-    unknown: set[str] = set()
-    for i, sample in enumerate(samples):
-        _check_sample(sample, paths[0], i, unknown)
-    return TrainDump(paths[0], rollout_id, files[0][1]["rank"], samples, layout, raw, sorted(unknown), 1)
-
-
-def _same(a: dict, b: dict) -> bool:
-    for key in set(a) | set(b):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-            if not all(
-                torch.equal(u, v) if torch.is_tensor(u) and torch.is_tensor(v) else u == v for u, v in zip(x, y)
-            ):
-                return False
-        elif not (torch.equal(x, y) if torch.is_tensor(x) and torch.is_tensor(y) else x == y):
-            return False
-    return True

@@ -52,7 +52,19 @@ def test_a_dump_directory_imports_whole_and_two_imports_compare_equal(reference,
     assert same.returncode == 0
     assert "3 steps x 6 stages, 18 checksums compared" in same.stdout
     assert "advantages, old_logprobs" in same.stdout
-    assert "the training schedules (DP shards, micro-batches) of 3 steps compared" in same.stdout
+    from rlbench.rundir import recording
+
+    def leaves(value) -> int:
+        if isinstance(value, dict):
+            return sum(leaves(v) for v in value.values())
+        return sum(leaves(v) for v in value) if isinstance(value, list) else 1
+
+    kept = sum(
+        leaves(s["slime_train"]) for step in range(3) for s in recording.read_step(reference, step)[1]["samples"]
+    )
+    assert f"the training schedules (DP shards, micro-batches) of 3 steps and {kept} values of the train dumps' " in (
+        same.stdout
+    )
     from rlbench.rundir import recording
 
     tensors, meta = recording.read_step(reference, 1)
@@ -233,13 +245,15 @@ def test_miles_rollout_dump_metadata_is_kept_and_an_unknown_top_level_key_refuse
     assert done.returncode == 2 and "does not write: sampler_state" in done.stderr and "2.pt" in done.stderr
 
 
-def _v1_directory(tmp_path: Path) -> Path:
-    """The same rollouts with their train dumps in slime's format 1 (a file per rank, 2 DP x 2 TP copies), written
-    by slime's own format-1 writer from the same ranks' data (make_dumps.py --v1-writer)."""
-    v1 = tmp_path / "v1"
+def _v1_directory(tmp_path: Path, layout: str = "v1") -> Path:
+    """The same rollouts with their train dumps in format 1 (a file per rank), written from the same ranks' data
+    (make_dumps.py): "v1" by slime's own format-1 writer, 2 DP x 2 TP copies; "v1-cp" by the same writer, 2 DP x 2
+    CP x 2 pipeline stages, slices cut by slime's own slice_log_prob_with_cp, no CP rank recorded; "miles-cp" by
+    Miles' own writer (radixark/miles 31f1ca961), 2 DP x 2 CP, cp_rank and cp_size recorded."""
+    v1 = tmp_path / layout
     shutil.copytree(V2 / "rollout_data", v1 / "rollout_data")
     shutil.copytree(V2 / "tokenizer", v1 / "tokenizer")
-    shutil.copytree(REPO / "tests" / "slime_dumps" / "v1" / "train_data", v1 / "train_data")
+    shutil.copytree(REPO / "tests" / "slime_dumps" / layout / "train_data", v1 / "train_data")
     return v1
 
 
@@ -285,3 +299,150 @@ def test_with_a_tolerance_each_stage_reports_its_largest_difference(reference, t
     text = cli("diff", str(reference), str(out), "--atol", "1")
     assert text.stdout.startswith("no difference (within atol=1")
     assert "largest difference, old_logprobs: 5.000e-01" in text.stdout and "at step 1, sample 5" in text.stdout
+
+
+@pytest.mark.parametrize(
+    ("layout", "ranks", "how"),
+    [
+        (
+            "v1-cp",
+            "[[0, 4], [1, 5]], [[2, 6], [3, 7]]",
+            "inferred: ranks with equal rollout_log_probs slices are one CP rank",
+        ),
+        ("miles-cp", "[[0], [1]], [[2], [3]]", "recorded by the ranks (cp_rank)"),
+    ],
+)
+def test_context_parallel_slices_reassembled_to_the_same_run(reference, tmp_path, layout, ranks, how):
+    """Format-1 files sliced by context parallelism 2 (slime's: no CP rank recorded, two pipeline stages, the first
+    without the trainer's fields; Miles': cp_rank recorded) import as the format-2 dump of the same data: diff
+    finds no difference in any stage or schedule."""
+    out = tmp_path / "out"
+    done = _import(_v1_directory(tmp_path, layout), out)
+    assert done.returncode == 0, done.stderr
+    assert f"rollout 2: context parallelism 2 reassembled in 2 DP shards, CP ranks {ranks} ({how}" in done.stdout
+    same = cli("diff", str(reference), str(out))
+    assert same.returncode == 0, same.stdout
+    assert "3 steps x 6 stages" in same.stdout and "schedules (DP shards, micro-batches) of 3 steps" in same.stdout
+
+
+def test_context_parallel_slices_that_do_not_fit_or_a_missing_cp_rank_are_findings(tmp_path):
+    """A slice one value short, and a shard's CP rank whose files are gone: exit 1, one line naming the rollout
+    and the ranks, nothing written."""
+    short = _v1_directory(tmp_path, "v1-cp")
+    _edit(
+        short / "train_data" / "1_5.pt",
+        lambda d: d["rollout_data"]["log_probs"].__setitem__(0, d["rollout_data"]["log_probs"][0][:-1]),
+    )
+    done = _import(short, tmp_path / "out")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (
+        "rollout 1, DP shard of ranks [0, 1, 4, 5]: log_probs of row 0 does not fit context parallelism 2's split"
+        in done.stderr
+    )
+    assert not (tmp_path / "out").exists()
+    gone = _v1_directory(tmp_path / "b", "miles-cp")
+    (gone / "train_data" / "2_3.pt").unlink()
+    done = _import(gone, tmp_path / "out2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rollout 2, DP shard of ranks [2]: context-parallel ranks [1] of 2 missing" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_train_dumps_other_fields_are_compared_value_by_value(reference, tmp_path):
+    """What no stage holds is compared too, each found where planted (exit 1): a kl value, the trainer's log-prob of
+    a token outside the loss mask (a tool span: 0 in old_logprobs), and per-token advantages (PPO's, which vary
+    within a sample: no advantages stage, kept per token)."""
+    cases = {
+        "kl": (lambda d: d["samples"][3]["kl"].__setitem__(0, 5.0), "sample 3, kl[0]"),
+        "untrained": (
+            lambda d: d["samples"][5]["log_probs"].__setitem__(2, 5.0),
+            "sample 5, untrained_tokens.log_probs[0]",
+        ),
+    }
+    train = torch.load(V2 / "train_data" / "1.pt", weights_only=True)
+    assert train["samples"][5]["loss_masks"].tolist() == [1, 1, 0, 1]  # the fixture's tool span in sample 5
+    for name, (change, where) in cases.items():
+        planted = _copy(tmp_path, name)
+        _edit(planted / "train_data" / "1.pt", change)
+        done = cli("diff", str(reference), str(planted), "--json")
+        assert done.returncode == 1, done.stdout
+        first = json.loads(done.stdout)["first"]
+        assert (first["step"], first["stage"], first["where"]) == (1, "train_fields", where), first
+    per_token = _copy(tmp_path, "ppo")
+    for rid in range(3):
+        _edit(
+            per_token / "train_data" / f"{rid}.pt",
+            lambda d: [s["advantages"].__setitem__(0, -7.0) for s in d["samples"]],
+        )
+    ppo = tmp_path / "ppo-run"
+    done = _import(per_token, ppo)
+    assert "advantages vary within samples (a per-token estimator): kept per token" in done.stdout
+    changed = tmp_path / "ppo2"
+    shutil.copytree(per_token, changed)
+    _edit(changed / "train_data" / "2.pt", lambda d: d["samples"][4]["advantages"].__setitem__(1, 3.0))
+    done = cli("diff", str(ppo), str(changed), "--json")
+    first = json.loads(done.stdout)["first"]
+    assert done.returncode == 1 and (first["step"], first["stage"], first["where"]) == (
+        2,
+        "train_fields",
+        "sample 4, advantages[1]",
+    )
+
+
+def test_a_miles_dump_directory_with_its_sidecars(reference, tmp_path):
+    """Miles' own writers (radixark/miles 31f1ca961): rollout dumps with `metadata` and trajectory JSONL (each
+    conversation Miles popped from its sample's metadata), train dumps a file per rank with context parallelism 2.
+    The conversations are put back where Miles took them from; the parquet copy is named as not read; the run
+    equals slime's import of the same data, and diff says what it did not compare."""
+    miles = tmp_path / "miles"
+    shutil.copytree(REPO / "tests" / "slime_dumps" / "miles-rollout", miles)
+    shutil.copytree(REPO / "tests" / "slime_dumps" / "miles-cp" / "train_data", miles / "train_data")
+    shutil.copytree(V2 / "tokenizer", miles / "tokenizer")
+    (miles / "dashboard_columns").mkdir()
+    out = tmp_path / "out"
+    done = _import(miles, out)
+    assert done.returncode == 0, done.stderr
+    assert "dashboard_columns/ (Miles' parquet copy of the rollout dumps' per-token columns) not read" in done.stdout
+    assert "Miles' trajectory/ conversations of 6 samples put back in their metadata.messages" in done.stdout
+    from rlbench.rundir import recording
+
+    rows = [json.loads(line) for line in (miles / "trajectory" / "1.jsonl").read_text().splitlines()]
+    samples = recording.read_step(out, 1)[1]["samples"]
+    for row in rows:
+        sample = next(s for s in samples if s["index"] == row["sample_index"])
+        assert sample["slime"]["metadata"]["messages"] == row["messages"]
+    same = cli("diff", str(reference), str(out))
+    assert same.returncode == 0, same.stdout
+    assert "B: the rollout dumps' other sample fields (kept in each sample's `slime` metadata" in same.stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(miles, bad)
+    lines = (bad / "trajectory" / "2.jsonl").read_text().splitlines()
+    lines[1] = lines[1].replace('"status":"completed"', '"status":"aborted"')
+    (bad / "trajectory" / "2.jsonl").write_text("\n".join(lines) + "\n")
+    done = _import(bad, tmp_path / "bad-out")
+    assert done.returncode == 2 and "2.jsonl: line 2, status: 'aborted' differs from the sample's" in done.stderr
+
+
+def test_slime_rollout_dumps_before_2025_07_are_named_and_refused(tmp_path):
+    """slime's first two rollout-dump formats: the train data's columns (torch.save, 2025-06) and a plain pickle of
+    the samples (pickle.dump, 2025-06-24 to 2025-07-23; no rollout id, no group_index): each named, exit 2, and
+    the pickle never loaded (a pickle that would run code if loaded stays unrun)."""
+    import pickle
+
+    columns = tmp_path / "3.pt"
+    torch.save({"tokens": [[1, 2, 3]], "response_lengths": [1], "rewards": [1.0]}, columns)
+    done = cli("import", "slime", str(columns), "--tokenizer", str(V2 / "tokenizer"), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2 and "slime's first rollout dump format (2025-06, e0be9a075..1dc85516d^)" in done.stderr
+    plain = tmp_path / "4.pt"
+    marker = tmp_path / "ran"
+
+    class Runs:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    with open(plain, "wb") as f:
+        pickle.dump([{"index": 0, "tokens": [1, 2], "response_length": 1, "status": "completed"}, Runs()], f)
+    done = cli("import", "slime", str(plain), "--tokenizer", str(V2 / "tokenizer"), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2 and "a plain pickle of a list, not a torch.save file" in done.stderr
+    assert "(1dc85516d..ed2f3a999^)" in done.stderr and "Traceback" not in done.stderr
+    assert not marker.exists() and not (tmp_path / "o").exists()
