@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlbench.errors import BadInput
-from rlbench.validate import check, number, text
+from rlbench.validate import check, check_async, number, text
 from rlbench.config_sections import (
     AlgoConfig,
     DataConfig,
@@ -98,6 +98,13 @@ class RunConfig:
         )
         number(self.checkpoint_every, "checkpoint_every", 1, 10_000_000, integer=True)
         check_run_wide(self)
+        check_async(self.rollout)
+        check(
+            self.rollout.async_mode == "off" or self.mode == "full",
+            "rollout.async_mode",
+            "off in a rollout-only or train-only run (generating ahead needs a trainer and an engine)",
+            self.rollout.async_mode,
+        )
         if self.model.dtype == "float64":  # the CPU invariance check's precision, run where it runs
             check(
                 self.device == "cpu",
@@ -293,7 +300,9 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
     elif default is None and (
-        key.endswith("seed") or key.endswith("num_cpus") or key == "train.max_tokens_per_micro_batch"
+        key.endswith("seed")
+        or key.endswith("num_cpus")
+        or key in ("train.max_tokens_per_micro_batch", "rollout.max_staleness")
     ):  # an integer or unset
         check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif default is None:

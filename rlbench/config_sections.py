@@ -185,6 +185,15 @@ class RolloutConfig:
     request_attempts: int = 5  # attempts of a request before the run stops (exit 2)
     verify_engine_weights: bool = True  # the weight-update check through /weights_checker (false for SGLang's own)
     weights_dir: str | None = None  # where weight versions are written for the servers to load (default: a temp dir)
+    async_mode: Literal["off", "one-step", "fully"] = setting(
+        "off",
+        "Generate ahead of training (core/pipeline.py), deterministic by schedule. one-step: slime's train_async.py "
+        "(the next step generated while this one trains); fully: slime's fully-async worker bounded by max_staleness.",
+    )
+    max_staleness: int | None = setting(
+        None, "fully: the most weight versions a trained sample may lag (0: on-policy)."
+    )
+    update_weights_interval: int = setting(1, "slime's --update-weights-interval: sync every N steps (async modes).")
 
     def __post_init__(self) -> None:
         check(self.backend in ("hf", "sglang"), "rollout.backend", "one of: hf, sglang", self.backend)

@@ -36,11 +36,13 @@ from rlbench.core.loop import (
     recorded,
     reward,
     rollout,
+    rollout_async,
     sync,
     timed,
     train,
     verify,
 )
+from rlbench.core.pipeline import Pipeline
 from rlbench.core.model import (
     build_model,
     file_digest,
@@ -104,6 +106,7 @@ def run(
     started = time.perf_counter()
     ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume, command=command)
     history = []
+    pipe = Pipeline(ctx, config.steps) if config.rollout.async_mode != "off" else None
     try:
         if ctx.engine is not None and ctx.trainer is not None:
             first_sync(ctx, start)
@@ -114,7 +117,10 @@ def run(
             state = StepState(step)
             with timed(state, "perf/step_time"):
                 with timed(state, "perf/rollout_time"):
-                    if ctx.engine is not None:
+                    if pipe is not None:  # generated ahead, by the schedule (core/pipeline.py)
+                        rollout_async(ctx, state, pipe)
+                        reward(ctx, state)
+                    elif ctx.engine is not None:
                         data(ctx, state)
                         rollout(ctx, state)
                         reward(ctx, state)
@@ -122,10 +128,14 @@ def run(
                         recorded(ctx, state)
                 if ctx.trainer is not None:
                     with timed(state, "perf/train_time"):
+                        if pipe is not None:
+                            pipe.start(step)  # the next groups generate on a thread while this step trains
                         advantage(ctx, state)
                         logprob(ctx, state)
                         train(ctx, state)
                         if ctx.engine is not None:
+                            if pipe is not None:
+                                pipe.wait()  # as slime's sync waits for the generation in flight
                             sync(ctx, state)
             record(ctx, state, commit=step >= write_from)  # before verify: a diverging step is kept, for diff
             if expect is not None and step in expect:
@@ -138,6 +148,8 @@ def run(
             ctx.writer.discard()  # failed before its first step: leave no half-made --out behind
         raise
     finally:  # an error or Ctrl-C still lands every step already handed to the writer
+        if pipe is not None:
+            pipe.close()  # before the engine closes under it
         if ctx.writer is not None:
             ctx.writer.close()
         if ctx.plugin_rollout is not None:

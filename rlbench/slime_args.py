@@ -99,6 +99,7 @@ ARGS: dict[str, SlimeArg] = {
         help="slime's contract, async generate(args, sample, sampling_params) (or rlbench's, core/generate.py)",
     ),
     "--sglang-server-concurrency": _arg("int", "rollout.sglang_server_concurrency"),
+    "--update-weights-interval": _arg("int", "rollout.update_weights_interval"),
 }
 
 # Accepted at the one value rlbench computes; any other value is refused.

@@ -209,47 +209,63 @@ class SlimeRollout:
 
     # ---- a step -----------------------------------------------------------------------------------------------
 
-    def _sample(self, step: int, group: int, j: int, prompt: Prompt, ids: tuple[int, ...]):
-        """A slime Sample as slime's data source hands it out: group and sample indices counted over the run,
+    def _sample(self, gid: int, j: int, prompt: Prompt, ids: tuple[int, ...]):
+        """A slime Sample as slime's data source hands it out: group `gid` and sample indices counted over the run,
         the prompt as its text, with its label and metadata."""
-        per_step = self.config.data.prompts_per_step
         n = self.config.rollout.n_samples_per_prompt
-        g = step * per_step + group
         return self.sample_cls(
-            group_index=g,
-            index=g * n + j,
+            group_index=gid,
+            index=gid * n + j,
             prompt=self.tokenizer.decode(list(ids), skip_special_tokens=False),
             label=prompt.label,
             metadata=dict(prompt.metadata),
         )
 
-    def rollout(self, step: int, prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]):
-        """The step's samples in (group, index) order (a fan-out's in its list's order), and the groups not trained."""
+    def _run_groups(self, groups: list[tuple[int, Prompt]], prompt_ids: dict[int, tuple[int, ...]]):
+        """Run the plugins over groups (run-wide number, prompt): for each group what came back, (j, fan-out k,
+        rollout id, the Sample, its sampling params) each; and the served engine's request log."""
         n = self.config.rollout.n_samples_per_prompt
-        groups = [[self._sample(step, g, j, p, prompt_ids[p.index]) for j in range(n)] for g, p in enumerate(prompts)]
-        params = [contract.group_params(self.base_params, n, self.rollout_seed, True) for _ in groups]
+        made_groups = [[self._sample(gid, j, p, prompt_ids[p.index]) for j in range(n)] for gid, p in groups]
+        params = [contract.group_params(self.base_params, n, self.rollout_seed, True) for _ in made_groups]
         if self.server is not None:
             self.server.state.worker.request_log.clear()
             self.server.state.weight_version = str(_version(self.engine))
         results = self.loop.run(
             contract.run_groups(
-                self.args, groups, params, self.generate, self.reward, self.config.reward.group_rm, self.concurrency
+                self.args,
+                made_groups,
+                params,
+                self.generate,
+                self.reward,
+                self.config.reward.group_rm,
+                self.concurrency,
             )
         )
         log = list(self.server.state.worker.request_log) if self.server is not None else None
-        vocab = self.vocab
-        out: list[Sample] = []
-        dropped: list[dict] = []
-        for g, (prompt, group) in enumerate(zip(prompts, results)):
+        out = []
+        for g, group in enumerate(results):
             made = []
             for j, result in enumerate(group):
-                returned = contract.returned(result, self.sample_cls, self.generate_path, vocab)
-                rollout_id = _rollout_id(returned, groups[g][j].index, self.generate_path)
+                returned = contract.returned(result, self.sample_cls, self.generate_path, self.vocab)
+                rollout_id = _rollout_id(returned, made_groups[g][j].index, self.generate_path)
                 for k, s in enumerate(returned):
                     made.append((j, k, rollout_id, s, params[g][j]))
-            aborted = [(j, k) for j, k, _, s, _ in made if s.status == self.sample_cls.Status.ABORTED]
+            out.append(made)
+        return out, log
+
+    def _aborted(self, made: list) -> list[list[int]]:
+        return [[j, k] for j, k, _, s, _ in made if s.status == self.sample_cls.Status.ABORTED]
+
+    def rollout(self, step: int, prompts: list[Prompt], prompt_ids: dict[int, tuple[int, ...]]):
+        """The step's samples in (group, index) order (a fan-out's in its list's order), and the groups not trained."""
+        per_step = self.config.data.prompts_per_step
+        results, log = self._run_groups([(step * per_step + g, p) for g, p in enumerate(prompts)], prompt_ids)
+        out: list[Sample] = []
+        dropped: list[dict] = []
+        for g, (prompt, made) in enumerate(zip(prompts, results)):
+            aborted = self._aborted(made)
             if aborted:
-                dropped.append({"group": g, "prompt_index": prompt.index, "aborted": [list(a) for a in aborted]})
+                dropped.append({"group": g, "prompt_index": prompt.index, "aborted": aborted})
                 continue
             for j, k, rollout_id, s, p in made:
                 out.append(self._convert(s, prompt, g, len(out), j, k, rollout_id, p, log))
@@ -259,6 +275,21 @@ class SlimeRollout:
                 field=contract.GENERATE_FIELD,
             )
         return out, dropped
+
+    def rollout_groups(self, groups: list[tuple[int, Prompt, int]], prompt_ids: dict[int, tuple[int, ...]]):
+        """For the async schedule (core/pipeline.py): groups (run-wide number, prompt, attempt) run as slime's
+        worker runs them; for each, its samples (group and index its place in the call: the step re-indexes them)
+        and which aborted. An attempt draws slime's seeds again (rollout_seed + index in group), as slime's
+        requeued groups do."""
+        results, log = self._run_groups([(gid, p) for gid, p, _ in groups], prompt_ids)
+        out = []
+        for g, ((_, prompt, _), made) in enumerate(zip(groups, results)):
+            aborted = self._aborted(made)
+            samples = []
+            for i, (j, k, rollout_id, sample, params) in enumerate([] if aborted else made):
+                samples.append(self._convert(sample, prompt, g, i, j, k, rollout_id, params, log))
+            out.append((samples, aborted))
+        return out
 
     def _convert(self, s, prompt: Prompt, group: int, index: int, j: int, k: int, rollout_id, params, log) -> Sample:
         length = s.response_length

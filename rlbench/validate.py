@@ -57,3 +57,29 @@ def normalize_url(addr: str, field: str = "rollout.external_engine_addrs") -> st
     if parsed.scheme != "http" or not parsed.hostname or port is None:
         raise BadInput(f"expected host:port or http://host:port (IPv6 in brackets), got {addr!r}", field=field)
     return url
+
+
+def check_async(rollout) -> None:
+    """The async rollout settings (core/pipeline.py), together."""
+    mode, bound, interval = rollout.async_mode, rollout.max_staleness, rollout.update_weights_interval
+    check(mode in ("off", "one-step", "fully"), "rollout.async_mode", "off, one-step or fully", mode)
+    number(interval, "rollout.update_weights_interval", 1, 1_000_000, integer=True)
+    check(
+        mode != "off" or interval == 1,
+        "rollout.update_weights_interval",
+        "1 without --async (slime's train.py syncs every rollout; the interval is train_async.py's)",
+        interval,
+    )
+    if mode == "fully":
+        check(bound is not None, "rollout.max_staleness", "a bound for --async fully (slime's has none)", bound)
+        number(bound, "rollout.max_staleness", 0, 1_000_000, integer=True)
+        check(
+            bound >= interval - 1,
+            "rollout.max_staleness",
+            f"at least update_weights_interval - 1 = {interval - 1} (the engine lags that far between syncs)",
+            bound,
+        )
+    else:
+        check(
+            bound is None, "rollout.max_staleness", "unset unless --async fully (one-step lags by the interval)", bound
+        )

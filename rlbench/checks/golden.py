@@ -90,6 +90,9 @@ LATER_KEYS = {
     ("train", "megatron"): {},
     ("rollout", "sglang"): {},
     ("reward", "group_rm"): False,  # slime's --group-rm (issue 36)
+    ("rollout", "async_mode"): "off",  # issue 38
+    ("rollout", "max_staleness"): None,
+    ("rollout", "update_weights_interval"): 1,
     # slime's options (issue 21), each at the value that computes what rlbench computed before it
     ("algo", "eps_clip_c"): None,
     ("algo", "normalize_advantages"): False,

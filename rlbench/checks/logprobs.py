@@ -82,6 +82,9 @@ class LogprobReport:
     without_logprobs: int = 0  # samples whose engine reported no log-probs: not judged
     top_p: int = 0  # samples recomputed over their recorded top-p nucleus
     histogram: list[int] | None = None  # |delta| per bin, when edges were given (abs_histogram)
+    # An async run's (--async): the statistics of the samples of each policy lag (steps between the weights that
+    # generated a sample and those that train it), lag by lag; [] for an on-policy run
+    per_lag: list[dict] = field(default_factory=list)
 
 
 def statistics(delta: torch.Tensor, counts: list[int] | None = None) -> dict[str, float]:
@@ -264,6 +267,7 @@ def check_logprobs(
         tokenizer = None
     vocab = run_vocab(run.manifest, run.root / "manifest.json", tokenizer)
     deltas, counts, candidates, rows, skipped, nonfinite = [], [], [], [], [], None
+    by_lag: dict[int, tuple[list, list]] = {}
     left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
     wanted = run.steps if steps is None else [s for s in run.steps if s in set(steps)]
     for step in wanted:
@@ -296,6 +300,7 @@ def check_logprobs(
         index = mask.nonzero().squeeze(-1)
         deltas.append(delta)
         counts.append(step_counts)
+        _by_lag(by_lag, meta["samples"], delta, step_counts)
         candidates += _candidates(step, tensors, index, trainer, delta, top)
         if nonfinite is None and not bool(delta.isfinite().all()):
             nonfinite = (step, tensors, index, trainer, delta)
@@ -346,7 +351,23 @@ def check_logprobs(
         sum(c > 0 for c in all_counts),
         **left_out,
         histogram=histogram,
+        per_lag=[
+            {"lag": lag, "tokens": sum(c), "samples": sum(n > 0 for n in c), **statistics(torch.cat(d), c)}
+            for lag, (d, c) in sorted(by_lag.items())
+        ],
     )
+
+
+def _by_lag(by_lag: dict, samples: list[dict], delta: torch.Tensor, counts: list[int]) -> None:
+    """Each judged sample's deltas under its policy lag (its recorded `async.lag`), where the run records one."""
+    lags = [(s.get("async") or {}).get("lag") for s in samples]
+    if all(lag is None for lag in lags):
+        return
+    for lag, piece, n in zip(lags, torch.split(delta, counts), counts):
+        if n:
+            pieces, sizes = by_lag.setdefault(lag, ([], []))
+            pieces.append(piece)
+            sizes.append(n)
 
 
 def abs_histogram(delta: torch.Tensor, edges: Sequence[float]) -> list[int]:

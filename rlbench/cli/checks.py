@@ -60,8 +60,8 @@ def check_logprobs(
 ) -> None:
     """Report the train-inference log-prob mismatch: |trainer - rollout| as slime's per-sample mean \
 (train_rollout_logprob_abs_diff) and as a token mean, p99 and max, K3 KL, mean exp(|delta|), and the worst tokens with \
-context. Samples slime removed and samples without engine log-probs are not judged, and counted. Exit 1 when a gate is \
-exceeded."""
+context. Samples slime removed and samples without engine log-probs are not judged, and counted. An async run's \
+(--async) mismatch is also given by policy lag, so what staleness costs shows. Exit 1 when a gate is exceeded."""
     from dataclasses import asdict
 
     from rlbench.checks.logprobs import check_logprobs as run_check
@@ -102,6 +102,16 @@ exceeded."""
                 style="bold red" if limit is not None and not value <= limit else None,
             )
         render_table(table)
+        if report.per_lag:
+            lags = Table(title="by policy lag (weight versions between the sample's generation and its training)")
+            for col in ("lag", "samples", "tokens", "train_rollout_logprob_abs_diff", "token_mean_abs", "max_abs"):
+                lags.add_column(col, justify="right")
+            for row in report.per_lag:
+                lags.add_row(
+                    *(str(row[k]) for k in ("lag", "samples", "tokens")),
+                    *(f"{row[k]:.6g}" for k in ("train_rollout_logprob_abs_diff", "token_mean_abs", "max_abs")),
+                )
+            render_table(lags)
         if report.worst:
             worst = Table(title="worst tokens")
             for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):

@@ -37,6 +37,12 @@ class SGLangServer(str, Enum):
     rlbench = "rlbench"
 
 
+class AsyncMode(str, Enum):
+    off = "off"
+    one_step = "one-step"
+    fully = "fully"
+
+
 class Placement(str, Enum):
     local = "local"
     ray = "ray"
@@ -159,6 +165,11 @@ def run(
         Optional[str], config_option("rollout.custom_generate_function_path", default_text="the engine's own")
     ] = None,
     group_rm: Annotated[bool, config_option("reward.group_rm", "--group-rm", flag_value=True)] = False,
+    async_mode: Annotated[Optional[AsyncMode], config_option("rollout.async_mode", "--async")] = None,
+    max_staleness: Annotated[Optional[int], config_option("rollout.max_staleness", "--max-staleness", min=0)] = None,
+    update_weights_interval: Annotated[
+        Optional[int], config_option("rollout.update_weights_interval", "--update-weights-interval", min=1)
+    ] = None,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,
@@ -437,6 +448,7 @@ def _render_diff(res) -> None:
                 if res.schedules_compared
                 else ""
             )
+            + (f"the weights versions of {res.versions_compared} samples compared; " if res.versions_compared else "")
             + f"recordings verified: {verified}; {checkpoints}",
             markup=False,
             highlight=False,

@@ -50,6 +50,8 @@ class Context:
     plugin_rollout: Any = None
     # The weights the model was built with, until the first sync checks the trainer's export against them.
     model_weights: dict[str, torch.Tensor] | None = None
+    # The digests (whole, per tensor) of the weights last synced: what the engine holds until the next sync.
+    synced: tuple[str, dict[str, str]] | None = None
 
 
 def check_made_with(run: RunDir, tokenizer: str | Path | None = None, model: str | Path | None = None) -> None:

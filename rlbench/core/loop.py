@@ -118,6 +118,27 @@ def rollout(ctx: Context, state: StepState) -> None:
     _checksum_rollout(state)
 
 
+def rollout_async(ctx: Context, state: StepState, pipe) -> None:
+    """An async step's rollout (core/pipeline.py): the groups the schedule gives the step, generated ahead or now;
+    the weights version each step trains from, its engine's, and each requeued or dropped group recorded."""
+    groups, log = pipe.take(state.step)
+    state.prompts = [g.prompt for g in groups]
+    state.samples = pipe.samples(groups, state.step)
+    state.extra["async"] = {
+        "mode": pipe.mode,
+        "trained_version": state.step,  # the weights the step trains from: steps trained before it
+        "engine_version": pipe.engine_version(state.step),
+        "requeued": log,
+    }
+    state.tensors = samples.flatten(state.samples)
+    if ctx.plugin_rollout is not None:  # the samples' own prompt ids, as on-policy
+        state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
+    else:
+        state.checksums["data"] = tensors_digest(samples.prompt_tensors(state.prompts, ctx.prompt_ids))
+    _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the engine's log-probs")
+    _checksum_rollout(state)
+
+
 def reward(ctx: Context, state: StepState) -> None:
     for s in state.samples:
         if s.reward is not None:  # set by a slime plugin (its generate or reward function): kept, and said so
@@ -301,13 +322,19 @@ def train(ctx: Context, state: StepState) -> None:
 
 
 def sync(ctx: Context, state: StepState) -> None:
+    interval = ctx.config.rollout.update_weights_interval
+    if (state.step + 1) % interval:  # slime's --update-weights-interval: the engine keeps the weights it holds
+        state.checksums["engine_weights"] = weight_check.check_unchanged(
+            ctx.engine, ctx.synced, f"step {state.step}, no sync (every {interval} steps)"
+        )
+        return
     weights = ctx.trainer.export_hf_weights()
     ctx.engine.update_weights(weights, version=state.step + 1)
     # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums.
     per_tensor = state.extra.get("param_digests", {}).get("weights")
-    known = (state.checksums["weights"], per_tensor) if per_tensor is not None else None
+    ctx.synced = (state.checksums["weights"], per_tensor) if per_tensor is not None else weights_digests(weights)
     state.checksums["engine_weights"] = weight_check.check_engine(
-        ctx.engine, weights, f"step {state.step}, sync", known
+        ctx.engine, weights, f"step {state.step}, sync", ctx.synced
     )
 
 
@@ -320,7 +347,8 @@ def first_sync(ctx: Context, start: int) -> None:
         weight_check.check(ctx.model_weights, weights, "before step 0, first sync", labels=("model", "trainer"))
         ctx.model_weights = None
     ctx.engine.update_weights(weights, version=start)
-    weight_check.check_engine(ctx.engine, weights, f"before step {start}, first sync")
+    ctx.synced = weights_digests(weights)
+    weight_check.check_engine(ctx.engine, weights, f"before step {start}, first sync", ctx.synced)
 
 
 def verify(expected: dict[str, str], state: StepState) -> None:

@@ -92,3 +92,15 @@ def check_engine(
             found = found or f"{differing[0]}: its checksum differs, its values read back equal (dtype?)"
         raise WeightMismatch(f"{when}: {label} weights differ from the trainer's at {found}")
     return whole
+
+
+def check_unchanged(engine, synced: tuple[str, dict[str, str]], when: str) -> str:
+    """Between syncs (slime's --update-weights-interval): every copy the engine holds is still what the last sync
+    gave it (`synced`: its digests, whole and per tensor); returns the whole digest, the step's `engine_weights`."""
+    whole, want = synced
+    for holder, got in engine.weight_checksums().items():
+        if got != want:
+            label = "engine" if holder == engine.engine_id else f"engine {holder}"
+            name = next((n for n in sorted(set(want) | set(got)) if got.get(n) != want.get(n)), "?")
+            raise WeightMismatch(f"{when}: {label} weights changed since the last sync, at {name}")
+    return whole

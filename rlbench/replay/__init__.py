@@ -3,7 +3,7 @@
 replay.py   replay a recording with no engine, verifying each stage; the train-only config
 resume.py   cut a killed run back to its committed steps and continue it
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
-diff_slime.py  what diff compares in imported slime runs beyond the stages: schedules, the train dumps' other fields
+diff_extra.py  what diff compares beside the stages: sample weights versions; slime imports' schedules, fields
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
 slime.py    import slime's debug rollout dumps, or a --dump-details directory (torch.load with weights_only=True)
 slime_train.py  slime's train dumps (format 2) read field by field and joined to their rollout dumps

@@ -26,7 +26,12 @@ import math
 
 from rlbench.errors import BadInput
 from rlbench.replay.checkpoints import verify_checkpoints
-from rlbench.replay.diff_slime import schedule_difference, schedules_recorded, train_fields_difference
+from rlbench.replay.diff_extra import (
+    schedule_difference,
+    schedules_recorded,
+    train_fields_difference,
+    version_difference,
+)
 from rlbench.rundir import recording
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
 
@@ -68,6 +73,7 @@ class DiffResult:
     advice: str | None = None  # what to run next, where the difference may be rounding (layout_advice)
     schedules_compared: int = 0  # steps whose training schedules (imported slime DP shards) were compared
     train_fields_compared: int = 0  # values of imported train dumps' other fields (kl, returns, ...) compared
+    versions_compared: int = 0  # samples whose generating weights version both runs record, compared
     # With a tolerance: each value stage's largest |a - b| over every step compared ({stage: {"step", "where",
     # "max_abs", "max_rel"}}), whether or not it is within the tolerance; a stage equal bit for bit is left out.
     largest: dict[str, dict] = field(default_factory=dict)
@@ -324,13 +330,19 @@ def diff(
         )
     first, comparisons = None, 0
     schedules = schedules_recorded(run_a) and schedules_recorded(run_b)
-    train_fields = 0
+    train_fields = versions = 0
     for step in steps:
         found = schedule_difference(run_a, run_b, step) if schedules else None
         schedule = Difference(step, **found) if found else None
+        found, compared = version_difference(run_a, run_b, step)
+        versions += compared
+        version = Difference(step, **found) if found else None
         for stage in stages:
             if schedule is not None and stage in TRAIN_SIDE:  # the cause, named before the numbers it changes
                 first = schedule
+                break
+            if version is not None and stage == "rollout_tokens":  # another weights version sampled it
+                first = version
                 break
             comparisons += 1
             if sums_a[step][stage] == sums_b[step][stage]:
@@ -349,6 +361,8 @@ def diff(
                 break
         if first is None and schedule is not None:
             first = schedule
+        if first is None and version is not None:  # no stage after it recorded (a run without its rollout)
+            first = version
         if first is None and schedules:  # what the train dumps hold beside the stages: kl, returns, ...
             found, compared = train_fields_difference(run_a, run_b, step, tol)
             first = Difference(step, **found) if found else None
@@ -365,7 +379,7 @@ def diff(
             f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree",
         )
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
-    return DiffResult(
+    result = DiffResult(
         str(run_a.root),
         str(run_b.root),
         steps,
@@ -383,6 +397,8 @@ def diff(
         train_fields,
         _largest(run_a, run_b, steps, stages, sums_a, sums_b) if tol is not None else {},
     )
+    result.versions_compared = versions
+    return result
 
 
 VALUE_STAGES = {**{k: v for k, v in TOKEN_STAGES.items() if k != "rollout_tokens"}, **SAMPLE_STAGES, "loss": "losses"}

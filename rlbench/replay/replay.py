@@ -91,8 +91,14 @@ def replay(
                 f"no checkpoint after {first} steps to start from (have: {', '.join(have) or 'none'})", field="--steps"
             )
     out = Path(out) if out is not None else default_out(source.root)
-    config = source_config(source).replace(
-        mode="train-only", rollouts=str(source.root), out=str(out), steps=last, record=True
+    recorded = source_config(source)
+    config = recorded.replace(
+        mode="train-only",
+        rollouts=str(source.root),
+        out=str(out),
+        steps=last,
+        record=True,
+        rollout=without_async(recorded.rollout),
     )
     expect = {row["step"]: row for row in source.checksums}
     done, compared = [], []
@@ -174,6 +180,14 @@ def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None
         steps=steps or committed,
         model=recorded.model,
         data=recorded.data,
-        rollout=recorded.rollout,
+        rollout=without_async(recorded.rollout),
         reward=recorded.reward,
     )
+
+
+def without_async(rollout):
+    """A recording's rollout settings for a train-only run over it: its samples are recorded, so how far ahead
+    they were generated (--async) is history, kept in its samples' metadata, not a setting of the replay."""
+    from dataclasses import replace
+
+    return replace(rollout, async_mode="off", max_staleness=None, update_weights_interval=1)

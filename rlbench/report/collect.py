@@ -168,6 +168,7 @@ def _mismatch(run: RunDir, verdicts: list) -> dict:
         "notes": list(report.notes),
         "steps": len(report.steps),
         "of": len(run.steps),
+        "per_lag": report.per_lag,  # an async run's mismatch by policy lag
     }
 
 

@@ -177,9 +177,21 @@ def _mismatch(data: dict) -> str:
         f"<th>context</th><th>trainer</th><th>rollout</th><th>delta</th></tr>{rows}</table>"
     )
     span = f"{m['steps']} steps" if m["steps"] == m["of"] else f"{m['steps']} of {m['of']} steps, evenly spread"
+    lags = "".join(
+        f"<tr><td>{r['lag']}</td><td>{r['samples']}</td><td>{r['tokens']}</td>"
+        f"<td>{r['train_rollout_logprob_abs_diff']:.4g}</td><td>{r['token_mean_abs']:.4g}</td><td>{r['max_abs']:.4g}</td></tr>"
+        for r in m.get("per_lag") or []
+    )
     body = (
         f"<p>{m['tokens']} judged tokens of {e(span)}; {e(stats)}</p>"
         + svg.histogram("|trainer - rollout| log-prob per token (log-scale counts)", m["counts"], m["labels"])
+        + (
+            "<h3>By policy lag (weight versions between a sample's generation and its training)</h3><table><tr>"
+            "<th>lag</th><th>samples</th><th>tokens</th><th>train_rollout_logprob_abs_diff</th>"
+            f"<th>token mean</th><th>max</th></tr>{lags}</table>"
+            if lags
+            else ""
+        )
         + f'<h3>Worst tokens <button data-fold="worst">hide</button></h3><div id="worst">{table}</div>'
     )
     return _section("mismatch", "Train-inference log-prob mismatch", body)

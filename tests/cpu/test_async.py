@@ -1,0 +1,213 @@
+"""`--async one-step` and `--async fully --max-staleness K` (rlbench/core/pipeline.py, issue 38): generation runs on a
+thread while the step trains, yet which weights generate which group is the schedule's, so the bytes never depend
+on timing. Each test states the schedule's arithmetic itself and holds the recording to it."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+
+from rlbench.rundir import recording
+from tests.conftest import cli
+
+
+@pytest.fixture
+def run5(run_small, tmp_path):
+    """run5(name, **overrides): the small config (tests/conftest.py) for five steps, at tmp_path/name."""
+
+    def _run(name: str, **overrides):
+        run_small(name, steps=5, **overrides)
+        return tmp_path / name
+
+    return _run
+
+
+def _sums(path) -> bytes:
+    return (path / "checksums.jsonl").read_bytes()
+
+
+def _versions(path, steps: int) -> list[list[tuple[int, int, int]]]:
+    """Each step's groups as the recording names them: (group number, weights version, lag)."""
+    out = []
+    for step in range(steps):
+        samples = recording.read_step(path, step)[1]["samples"]
+        seen = sorted({(s["async"]["group_id"], s["async"]["weight_version"], s["async"]["lag"]) for s in samples})
+        assert all(s["weight_version"] == s["async"]["weight_version"] for s in samples)  # the engine's own word
+        out.append(seen)
+    return out
+
+
+@pytest.fixture
+def delays(monkeypatch):
+    """Random sleeps (0-30 ms) in every engine generate and train step, and proof that generation overlaps
+    training: where a step started a window ahead, its training waits (on an event, not a clock) until that
+    window's generation has begun on its thread."""
+    from rlbench.backends.hf_engine import HFEngine
+    from rlbench.backends.torch_trainer import TorchTrainer
+    from rlbench.core.pipeline import Pipeline
+
+    rng = random.Random()
+    began, windows = threading.Event(), []
+    overlapped = []
+    generate, train_step, start = HFEngine.generate, TorchTrainer.train_step, Pipeline.start
+
+    def slow_generate(self, requests):
+        if threading.current_thread() is not threading.main_thread():
+            began.set()
+        time.sleep(rng.random() * 0.03)
+        return generate(self, requests)
+
+    def started(self, step):
+        start(self, step)
+        windows.append(self.thread is not None)
+
+    def slow_train(self, batch, step):
+        if windows.pop():
+            overlapped.append(began.wait(timeout=300))  # set by the window's thread once it generates
+            began.clear()
+        time.sleep(rng.random() * 0.03)
+        return train_step(self, batch, step)
+
+    monkeypatch.setattr(HFEngine, "generate", slow_generate)
+    monkeypatch.setattr(TorchTrainer, "train_step", slow_train)
+    monkeypatch.setattr(Pipeline, "start", started)
+    return overlapped
+
+
+@pytest.mark.parametrize(("mode", "overrides"), [("one-step", {}), ("fully", {"rollout__max_staleness": 2})])
+def test_two_runs_with_one_seed_write_the_same_bytes_whatever_the_timing(tmp_path, mode, overrides, delays, run5):
+    settings = {"rollout__async_mode": mode, **overrides}
+    slowed = run5("slowed", **settings)
+    # a window at every step with a later step to feed: one-step's four; fully's three (K = 2: at step 2 the groups
+    # of step 4 are generated, and step 3 has none left to start)
+    assert delays == [True] * {"one-step": 4, "fully": 3}[mode], "generation did not run while steps trained"
+    plain = run5("plain", **settings)
+    assert _sums(slowed) == _sums(plain)
+    for step in range(5):
+        same = (slowed / "rollouts" / f"{step:06d}.safetensors").read_bytes() == (
+            plain / "rollouts" / f"{step:06d}.safetensors"
+        ).read_bytes()
+        assert same, f"step {step}'s recording differs"
+
+
+def test_the_schedule_names_each_groups_weights_and_lag(tmp_path, run5):
+    """one-step (slime's train_async.py): step r's groups come from the weights of the last sync before r - 1
+    trained, I * ((r - 1) // I); fully with bound K (interval 1): as far ahead as K allows, version max(0, r - K)."""
+    for interval in (1, 2):
+        one = run5(f"one-{interval}", rollout__async_mode="one-step", rollout__update_weights_interval=interval)
+        expected = [
+            [(2 * r + k, v, r - v) for k in range(2)]
+            for r, v in enumerate([0] + [interval * ((r - 1) // interval) for r in range(1, 5)])
+        ]
+        assert _versions(one, 5) == expected
+    fully = run5("fully", rollout__async_mode="fully", rollout__max_staleness=2)
+    assert _versions(fully, 5) == [[(2 * r + k, max(0, r - 2), min(r, 2)) for k in range(2)] for r in range(5)]
+    meta = recording.read_step(fully, 3)[1]
+    assert meta["async"] == {"mode": "fully", "trained_version": 3, "engine_version": 3, "requeued": []}
+
+
+def test_a_staleness_bound_of_zero_is_the_on_policy_run_and_one_is_one_step(tmp_path, run5):
+    on_policy = run5("sync")
+    assert _sums(run5("k0", rollout__async_mode="fully", rollout__max_staleness=0)) == _sums(on_policy)
+    one = run5("one", rollout__async_mode="one-step")
+    assert _sums(one) != _sums(on_policy)
+    assert _sums(run5("k1", rollout__async_mode="fully", rollout__max_staleness=1)) == _sums(one)
+
+
+def test_between_syncs_the_engine_keeps_its_weights_and_is_held_to_them(tmp_path, run5):
+    """--update-weights-interval 2: steps 0 and 2 do not sync; their engine_weights checksum is the last sync's,
+    read back from the engine; steps 1 and 3 sync."""
+    run_dir = run5("i2", rollout__async_mode="one-step", rollout__update_weights_interval=2)
+    rows = [json.loads(line) for line in _sums(run_dir).decode().splitlines()]
+    assert rows[0]["engine_weights"] != rows[1]["engine_weights"] == rows[2]["engine_weights"]
+    assert rows[1]["engine_weights"] == rows[1]["weights"] and rows[2]["engine_weights"] != rows[2]["weights"]
+
+
+def test_replay_and_resume_reproduce_an_async_run(tmp_path, run5):
+    run_dir = run5("a", rollout__async_mode="fully", rollout__max_staleness=2)
+    done = cli("replay", str(run_dir), "--out", str(tmp_path / "replayed"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "reproduced" in done.stdout.lower()
+    # resume: a copy cut back to two committed steps goes on from its start and ends as the whole run did
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dir, cut)
+    for log in ("metrics.jsonl", "checksums.jsonl"):
+        lines = (cut / log).read_text().splitlines(keepends=True)
+        (cut / log).write_text("".join(lines[:2]))
+    done = cli("run", "--resume", str(cut))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _sums(cut) == _sums(run_dir)
+
+
+def test_async_settings_that_cannot_hold_are_refused(tmp_path):
+    for args, message in (
+        (["--async", "fully"], "rollout.max_staleness: expected a bound for --async fully"),
+        (["--async", "one-step", "--max-staleness", "1"], "unset unless --async fully"),
+        (["--update-weights-interval", "2"], "1 without --async"),
+        (["--async", "fully", "--max-staleness", "0", "--update-weights-interval", "3"], "at least update_weights"),
+        (["--async", "one-step", "--mode", "rollout-only"], "off in a rollout-only or train-only run"),
+    ):
+        done = cli("run", "--steps", "1", "--out", str(tmp_path / "x"), *args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_check_logprobs_gives_the_mismatch_per_lag(tmp_path, run5):
+    """Every judged sample counted under its recorded lag, each row's statistics those of its samples alone
+    (recomputed here from the recording); an on-policy run has no per-lag rows."""
+    import torch
+
+    from rlbench.checks.logprobs import check_logprobs, statistics
+
+    fully = run5("fully", rollout__async_mode="fully", rollout__max_staleness=2)
+    report = check_logprobs(fully)
+    by_lag: dict[int, tuple[list, list]] = {}
+    for step in range(5):
+        tensors, meta = recording.read_step(fully, step)
+        offsets, mask = tensors["offsets"], tensors["loss_mask"].bool()
+        delta = tensors["old_logprobs"] - tensors["rollout_logprobs"]
+        for i, sample in enumerate(meta["samples"]):
+            span = slice(int(offsets[i]), int(offsets[i + 1]))
+            pieces, counts = by_lag.setdefault(sample["async"]["lag"], ([], []))
+            pieces.append(delta[span][mask[span]])
+            counts.append(int(mask[span].sum()))
+    assert [row["lag"] for row in report.per_lag] == [0, 1, 2] == sorted(by_lag)
+    for row in report.per_lag:
+        pieces, counts = by_lag[row["lag"]]
+        assert row["tokens"] == sum(counts) and row["samples"] == sum(c > 0 for c in counts)
+        expected = statistics(torch.cat(pieces), counts)
+        assert row["train_rollout_logprob_abs_diff"] == pytest.approx(expected["train_rollout_logprob_abs_diff"])
+    assert sum(row["tokens"] for row in report.per_lag) == report.tokens
+    shown = cli("check", "logprobs", str(fully))
+    assert shown.returncode == 0 and "by policy lag" in shown.stdout
+    assert check_logprobs(run5("sync")).per_lag == []
+
+
+def test_diff_names_the_weights_version_before_the_rollout_it_changed(tmp_path, run5):
+    """On-policy against one-step: the same prompts at step 1, sampled by version 1 in A and 0 in B; diff names
+    that (stage weight_version) before the tokens it changed. Two one-step runs: no difference, versions counted."""
+    sync, one = run5("sync"), run5("one", rollout__async_mode="one-step")
+    done = cli("diff", str(sync), str(one), "--json")
+    first = json.loads(done.stdout)["first"]
+    assert done.returncode == 1 and (first["step"], first["stage"]) == (1, "weight_version")
+    assert first["where"].startswith("sample 0: generated by weights version 1 in A, 0 in B, lag 0 in A, 1 in B")
+    again = run5("again", rollout__async_mode="one-step")
+    same = cli("diff", str(one), str(again))
+    assert same.returncode == 0 and "the weights versions of 40 samples compared" in same.stdout
+
+
+@pytest.mark.slow
+def test_the_report_of_an_async_run_shows_the_mismatch_per_lag(tmp_path, run5):
+    from tests.cpu.test_report import open_in_browser
+
+    fully = run5("fully", rollout__async_mode="fully", rollout__max_staleness=2)
+    page = tmp_path / "page.html"
+    assert cli("report", str(fully), "--out", str(page)).returncode == 0
+    dom, console = open_in_browser(page, tmp_path / "page.png")
+    assert console == [] and "By policy lag" in dom
