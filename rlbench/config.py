@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlbench.errors import BadInput
-from rlbench.validate import check, check_async, number, text
+from rlbench.validate import check, check_async, check_weight_sync, number, text
 from rlbench.config_sections import (
     AlgoConfig,
     DataConfig,
@@ -99,6 +99,7 @@ class RunConfig:
         number(self.checkpoint_every, "checkpoint_every", 1, 10_000_000, integer=True)
         check_run_wide(self)
         check_async(self.rollout)
+        check_weight_sync(self.rollout)
         check(
             self.rollout.async_mode == "off" or self.mode == "full",
             "rollout.async_mode",
@@ -325,7 +326,9 @@ def _build(cls: type, table: dict, prefix: str, base_dir: Path) -> Any:
             kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{key}.", base_dir)
             continue
         value = _coerce(value, getattr(defaults, key), dotted)
-        if key in ("path", "tokenizer", "out", "rollouts", "weights_dir") and isinstance(value, str):
+        if key in ("path", "tokenizer", "out", "rollouts", "weights_dir", "local_checkpoint_dir") and isinstance(
+            value, str
+        ):
             value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
         kwargs[key] = value
     return cls(**kwargs)

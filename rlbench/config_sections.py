@@ -194,6 +194,12 @@ class RolloutConfig:
         None, "fully: the most weight versions a trained sample may lag (0: on-policy)."
     )
     update_weights_interval: int = setting(1, "slime's --update-weights-interval: sync every N steps (async modes).")
+    update_weight_mode: Literal["full", "delta"] = setting(
+        "full", "sglang: each sync a full checkpoint, or slime's delta (core/weight_delta.py) pulled by /pull_weights."
+    )
+    update_weight_delta_encoding: Literal["xor", "overwrite"] = "xor"  # slime's --update-weight-delta-encoding
+    update_weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = "xxh3-128"
+    local_checkpoint_dir: str | None = None  # delta: the servers' host-local checkpoint (default: weights_dir/local)
 
     def __post_init__(self) -> None:
         check(self.backend in ("hf", "sglang"), "rollout.backend", "one of: hf, sglang", self.backend)

@@ -13,6 +13,8 @@ from rlbench.errors import BadInput
 
 SERVE_MODULES = ("starlette", "uvicorn", "orjson")  # what `rlbench serve` imports of its extra
 SERVE_EXTRA = "pip install '.[serve]'"
+DELTA_MODULES = ("zstandard", "xxhash", "blake3")  # slime's delta weight sync: rlbench/core/weight_delta.py
+DELTA_EXTRA = "pip install '.[delta]'"
 
 
 def installed(module: str) -> bool:

@@ -100,10 +100,21 @@ ARGS: dict[str, SlimeArg] = {
     ),
     "--sglang-server-concurrency": _arg("int", "rollout.sglang_server_concurrency"),
     "--update-weights-interval": _arg("int", "rollout.update_weights_interval"),
+    "--update-weight-mode": _arg("str", "rollout.update_weight_mode", help="full, or delta (with --rollout sglang)"),
+    "--update-weight-disk-dir": _arg("str", "rollout.weights_dir"),
+    "--update-weight-local-checkpoint-dir": _arg("str", "rollout.local_checkpoint_dir"),
+    "--update-weight-delta-encoding": _arg("str", "rollout.update_weight_delta_encoding"),
+    "--update-weight-delta-checksum": _arg("str", "rollout.update_weight_delta_checksum"),
 }
 
 # Accepted at the one value rlbench computes; any other value is refused.
-ONLY = {"--optimizer": "adam", "--lr-decay-style": "constant", "--loss-type": "policy_loss", "--lr-warmup-iters": "0"}
+ONLY = {
+    "--optimizer": "adam",
+    "--lr-decay-style": "constant",
+    "--loss-type": "policy_loss",
+    "--lr-warmup-iters": "0",
+    "--update-weight-transport": "disk",  # the servers load from disk (rlbench's SGLang client); no NCCL broadcast
+}
 
 # What slime runs with when an argument is absent (slime/utils/arguments.py; Megatron-LM's optimizer defaults).
 SLIME_DEFAULTS: dict[str, Any] = {

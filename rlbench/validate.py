@@ -83,3 +83,28 @@ def check_async(rollout) -> None:
         check(
             bound is None, "rollout.max_staleness", "unset unless --async fully (one-step lags by the interval)", bound
         )
+
+
+def check_weight_sync(rollout) -> None:
+    """slime's delta weight sync settings (core/weight_delta.py): with SGLang servers only."""
+    mode = rollout.update_weight_mode
+    check(mode in ("full", "delta"), "rollout.update_weight_mode", "full or delta", mode)
+    check(
+        mode == "full" or rollout.backend == "sglang",
+        "rollout.update_weight_mode",
+        "full with the embedded engine (delta sync is to SGLang servers over disk: --rollout sglang)",
+        mode,
+    )
+    check(
+        rollout.update_weight_delta_encoding in ("xor", "overwrite"),
+        "rollout.update_weight_delta_encoding",
+        "xor or overwrite",
+        rollout.update_weight_delta_encoding,
+    )
+    check(
+        rollout.update_weight_delta_checksum in ("xxh3-128", "blake3", "adler32"),
+        "rollout.update_weight_delta_checksum",
+        "xxh3-128, blake3 or adler32",
+        rollout.update_weight_delta_checksum,
+    )
+    text(rollout.local_checkpoint_dir, "rollout.local_checkpoint_dir", optional=True)

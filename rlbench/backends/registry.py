@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
-from rlbench.extras import SERVE_EXTRA, SERVE_MODULES, require
+from rlbench.extras import DELTA_EXTRA, DELTA_MODULES, SERVE_EXTRA, SERVE_MODULES, require
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +87,8 @@ def check_installed(config: RunConfig) -> None:
                 )
             else:
                 needs += [(m, "rollout.sglang_server", SERVE_EXTRA) for m in SERVE_MODULES]
+        if rollout.update_weight_mode == "delta":
+            needs += [(m, "rollout.update_weight_mode", DELTA_EXTRA) for m in DELTA_MODULES]
     if config.train.backend == "megatron" and trains(config):
         needs.append(("megatron.core", "train.backend", "pip install '.[megatron]'"))
     if config.placement.backend == "ray":

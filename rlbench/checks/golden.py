@@ -81,6 +81,10 @@ TRANSPORT_KEYS = (
     "verify_engine_weights",
     "weights_dir",
     "sglang_server_concurrency",  # how many slime plugin samples generate at once: never what they compute
+    "update_weight_mode",  # full checkpoints or slime's deltas: the same weights reach the servers (issue 38)
+    "update_weight_delta_encoding",
+    "update_weight_delta_checksum",
+    "local_checkpoint_dir",
 )
 # Settings added after golden files were first made: left out of the identity at their neutral
 # value, so the files made before them still name the same configuration.

@@ -1,4 +1,4 @@
-"""`rlbench check logprobs|tito` (`check golden` and `golden update`: golden.py), and the `check` group."""
+"""`rlbench check logprobs|tito|weights` (`check golden` and `golden update`: golden.py), and the `check` group."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rlbench.errors import BadInput
 
 check_app = typer.Typer(
     help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
-    "(metrics against a golden log).",
+    "(metrics against a golden log), weights (a chain of slime's delta weight versions).",
     no_args_is_help=True,
 )
 app.add_typer(check_app, name="check")
@@ -391,3 +391,61 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
             highlight=False,
             soft_wrap=True,
         )
+
+
+@check_app.command("weights")
+def check_weights(
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            help="slime's published weight versions (weight_v<N>/, full HF checkpoints or deltas), as "
+            "--update-weight-disk-dir holds them."
+        ),
+    ],
+    base: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="The checkpoint version 0 stands for (the engine's model path), where the chain starts with a delta."
+        ),
+    ] = None,
+    final: Annotated[
+        Optional[Path], typer.Option(help="A checkpoint the last version must equal, tensor by tensor (the trainer's).")
+    ] = None,
+    as_json: AsJson = False,
+    debug: Debug = False,
+) -> None:
+    """Verify a chain of slime's delta weight versions (slime's docs/en/advanced/delta-weight-sync.md): each \
+version applied in order on its declared base, from its first full version or from --base, every changed tensor's \
+checksum (xxh3-128, blake3 or adler32) held after applying, and the last state held to --final. Exit 1 names the \
+first version and tensor that fails (a changed byte, a version out of order or applied twice, another base)."""
+    from dataclasses import asdict
+
+    from rlbench.core.weight_delta import DeltaRefused, read_checkpoint, verify_chain
+    from rlbench.extras import DELTA_EXTRA, DELTA_MODULES, require
+
+    require(DELTA_MODULES, DELTA_EXTRA, "check weights")
+    for label, path in (("DIRECTORY", directory), ("--base", base), ("--final", final)):
+        if path is not None and not path.is_dir():
+            raise BadInput("not a directory", path=path, field=label)
+    try:
+        wanted = {name: data for name, (_, data) in read_checkpoint(final).items()} if final is not None else None
+        report = verify_chain(directory, base, wanted)
+    except (DeltaRefused, OSError, ValueError, KeyError) as exc:
+        raise BadInput(str(exc).strip("'\""), path=directory) from None
+    if as_json:
+        stdout.print_json(json.dumps(asdict(report)))
+    elif report.failure is None:
+        full = f", full: {', '.join(map(str, report.full))}" if report.full else ""
+        stdout.print(
+            f"verified: versions {report.versions[0]}..{report.versions[-1]} ({len(report.versions)}{full}); "
+            f"{report.tensors_checked} tensor checksums held after applying"
+            + (f"; {report.final}" if report.final else "; no --final given: the last state not compared"),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        shown = f"versions {report.versions[0]}..{report.versions[-1]} verified, then " if report.versions else ""
+        stdout.print(f"refused: {shown}{report.failure}", markup=False, highlight=False, soft_wrap=True)
+    if report.failure is not None:
+        raise typer.Exit(1)

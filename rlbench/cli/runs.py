@@ -170,6 +170,9 @@ def run(
     update_weights_interval: Annotated[
         Optional[int], config_option("rollout.update_weights_interval", "--update-weights-interval", min=1)
     ] = None,
+    update_weight_mode: Annotated[
+        Optional[str], config_option("rollout.update_weight_mode", "--update-weight-mode")
+    ] = None,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
     no_record: Annotated[bool, config_option("record", "--no-record", flag_value=False)] = False,

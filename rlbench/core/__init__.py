@@ -1,6 +1,7 @@
 """The loop's stages and what they read: backend protocols, seeding, data, rewards and the RL algorithm.
 
 loop.py          one function per stage (rlbench/session.py calls them in order)
+pipeline.py      async rollouts (slime v0.3's one-step and fully-async), deterministic by schedule
 protocols.py     the backend interfaces: RolloutEngine, Trainer, RewardFn
 context.py       Context, what the stages read (rlbench/session.py builds it), and check_made_with
 types.py         the records between stages: Prompt, GenerateRequest, GenerateResult, Sample
@@ -17,4 +18,5 @@ plugins.py       load a function by dotted path
 metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
 vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
 weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
+weight_delta.py  slime's delta weight sync: versions published, pulled (verified) and a chain checked
 """

@@ -330,6 +330,8 @@ def sync(ctx: Context, state: StepState) -> None:
         return
     weights = ctx.trainer.export_hf_weights()
     ctx.engine.update_weights(weights, version=state.step + 1)
+    if getattr(ctx.engine, "wire_bytes", None) is not None:  # the SGLang engine's: what the sync wrote (slime's name)
+        state.metrics["perf/update_weights_wire_bytes"] = ctx.engine.wire_bytes
     # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums.
     per_tensor = state.extra.get("param_digests", {}).get("weights")
     ctx.synced = (state.checksums["weights"], per_tensor) if per_tensor is not None else weights_digests(weights)

@@ -9,6 +9,7 @@ error shape and listed in docs/sglang-ray.md.
     worker.py         the scheduler: one engine thread, batches decoded a token at a time in turns, abort/pause
     answer.py         the /generate answer: meta_info, finish reasons, log-prob layouts, stream chunks
     weights.py        weight loads (all or nothing) and SGLang's /weights_checker
+    pull.py           slime's /pull_weights: a host-local checkpoint brought to a published (delta) version
     auth.py           --api-key: SGLang's 401 for a request without the key, before any route
     app.py            the routes, request bodies (bounded, JSON), the error handlers
     bodies.py         what the routes share: a body's fields held to their kinds, readable paths, JSON answers

@@ -3,9 +3,9 @@
 /health, /health_generate (a one-token generation; 503 when it does not answer in 20 s), /ready,
 /server_info, /model_info (and their /get_* aliases), /generate (one item, a batch, n copies, or a
 stream of server-sent events), /abort_request, /pause_generation, /continue_generation,
-/update_weights_from_disk, /update_weight_version, /weights_checker, /get_weights_by_name,
-/flush_cache, /v1/loads. Request bodies are read to at most `max_request_bytes` (413 past it, before
-the rest is read) as JSON (application/json, as FastAPI takes them) and parsed off the event loop when
+/update_weights_from_disk, /pull_weights (slime's, pull.py), /update_weight_version, /weights_checker,
+/get_weights_by_name, /flush_cache, /v1/loads. Request bodies are read to at most `max_request_bytes` (413
+past it, before the rest is read) as JSON (application/json, as FastAPI takes them) and parsed off the event loop when
 large; a refused request gets SGLang's answer for it (request.py), never a 5xx, and never stops the
 server: an error nobody foresaw is a 400 in SGLang's ValueError shape, naming it.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +29,7 @@ from starlette.routing import Route
 
 from rlbench.rundir.failpoints import hit
 from rlbench.serve.auth import ApiKey
+from rlbench.serve import pull
 from rlbench.serve import request as rq
 from rlbench.serve import request_gates as gates
 from rlbench.serve.answer import Answers, delta, prompt_logprobs
@@ -59,6 +61,7 @@ def build_app(state) -> Starlette:
         Route("/pause_generation", h.pause_generation, methods=["POST"]),
         Route("/continue_generation", h.continue_generation, methods=["POST"]),
         Route("/update_weights_from_disk", h.update_weights_from_disk, methods=["POST"]),
+        Route("/pull_weights", partial(pull.handle, state, _json), methods=["POST"]),  # slime's patch
         Route("/update_weight_version", h.update_weight_version, methods=["POST"]),
         Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
         Route("/weights_checker", h.weights_checker, methods=["GET", "POST"]),

@@ -23,7 +23,10 @@
   /health_generate (has a server rlbench started come up?) are probes, whose failure is an answer.
 - update_weights: the trainer's export as a Hugging Face-format directory (model.safetensors and
   the model's config.json; the previous version's directory is removed), then on every server
-  POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache.
+  POST /update_weights_from_disk {"model_path", "weight_version"} and /flush_cache. With
+  `rollout.update_weight_mode = "delta"`, slime's delta sync instead: each sync a version of slime's chain
+  (core/weight_delta.py), POST /pull_weights on every server (slime's SGLang patch: the host-local checkpoint
+  brought to it, verified), then the same reload of that checkpoint.
 - weight_checksums: SGLang's /weights_checker {"action": "checksum"} on every server (its 0.5.23
   answer: per rank, each tensor's hash), compared with the same hash of what the trainer pushed: a
   tensor whose hash agrees is reported as the trainer's digest (rundir/digest.py's, what the
@@ -106,6 +109,9 @@ class SGLangEngine:
         self.server_info: dict[str, dict] = {}
         self.vocab = _vocab(config.model.path)
         self._pushed: Mapping[str, torch.Tensor] | None = None  # the weights pushed last, for the checksums
+        self.publisher = None  # slime's delta sync (update_weight_mode delta): the trainer's side
+        self.sync_version = 0  # the chain's version pushed last (slime counts syncs; the run's version travels apart)
+        self.wire_bytes: int | None = None  # bytes written for the last sync
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -222,13 +228,44 @@ class SGLangEngine:
     # ---- weights ------------------------------------------------------------------------------
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if self.config.rollout.update_weight_mode == "delta":
+            self.client.run(self._push(self._publish(weights), str(version)))
+            self.version, self._pushed = str(version), weights
+            return
         path = self._write(weights, version)
         self.client.run(self._push(path, str(version)))
         self.version = str(version)
         self._pushed = weights
+        self.wire_bytes = sum(f.stat().st_size for f in path.iterdir())
         for old in self.weights_dir.glob("weight_v*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _publish(self, weights: Mapping[str, torch.Tensor]) -> Path:
+        """slime's delta sync (core/weight_delta.py): the first sync a full version 1 (the chain's start; a new chain
+        each run: earlier versions and the local checkpoint cleared), every later one a delta on the one before;
+        every server pulls it into the host-local checkpoint (/pull_weights, verified there), which is returned for
+        the ordinary reload."""
+        from rlbench.core.weight_delta import Publisher
+
+        rollout = self.config.rollout
+        local = Path(rollout.local_checkpoint_dir or self.weights_dir / "local")
+        if self.publisher is None:
+            for old in self.weights_dir.glob("weight_v*"):
+                shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
+            self.publisher = Publisher(
+                self.weights_dir, rollout.update_weight_delta_encoding, rollout.update_weight_delta_checksum
+            )
+            self.sync_version = 1
+            done = self.publisher.publish_full(1, dict(weights), Path(self.config.model.path) / "config.json")
+        else:
+            self.sync_version += 1
+            done = self.publisher.publish(self.sync_version, dict(weights))
+        self.wire_bytes = done.wire_bytes
+        body = {"local_checkpoint_dir": str(local), "source_dir": str(self.weights_dir), "target_version": done.version}
+        self.client.run(self._each("POST", "/pull_weights", body, _loaded))  # {success, message}: the same judging
+        return local
 
     def _write(self, weights: Mapping[str, torch.Tensor], version: int) -> Path:
         """A Hugging Face-format directory: model.safetensors and the model's config.json."""

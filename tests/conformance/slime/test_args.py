@@ -120,6 +120,15 @@ def test_the_cases_cover_every_mapped_argument():
             "--tensor-model-parallel-size",
             "--group-rm",  # plugin settings, which slime's rollout reads (tests/cpu/test_slime_run.py)
             "--sglang-server-concurrency",
+            # train_async.py's interval and the delta weight sync: passed through by name and value (choices
+            # slime's parser holds), valid only with --async or --rollout sglang, which a slime command line does
+            # not say (tests/cpu/test_async.py, tests/cpu/test_weight_delta.py)
+            "--update-weights-interval",
+            "--update-weight-mode",
+            "--update-weight-disk-dir",
+            "--update-weight-local-checkpoint-dir",
+            "--update-weight-delta-encoding",
+            "--update-weight-delta-checksum",
         }
     )
     assert untested == []

@@ -1,0 +1,412 @@
+"""slime's delta weight sync, both sides (issue 38): versions published as slime writes them, pulled as slime's SGLang
+patch applies them, and a chain verified.
+
+The format (THUDM/slime 624b824a: docs/en/advanced/delta-weight-sync.md, slime/backends/megatron_utils/update_weight/
+update_weight_from_disk_delta.py, slime/utils/disk_delta.py, docker/patch/latest/sglang-pull_weights.patch's
+sglang/srt/weight_sync/local_checkpoint.py): each sync is a directory `weight_v{N:06d}/` under a shared root. A full
+version is an ordinary Hugging Face checkpoint; a delta version holds `model-00000-of-00001.safetensors` (each
+changed tensor as its zstd-compressed (level 1) diff, a uint8 tensor under the tensor's name, and in the header's
+`__metadata__` the checksum of the tensor's new bytes) and `model.safetensors.index.json` with `metadata`:
+`version`, `base_version` (N - 1, zero-padded), `delta_encoding` (`xor`: new ^ old, an involution, right exactly once
+on its base; `overwrite`: a little-endian u4 count, u4 byte positions, then the new bytes there, idempotent),
+`compression_format` (`zstd`), `checksum_format` (`xxh3-128`, `blake3` or `adler32`), and a `weight_map`. Diffs are
+over each tensor's raw bytes, so they are dtype-blind. Version 0 is the engine's own base checkpoint unless a full
+version 0 is published.
+
+The receiving side keeps a host-local checkpoint and a marker of the version it holds (`.weight_sync/state.json`,
+`{"version": "000003"}`); a pull to version T seeds from the newest full version at or below T (or the base), then
+applies each delta in order, each only on its declared base. slime's patch applies in place and checks after; here
+each version is applied in memory and every tensor verified before anything is written, and the files are replaced
+whole (a refused version leaves the local checkpoint as it was).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ENCODINGS = ("xor", "overwrite")
+CHECKSUMS = ("xxh3-128", "blake3", "adler32")
+INDEX = "model.safetensors.index.json"
+SYNC_DIR = ".weight_sync"
+DELTA_FILE = "model-00000-of-00001.safetensors"  # slime's name for the one rank that writes
+
+
+class DeltaRefused(Exception):
+    """A version that cannot be applied as published: its message names the version and the tensor."""
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"weight_v{version:06d}"
+
+
+def checksum(algorithm: str, data) -> str:
+    """The hex digest slime stores for a tensor's new bytes."""
+    if algorithm == "xxh3-128":
+        import xxhash
+
+        return xxhash.xxh3_128(data).hexdigest()
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3(data).hexdigest()
+    if algorithm == "adler32":
+        return f"{zlib.adler32(data, 1):08x}"
+    raise DeltaRefused(f"checksum_format {algorithm!r}: expected one of {', '.join(CHECKSUMS)}")
+
+
+def raw_bytes(tensor) -> np.ndarray:
+    """A tensor's bytes, as slime diffs them (its storage order, dtype-blind)."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+
+# ---- the trainer's side -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Published:
+    version: int
+    full: bool
+    tensors: int  # tensors in the version (all of a full one, the changed ones of a delta)
+    changed_bytes: int
+    total_bytes: int
+    wire_bytes: int  # bytes of the version's files
+
+
+class Publisher:
+    """Publishes each sync under `root` as slime's trainer does: the first as a full version (resetting the
+    chain), every later one as a delta against the previous sync's bytes."""
+
+    def __init__(self, root: str | Path, encoding: str = "xor", checksum_format: str = "xxh3-128"):
+        if encoding not in ENCODINGS:
+            raise DeltaRefused(f"delta_encoding {encoding!r}: expected one of {', '.join(ENCODINGS)}")
+        checksum(checksum_format, b"")  # refuse an unknown algorithm (or a missing package) before anything is written
+        self.root, self.encoding, self.checksum_format = Path(root), encoding, checksum_format
+        self.snapshot: dict[str, np.ndarray] = {}
+
+    def publish_full(self, version: int, weights: dict, config_json: str | Path) -> Published:
+        """An ordinary HF checkpoint (model.safetensors and config.json): a full version, the chain's new start."""
+        from safetensors.torch import save_file
+
+        path = version_dir(self.root, version)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        shutil.copyfile(config_json, tmp / "config.json")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        self.snapshot = {name: raw_bytes(t) for name, t in weights.items()}
+        total = sum(v.size for v in self.snapshot.values())
+        wire = sum(f.stat().st_size for f in path.iterdir())
+        return Published(version, True, len(weights), total, total, wire)
+
+    def publish(self, version: int, weights: dict) -> Published:
+        """The delta of `weights` against the last published state, as version `version` on base `version - 1`."""
+        import zstandard
+        from safetensors.numpy import save
+
+        if not self.snapshot:
+            raise DeltaRefused("a delta needs a base: publish a full version first")
+        if set(weights) != set(self.snapshot):
+            raise DeltaRefused(
+                f"version {version}: other tensors than the base's ({sorted(set(weights) ^ set(self.snapshot))[:3]})"
+            )
+        delta, sums, changed_bytes, total = {}, {}, 0, 0
+        compressor = zstandard.ZstdCompressor(level=1)
+        for name, tensor in weights.items():
+            new, old = raw_bytes(tensor), self.snapshot[name]
+            total += new.size
+            if new.size != old.size:
+                raise DeltaRefused(f"version {version}, {name}: {new.size} bytes, the base's {old.size}")
+            if self.encoding == "xor":
+                diff = new ^ old
+                changed = int(np.count_nonzero(diff))
+            else:
+                mask = new != old
+                changed = int(np.count_nonzero(mask))
+                positions = np.flatnonzero(mask).astype("<u4")
+                diff = np.concatenate(
+                    [np.array([positions.size], "<u4").view(np.uint8), positions.view(np.uint8), new[mask]]
+                )
+            self.snapshot[name] = new
+            if changed:
+                changed_bytes += changed
+                delta[name] = np.frombuffer(compressor.compress(diff.tobytes()), dtype=np.uint8)
+                sums[name] = checksum(self.checksum_format, new)
+        path = version_dir(self.root, version)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if delta:
+            (tmp / DELTA_FILE).write_bytes(save(delta, metadata=sums))
+        index = {
+            "metadata": {
+                "version": f"{version:06d}",
+                "base_version": f"{version - 1:06d}",
+                "delta_encoding": self.encoding,
+                "compression_format": "zstd",
+                "checksum_format": self.checksum_format,
+            },
+            "weight_map": {name: DELTA_FILE for name in delta},
+        }
+        (tmp / INDEX).write_text(json.dumps(index))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        wire = sum(f.stat().st_size for f in path.iterdir())
+        return Published(version, False, len(delta), changed_bytes, total, wire)
+
+
+# ---- reading a version --------------------------------------------------------------------------------------------
+
+
+def _header(blob: bytes, where: str) -> tuple[dict, int]:
+    if len(blob) < 8:
+        raise DeltaRefused(f"{where}: not a safetensors file ({len(blob)} bytes)")
+    (length,) = struct.unpack("<Q", blob[:8])
+    try:
+        header = json.loads(blob[8 : 8 + length])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DeltaRefused(f"{where}: its safetensors header does not parse ({exc.__class__.__name__})") from None
+    return header, 8 + length
+
+
+def read_checkpoint(directory: str | Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Every tensor of an HF checkpoint directory (its model*.safetensors: an rlbench checkpoint's optimizer state
+    aside) as (file name, its bytes), read from the safetensors headers."""
+    out = {}
+    files = sorted(Path(directory).glob("model*.safetensors"))
+    if not files:
+        raise DeltaRefused(f"{directory}: no *.safetensors")
+    for path in files:
+        blob = path.read_bytes()
+        header, start = _header(blob, str(path))
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                out[name] = (path.name, np.frombuffer(blob, np.uint8, end - begin, start + begin).copy())
+    return out
+
+
+def is_delta(path: Path) -> bool:
+    """A version is a delta when its index metadata names an encoding (slime's `_is_delta`)."""
+    if not path.is_dir():
+        raise DeltaRefused(f"published weight version missing: {path}")
+    index = path / INDEX
+    if not index.is_file():
+        return False
+    try:
+        return "delta_encoding" in json.loads(index.read_text()).get("metadata", {})
+    except ValueError:
+        raise DeltaRefused(f"{index}: not JSON") from None
+
+
+def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: int) -> int:
+    """Apply delta version `path` to `state` (name -> (file, bytes)) in place, verifying every tensor it changes;
+    `held` is the version the state is at. Returns the new version. DeltaRefused names the version and tensor."""
+    import zstandard
+
+    meta = json.loads((path / INDEX).read_text()).get("metadata", {})
+    try:
+        version, base = int(meta["version"]), int(meta["base_version"])
+    except (KeyError, ValueError):
+        raise DeltaRefused(f"{path / INDEX}: metadata without version and base_version") from None
+    label = f"version {version}" + ("" if path.name == f"weight_v{version:06d}" else f" ({path.name})")
+    if path.name != f"weight_v{version:06d}":
+        raise DeltaRefused(f"{label}: published under {path.name} (out of order)")
+    if base != held:
+        raise DeltaRefused(f"{label}: builds on version {base}, the weights are at {held} (out of order)")
+    if meta.get("compression_format") != "zstd":
+        raise DeltaRefused(f"{label}: compression_format {meta.get('compression_format')!r}, expected zstd")
+    encoding, algorithm = meta.get("delta_encoding"), meta.get("checksum_format")
+    if encoding not in ENCODINGS:
+        raise DeltaRefused(f"{label}: delta_encoding {encoding!r}, expected one of {', '.join(ENCODINGS)}")
+    staged = {}
+    for file in sorted(path.glob("*.safetensors")):
+        blob = file.read_bytes()
+        header, start = _header(blob, str(file))
+        sums = header.get("__metadata__") or {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if name not in state:
+                raise DeltaRefused(f"{label}, {name}: no such tensor in the weights it applies to")
+            begin, end = info["data_offsets"]
+            try:
+                diff = np.frombuffer(
+                    zstandard.ZstdDecompressor().decompress(blob[start + begin : start + end]), np.uint8
+                )
+            except zstandard.ZstdError as exc:
+                raise DeltaRefused(f"{label}, {name}: its zstd data does not decompress ({exc})") from None
+            old = staged.get(name, state[name][1])
+            if encoding == "xor":
+                if diff.size != old.size:
+                    raise DeltaRefused(f"{label}, {name}: {diff.size} diff bytes for a tensor of {old.size}")
+                new = old ^ diff
+            else:
+                count = int.from_bytes(diff[:4].tobytes(), "little")
+                positions = np.frombuffer(diff[4 : 4 + 4 * count].tobytes(), "<u4")
+                values = diff[4 + 4 * count :]
+                if values.size != count or (count and int(positions.max()) >= old.size):
+                    raise DeltaRefused(f"{label}, {name}: an overwrite of {count} positions that does not fit")
+                new = old.copy()
+                new[positions] = values
+            if checksum(algorithm, new) != sums.get(name):
+                raise DeltaRefused(
+                    f"{label}, {name}: {algorithm} of the applied bytes is not the published one (a changed byte, "
+                    "another base, or a version applied twice)"
+                )
+            staged[name] = new
+    for name, new in staged.items():
+        state[name] = (state[name][0], new)
+    return version
+
+
+# ---- the engine's side: /pull_weights --------------------------------------------------------------------------
+
+
+def applied_version(local: Path) -> int | None:
+    try:
+        return int(json.loads((local / SYNC_DIR / "state.json").read_text())["version"])
+    except FileNotFoundError:
+        return None
+
+
+def pull(local: str | Path, base: str | Path, source: str | Path, target: int) -> int:
+    """Bring the host-local checkpoint `local` to version `target` of `source` (slime's `pull`): seeded from the
+    newest full version at or below it (the engine's `base` for version 0), then each delta in order, each
+    verified before the checkpoint's files are replaced. Returns the versions applied."""
+    import fcntl
+
+    local, source = Path(local), Path(source)
+    (local / SYNC_DIR).mkdir(parents=True, exist_ok=True)
+    with open(local / SYNC_DIR / "lock", "w") as lock:  # a host's servers share the checkpoint: one pulls at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _pull(local, Path(base), source, target)
+
+
+def _pull(local: Path, base: Path, source: Path, target: int) -> int:
+    held = applied_version(local)
+    start = target
+    while start > (held if held is not None else 0) and is_delta(version_dir(source, start)):
+        start -= 1
+    if held is None or start > held:
+        _reset(base if start == 0 else version_dir(source, start), local, start)
+        held = start
+    if target <= held:
+        return 0
+    state = read_checkpoint(local)
+    for version in range(held + 1, target + 1):
+        held = apply_version(state, version_dir(source, version), held)
+    _write_state(local, state)
+    _mark(local, held)
+    return target - start
+
+
+def _reset(source: Path, local: Path, version: int) -> None:
+    """The local checkpoint made an exact copy of the full checkpoint `source` (files it lacks removed)."""
+    local.mkdir(parents=True, exist_ok=True)
+    names = {f.name for f in source.iterdir() if f.is_file()}
+    for name in names:
+        tmp = local / f".{name}.tmp"
+        shutil.copyfile(source / name, tmp)
+        os.replace(tmp, local / name)
+    for f in local.iterdir():
+        if f.is_file() and f.name not in names:
+            f.unlink()
+    _mark(local, version)
+
+
+def _write_state(local: Path, state: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Each safetensors file of the local checkpoint rewritten with the new bytes, under a temporary name and
+    renamed (its header, and so its layout, unchanged)."""
+    for path in sorted(local.glob("*.safetensors")):
+        blob = bytearray(path.read_bytes())
+        header, start = _header(bytes(blob), str(path))
+        for name, info in header.items():
+            if name != "__metadata__" and state.get(name, (None,))[0] == path.name:
+                begin, end = info["data_offsets"]
+                blob[start + begin : start + end] = state[name][1].tobytes()
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(bytes(blob))
+        os.replace(tmp, path)
+
+
+def _mark(local: Path, version: int) -> None:
+    (local / SYNC_DIR).mkdir(parents=True, exist_ok=True)
+    tmp = local / SYNC_DIR / "state.json.tmp"
+    tmp.write_text(json.dumps({"version": f"{version:06d}"}))
+    os.replace(tmp, local / SYNC_DIR / "state.json")
+
+
+# ---- `rlbench check weights` --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChainReport:
+    root: str
+    versions: list[int] = field(default_factory=list)  # verified, in order
+    full: list[int] = field(default_factory=list)
+    tensors_checked: int = 0  # tensor checksums verified over every delta
+    failure: str | None = None  # the first version and tensor that failed
+    final: str | None = None  # the last state held to the checkpoint given: what was equal
+
+
+def verify_chain(
+    root: str | Path, base: str | Path | None = None, final: dict[str, np.ndarray] | None = None
+) -> ChainReport:
+    """Every version under `root` applied in order, from its first full version (or from `base`, version 0),
+    each delta on its declared base with every tensor's checksum held; the last state held to `final` (name ->
+    bytes) where given."""
+    root = Path(root)
+    found = sorted(
+        int(p.name[len("weight_v") :]) for p in root.glob("weight_v*") if p.name[len("weight_v") :].isdigit()
+    )
+    report = ChainReport(str(root))
+    if not found:
+        raise FileNotFoundError(f"{root}: no weight_v<N> version directory")
+    expected = list(range(found[0], found[-1] + 1))
+    state, held = None, None
+    try:
+        if not is_delta(version_dir(root, found[0])):
+            pass  # the chain starts with a full version
+        elif base is None:
+            from rlbench.errors import BadInput
+
+            raise BadInput(
+                f"undetermined: version {found[0]} is a delta and no --base gives the weights it builds on",
+                field="--base",
+            )
+        else:
+            state, held = read_checkpoint(base), found[0] - 1
+        for version in expected:
+            path = version_dir(root, version)
+            if not path.is_dir():
+                raise DeltaRefused(f"version {version} is missing (the chain has {found[0]}..{found[-1]})")
+            if not is_delta(path):
+                state, held = read_checkpoint(path), version
+                report.full.append(version)
+            else:
+                held = apply_version(state, path, held)
+                report.tensors_checked += len(json.loads((path / INDEX).read_text()).get("weight_map", {}))
+            report.versions.append(version)
+    except DeltaRefused as exc:
+        report.failure = str(exc)
+        return report
+    if final is not None:
+        names = sorted(set(final) | set(state))
+        differs = [n for n in names if n not in state or n not in final or not np.array_equal(state[n][1], final[n])]
+        report.final = f"{len(names)} tensors equal the checkpoint given" if not differs else None
+        if differs:
+            report.failure = (
+                f"after version {held}: {differs[0]} differs from the checkpoint given ({len(differs)} tensors do)"
+            )
+    return report

@@ -1,0 +1,179 @@
+"""slime's delta weight sync (rlbench/core/weight_delta.py, issue 38), held to slime's own code: a chain published by
+slime's own trainer-side encoder and reproduced by slime's own receiving side (tests/slime_deltas/make_deltas.py, slime
+624b824a8) verifies with `rlbench check weights`, and each way it can go wrong is named; rlbench's writer writes the
+bytes slime's receiving side was seen to pull, and rlbench's pull reaches the same weights."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlbench.core import weight_delta
+from tests.conftest import REPO, cli
+
+DELTAS = REPO / "examples" / "slime-delta-weights"  # written by tests/slime_deltas/make_deltas.py
+RECORD = REPO / "tests" / "slime_deltas" / "pulled_by_slime.json"
+
+
+def _check(chain: Path, *more: str):
+    return cli("check", "weights", str(chain), *more)
+
+
+def _copy(tmp_path: Path) -> Path:
+    chain = tmp_path / "chain"
+    shutil.copytree(DELTAS / "chain", chain)
+    return chain
+
+
+def test_a_chain_slime_published_verifies_to_the_trainers_weights():
+    done = _check(DELTAS / "chain", "--base", str(DELTAS / "base"), "--final", str(DELTAS / "final"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    changed = sum(
+        len(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"])
+        for p in sorted((DELTAS / "chain").glob("weight_v*"))
+        if (p / "model.safetensors.index.json").is_file()
+    )
+    tensors = len(weight_delta.read_checkpoint(DELTAS / "final"))
+    assert done.stdout.startswith(
+        f"verified: versions 1..5 (5, full: 4); {changed} tensor checksums held after applying"
+    )
+    assert f"{tensors} tensors equal the checkpoint given" in done.stdout
+
+
+def _flip(chain: Path) -> str:
+    """One byte of version 2's first compressed tensor flipped: which tensor."""
+    path = chain / "weight_v000002" / weight_delta.DELTA_FILE
+    blob = bytearray(path.read_bytes())
+    header, start = weight_delta._header(bytes(blob), str(path))  # noqa: SLF001 - the test plants at a known place
+    name = sorted(n for n in header if n != "__metadata__")[0]
+    begin, end = header[name]["data_offsets"]
+    blob[start + (begin + end) // 2] ^= 0x40
+    path.write_bytes(bytes(blob))
+    return name
+
+
+def _twice(chain: Path) -> None:
+    """Version 3 replaced by version 1's xor delta again, declared as 3 on 2 (a version applied twice)."""
+    v3 = chain / "weight_v000003"
+    shutil.rmtree(v3)
+    shutil.copytree(chain / "weight_v000001", v3)
+    index = json.loads((v3 / "model.safetensors.index.json").read_text())
+    index["metadata"].update(version="000003", base_version="000002")
+    (v3 / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _swap(chain: Path) -> None:
+    a, b, tmp = chain / "weight_v000002", chain / "weight_v000003", chain / "swap"
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+@pytest.mark.parametrize("case", ["flipped byte", "applied twice", "out of order", "wrong base"])
+def test_each_broken_chain_is_named_by_version_and_tensor(tmp_path, case):
+    chain, base = _copy(tmp_path), DELTAS / "base"
+    expected = {
+        "applied twice": "version 3, model.",
+        "out of order": "version 3 (weight_v000002): published under weight_v000002 (out of order)",
+        "wrong base": "version 1, model.",
+    }.get(case)
+    if case == "flipped byte":
+        expected = f"version 2, {_flip(chain)}:"
+    elif case == "applied twice":
+        _twice(chain)
+    elif case == "out of order":
+        _swap(chain)
+    else:
+        base = DELTAS / "final"
+    done = _check(chain, "--base", str(base))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith("refused: ") and expected in done.stdout, done.stdout
+    if case != "out of order":
+        assert "is not the published one" in done.stdout or "does not decompress" in done.stdout
+
+
+def test_check_weights_that_cannot_judge_says_so(tmp_path):
+    done = _check(DELTAS / "chain")
+    assert done.returncode == 2 and "undetermined: version 1 is a delta and no --base" in done.stderr
+    (tmp_path / "empty").mkdir()
+    done = _check(tmp_path / "empty")
+    assert done.returncode == 2 and "no weight_v<N> version directory" in done.stderr
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("make_deltas", RECORD.parent / "make_deltas.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _states():
+    import torch
+
+    return _module().states(torch)
+
+
+def test_rlbench_writes_what_slime_pulled_and_pulls_what_slime_did(tmp_path):
+    """The states make_deltas.py published with rlbench's writer: the same file bytes slime's receiving side pulled
+    then (pulled_by_slime.json), and rlbench's pull reaches, version by version, the tensors slime's reached."""
+    record = json.loads(RECORD.read_text())
+    states = _states()
+    ours = tmp_path / "ours"
+    publisher = weight_delta.Publisher(ours)
+    publisher.publish_full(1, states[1], REPO / "rlbench/fixtures/models/tiny-qwen3/config.json")
+    local = tmp_path / "local"
+    for version in range(1, len(states)):
+        if version > 1:
+            publisher.publish(version, states[version])
+        weight_delta.pull(local, DELTAS / "base", ours, version)
+        got = {n: hashlib.sha256(b.tobytes()).hexdigest() for n, (_, b) in weight_delta.read_checkpoint(local).items()}
+        assert got == record["sha256_after_each_version"][str(version)], f"version {version}"
+    digest = _module().content_digest
+    assert {str(f.relative_to(ours)): digest(f) for f in sorted(ours.rglob("*")) if f.is_file()} == record[
+        "rlbench_chain_sha256"
+    ]
+
+
+def test_a_refused_version_leaves_the_local_checkpoint_as_it_was(tmp_path):
+    """The local checkpoint at version 3, its marker lost (says 2): pulling 3 again would apply its xor twice; every
+    tensor is verified before anything is written, so it is refused and not one byte changes."""
+    local = tmp_path / "local"
+    weight_delta.pull(local, DELTAS / "base", DELTAS / "chain", 3)
+    before = {p.name: p.read_bytes() for p in local.glob("*.safetensors")}
+    (local / weight_delta.SYNC_DIR / "state.json").write_text(json.dumps({"version": "000002"}))
+    with pytest.raises(weight_delta.DeltaRefused, match="version 3, .*applied twice"):
+        weight_delta.pull(local, DELTAS / "base", DELTAS / "chain", 3)
+    assert {p.name: p.read_bytes() for p in local.glob("*.safetensors")} == before
+    overwrite = tmp_path / "again"
+    weight_delta.pull(overwrite, DELTAS / "base", DELTAS / "chain", 2)  # version 2 is an overwrite: idempotent
+    state = weight_delta.read_checkpoint(overwrite)
+    held = weight_delta.apply_version(state, DELTAS / "chain" / "weight_v000002", 1)
+    assert held == 2 and all(
+        np.array_equal(state[n][1], b) for n, (_, b) in weight_delta.read_checkpoint(overwrite).items()
+    )
+
+
+@pytest.mark.slow
+def test_a_run_with_delta_sync_equals_the_full_sync_run_and_its_chain_verifies(tmp_path):
+    """`rlbench serve` pulls each version through /pull_weights and reloads it; the run's bytes are the full-sync
+    run's; the chain it published verifies against the run's last checkpoint; each sync's bytes are recorded."""
+    toml = tmp_path / "d.toml"
+    toml.write_text(
+        f'steps = 3\ncheckpoint_every = 3\n[rollout]\nbackend = "sglang"\nsglang_server = "rlbench"\n'
+        f'weights_dir = "{tmp_path / "weights"}"\n'
+    )
+    full = cli("run", "-c", str(toml), "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+    delta = cli("run", "-c", str(toml), "--out", str(tmp_path / "delta"), "--update-weight-mode", "delta")
+    assert delta.returncode == 0, delta.stderr
+    assert (tmp_path / "full" / "checksums.jsonl").read_bytes() == (tmp_path / "delta" / "checksums.jsonl").read_bytes()
+    rows = [json.loads(line) for line in (tmp_path / "delta" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["perf/update_weights_wire_bytes"] > 0 for row in rows)
+    done = _check(tmp_path / "weights", "--final", str(tmp_path / "delta" / "checkpoints" / "000003"))
+    assert done.returncode == 0 and done.stdout.startswith("verified: versions 1..4 (4, full: 1)"), done.stdout
