@@ -379,7 +379,7 @@ def diff(
             f"{len(sums_a)} steps, B {len(sums_b)}); the {len(steps)} both have agree",
         )
     around = _metrics_around(run_a, run_b, first.step) if first is not None else []
-    result = DiffResult(
+    return DiffResult(
         str(run_a.root),
         str(run_b.root),
         steps,
@@ -395,10 +395,9 @@ def diff(
         layout_advice(run_a.manifest, run_b.manifest, first),
         len(steps) if schedules else 0,
         train_fields,
+        versions,
         _largest(run_a, run_b, steps, stages, sums_a, sums_b) if tol is not None else {},
     )
-    result.versions_compared = versions
-    return result
 
 
 VALUE_STAGES = {**{k: v for k, v in TOKEN_STAGES.items() if k != "rollout_tokens"}, **SAMPLE_STAGES, "loss": "losses"}

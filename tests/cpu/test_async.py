@@ -128,6 +128,9 @@ def test_between_syncs_the_engine_keeps_its_weights_and_is_held_to_them(tmp_path
 
 
 def test_replay_and_resume_reproduce_an_async_run(tmp_path, run5):
+    one = run5("one", rollout__async_mode="one-step")
+    done = cli("replay", str(one), "--out", str(tmp_path / "one-replayed"))
+    assert done.returncode == 0 and "reproduced" in done.stdout.lower(), done.stdout + done.stderr
     run_dir = run5("a", rollout__async_mode="fully", rollout__max_staleness=2)
     done = cli("replay", str(run_dir), "--out", str(tmp_path / "replayed"))
     assert done.returncode == 0, done.stdout + done.stderr

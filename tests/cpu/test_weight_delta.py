@@ -177,3 +177,30 @@ def test_a_run_with_delta_sync_equals_the_full_sync_run_and_its_chain_verifies(t
     assert all(row["perf/update_weights_wire_bytes"] > 0 for row in rows)
     done = _check(tmp_path / "weights", "--final", str(tmp_path / "delta" / "checkpoints" / "000003"))
     assert done.returncode == 0 and done.stdout.startswith("verified: versions 1..4 (4, full: 1)"), done.stdout
+
+
+@pytest.mark.parametrize(
+    ("encoding", "algorithm"), [("xor", "adler32"), ("overwrite", "blake3"), ("overwrite", "xxh3-128")]
+)
+def test_rlbench_writes_each_encoding_and_checksum_slime_reads(tmp_path, encoding, algorithm):
+    """Every encoding and checksum slime's index can name, written by rlbench: the index metadata slime writes, and
+    the chain pulled and verified to the last state (a full version first, then deltas)."""
+    states = _states()
+    root = tmp_path / "chain"
+    publisher = weight_delta.Publisher(root, encoding, algorithm)
+    publisher.publish_full(1, states[0], REPO / "rlbench/fixtures/models/tiny-qwen3/config.json")
+    for version in (2, 3):
+        publisher.publish(version, states[version - 1])
+    meta = json.loads((root / "weight_v000003" / "model.safetensors.index.json").read_text())["metadata"]
+    assert meta == {
+        "version": "000003",
+        "base_version": "000002",
+        "delta_encoding": encoding,
+        "compression_format": "zstd",
+        "checksum_format": algorithm,
+    }
+    last = {n: weight_delta.raw_bytes(t) for n, t in states[2].items()}
+    report = weight_delta.verify_chain(root, None, last)
+    assert report.failure is None and report.versions == [1, 2, 3] and report.full == [1]
+    weight_delta.pull(tmp_path / "local", DELTAS / "base", root, 3)
+    assert all(np.array_equal(last[n], b) for n, (_, b) in weight_delta.read_checkpoint(tmp_path / "local").items())
