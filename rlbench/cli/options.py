@@ -22,6 +22,17 @@ import typer
 from rlbench.config import RunConfig
 
 
+class AsyncMode(str, enum.Enum):  # rollout.async_mode (issue 38)
+    off = "off"
+    one_step = "one-step"
+    fully = "fully"
+
+
+class WeightMode(str, enum.Enum):  # rollout.update_weight_mode (issue 38)
+    full = "full"
+    delta = "delta"
+
+
 @dataclasses.dataclass(frozen=True)
 class FieldOption:
     """What an option sets: the dotted field of `root`, and for a flag the value it sets when given;

@@ -14,7 +14,7 @@ import typer
 from rich.table import Table
 
 from rlbench.cli.app import AsJson, Debug, app, progress, render_table, stderr, stdout
-from rlbench.cli.options import config_option, option_fields, overrides
+from rlbench.cli.options import AsyncMode, WeightMode, config_option, option_fields, overrides
 from rlbench.config import RunConfig
 from rlbench.errors import BadInput
 
@@ -35,12 +35,6 @@ class RolloutBackend(str, Enum):
 class SGLangServer(str, Enum):
     sglang = "sglang"
     rlbench = "rlbench"
-
-
-class AsyncMode(str, Enum):
-    off = "off"
-    one_step = "one-step"
-    fully = "fully"
 
 
 class Placement(str, Enum):
@@ -171,7 +165,7 @@ def run(
         Optional[int], config_option("rollout.update_weights_interval", "--update-weights-interval", min=1)
     ] = None,
     update_weight_mode: Annotated[
-        Optional[str], config_option("rollout.update_weight_mode", "--update-weight-mode")
+        Optional[WeightMode], config_option("rollout.update_weight_mode", "--update-weight-mode")
     ] = None,
     device: Annotated[Optional[str], config_option("device")] = None,
     threads: Annotated[Optional[int], config_option("threads", min=1)] = None,
