@@ -204,3 +204,53 @@ def test_rlbench_writes_each_encoding_and_checksum_slime_reads(tmp_path, encodin
     assert report.failure is None and report.versions == [1, 2, 3] and report.full == [1]
     weight_delta.pull(tmp_path / "local", DELTAS / "base", root, 3)
     assert all(np.array_equal(last[n], b) for n, (_, b) in weight_delta.read_checkpoint(tmp_path / "local").items())
+
+
+def test_rlbench_serve_pulls_a_version_refuses_one_out_of_order_and_a_path_outside_its_weights_dir(tmp_path):
+    """/pull_weights (slime's SGLang patch) on `rlbench serve`: a chain pulled to version 2 lands byte for byte and
+    reloads through /update_weights_from_disk; a version that does not sit on the version held is refused (400,
+    naming it) and the local checkpoint keeps every byte; a directory outside `--weights-dir` is refused."""
+    import requests
+
+    from rlbench.core.model import build_model, named_weights
+    from rlbench.serve.server import ServeConfig, serve_in_thread
+    from tests.conformance.sglang.conftest import FIXTURE_MODEL, write_checkpoint
+
+    base = write_checkpoint(tmp_path / "base")  # the fixture model's seeded weights, as the server starts with
+    weights = named_weights(build_model(FIXTURE_MODEL, 1234, init="random"))
+    states = [{k: (v * (1 + step / 100)).contiguous() for k, v in weights.items()} for step in (1, 2, 3)]
+    publisher = weight_delta.Publisher(tmp_path / "chain")
+    publisher.publish_full(1, states[0], base / "config.json")
+    publisher.publish(2, states[1])
+    publisher.publish(3, states[2])
+    index = tmp_path / "chain" / "weight_v000003" / "model.safetensors.index.json"
+    bad = json.loads(index.read_text())
+    bad["metadata"]["base_version"] = "000001"  # declared on version 1: out of order once 2 is held
+    index.write_text(json.dumps(bad))
+    serving = serve_in_thread(ServeConfig(model_path=str(base), load_format="auto", port=0, weights_dir=str(tmp_path)))
+    try:
+        local = tmp_path / "local"
+
+        def pull(target: int, source: Path = tmp_path / "chain"):
+            body = {"local_checkpoint_dir": str(local), "source_dir": str(source), "target_version": target}
+            return requests.post(serving.url + "/pull_weights", json=body, timeout=60)
+
+        done = pull(2)
+        assert done.status_code == 200 and done.json() == {"success": True, "message": "Success."}
+        pulled = weight_delta.read_checkpoint(local)
+        assert all(np.array_equal(pulled[n][1], weight_delta.raw_bytes(t)) for n, t in states[1].items())
+        load = requests.post(
+            serving.url + "/update_weights_from_disk",
+            json={"model_path": str(local), "weight_version": "2"},
+            timeout=60,
+        )
+        assert load.status_code == 200 and load.json()["success"], load.text
+        before = {p.name: p.read_bytes() for p in local.glob("*.safetensors")}
+        refused = pull(3)
+        assert refused.status_code == 400 and refused.json()["success"] is False
+        assert "version 3: builds on version 1, the weights are at 2 (out of order)" in refused.json()["message"]
+        assert {p.name: p.read_bytes() for p in local.glob("*.safetensors")} == before
+        outside = pull(2, Path("/etc"))
+        assert outside.status_code == 400 and "outside the directory this server reads weights from" in outside.text
+    finally:
+        serving.close()
