@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rlbench.rundir import recording
-from tests.conftest import cli
+from tests.conftest import cli, small_toml
 
 
 @pytest.fixture
@@ -214,3 +214,17 @@ def test_the_report_of_an_async_run_shows_the_mismatch_per_lag(tmp_path, run5):
     assert cli("report", str(fully), "--out", str(page)).returncode == 0
     dom, console = open_in_browser(page, tmp_path / "page.png")
     assert console == [] and "By policy lag" in dom
+
+
+@pytest.mark.slow
+def test_an_async_run_over_http_is_the_embedded_async_run(tmp_path):
+    """The window ahead generating through SGLang's HTTP API (`rlbench serve` behind sglang-router, from the
+    pipeline's thread) writes what the embedded engine does."""
+    config = tmp_path / "small.toml"
+    config.write_text(small_toml(3))
+    outs = []
+    for name, more in (("embedded", []), ("http", ["--rollout", "sglang", "--sglang-server", "rlbench"])):
+        outs.append(tmp_path / name)
+        done = cli("run", "-c", str(config), "--async", "one-step", "--out", str(outs[-1]), *more)
+        assert done.returncode == 0, done.stderr
+    assert _sums(outs[0]) == _sums(outs[1])
