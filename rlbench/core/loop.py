@@ -58,20 +58,58 @@ def data(ctx: Context, state: StepState) -> None:
 def step_requests(ctx: Context, state: StepState) -> list[GenerateRequest]:
     """The step's engine requests, group after group; a sample's seed names its place (step,
     group, index in group), never its batch position."""
+    n = ctx.config.rollout.n_samples_per_prompt
+    return [
+        group_request(ctx, ctx.prompt_ids[p.index], state.step, g, j)
+        for g, p in enumerate(state.prompts)
+        for j in range(n)
+    ]
+
+
+def group_request(ctx: Context, prompt_ids: tuple[int, ...], step: int, group: int, j: int, *more) -> GenerateRequest:
+    """Sample `j` of the `group`-th prompt drawn for `step`: its seed named by that place (and by `more`, an async
+    group's later attempt: core/pipeline.py), with the run's sampling settings."""
     cfg = ctx.config.rollout
     seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
+    return GenerateRequest(
+        prompt_ids,
+        derive_seed(seed, "sample", step, group, j, *more),
+        cfg.max_new_tokens,
+        cfg.temperature,
+        ctx.stop_token_ids,
+        cfg.top_k,
+        cfg.top_p,
+    )
+
+
+def generate(ctx: Context, requests: list[GenerateRequest], prompts: list[Prompt]) -> list[Sample]:
+    """The requests' samples, `prompts` the prompt of each, `n_samples_per_prompt` to a group: the run's engine, or
+    its custom generate function called once a sample."""
+    n = ctx.config.rollout.n_samples_per_prompt
+    if ctx.generate_fn is not None:
+        return [
+            samples.from_trajectory(
+                call_plugin(
+                    ctx.generate_fn,
+                    "generate function",
+                    ctx.generate_name,
+                    ctx.generate_env,
+                    prompt,
+                    req.prompt_ids,
+                    req.seed,
+                ),
+                ctx.generate_name,
+                prompt,
+                i // n,
+                i,
+                req,
+            )
+            for i, (req, prompt) in enumerate(zip(requests, prompts))
+        ]
+    results = ctx.engine.generate(requests)
     return [
-        GenerateRequest(
-            ctx.prompt_ids[p.index],
-            derive_seed(seed, "sample", state.step, g, j),
-            cfg.max_new_tokens,
-            cfg.temperature,
-            ctx.stop_token_ids,
-            cfg.top_k,
-            cfg.top_p,
-        )
-        for g, p in enumerate(state.prompts)
-        for j in range(cfg.n_samples_per_prompt)
+        samples.to_sample(ctx.tokenizer, prompt, i // n, i, req, res)
+        for i, (req, res, prompt) in enumerate(zip(requests, results, prompts))
     ]
 
 
@@ -87,32 +125,7 @@ def rollout(ctx: Context, state: StepState) -> None:
         _checksum_rollout(state)
         return
     requests = step_requests(ctx, state)
-    if ctx.generate_fn is not None:
-        state.samples = [
-            samples.from_trajectory(
-                call_plugin(
-                    ctx.generate_fn,
-                    "generate function",
-                    ctx.generate_name,
-                    ctx.generate_env,
-                    state.prompts[i // n],
-                    req.prompt_ids,
-                    req.seed,
-                ),
-                ctx.generate_name,
-                state.prompts[i // n],
-                i // n,
-                i,
-                req,
-            )
-            for i, req in enumerate(requests)
-        ]
-    else:
-        results = ctx.engine.generate(requests)
-        state.samples = [
-            samples.to_sample(ctx.tokenizer, state.prompts[i // n], i // n, i, req, res)
-            for i, (req, res) in enumerate(zip(requests, results))
-        ]
+    state.samples = generate(ctx, requests, [state.prompts[i // n] for i in range(len(requests))])
     state.tensors = samples.flatten(state.samples)
     _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the engine's log-probs")
     _checksum_rollout(state)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
-from rlbench.core.seeding import derive_seed
+from rlbench.core.loop import generate, group_request
 from rlbench.core.types import GenerateRequest, Prompt, Sample
 from rlbench.errors import BadInput
 
@@ -225,57 +225,16 @@ class Pipeline:
             for g, (made, aborted) in zip(groups, results):
                 g.samples, g.aborted = made, aborted
             return
-        requests = [req for g in groups for req in self._requests(g)]
         n = ctx.config.rollout.n_samples_per_prompt
-        if ctx.generate_fn is not None:
-            from rlbench.core.plugins import call_plugin
-            from rlbench.core.samples import from_trajectory
-
-            made = [
-                from_trajectory(
-                    call_plugin(
-                        ctx.generate_fn,
-                        "generate function",
-                        ctx.generate_name,
-                        ctx.generate_env,
-                        groups[i // n].prompt,
-                        req.prompt_ids,
-                        req.seed,
-                    ),
-                    ctx.generate_name,
-                    groups[i // n].prompt,
-                    i // n,
-                    i,
-                    req,
-                )
-                for i, req in enumerate(requests)
-            ]
-        else:
-            from rlbench.core.samples import to_sample
-
-            results = ctx.engine.generate(requests)
-            made = [
-                to_sample(ctx.tokenizer, groups[i // n].prompt, i // n, i, req, res)
-                for i, (req, res) in enumerate(zip(requests, results))
-            ]
+        requests = [req for g in groups for req in self._requests(g)]
+        made = generate(ctx, requests, [g.prompt for g in groups for _ in range(n)])
         for k, g in enumerate(groups):
             g.samples = made[k * n : (k + 1) * n]
 
     def _requests(self, g: Group) -> list[GenerateRequest]:
         """The group's engine requests: the on-policy run's seeds at attempt 0 (step, slot, index), else the
         attempt's own."""
-        ctx, cfg = self.ctx, self.ctx.config.rollout
-        seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
         attempt = ("attempt", g.attempt) if g.attempt else ()
-        return [
-            GenerateRequest(
-                ctx.prompt_ids[g.prompt.index],
-                derive_seed(seed, "sample", g.origin, g.slot, j, *attempt),
-                cfg.max_new_tokens,
-                cfg.temperature,
-                ctx.stop_token_ids,
-                cfg.top_k,
-                cfg.top_p,
-            )
-            for j in range(cfg.n_samples_per_prompt)
-        ]
+        prompt_ids = self.ctx.prompt_ids[g.prompt.index]
+        n = self.ctx.config.rollout.n_samples_per_prompt
+        return [group_request(self.ctx, prompt_ids, g.origin, g.slot, j, *attempt) for j in range(n)]

@@ -68,6 +68,25 @@ def raw_bytes(tensor) -> np.ndarray:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
 
 
+def write_hf_directory(path: Path, weights: dict, config_json: str | Path, metadata: dict | None = None) -> Path:
+    """An ordinary Hugging Face checkpoint at `path` (model.safetensors and config.json), made under a temporary
+    name and renamed into place: a full version here, and each version the SGLang engine pushes in full."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+        str(tmp / "model.safetensors"),
+        metadata=metadata,
+    )
+    shutil.copyfile(config_json, tmp / "config.json")
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
 # ---- the trainer's side -------------------------------------------------------------------------------------------
 
 
@@ -94,16 +113,7 @@ class Publisher:
 
     def publish_full(self, version: int, weights: dict, config_json: str | Path) -> Published:
         """An ordinary HF checkpoint (model.safetensors and config.json): a full version, the chain's new start."""
-        from safetensors.torch import save_file
-
-        path = version_dir(self.root, version)
-        tmp = path.with_name(f".{path.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-        shutil.copyfile(config_json, tmp / "config.json")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        path = write_hf_directory(version_dir(self.root, version), weights, config_json)
         self.snapshot = {name: raw_bytes(t) for name, t in weights.items()}
         total = sum(v.size for v in self.snapshot.values())
         wire = sum(f.stat().st_size for f in path.iterdir())
@@ -180,12 +190,14 @@ def _header(blob: bytes, where: str) -> tuple[dict, int]:
 
 
 def read_checkpoint(directory: str | Path) -> dict[str, tuple[str, np.ndarray]]:
-    """Every tensor of an HF checkpoint directory (its model*.safetensors: an rlbench checkpoint's optimizer state
-    aside) as (file name, its bytes), read from the safetensors headers."""
+    """Every tensor of an HF checkpoint directory (the files its weights are in, as core/model.py's `weight_files`
+    picks them: an rlbench checkpoint's optimizer state aside) as (file name, its bytes)."""
+    from rlbench.core.model import weight_files
+
     out = {}
-    files = sorted(Path(directory).glob("model*.safetensors"))
+    files = weight_files(directory)
     if not files:
-        raise DeltaRefused(f"{directory}: no *.safetensors")
+        raise DeltaRefused(f"{directory}: no model.safetensors (nor an index of its shards)")
     for path in files:
         blob = path.read_bytes()
         header, start = _header(blob, str(path))

@@ -332,9 +332,11 @@ def diff(
     schedules = schedules_recorded(run_a) and schedules_recorded(run_b)
     train_fields = versions = 0
     for step in steps:
-        found = schedule_difference(run_a, run_b, step) if schedules else None
+        # the step's JSON, read once for what diff compares beside the stages (runs made without recording: none)
+        metas = (_load(run_a, step)[1], _load(run_b, step)[1]) if verified["A"] and verified["B"] else None
+        found = schedule_difference(*metas) if schedules and metas else None
         schedule = Difference(step, **found) if found else None
-        found, compared = version_difference(run_a, run_b, step)
+        found, compared = version_difference(*metas, step) if metas else (None, 0)
         versions += compared
         version = Difference(step, **found) if found else None
         for stage in stages:
@@ -363,8 +365,8 @@ def diff(
             first = schedule
         if first is None and version is not None:  # no stage after it recorded (a run without its rollout)
             first = version
-        if first is None and schedules:  # what the train dumps hold beside the stages: kl, returns, ...
-            found, compared = train_fields_difference(run_a, run_b, step, tol)
+        if first is None and schedules and metas:  # what the train dumps hold beside the stages: kl, returns, ...
+            found, compared = train_fields_difference(*metas, tol)
             first = Difference(step, **found) if found else None
             train_fields += compared
         if first is not None:

@@ -12,14 +12,11 @@ import math
 from rlbench.rundir.directory import RunDir
 
 
-def version_difference(run_a: RunDir, run_b: RunDir, step: int) -> tuple[dict | None, int]:
-    """The first sample of the step that another weights version generated in A than in B (both recorded), as
-    diff.Difference's fields, or None; and how many samples' versions were compared."""
-    from rlbench.rundir.recording import read_step
-
-    samples = [read_step(run.root, step)[1]["samples"] for run in (run_a, run_b)]
+def version_difference(meta_a: dict, meta_b: dict, step: int) -> tuple[dict | None, int]:
+    """The first sample of the step (its recordings' JSON in A and B) that another weights version generated in A
+    than in B (both recorded), as diff.Difference's fields, or None; and how many samples' versions were compared."""
     compared = 0
-    for k, (a, b) in enumerate(zip(*samples)):
+    for k, (a, b) in enumerate(zip(meta_a["samples"], meta_b["samples"])):
         va, vb = a.get("weight_version"), b.get("weight_version")
         if va is None or vb is None:
             continue
@@ -52,12 +49,11 @@ def schedules_recorded(run: RunDir) -> bool:
     return bool((run.manifest.get("imported") or {}).get("train_format"))
 
 
-def schedule_difference(run_a: RunDir, run_b: RunDir, step: int) -> dict | None:
-    """Where two imported slime runs trained a step's samples differently: another DP layout, or other
-    micro-batches on a DP rank (each a list of the samples' rollout positions), as diff.Difference's fields."""
-    from rlbench.rundir.recording import read_step
-
-    layouts = [read_step(run.root, step)[1].get("dp_shards") or [] for run in (run_a, run_b)]
+def schedule_difference(meta_a: dict, meta_b: dict) -> dict | None:
+    """Where two imported slime runs trained a step's samples differently (its recordings' JSON in A and B):
+    another DP layout, or other micro-batches on a DP rank (each a list of the samples' rollout positions), as
+    diff.Difference's fields."""
+    layouts = [meta.get("dp_shards") or [] for meta in (meta_a, meta_b)]
     if layouts[0] == layouts[1]:
         return None
     if len(layouts[0]) != len(layouts[1]):
@@ -78,14 +74,12 @@ def schedule_difference(run_a: RunDir, run_b: RunDir, step: int) -> dict | None:
     return None  # the same rows and micro-batches on every DP rank (which global ranks wrote them, and how, aside)
 
 
-def train_fields_difference(run_a: RunDir, run_b: RunDir, step: int, tol: tuple[float, float] | None):
-    """Each sample's other train-dump fields compared value by value (within the tolerance where one is given):
-    (the first difference, as diff.Difference's fields, or None; how many values were compared)."""
-    from rlbench.rundir.recording import read_step
-
-    samples = [read_step(run.root, step)[1]["samples"] for run in (run_a, run_b)]
+def train_fields_difference(meta_a: dict, meta_b: dict, tol: tuple[float, float] | None):
+    """Each sample's other train-dump fields (its recordings' JSON in A and B) compared value by value (within the
+    tolerance where one is given): (the first difference, as diff.Difference's fields, or None; how many values
+    were compared)."""
     compared = 0
-    for k, (a, b) in enumerate(zip(*samples)):
+    for k, (a, b) in enumerate(zip(meta_a["samples"], meta_b["samples"])):
         fields_a, fields_b = a.get("slime_train") or {}, b.get("slime_train") or {}
         for name in sorted(set(fields_a) | set(fields_b)):
             if name not in fields_a or name not in fields_b:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from rlbench.errors import BadInput
 from rlbench.serve.bodies import body_fields, json_response, outside_root
 
 FIELDS = {"local_checkpoint_dir": str, "source_dir": str, "target_version": int}
@@ -35,7 +36,7 @@ async def handle(state, read_body, request: Request) -> Response:
         await state.worker.call(
             pull, body["local_checkpoint_dir"], state.model_path, body["source_dir"], body["target_version"]
         )
-    except (DeltaRefused, OSError, ValueError, KeyError) as exc:
+    except (DeltaRefused, BadInput, OSError, ValueError, KeyError) as exc:
         return _answer(False, f"pull_weights to version {body['target_version']} refused: {exc}")
     return _answer(True, "Success.")
 

@@ -180,3 +180,14 @@ def test_train_only_trains_another_config_on_the_same_data(original, tmp_path):
     assert len(sums) == 3 and all("engine_weights" not in row for row in sums)
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
     assert manifest["mode"] == "train-only" and manifest["source"]["run"] == str(original)
+
+
+def test_two_runs_made_without_recording_compare_by_their_checksums(run_small, tmp_path):
+    """--no-record: no rollouts/ to read, so diff compares the checksums alone (and says the recordings were not
+    verified) rather than failing on the recordings' absence."""
+    from rlbench.replay.diff import diff
+
+    run_small("a", record=False)
+    run_small("b", record=False)
+    result = diff(tmp_path / "a", tmp_path / "b")
+    assert result.first is None and result.recordings_verified == {"A": 0, "B": 0} and result.versions_compared == 0

@@ -269,21 +269,11 @@ class SGLangEngine:
 
     def _write(self, weights: Mapping[str, torch.Tensor], version: int) -> Path:
         """A Hugging Face-format directory: model.safetensors and the model's config.json."""
-        from safetensors.torch import save_file
+        from rlbench.core.weight_delta import write_hf_directory
 
         path = self.weights_dir / f"weight_v{version:06d}"
-        partial = self.weights_dir / f".{path.name}.tmp"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in weights.items()},
-            str(partial / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        shutil.copyfile(Path(self.config.model.path) / "config.json", partial / "config.json")
-        shutil.rmtree(path, ignore_errors=True)
-        partial.rename(path)
-        return path
+        config = Path(self.config.model.path) / "config.json"
+        return write_hf_directory(path, dict(weights), config, metadata={"format": "pt"})
 
     async def _push(self, path: Path, version: str) -> None:
         await self._each(
