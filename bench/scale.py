@@ -3,13 +3,15 @@ and a tokenizer of Qwen3's size (151,669 ids: the fixture tokenizer grown with f
 
     python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
                           [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron] [--vocab 151936|fixture]
-                          [--peer trl|none] [--peer-rounds 3] [--peer-repeats 2] [--only-peer]
+                          [--peer trl|none] [--peer-rounds 3] [--peer-repeats 2] [--only-peer] [--memory]
 
 0. With `--peer trl` (needs trl): the step against TRL's GRPOTrainer, each as its users run it, in processes of
    their own, alternating `--peer-repeats` times: TRL with its own defaults (GRPOConfig's; the batch shape set to
    the same 8 prompts x 8 samples, `--new-tokens` new tokens, 4 optimizer steps of 16, beta 0) on the same
    weights (saved once as bf16 safetensors), `rlbench run --device cuda` with and without `--deterministic`.
-   `--peer none`: the two rlbench processes only (deterministic mode's cost).
+   `--peer none`: the two rlbench processes only (deterministic mode's cost). `--memory` adds a third rlbench
+   process, deterministic, with slime's memory settings (layers recomputed, the optimizer in host memory, the
+   engine's memory let go of between rollouts: docs/usage.md "Memory").
    Each runs `--peer-rounds` steps after one warm-up; per process the step's median and the peak memory
    allocated (torch.cuda.max_memory_allocated). Beside them the physical floor of each stage on this card:
    the rollout's (the weights and the KV cache read once per decode step at the card's memory bandwidth), the
@@ -527,7 +529,19 @@ def peer_trl(args, shape: str, root: Path) -> None:
     }
     toml = root / "peer.toml"
     toml.write_text(_toml(config))
+    saving = root / "peer-memory.toml"  # slime's memory settings (docs/usage.md "Memory")
+    saving.write_text(
+        _toml(
+            {
+                **config,
+                "train": {**config["train"], **MEMORY["train"]},
+                "rollout": {**config["rollout"], **MEMORY["rollout"]},
+            }
+        )
+    )
     results: dict[str, list] = {"TRL GRPOTrainer": [], "rlbench --deterministic": [], "rlbench": []}
+    if args.memory:
+        results[MEMORY_RUN] = []
     if args.peer == "none":  # deterministic mode's cost alone, as `rlbench run` processes measure it
         del results["TRL GRPOTrainer"]
     peaks: dict[str, list] = {name: [] for name in results}
@@ -565,7 +579,8 @@ def peer_trl(args, shape: str, root: Path) -> None:
                 ]
             else:
                 out = root / f"run-{repeat}-{len(name)}"
-                command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(toml), "--out", str(out)]
+                chosen = saving if name == MEMORY_RUN else toml
+                command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(chosen), "--out", str(out)]
                 command += ["--deterministic"] if "deterministic" in name else []
             start = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
@@ -604,7 +619,7 @@ def peer_trl(args, shape: str, root: Path) -> None:
     )
     if trl:
         print(f"  TRL GRPOTrainer          step {trl:7.2f} s  peak {max(peaks['TRL GRPOTrainer']) / 2**30:6.1f} GiB")
-    for name in ("rlbench --deterministic", "rlbench"):
+    for name in [n for n in results if not n.startswith("TRL")]:
         steps = [row["perf/step_time"] for row in results[name]]
         stages = {k: statistics.median(row[k] for row in results[name]) for k in results[name][0]}
         print(
@@ -630,6 +645,10 @@ def peer_trl(args, shape: str, root: Path) -> None:
             f"  the rollout's physical floor on an {card}: {bounds['rollout']:.3f} s; rlbench --deterministic's "
             f"rollout x{rollout / bounds['rollout']:.1f} of it (issue: <= 10; every stage's: below)"
         )
+
+
+MEMORY = {"train": {"recompute": True, "optimizer_cpu_offload": True}, "rollout": {"offload": True}}
+MEMORY_RUN = "rlbench --deterministic, memory settings"
 
 
 def _card() -> str | None:
@@ -690,6 +709,12 @@ def main() -> None:
     parser.add_argument("--peer-rounds", type=int, default=3, help="steps each peer process times after a warm-up")
     parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
     parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="with --peer: also `rlbench run --deterministic` with slime's memory settings (train.recompute, "
+        "train.optimizer_cpu_offload, rollout.offload), alternating with the others",
+    )
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {gpu}; torch {torch.__version__}")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlbench.errors import BadInput
-from rlbench.validate import check, check_async, check_weight_sync, number, text
+from rlbench.validate import check, check_async, check_memory, check_weight_sync, number, text
 from rlbench.config_sections import (
     AlgoConfig,
     DataConfig,
@@ -100,6 +100,7 @@ class RunConfig:
         check_run_wide(self)
         check_async(self.rollout)
         check_weight_sync(self.rollout)
+        check_memory(self)
         check(
             self.rollout.async_mode == "off" or self.mode == "full",
             "rollout.async_mode",

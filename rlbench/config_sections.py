@@ -151,6 +151,11 @@ class RolloutConfig:
         "replayed (one launch a token instead of a few a layer; the same kernels, so the same bits). false: launched "
         "kernel by kernel. No effect on the CPU.",
     )
+    offload: bool = setting(
+        False,
+        "hf: the engine lets go of its GPU memory after each rollout (slime's --offload-rollout): its weights to host "
+        "memory, its KV caches, graphs and prompt cache freed; back on its next use. The same bits.",
+    )
     sampling_seed: int | None = None  # slime's --rollout-seed: samples draw from it instead of the master seed
     # Report each token's log-prob from a teacher-forced forward of the whole sequence at batch
     # size 1, the forward the trainer's logprob stage then also uses: equal bits on both sides.
@@ -456,6 +461,16 @@ class TrainConfig:
         "log-prob pass. None: micro_batch_size samples each.",
     )
     grad_clip: float = 1.0
+    recompute: bool = setting(
+        False,
+        "Each decoder layer's activations recomputed in the backward instead of kept (slime's --recompute-granularity "
+        "full --recompute-method uniform --recompute-num-layers 1): less memory, one more forward; the same bits.",
+    )
+    optimizer_cpu_offload: bool = setting(
+        False,
+        "torch trainer: fp32 master weights, their gradients and AdamW's state in host memory, the update on the CPU "
+        "(Megatron's --optimizer-cpu-offload): the GPU holds the model in its dtype only. A GPU run's bits change.",
+    )
     megatron: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -99,6 +99,11 @@ ARGS: dict[str, SlimeArg] = {
         help="slime's contract, async generate(args, sample, sampling_params) (or rlbench's, core/generate.py)",
     ),
     "--sglang-server-concurrency": _arg("int", "rollout.sglang_server_concurrency"),
+    "--recompute-granularity": _arg(
+        "str", help="full: train.recompute (with --recompute-method uniform --recompute-num-layers 1, as Megatron asks)"
+    ),
+    "--optimizer-cpu-offload": _arg("flag", "train.optimizer_cpu_offload"),
+    "--offload-rollout": _arg("flag", "rollout.offload"),
     "--update-weights-interval": _arg("int", "rollout.update_weights_interval"),
     "--update-weight-mode": _arg("str", "rollout.update_weight_mode", help="full, or delta (with --rollout sglang)"),
     "--update-weight-disk-dir": _arg("str", "rollout.weights_dir"),
@@ -113,6 +118,8 @@ ONLY = {
     "--lr-decay-style": "constant",
     "--loss-type": "policy_loss",
     "--lr-warmup-iters": "0",
+    "--recompute-method": "uniform",  # each layer recomputed on its own (--recompute-num-layers 1)
+    "--recompute-num-layers": "1",
     "--update-weight-transport": "disk",  # the servers load from disk (rlbench's SGLang client); no NCCL broadcast
 }
 
@@ -239,6 +246,10 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
             sets["model.init"] = "checkpoint"
         if name == "--disable-grpo-std-normalization":
             sets = {"algo.normalize_std": False}
+        if name == "--recompute-granularity":
+            if value != "full":
+                raise BadInput(f"{name} {value}: rlbench recomputes whole layers only (full)", field=name)
+            sets = {"train.recompute": True}
         if name == "--tensor-model-parallel-size":
             sets["train.backend"] = "megatron" if value > 1 else fields.get("train.backend", "torch")
         fields.update(sets)
@@ -320,6 +331,12 @@ def _slime_rules(given: dict[str, Any], fields: dict[str, Any]) -> None:
         raise BadInput(
             f"--advantage-estimator {fields['algo.advantage']} needs --normalize-advantages (slime asserts the same)",
             field="--advantage-estimator",
+        )
+    if "--recompute-granularity" in given and not {"--recompute-method", "--recompute-num-layers"} <= set(given):
+        raise BadInput(
+            "--recompute-granularity full needs --recompute-method and --recompute-num-layers (megatron-core "
+            "asserts the same)",
+            field="--recompute-granularity",
         )
     if "--save-interval" in given and "--save" not in given:
         raise BadInput("--save-interval needs --save (slime asserts the same)", field="--save-interval")

@@ -108,3 +108,30 @@ def check_weight_sync(rollout) -> None:
         rollout.update_weight_delta_checksum,
     )
     text(rollout.local_checkpoint_dir, "rollout.local_checkpoint_dir", optional=True)
+
+
+def check_memory(config) -> None:
+    """The memory-saving settings (slime's and Megatron's): recompute, optimizer offload, rollout offload."""
+    for name in ("train.recompute", "train.optimizer_cpu_offload", "rollout.offload"):
+        section, _, field = name.partition(".")
+        value = getattr(getattr(config, section), field)
+        check(isinstance(value, bool), name, "true or false", value)
+    check(
+        not config.train.optimizer_cpu_offload or config.train.backend == "torch",
+        "train.optimizer_cpu_offload",
+        "false with train.backend megatron (megatron-core's HybridDeviceOptimizer is not wired in)",
+        True,
+    )
+    rollout = config.rollout
+    check(
+        not rollout.offload or rollout.backend == "hf",
+        "rollout.offload",
+        "false with rollout.backend sglang (the servers' memory is theirs to manage)",
+        True,
+    )
+    check(
+        not rollout.offload or rollout.async_mode == "off",
+        "rollout.offload",
+        "false with async rollouts (the engine generates while the trainer trains)",
+        True,
+    )

@@ -21,6 +21,7 @@ from rlbench.extras import DELTA_EXTRA, DELTA_MODULES, SERVE_EXTRA, SERVE_MODULE
 if TYPE_CHECKING:
     import torch
 
+    from rlbench.backends.engine_memory import OffloadedEngine
     from rlbench.backends.hf_engine import HFEngine
     from rlbench.backends.sglang.engine import SGLangEngine
     from rlbench.config import RunConfig
@@ -165,9 +166,10 @@ def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Tra
 
 def make_hf_engine(
     config: RunConfig, model: torch.nn.Module, start: int, device: str, engine_id: str = "hf:0"
-) -> HFEngine:
+) -> HFEngine | OffloadedEngine:
     """The embedded engine (`--rollout hf`), in this process, over `model` on `device`, holding weight
     version `start`."""
+    from rlbench.backends.engine_memory import OffloadedEngine
     from rlbench.backends.hf_engine import HFEngine
 
     rollout = config.rollout
@@ -181,6 +183,10 @@ def make_hf_engine(
         cuda_graphs=rollout.cuda_graphs,
     )
     engine.weight_version = start
+    if rollout.offload:  # slime's --offload-rollout: the GPU memory let go of between rollouts
+        from rlbench.backends.engine_memory import OffloadedEngine
+
+        return OffloadedEngine(engine)
     return engine
 
 

@@ -12,6 +12,13 @@ and backward run in the model's dtype, each micro-batch's gradients are added in
 fp32 master weights, AdamW's state and update are fp32, and after each optimizer step the model's
 parameters are the masters rounded to its dtype (`MasterWeights`). A float32 model trains as it is.
 
+Memory (slime's and Megatron's settings): `train.recompute` recomputes each decoder layer's activations in the
+backward (transformers' gradient checkpointing, non-reentrant: the same bits); `train.optimizer_cpu_offload` keeps
+the fp32 masters, their gradients and AdamW's state in host memory (a float32 model gets host masters too): each
+micro-batch's gradients are copied to pinned host buffers as the backward makes them and added there in fp32 (the
+same arithmetic as on the device), clipping and the fused AdamW update run on the CPU, and the rounded masters are
+copied back to the model.
+
 Weight decay follows Megatron's rule, which slime trains with: biases and 1-D parameters (norms) take
 none, every other parameter takes `train.weight_decay` (`decay_groups`: two AdamW param groups).
 """
@@ -32,6 +39,7 @@ from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
 from rlbench.errors import BadInput
 from rlbench.rundir import digest
+from rlbench.backends.master_weights import MasterWeights
 from rlbench.backends.optimizer_state import (
     decay_groups,
     check_weight_decays,
@@ -54,6 +62,7 @@ class TrainerHooks(Protocol):
     (backends/megatron/trainer.py) overrides each of these for its sharded model and its process groups; the
     step's order and arithmetic around them stay TorchTrainer's."""
 
+    def recompute(self) -> None: ...  # train.recompute: the model's layers recomputed in the backward
     def master_source(self) -> tuple[torch.nn.Module, bool]: ...  # the module whose parameters the fp32 masters copy
     def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor: ...
     def train_micro_batches(self, lengths: Sequence[int]): ...  # this rank's micro-batches of a minibatch
@@ -83,7 +92,11 @@ class TorchTrainer:
         reference: torch.nn.Module | None = None,
     ):
         self.model = model.to(device)
-        self.masters = MasterWeights(*self.master_source()) if _low_precision(self.model) else None
+        if train.recompute:
+            self.recompute()
+        host = train.optimizer_cpu_offload
+        self.masters = MasterWeights(*self.master_source(), host=host) if host or _low_precision(self.model) else None
+        self.optimizer_device = "cpu" if host else device  # where AdamW's state lives
         self.train_config, self.algo_config = train, algo_config
         self.temperature, self.seed, self.device = temperature, seed, device
         self.reference = None
@@ -101,6 +114,11 @@ class TorchTrainer:
             weight_decay=train.weight_decay,
             fused=True,
         )
+
+    def recompute(self) -> None:
+        """`train.recompute`: transformers' gradient checkpointing (the megatron trainer's TransformerConfig
+        recomputes instead)."""
+        enable_recompute(self.model)
 
     def master_source(self) -> tuple[torch.nn.Module, bool]:
         """The module whose parameters get fp32 masters in mixed precision, and whether the masters take the
@@ -270,6 +288,8 @@ class TorchTrainer:
                     weight = 1.0 if tokens is not None else len(mb) / per_update
                     part = self._loss(batch, rows, weight=weight, sums=sums, tokens=tokens)
                 part.backward()
+                if self.masters:
+                    self.masters.flush()  # host masters: this micro-batch's gradients, added on the host
                 total += part.detach()
             self.finalize_grads()
             grads.add_all((name, grad, (None, name)) for name, grad in self.named_grads())
@@ -378,7 +398,22 @@ class TorchTrainer:
         if self.masters:
             self.masters.load(tensors, directory)
         named = self.masters.params if self.masters else dict(self.model.named_parameters())
-        load_optimizer_state(self.optimizer, named, tensors, scalars, self.device, directory)
+        load_optimizer_state(self.optimizer, named, tensors, scalars, self.optimizer_device, directory)
+
+
+def enable_recompute(model: torch.nn.Module) -> None:
+    """Each decoder layer's activations recomputed in the backward (transformers' gradient checkpointing,
+    non-reentrant: it recomputes the same forward, so the gradients keep their bits)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise BadInput(
+            f"{type(model).__name__} does not support recomputing its layers (transformers' gradient checkpointing)",
+            field="train.recompute",
+        )
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _low_precision(model: torch.nn.Module) -> bool:
@@ -388,68 +423,3 @@ def _low_precision(model: torch.nn.Module) -> bool:
 def _lengths(tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """Each row's real length (the padded width where a batch does not say)."""
     return lengths if lengths is not None else torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
-
-
-class MasterWeights:
-    """fp32 master copies of a bf16/fp16 model's parameters, by name. A hook on each parameter adds the
-    gradient its backward just accumulated (one micro-batch's, in the model's dtype) into the master's fp32
-    gradient and drops it, so micro-batches add up in fp32 (Megatron's `main_grad`); the optimizer steps the
-    masters; `copy_to_model` rounds them into the model's parameters."""
-
-    def __init__(self, model: torch.nn.Module, hooks: bool = True):
-        self.model = model
-        self.params = {name: p.detach().float().clone().requires_grad_(True) for name, p in model.named_parameters()}
-        self._pairs = ([p for _, p in model.named_parameters()], list(self.params.values()))  # (model's, masters)
-        self.hooks: list = []
-        if hooks:
-            self.attach()
-
-    def attach(self) -> None:
-        """Hook every parameter: its gradient goes into its master's after each backward (see the class)."""
-        self.detach()
-        self.hooks = [
-            param.register_post_accumulate_grad_hook(self._accumulate(self.params[name]))
-            for name, param in self.model.named_parameters()
-        ]
-
-    def detach(self) -> None:
-        """Remove the hooks: gradients stay on the model's parameters (bench/scale.py's bare step)."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-
-    @staticmethod
-    def _accumulate(master: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            # fp32 += bf16 widens each element exactly before the fp32 add: the bits of adding grad.float()
-            master.grad = param.grad.float() if master.grad is None else master.grad.add_(param.grad)
-            param.grad = None
-
-        return hook
-
-    @torch.no_grad()
-    def copy_to_model(self) -> None:
-        """Round the masters into the model's parameters (one multi-tensor copy)."""
-        torch._foreach_copy_(*self._pairs)
-
-    def load(self, tensors: dict[str, torch.Tensor], source: Path, weights: str = "model.safetensors") -> None:
-        """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`); the model's
-        parameters, loaded from `source / weights`, must be those masters rounded."""
-        for name, master in self.params.items():
-            value = tensors.pop(f"master/{name}", None)
-            if value is None or value.shape != master.shape:
-                raise BadInput(
-                    f"optimizer state: expected the fp32 master weight 'master/{name}' of shape "
-                    f"{tuple(master.shape)} (the model trains in mixed precision)",
-                    path=source,
-                )
-            with torch.no_grad():
-                master.copy_(value)
-        for name, param in self.model.named_parameters():  # model.safetensors must be these masters, rounded
-            if not torch.equal(self.params[name].to(param.dtype), param.detach()):
-                raise BadInput(
-                    f"'{name}' is not its fp32 master weight rounded to {param.dtype} (the checkpoint was "
-                    "changed or damaged after it was written)",
-                    path=source / weights,
-                )
-        self.copy_to_model()

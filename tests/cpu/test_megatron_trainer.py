@@ -71,6 +71,12 @@ def test_reruns_are_bit_identical(runs):
     assert manifest["versions"]["megatron-core"] is not None
 
 
+def test_recompute_keeps_the_bits(runs, tmp_path):
+    """train.recompute (megatron-core's full recompute of each layer): every step's checksums as without it."""
+    run(_config(tmp_path / "recompute", train__recompute=True))
+    assert (tmp_path / "recompute" / "checksums.jsonl").read_bytes() == (runs / "a" / "checksums.jsonl").read_bytes()
+
+
 @pytest.mark.parametrize("name", ["model-tp00.safetensors", "optimizer-tp00.safetensors"])
 def test_diff_refuses_a_megatron_checkpoint_with_a_flipped_bit(runs, tmp_path, name):
     """A model shard is held to the verified model.safetensors (rank 0's part of it), an optimizer shard to

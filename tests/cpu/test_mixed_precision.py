@@ -57,7 +57,7 @@ def test_gradients_add_up_in_fp32_across_micro_batches():
         assert grad.dtype == torch.float32
         assert float((grad - grads[1][name]).norm() / grads[1][name].norm()) < 2e-2, name  # bf16 forwards
     # The sum itself is fp32: 1 + 2**-10 is exact there and rounds back to 1 in bf16 (8 significant bits).
-    from rlbench.backends.torch_trainer import MasterWeights
+    from rlbench.backends.master_weights import MasterWeights
 
     layer = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
     masters = MasterWeights(layer)

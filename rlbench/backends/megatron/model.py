@@ -81,6 +81,21 @@ def dims_of(hf_config, tp: int, source: str | Path, device: str = "cpu") -> Dims
     return dims
 
 
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def overrides_of(train) -> dict:
+    """The TransformerConfig fields a run's train section sets: the `[train.megatron]` table, and with
+    `train.recompute` megatron-core's full recompute of every layer (slime's --recompute-granularity full
+    --recompute-method uniform --recompute-num-layers 1), which the table may not set besides."""
+    if not train.recompute:
+        return dict(train.megatron)
+    both = sorted(set(train.megatron) & set(RECOMPUTE))
+    if both:
+        raise BadInput(f"{both[0]} is set by train.recompute, not here", field=f"train.megatron.{both[0]}")
+    return {**train.megatron, **RECOMPUTE}
+
+
 def check(config) -> None:
     """Every megatron setting of a trainer's setup (config.TrainerSetup), before any rank process starts
     (BadInput at the first problem): the model's shape against TP (`dims_of`), the `[train.megatron]` table's
@@ -91,7 +106,7 @@ def check(config) -> None:
     hf_config = load_model_config(config.model.path)
     dims = dims_of(hf_config, config.tp, config.model.path, config.device)
     transformer_config(
-        hf_config, dims, config.tp, config.deterministic, config.device, config.train.megatron, config.model.dtype
+        hf_config, dims, config.tp, config.deterministic, config.device, overrides_of(config.train), config.model.dtype
     )
 
 

@@ -101,7 +101,7 @@ class RankTrainer(TorchTrainer):
             config.tp,
             config.deterministic,
             config.device,
-            config.train.megatron,
+            mmodel.overrides_of(config.train),
             config.model.dtype,
         )
         self.gpt = self._shard(initial, device)
@@ -119,6 +119,9 @@ class RankTrainer(TorchTrainer):
         return gpt
 
     # -- where it differs from TorchTrainer --
+
+    def recompute(self) -> None:
+        """Set in the TransformerConfig (model.overrides_of): megatron-core recomputes each layer."""
 
     def master_source(self) -> tuple[torch.nn.Module, bool]:
         return self.gpt, False  # megatron-core's DDP holds each gradient in a fp32 buffer (`main_grad`)

@@ -10,7 +10,8 @@ Modules slime imports but these two functions do not use (sglang, httpx, wandb: 
 here) are stubbed; Megatron-LM's optimizer arguments, which slime leaves to Megatron-LM's parser,
 are added with Megatron-LM's defaults (megatron/training/arguments.py, NVIDIA/Megatron-LM commit
 307dcf37: --weight-decay 0.01, --adam-beta1 0.9, --adam-beta2 0.999, --adam-eps 1e-08, --optimizer
-adam, --lr-decay-style linear, --tensor-model-parallel-size 1). Settings slime leaves unset stay None.
+adam, --lr-decay-style linear, --tensor-model-parallel-size 1; the recompute arguments unset, no
+--optimizer-cpu-offload). Settings slime leaves unset stay None.
 Run once; the JSON is committed and the tests read only it.
 """
 
@@ -149,6 +150,19 @@ CASES = {
     "dynamic_batch_size": BASE
     + ["--global-batch-size", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"],
     "max_tokens_without_dynamic_batch_size": BASE + ["--global-batch-size", "4", "--max-tokens-per-gpu", "4096"],
+    "memory": BASE
+    + [
+        "--global-batch-size",
+        "4",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+        "--optimizer-cpu-offload",
+        "--offload-rollout",
+    ],
 }
 KEYS = (
     "hf_checkpoint",
@@ -194,6 +208,12 @@ KEYS = (
     "tis_clip_low",
     "use_dynamic_batch_size",
     "max_tokens_per_gpu",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "optimizer_cpu_offload",
+    "offload_rollout",
+    "offload_train",
 )
 MEGATRON = {
     "--weight-decay": (float, 0.01),
@@ -203,6 +223,10 @@ MEGATRON = {
     "--optimizer": (str, "adam"),
     "--lr-decay-style": (str, "linear"),
     "--tensor-model-parallel-size": (int, 1),
+    "--recompute-granularity": (str, None),
+    "--recompute-method": (str, None),
+    "--recompute-num-layers": (int, None),
+    "--optimizer-cpu-offload": (bool, False),  # a flag
 }
 
 
@@ -242,7 +266,10 @@ class _Megatron(argparse.Namespace):
 def resolve(arguments, argv: list[str]) -> dict:
     parser = argparse.ArgumentParser()
     for name, (kind, default) in MEGATRON.items():
-        parser.add_argument(name, type=kind, default=default)
+        if kind is bool:
+            parser.add_argument(name, action="store_true", default=default)
+        else:
+            parser.add_argument(name, type=kind, default=default)
     arguments.get_slime_extra_args_provider()(parser)
     args = _Megatron(**vars(parser.parse_args(argv)))
     args.ref_load = tempfile.gettempdir()  # slime checks that a KL run's reference checkpoint exists

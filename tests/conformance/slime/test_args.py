@@ -67,6 +67,13 @@ def _slime_view(config) -> dict:
         "tis_clip": config.algo.tis_clip,
         "tis_clip_low": config.algo.tis_clip_low,
         "max_tokens_per_micro_batch": config.train.max_tokens_per_micro_batch,
+        # full recompute of each layer on its own, megatron-core's form of train.recompute
+        "recompute_granularity": "full" if config.train.recompute else None,
+        "recompute_method": "uniform" if config.train.recompute else None,
+        "recompute_num_layers": 1 if config.train.recompute else None,
+        "optimizer_cpu_offload": config.train.optimizer_cpu_offload,
+        "offload_rollout": config.rollout.offload,
+        "offload_train": False,  # not modelled: --offload-train and --colocate are refused by name
     }
 
 
@@ -138,6 +145,10 @@ def test_the_cases_cover_every_mapped_argument():
     "extra, says",
     [
         (["--colocate"], "no such option: --colocate"),
+        (["--offload-train"], "no such option: --offload-train"),
+        (["--recompute-granularity", "selective"], "rlbench recomputes whole layers only (full)"),
+        (["--recompute-granularity", "full"], "needs --recompute-method and --recompute-num-layers"),
+        (["--recompute-method", "block"], "rlbench computes --recompute-method uniform only"),
         (["--ref-load", "/x"], "no such option: --ref-load"),
         (["--optimizer", "sgd"], "--optimizer: --optimizer sgd: rlbench computes --optimizer adam only"),
         (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef and --kl-loss-coef"),

@@ -1,0 +1,172 @@
+"""The memory settings (issue 34), each one of slime's or Megatron's: `train.recompute` (layers recomputed in the
+backward), `train.optimizer_cpu_offload` (fp32 masters, their gradients and AdamW's state in host memory) and
+`rollout.offload` (the embedded engine lets go of its GPU memory between rollouts). On the CPU each computes the
+same bits as the run without it: the gradients, the losses, the weights and the optimizer state, step by step, in
+float32 and in bf16 over fp32 masters. The GPU side (weights moved off the card, the memory saved) is
+tests/gpu/test_memory_cuda.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from rlbench.backends.torch_trainer import TorchTrainer
+from rlbench.config import load_config
+from rlbench.core.model import build_model
+from rlbench.errors import BadInput
+from tests.conftest import REPO, cli, small_toml
+from tests.helpers import train_batch, with_old_logprobs, write_files
+
+
+def _trainer(dtype: str, **train) -> TorchTrainer:
+    config = load_config()
+    model = build_model(config.model.path, master_seed=1, dtype=dtype, init="random")
+    settings = {"lr": 1e-3, "micro_batch_size": 5, "minibatches": 2, **train}  # 16 samples: micro-batches 5, 3
+    return TorchTrainer(model, dataclasses.replace(config.train, **settings), config.algo, 1.0, seed=0)
+
+
+def _state(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    """The model's weights and AdamW's moments by name (the optimizer's parameters in name order)."""
+    out = {f"model/{n}": p.detach() for n, p in trainer.model.named_parameters()}
+    named = trainer.masters.params if trainer.masters else dict(trainer.model.named_parameters())
+    for name, p in named.items():
+        out[f"master/{name}"] = p.detach()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{name}"] = trainer.optimizer.state[p][key]
+    return out
+
+
+def _recomputes(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_recompute_and_optimizer_offload_compute_the_same_bits(dtype):
+    """Two rollout steps of two optimizer steps each, micro-batches of 5 and 3 samples: every loss, gradient
+    checksum (the whole and per parameter), weight, master and moment equal bit for bit with and without the
+    settings; with offload the masters and AdamW's state are host tensors, a float32 model gets masters too."""
+    plain, saving = _trainer(dtype), _trainer(dtype, recompute=True, optimizer_cpu_offload=True)
+    assert _recomputes(saving.model) and not _recomputes(plain.model)
+    assert saving.masters is not None and saving.masters.host and saving.optimizer_device == "cpu"
+    assert (plain.masters is None) == (dtype == "float32")
+    for step in range(2):
+        stats = [t.train_step(with_old_logprobs(t, train_batch(step)), step) for t in (plain, saving)]
+        assert torch.equal(stats[0].losses, stats[1].losses)
+        assert stats[0].grads_digest == stats[1].grads_digest and stats[0].param_grads == stats[1].param_grads
+        assert stats[0].metrics == stats[1].metrics
+    a, b = _state(plain), _state(saving)
+    assert sorted(a) == sorted(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert all(t.device.type == "cpu" for t in b.values())
+
+
+def test_host_masters_add_each_gradient_as_the_device_path_does():
+    """The staging hook: each backward's bf16 gradient is copied to a host buffer and added into the fp32 master
+    gradient at the flush, exactly as the device hook adds it; a second backward before a flush adds the first
+    gradient then (nothing overwritten)."""
+    from rlbench.backends.master_weights import MasterWeights
+
+    layer = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    masters = MasterWeights(layer, host=True)
+    for scale in (1.0, 2.0**-10):  # exact in bf16; their sum 1 + 2**-10 only in fp32
+        (layer(torch.ones(1, 1, dtype=torch.bfloat16)) * scale).sum().backward()
+    assert masters.pending == ["weight"] and layer.weight.grad is None
+    masters.flush()
+    assert masters.pending == [] and masters.params["weight"].grad.item() == 1.0 + 2.0**-10
+
+
+def test_an_offloaded_checkpoint_resumes_exactly_and_needs_its_masters(tmp_path):
+    """A checkpoint of the offloaded trainer (masters and AdamW's state from host memory) restores them exactly:
+    the next step equals the trainer that went on. A float32 checkpoint written without offload holds no masters:
+    an offloaded trainer refuses it by name."""
+    straight = _trainer("bfloat16", optimizer_cpu_offload=True)
+    straight.train_step(with_old_logprobs(straight, train_batch(0)), 0)
+    write_files(straight.save_checkpoint(), tmp_path / "ckpt")
+    restored = _trainer("bfloat16", optimizer_cpu_offload=True)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    for trainer in (straight, restored):
+        trainer.train_step(with_old_logprobs(trainer, train_batch(1)), 1)
+    a, b = _state(straight), _state(restored)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    plain = _trainer("float32")
+    write_files(plain.save_checkpoint(), tmp_path / "plain")
+    with pytest.raises(BadInput, match="expected the fp32 master weight"):
+        _trainer("float32", optimizer_cpu_offload=True).load_checkpoint(tmp_path / "plain")
+
+
+def test_the_memory_example_of_docs_usage_keeps_the_runs_bits(tmp_path):
+    """docs/usage.md's memory TOML on a small bf16 run through the CLI: the same checksums.jsonl, step by step,
+    as the run without it, and the manifest records the three settings."""
+    import tomllib
+
+    block = re.search(r"```toml\n(\[train\]\nrecompute = true\n[^`]*)```", (REPO / "docs" / "usage.md").read_text())
+    base = small_toml(2) + '[model]\ndtype = "bfloat16"\n'
+    saving = base
+    for section, values in tomllib.loads(block[1]).items():  # into small_toml's own sections
+        lines = "".join(f"{key} = {str(value).lower()}\n" for key, value in values.items())
+        saving = saving.replace(f"[{section}]\n", f"[{section}]\n{lines}", 1)
+    sums = []
+    for name, text in (("plain", base), ("saving", saving)):
+        (tmp_path / f"{name}.toml").write_text(text)
+        res = cli("run", "-c", str(tmp_path / f"{name}.toml"), "--out", str(tmp_path / name), "--json")
+        assert res.returncode == 0, res.stderr
+        sums.append((tmp_path / name / "checksums.jsonl").read_text())
+    assert sums[0] == sums[1] and len(sums[0].splitlines()) == 2
+    config = json.loads((tmp_path / "saving" / "manifest.json").read_text())["config"]
+    assert config["train"]["recompute"] and config["train"]["optimizer_cpu_offload"] and config["rollout"]["offload"]
+
+
+def test_the_offloaded_engine_lets_go_after_each_rollout_and_generates_the_same():
+    """The engine behind `rollout.offload` drops its kept prefills after each generate and answers as the engine
+    does (on the CPU its weights stay where they are: host memory already)."""
+    from rlbench.backends.engine_memory import OffloadedEngine
+    from rlbench.backends.hf_engine import HFEngine
+    from rlbench.backends.prompt_cache import PromptCache
+    from rlbench.core.types import GenerateRequest
+
+    config = load_config()
+    model = build_model(config.model.path, master_seed=1, dtype="float32", init="random")
+    plain, inner = HFEngine(model, batch_size=8), HFEngine(model, batch_size=8)
+    inner.prompt_cache = PromptCache(1 << 30)
+    engine = OffloadedEngine(inner)
+    requests = [GenerateRequest((5, 6, 7 + i), 40 + i, 4, 1.0, (2,)) for i in range(3)]
+    assert engine.generate(requests) == plain.generate(requests)
+    assert len(inner.prompt_cache) == 0 and not engine.away and engine.engine_id == inner.engine_id
+    assert engine.weight_checksums() == plain.weight_checksums()
+
+
+@pytest.mark.parametrize(
+    "overrides, field, says",
+    [
+        (
+            {"train__backend": "megatron", "train__optimizer_cpu_offload": True},
+            "train.optimizer_cpu_offload",
+            "megatron",
+        ),
+        ({"rollout__backend": "sglang", "rollout__offload": True}, "rollout.offload", "servers' memory"),
+        ({"rollout__async_mode": "one-step", "rollout__offload": True}, "rollout.offload", "async rollouts"),
+        ({"train__recompute": 1}, "train.recompute", "true or false"),
+    ],
+)
+def test_settings_that_cannot_hold_are_refused_by_name(overrides, field, says):
+    with pytest.raises(BadInput) as info:
+        load_config(**overrides)
+    assert info.value.field == field and says in str(info.value)
+
+
+def test_megatron_recomputes_through_its_transformer_config():
+    """train.recompute with the megatron trainer is megatron-core's full, uniform recompute of every layer; the
+    [train.megatron] table may not set those fields besides."""
+    from rlbench.backends.megatron.model import RECOMPUTE, overrides_of
+
+    train = load_config(
+        train__backend="megatron", train__recompute=True, train__megatron={"fp32_residual_connection": False}
+    ).train
+    assert overrides_of(train) == {"fp32_residual_connection": False, **RECOMPUTE}
+    clash = dataclasses.replace(train, megatron={"recompute_num_layers": 2})
+    with pytest.raises(BadInput, match="set by train.recompute") as info:
+        overrides_of(clash)
+    assert info.value.field == "train.megatron.recompute_num_layers"
