@@ -3,15 +3,17 @@ and a tokenizer of Qwen3's size (151,669 ids: the fixture tokenizer grown with f
 
     python bench/scale.py [--shapes 0.6B,1.7B] [--steps 3] [--new-tokens 256] [--device cuda] [--repeats 2]
                           [--cost-rounds 9] [--no-checkpoint] [--trainer torch|megatron] [--vocab 151936|fixture]
-                          [--peer trl|none] [--peer-rounds 3] [--peer-repeats 2] [--only-peer] [--memory]
+                          [--peer trl|none] [--peer-rounds 3] [--peer-repeats 2] [--only-peer]
+                          [--peer-runs det,free,memory]
 
 0. With `--peer trl` (needs trl): the step against TRL's GRPOTrainer, each as its users run it, in processes of
    their own, alternating `--peer-repeats` times: TRL with its own defaults (GRPOConfig's; the batch shape set to
    the same 8 prompts x 8 samples, `--new-tokens` new tokens, 4 optimizer steps of 16, beta 0) on the same
    weights (saved once as bf16 safetensors), `rlbench run --device cuda` with and without `--deterministic`.
-   `--peer none`: the two rlbench processes only (deterministic mode's cost). `--memory` adds a third rlbench
-   process, deterministic, with slime's memory settings (layers recomputed, the optimizer in host memory, the
-   engine's memory let go of between rollouts: docs/usage.md "Memory").
+   `--peer none`: the rlbench processes only (deterministic mode's cost). `--peer-runs` chooses them (default
+   det,free): `det` deterministic, `free` not, `memory` deterministic with slime's memory settings (layers
+   recomputed, the optimizer in host memory, the engine's memory let go of between rollouts: docs/usage.md
+   "Memory").
    Each runs `--peer-rounds` steps after one warm-up; per process the step's median and the peak memory
    allocated (torch.cuda.max_memory_allocated). Beside them the physical floor of each stage on this card:
    the rollout's (the weights and the KV cache read once per decode step at the card's memory bandwidth), the
@@ -530,18 +532,21 @@ def peer_trl(args, shape: str, root: Path) -> None:
     toml = root / "peer.toml"
     toml.write_text(_toml(config))
     saving = root / "peer-memory.toml"  # slime's memory settings (docs/usage.md "Memory")
+    # the optimizer's update on the host's cores (a recorded setting: the gradient norm's sum order follows it)
+    threads = {"threads": min(16, os.cpu_count() or 1)}
     saving.write_text(
         _toml(
             {
                 **config,
+                **threads,
                 "train": {**config["train"], **MEMORY["train"]},
                 "rollout": {**config["rollout"], **MEMORY["rollout"]},
             }
         )
     )
-    results: dict[str, list] = {"TRL GRPOTrainer": [], "rlbench --deterministic": [], "rlbench": []}
-    if args.memory:
-        results[MEMORY_RUN] = []
+    chosen_runs = {"det": "rlbench --deterministic", "free": "rlbench", "memory": MEMORY_RUN}
+    results: dict[str, list] = {"TRL GRPOTrainer": []}
+    results.update({chosen_runs[key]: [] for key in args.peer_runs.split(",")})
     if args.peer == "none":  # deterministic mode's cost alone, as `rlbench run` processes measure it
         del results["TRL GRPOTrainer"]
     peaks: dict[str, list] = {name: [] for name in results}
@@ -629,10 +634,20 @@ def peer_trl(args, shape: str, root: Path) -> None:
             + ", ".join(f"{k[5:]} {v:.3f}" for k, v in stages.items() if k != "perf/step_time")
             + ")"
         )
-    det = statistics.median(row["perf/step_time"] for row in results["rlbench --deterministic"])
-    free = statistics.median(row["perf/step_time"] for row in results["rlbench"])
-    print(f"  deterministic / not: x{det / free:.2f}")
-    if card:
+    if "rlbench --deterministic" in results and "rlbench" in results:
+        det = statistics.median(row["perf/step_time"] for row in results["rlbench --deterministic"])
+        free = statistics.median(row["perf/step_time"] for row in results["rlbench"])
+        print(f"  deterministic / not: x{det / free:.2f}")
+    if trl:
+        print(
+            "  peak memory against TRL's: "
+            + ", ".join(
+                f"{name} x{max(peaks[name]) / max(peaks['TRL GRPOTrainer']):.2f}"
+                for name in results
+                if not name.startswith("TRL")
+            )
+        )
+    if card and "rlbench --deterministic" in results:
         bounds = floors(
             json.loads((directory / "config.json").read_text()),
             round(statistics.fmean(prompt_lengths)),
@@ -710,10 +725,10 @@ def main() -> None:
     parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
     parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
     parser.add_argument(
-        "--memory",
-        action="store_true",
-        help="with --peer: also `rlbench run --deterministic` with slime's memory settings (train.recompute, "
-        "train.optimizer_cpu_offload, rollout.offload), alternating with the others",
+        "--peer-runs",
+        default="det,free",
+        help="with --peer: the rlbench processes, of det (--deterministic), free (without), memory "
+        "(--deterministic with slime's memory settings: train.recompute, train.optimizer_cpu_offload, rollout.offload)",
     )
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -105,6 +105,18 @@ class EagerDecode:
         return self.engine.forward_logits(tokens, positions, self.kv, mask.to(self.engine.device))
 
 
+_WARM_UP: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device for the warm-up before a capture: cuBLAS keeps a workspace per (handle, stream) for
+    the process's life, so a new stream per capture left one behind each time (32 MiB; a `rollout.offload` run
+    captures again every rollout, a server every new shape)."""
+    if device not in _WARM_UP:
+        _WARM_UP[device] = torch.cuda.Stream(device)
+    return _WARM_UP[device]
+
+
 class GraphDecode(EagerDecode):
     """The same forward captured once as a CUDA graph for its (rows, length) and replayed every step: one
     launch instead of a few per layer, the same kernels on the same shapes, so the same bits as
@@ -119,7 +131,7 @@ class GraphDecode(EagerDecode):
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device)
-        side = torch.cuda.Stream(device)
+        side = _warm_up_stream(torch.device(device))
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # lazy set-ups (cuBLAS handles, workspaces) happen here, not in the capture
             for _ in range(2):

@@ -23,6 +23,7 @@ class OffloadedEngine:
     def __init__(self, engine: HFEngine):
         self.engine = engine
         self.away = False  # the weights are in host memory
+        self.host: dict[str, torch.Tensor] = {}  # each parameter's pinned host copy, kept from one release to the next
 
     @property
     def engine_id(self) -> str:
@@ -54,16 +55,24 @@ class OffloadedEngine:
         self.engine.close()
 
     def release(self) -> None:
-        """Drop the captured graphs and kept prefills; on a GPU, move the weights to host memory."""
+        """Drop the captured graphs and kept prefills; on a GPU, move the parameters to pinned host buffers (made
+        once; the module's small buffers, such as the rotary tables, stay)."""
         engine = self.engine
         engine.graphs.clear()
         engine.forget_prompts()
-        if torch.device(engine.device).type != "cpu" and not self.away:
-            engine.model.to("cpu")
-            self.away = True
+        if torch.device(engine.device).type == "cpu" or self.away:
+            return
+        for name, param in engine.model.named_parameters():
+            if name not in self.host:
+                self.host[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+            self.host[name].copy_(param.data)  # waits: the device copy is freed next
+            param.data = self.host[name]
+        self.away = True
 
     def back(self) -> None:
-        """The weights back on the engine's device (nothing to do unless released)."""
+        """The weights back on the engine's device (nothing to do unless released): copied from the pinned buffers
+        in stream order, before any kernel that reads them."""
         if self.away:
-            self.engine.model.to(self.engine.device)
+            for param in self.engine.model.parameters():
+                param.data = param.data.to(self.engine.device, non_blocking=True)
             self.away = False

@@ -29,6 +29,7 @@ class MasterWeights:
         # host: one buffer per parameter in its own dtype, and the names whose buffer holds a gradient not yet added
         self.staging: dict[str, torch.Tensor] = {}
         self.pending: list[str] = []
+        self.fresh: set[str] = set()  # host: names whose kept gradient buffer is stale since `zero` (not yet written)
         if host:
             for name, p in model.named_parameters():
                 pin = p.device.type == "cuda"
@@ -85,14 +86,40 @@ class MasterWeights:
             master, grad = self.params[name], self.staging[name]
             if master.grad is None:
                 master.grad = grad.to(torch.float32, copy=True)
+            elif name in self.fresh:  # the kept buffer, overwritten: no fresh 2.4 GB to fault in at a real size
+                master.grad.copy_(grad)
             else:
                 master.grad.add_(grad)
+            self.fresh.discard(name)
         self.pending.clear()
+
+    def zero(self) -> None:
+        """Host masters: the gradients start again at the next backward, their buffers kept (`settle` drops those
+        that got none)."""
+        self.fresh = set(self.params)
+
+    def settle(self) -> None:
+        """After a minibatch's backward: a master whose parameter got no gradient has none (as after
+        `zero_grad(set_to_none=True)`), so the optimizer skips it."""
+        self.flush()
+        for name in self.fresh:
+            self.params[name].grad = None
+        self.fresh = set()
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        """Round the masters into the model's parameters (one multi-tensor copy)."""
-        torch._foreach_copy_(*self._pairs)
+        """Round the masters into the model's parameters (one multi-tensor copy). Host masters on a GPU model are
+        rounded on the host into the pinned staging buffers (round to nearest even, the device's rounding) and
+        copied from there without waiting: half the bytes of fp32, at the pinned rate."""
+        params, masters = self._pairs
+        if not self.host or params[0].device.type != "cuda":
+            torch._foreach_copy_(params, masters)
+            return
+        torch.cuda.current_stream(params[0].device).synchronize()  # no copy still reading the buffers
+        staging = [self.staging[name] for name in self.params]
+        torch._foreach_copy_(staging, masters)
+        for param, buffer in zip(params, staging):
+            param.data.copy_(buffer, non_blocking=True)
 
     def load(self, tensors: dict[str, torch.Tensor], source: Path, weights: str = "model.safetensors") -> None:
         """Take the masters from a checkpoint's `master/NAME` tensors (removed from `tensors`); the model's

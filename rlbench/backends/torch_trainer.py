@@ -184,7 +184,10 @@ class TorchTrainer:
         return self._micro_batches(lengths)
 
     def zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters and self.masters.host:
+            self.masters.zero()  # host gradients' buffers kept (MasterWeights.settle)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.masters:
             self.model.zero_grad(set_to_none=True)
 
@@ -202,7 +205,12 @@ class TorchTrainer:
 
     def clip_grads(self) -> torch.Tensor | float:
         """Clip the gradients; their norm before clipping (a device tensor: read at the step's end)."""
-        params = self.masters.params.values() if self.masters else self.model.parameters()
+        params = list(self.masters.params.values() if self.masters else self.model.parameters())
+        if self.masters and self.masters.host:  # torch's clip_grad_norm_, without its multiply by 1.0 (no bit moves)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if float(self.train_config.grad_clip / (norm + 1e-6)) < 1.0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.train_config.grad_clip, norm)
+            return norm
         return torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip)
 
     def optimizer_step(self) -> None:
@@ -291,6 +299,8 @@ class TorchTrainer:
                 if self.masters:
                     self.masters.flush()  # host masters: this micro-batch's gradients, added on the host
                 total += part.detach()
+            if self.masters and self.masters.host:
+                self.masters.settle()
             self.finalize_grads()
             grads.add_all((name, grad, (None, name)) for name, grad in self.named_grads())
             grad_norms.append(self.clip_grads())

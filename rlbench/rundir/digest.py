@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 from collections.abc import Hashable, Iterable, Mapping
@@ -113,16 +114,29 @@ def _tail_word(data, full: int):
     return tail.view(torch.int64)
 
 
+PARALLEL_BYTES = 32 << 20  # a host tensor this large is summed by torch's CPU threads at once (numpy frees the GIL)
+
+
 def _host_lanes(data: np.ndarray) -> tuple[int, int]:
-    """The two lanes of `data` (uint8) with numpy's unsigned 64-bit matrix product: [chunks, C] x [C, 2]."""
+    """The two lanes of `data` (uint8) with numpy's unsigned 64-bit matrix product: [chunks, C] x [C, 2]. A large
+    tensor's chunks are split over torch's CPU threads: any split gives the same sums modulo 2**64."""
     full = data.size // 8 * 8
     words = data[:full].view(np.uint64)
     chunks, rest = divmod(words.size, CHUNK)
-    a, lanes = a_table(), [0, 0]
-    b = b_table(chunks + 1)[chunks] if chunks else (1, 1)  # the last chunk's multipliers (chunk 0's are 1)
-    if chunks:
-        sums = (words[: chunks * CHUNK].reshape(chunks, CHUNK) @ a.T) * b_table(chunks)[:chunks]
-        lanes = [int(x) for x in sums.sum(axis=0, dtype=np.uint64)]
+    a, lanes, table = a_table(), [0, 0], b_table(chunks + 1)
+    b = table[chunks] if chunks else (1, 1)  # the last chunk's multipliers (chunk 0's are 1)
+
+    def part(lo: int, hi: int) -> np.ndarray:
+        return ((words[lo * CHUNK : hi * CHUNK].reshape(hi - lo, CHUNK) @ a.T) * table[lo:hi]).sum(0, dtype=np.uint64)
+
+    workers = min(torch.get_num_threads(), chunks) if full >= PARALLEL_BYTES else 1
+    if workers > 1:
+        bounds = [chunks * i // workers for i in range(workers + 1)]
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(part, bounds[:-1], bounds[1:]))
+        lanes = [sum(int(p[k]) for p in parts) for k in range(2)]
+    elif chunks:
+        lanes = [int(x) for x in part(0, chunks)]
     if rest:
         sums = a[:, :rest] @ words[chunks * CHUNK :]
         lanes = [lanes[0] + int(sums[0]) * int(b[0]), lanes[1] + int(sums[1]) * int(b[1])]

@@ -303,3 +303,19 @@ def test_the_gpu_kernel_under_tritons_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_a_large_host_tensor_has_the_same_lanes_on_any_number_of_threads():
+    """A host tensor past PARALLEL_BYTES is summed by several threads (an offloaded optimizer's gradients): the
+    lanes of every split equal one thread's and torch's path's."""
+    tensor = torch.randn(digest.PARALLEL_BYTES // 4 + 12_345, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        found = set()
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            found.add(digest.to_unsigned(digest.lanes(tensor)))
+        found.add(digest.to_unsigned(digest.lanes(tensor, on_device=True)))
+    finally:
+        torch.set_num_threads(before)
+    assert len(found) == 1

@@ -44,12 +44,14 @@ def _recomputes(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_recompute_and_optimizer_offload_compute_the_same_bits(dtype):
+@pytest.mark.parametrize("dtype, clip", [("float32", 1.0), ("bfloat16", 1.0), ("bfloat16", 1e-4), ("bfloat16", 1e6)])
+def test_recompute_and_optimizer_offload_compute_the_same_bits(dtype, clip):
     """Two rollout steps of two optimizer steps each, micro-batches of 5 and 3 samples: every loss, gradient
     checksum (the whole and per parameter), weight, master and moment equal bit for bit with and without the
-    settings; with offload the masters and AdamW's state are host tensors, a float32 model gets masters too."""
-    plain, saving = _trainer(dtype), _trainer(dtype, recompute=True, optimizer_cpu_offload=True)
+    settings, whether the gradients are clipped (1e-4) or not (1e6); with offload the masters and AdamW's state are
+    host tensors, a float32 model gets masters too."""
+    plain = _trainer(dtype, grad_clip=clip)
+    saving = _trainer(dtype, grad_clip=clip, recompute=True, optimizer_cpu_offload=True)
     assert _recomputes(saving.model) and not _recomputes(plain.model)
     assert saving.masters is not None and saving.masters.host and saving.optimizer_device == "cpu"
     assert (plain.masters is None) == (dtype == "float32")
@@ -76,6 +78,21 @@ def test_host_masters_add_each_gradient_as_the_device_path_does():
     assert masters.pending == ["weight"] and layer.weight.grad is None
     masters.flush()
     assert masters.pending == [] and masters.params["weight"].grad.item() == 1.0 + 2.0**-10
+
+
+def test_host_gradients_start_again_each_minibatch_and_a_parameter_without_one_has_none():
+    """The host gradients' buffers are kept between minibatches: after `zero` the first gradient overwrites its
+    buffer (nothing of the last minibatch stays) and a parameter the backward did not reach has no gradient."""
+    from rlbench.backends.master_weights import MasterWeights
+
+    used, unused = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    masters = MasterWeights(torch.nn.ModuleDict({"used": used, "unused": unused}).to(torch.bfloat16), host=True)
+    for scale, both in ((4.0, True), (2.0, False)):
+        masters.zero()
+        x = torch.ones(1, 1, dtype=torch.bfloat16)
+        ((used(x) + (unused(x) if both else 0)) * scale).sum().backward()
+        masters.settle()
+    assert masters.params["used.weight"].grad.item() == 2.0 and masters.params["unused.weight"].grad is None
 
 
 def test_an_offloaded_checkpoint_resumes_exactly_and_needs_its_masters(tmp_path):
