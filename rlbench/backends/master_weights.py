@@ -4,6 +4,7 @@ the megatron trainer fills their gradients from megatron-core's fp32 buffers ins
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -142,3 +143,15 @@ class MasterWeights:
                     path=source / weights,
                 )
         self.copy_to_model()
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """torch's `get_total_norm` (the 2-norm) of host gradients, each tensor's norm taken on torch's CPU threads at
+    once (torch frees the GIL; every thread computes with the run's thread count): the same bits, in a fraction of
+    the time at a real size (a norm's reduction is memory-bound on one thread)."""
+    workers = min(torch.get_num_threads(), len(grads))
+    if workers < 2:
+        return torch.nn.utils.get_total_norm(grads)
+    with ThreadPoolExecutor(workers) as pool:
+        norms = list(pool.map(lambda grad: torch.linalg.vector_norm(grad, 2.0), grads))
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)

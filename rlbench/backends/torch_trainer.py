@@ -39,7 +39,7 @@ from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
 from rlbench.errors import BadInput
 from rlbench.rundir import digest
-from rlbench.backends.master_weights import MasterWeights
+from rlbench.backends.master_weights import MasterWeights, total_norm
 from rlbench.backends.optimizer_state import (
     decay_groups,
     check_weight_decays,
@@ -207,7 +207,7 @@ class TorchTrainer:
         """Clip the gradients; their norm before clipping (a device tensor: read at the step's end)."""
         params = list(self.masters.params.values() if self.masters else self.model.parameters())
         if self.masters and self.masters.host:  # torch's clip_grad_norm_, without its multiply by 1.0 (no bit moves)
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = total_norm([p.grad for p in params if p.grad is not None])
             if float(self.train_config.grad_clip / (norm + 1e-6)) < 1.0:
                 torch.nn.utils.clip_grads_with_norm_(params, self.train_config.grad_clip, norm)
             return norm

@@ -4,6 +4,7 @@ directory.py   the run directory: the step commit, checkpoints, validated readin
 writes.py      atomic file writes, fsynced appends, the one ordered background writer
 recording.py   a step's samples as flat safetensors tensors and per-sample JSON, self-verifying
 digest.py      checksums of named tensors (name, dtype, shape, bytes), computed on their device: wordsum/1
+digest_host.py its host side: the multiplier tables, host tensors' lanes summed over the CPU's threads
 algorithm.py   the schema's and the checksum algorithm's names, and the refusal of a directory or recording
                that names another
 manifest.py    a run's manifest (RUN/manifest.json): what made the run, laid out with the schema

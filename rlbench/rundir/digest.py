@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 from collections.abc import Hashable, Iterable, Mapping
@@ -46,41 +45,21 @@ import numpy as np
 import torch
 
 from rlbench.rundir.algorithm import CHECKSUM as ALGORITHM
+from rlbench.rundir.digest_host import (  # noqa: F401  (CHUNK, PARALLEL_BYTES, splitmix64: the checksum's definition)
+    CHUNK,
+    MASK,
+    PARALLEL_BYTES,
+    a_table,
+    b_table,
+    host_lanes,
+    host_lanes_many,
+    splitmix64,
+    tail_word,
+)
 
-CHUNK = 1 << 14  # words per chunk: A's table (2 x 128 KiB) stays in the CPU's cache
 GROUP = 64  # chunks per device kernel: bounds the device's temporary product to 16 MiB
 BATCH_BYTES = 4 << 20  # `Digests.add_all` concatenates smaller device tensors into batches of about this size
 _PREFIX = f"rlbench checksum {ALGORITHM}\0".encode()  # a checksum of another algorithm never equals one of these
-_MASK = (1 << 64) - 1
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_A_STREAMS, _B_STREAMS = (0xA0, 0xA1), (0xB0, 0xB1)  # one stream per lane, for A and for B
-
-
-def splitmix64(seed: int, count: int) -> np.ndarray:
-    """The first `count` outputs of SplitMix64 seeded with `seed` (Steele, Lea, Flood 2014; seed 0's first is
-    0xE220A8397B1DCDAF), as uint64: numpy's unsigned array arithmetic wraps modulo 2**64."""
-    z = (np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)) + np.uint64(seed)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-    return z ^ (z >> np.uint64(31))
-
-
-@functools.cache
-def a_table() -> np.ndarray:
-    """A: [2, CHUNK] uint64, lane k's multipliers within a chunk (odd)."""
-    return np.stack([splitmix64(seed, CHUNK) | np.uint64(1) for seed in _A_STREAMS])
-
-
-@functools.cache
-def _b_rows(size: int) -> np.ndarray:
-    table = np.stack([splitmix64(seed, size) | np.uint64(1) for seed in _B_STREAMS], axis=1)
-    table[0] = 1
-    return table
-
-
-def b_table(count: int) -> np.ndarray:
-    """B: [>= count, 2] uint64, each chunk's multiplier per lane (odd; chunk 0's is 1). Cached by powers of two."""
-    return _b_rows(max(1024, 1 << max(count - 1, 0).bit_length()))
 
 
 _DEVICE_TABLES: dict[tuple[str, str], torch.Tensor] = {}
@@ -101,49 +80,6 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach()
     flat = (flat if flat.is_contiguous() else flat.contiguous()).view(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _tail_word(data, full: int):
-    """The last nbytes % 8 bytes, zero-padded to one word (numpy or torch, as `data`)."""
-    if isinstance(data, np.ndarray):
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: data.size - full] = data[full:]
-        return int(tail.view(np.uint64)[0])
-    tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
-    tail[: data.numel() - full] = data[full:]
-    return tail.view(torch.int64)
-
-
-PARALLEL_BYTES = 32 << 20  # a host tensor this large is summed by torch's CPU threads at once (numpy frees the GIL)
-
-
-def _host_lanes(data: np.ndarray) -> tuple[int, int]:
-    """The two lanes of `data` (uint8) with numpy's unsigned 64-bit matrix product: [chunks, C] x [C, 2]. A large
-    tensor's chunks are split over torch's CPU threads: any split gives the same sums modulo 2**64."""
-    full = data.size // 8 * 8
-    words = data[:full].view(np.uint64)
-    chunks, rest = divmod(words.size, CHUNK)
-    a, lanes, table = a_table(), [0, 0], b_table(chunks + 1)
-    b = table[chunks] if chunks else (1, 1)  # the last chunk's multipliers (chunk 0's are 1)
-
-    def part(lo: int, hi: int) -> np.ndarray:
-        return ((words[lo * CHUNK : hi * CHUNK].reshape(hi - lo, CHUNK) @ a.T) * table[lo:hi]).sum(0, dtype=np.uint64)
-
-    workers = min(torch.get_num_threads(), chunks) if full >= PARALLEL_BYTES else 1
-    if workers > 1:
-        bounds = [chunks * i // workers for i in range(workers + 1)]
-        with ThreadPoolExecutor(workers) as pool:
-            parts = list(pool.map(part, bounds[:-1], bounds[1:]))
-        lanes = [sum(int(p[k]) for p in parts) for k in range(2)]
-    elif chunks:
-        lanes = [int(x) for x in part(0, chunks)]
-    if rest:
-        sums = a[:, :rest] @ words[chunks * CHUNK :]
-        lanes = [lanes[0] + int(sums[0]) * int(b[0]), lanes[1] + int(sums[1]) * int(b[1])]
-    if full < data.size:  # the last word, zero-padded, at position n
-        word = _tail_word(data, full)
-        lanes = [lanes[k] + word * int(a[k, rest]) * int(b[k]) for k in range(2)]
-    return lanes[0] & _MASK, lanes[1] & _MASK
 
 
 def _device_lanes(data: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
@@ -171,7 +107,7 @@ def _device_lanes(data: torch.Tensor, fused: bool | None = None) -> torch.Tensor
         sums = (words[chunks * CHUNK :] * a[:, :rest]).sum(dim=1)
         parts.append(sums * b[chunks] if chunks else sums)  # chunk 0's multiplier is 1
     if full < data.numel():  # the last word, zero-padded, at position n
-        parts.append(_tail_word(data, full) * a[:, rest] * b[chunks])
+        parts.append(tail_word(data, full) * a[:, rest] * b[chunks])
     if not parts:
         return torch.zeros(2, dtype=torch.int64, device=data.device)
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
@@ -318,7 +254,7 @@ def _fused_lanes(datas: list[torch.Tensor]) -> torch.Tensor:
     result = _segment_totals(out, ends_, begins_)
     for row in np.flatnonzero(tails):  # the last word, zero-padded, at position n
         chunk, rest = divmod(int(counts[row]), CHUNK)
-        result[row] += _tail_word(_byte_view(originals[row]), int(counts[row]) * 8) * a[:, rest] * b[chunk]
+        result[row] += tail_word(_byte_view(originals[row]), int(counts[row]) * 8) * a[:, rest] * b[chunk]
     return result
 
 
@@ -365,12 +301,12 @@ def lanes(tensor: torch.Tensor, on_device: bool | None = None) -> torch.Tensor |
     data = _byte_view(tensor)
     if on_device or (on_device is None and not data.is_cpu):
         return _device_lanes(data)
-    return _host_lanes(data.numpy())
+    return host_lanes(data.numpy())
 
 
 def to_unsigned(pair) -> tuple[int, int]:
     """Lanes as two ints in [0, 2**64), from a pair of ints or int64 values."""
-    return int(pair[0]) & _MASK, int(pair[1]) & _MASK
+    return int(pair[0]) & MASK, int(pair[1]) & MASK
 
 
 @functools.lru_cache(maxsize=8192)
@@ -410,12 +346,16 @@ class Digests:
             size = 0
 
         fused: dict[torch.device, list[int]] = {}  # devices with the Triton kernel: every tensor in one launch
+        host: list[int] = []
         for name, tensor, keys in items:
             nbytes = tensor.numel() * tensor.element_size()
             if not tensor.is_cpu and _use_kernel(tensor.device, None):
                 fused.setdefault(tensor.device, []).append(self._hold(name, tensor, keys, nbytes))
                 continue
-            if tensor.is_cpu or nbytes >= BATCH_BYTES:
+            if tensor.is_cpu:  # summed together at the end (digest_host.host_lanes_many)
+                host.append(self._hold(name, tensor, keys, nbytes))
+                continue
+            if nbytes >= BATCH_BYTES:
                 self.add(name, tensor, *keys)
                 continue
             if size + nbytes > BATCH_BYTES or (batch and self._entries[batch[0]][2].device != tensor.device):
@@ -423,6 +363,9 @@ class Digests:
             batch.append(self._hold(name, tensor, keys, nbytes))
             size += nbytes
         flush()
+        pairs = host_lanes_many([_byte_view(self._entries[i][2]).numpy() for i in host])
+        for i, pair in zip(host, pairs):
+            self._entries[i] = (*self._entries[i][:2], pair)
         for indices in fused.values():
             self._fill(indices, _fused_lanes([self._entries[i][2].detach() for i in indices]))
 

@@ -316,6 +316,16 @@ def test_a_large_host_tensor_has_the_same_lanes_on_any_number_of_threads():
             torch.set_num_threads(threads)
             found.add(digest.to_unsigned(digest.lanes(tensor)))
         found.add(digest.to_unsigned(digest.lanes(tensor, on_device=True)))
+        many = [tensor[:n] for n in (1, 3, 8 * C + 5, 3_000_000)] + [tensor]
+        sums = set()
+        for threads in (1, 3):  # several host tensors in one add_all: summed together in pieces
+            torch.set_num_threads(threads)
+            sums.add(digest.tensors_digest([(str(i), t) for i, t in enumerate(many)]))
+        torch.set_num_threads(1)
+        alone = digest.Digests([None])
+        for i, t in enumerate(many):
+            alone.add(str(i), t, None)
+        sums.add(alone.hexdigests()[None])
     finally:
         torch.set_num_threads(before)
-    assert len(found) == 1
+    assert len(found) == 1 and len(sums) == 1

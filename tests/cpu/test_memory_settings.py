@@ -80,6 +80,24 @@ def test_host_masters_add_each_gradient_as_the_device_path_does():
     assert masters.pending == [] and masters.params["weight"].grad.item() == 1.0 + 2.0**-10
 
 
+def test_the_host_gradients_norm_is_torchs_on_any_number_of_threads():
+    """The offloaded clip's norm, each tensor's taken on a thread of its own: torch's get_total_norm, bit for bit, at
+    each thread count."""
+    from rlbench.backends.master_weights import total_norm
+
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(n, generator=gen) * scale for n, scale in ((3, 1e-3), (70_001, 1.0), (5_000, 30.0))]
+    before = torch.get_num_threads()
+    try:
+        pairs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            pairs.append((total_norm(grads), torch.nn.utils.get_total_norm(grads)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(ours, torchs) and ours.dtype == torch.float32 for ours, torchs in pairs)
+
+
 def test_host_gradients_start_again_each_minibatch_and_a_parameter_without_one_has_none():
     """The host gradients' buffers are kept between minibatches: after `zero` the first gradient overwrites its
     buffer (nothing of the last minibatch stays) and a parameter the backward did not reach has no gradient."""
