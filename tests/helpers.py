@@ -7,6 +7,7 @@
 - TableLogits: a 'model' with fixed logits, by position or by sample (the trainer's loss by hand; slime's cases).
 - random_tensor: seeded random bytes viewed as a dtype (the checksum tests, CPU and CUDA).
 - wait_running: waiting on an SGLang-API server's /v1/loads (the conformance tests act on that event, not a clock).
+- cuda_bf16: a small deterministic bf16 run on the GPU (tests/gpu).
 """
 
 from __future__ import annotations
@@ -158,3 +159,26 @@ def wait_running(server, at_least: int = 1, in_flight: int = 0, timeout: float =
             return
         time.sleep(0.01)
     raise AssertionError(f"fewer than {at_least} requests ever ran, or fewer than {in_flight} arrived")
+
+
+# ---------------------------------------------------------------- the GPU's runs
+
+
+def cuda_bf16(out, steps: int = 4, checkpoint_every: int = 2, **overrides):
+    """A small deterministic bf16 run on the GPU, written to `out` (tests/gpu)."""
+    from rlbench.config import load_config
+
+    return load_config(
+        steps=steps,
+        seed=3,
+        device="cuda",
+        deterministic=True,
+        out=str(out),
+        model__dtype="bfloat16",
+        checkpoint_every=checkpoint_every,
+        data__prompts_per_step=4,
+        rollout__n_samples_per_prompt=4,
+        train__minibatches=2,
+        train__micro_batch_size=8,
+        **overrides,
+    )

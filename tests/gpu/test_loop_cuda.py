@@ -7,6 +7,7 @@ import torch
 
 from rlbench.config import load_config
 from rlbench.session import run
+from tests.helpers import cuda_bf16
 
 
 def _small(out, seed=3):
@@ -41,22 +42,6 @@ def test_cuda_learning_signal(tmp_path):
     assert last - first >= 0.15 and last >= 0.25, (first, last)
 
 
-def _bf16(out):
-    return load_config(
-        steps=4,
-        seed=3,
-        device="cuda",
-        deterministic=True,
-        out=str(out),
-        model__dtype="bfloat16",
-        checkpoint_every=2,
-        data__prompts_per_step=4,
-        rollout__n_samples_per_prompt=4,
-        train__minibatches=2,
-        train__micro_batch_size=8,
-    )
-
-
 def test_cuda_bf16_runs_repeat_bit_for_bit_and_a_flipped_bit_is_caught(tmp_path):
     """bf16 with fp32 master weights, CUDA graphs and checksums on the device: two runs, one seed, the same
     checksums.jsonl; resumed from checkpoint 2 the run recomputes step 2 to the same checksums, and with one bit
@@ -71,8 +56,8 @@ def test_cuda_bf16_runs_repeat_bit_for_bit_and_a_flipped_bit_is_caught(tmp_path)
     from rlbench.rundir import recording
     from tests.conftest import run_cli
 
-    run(_bf16(tmp_path / "a"))
-    run(_bf16(tmp_path / "b"))
+    run(cuda_bf16(tmp_path / "a"))
+    run(cuda_bf16(tmp_path / "b"))
     a = tmp_path / "a"
     assert (a / "checksums.jsonl").read_bytes() == (tmp_path / "b" / "checksums.jsonl").read_bytes()
     for flip in (False, True):

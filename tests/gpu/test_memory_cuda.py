@@ -11,23 +11,11 @@ import torch
 
 from rlbench.config import load_config
 from rlbench.session import run
+from tests.helpers import cuda_bf16
 
 
 def _bf16(out, **overrides):
-    return load_config(
-        steps=3,
-        seed=3,
-        device="cuda",
-        deterministic=True,
-        out=str(out),
-        model__dtype="bfloat16",
-        checkpoint_every=10,
-        data__prompts_per_step=4,
-        rollout__n_samples_per_prompt=4,
-        train__minibatches=2,
-        train__micro_batch_size=8,
-        **overrides,
-    )
+    return cuda_bf16(out, steps=3, checkpoint_every=10, **overrides)
 
 
 def _sums(out) -> list[dict]:
