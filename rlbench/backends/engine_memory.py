@@ -25,10 +25,6 @@ class OffloadedEngine:
         self.away = False  # the weights are in host memory
         self.host: dict[str, torch.Tensor] = {}  # each parameter's pinned host copy, kept from one release to the next
 
-    @property
-    def engine_id(self) -> str:
-        return self.engine.engine_id
-
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 

@@ -45,17 +45,7 @@ import numpy as np
 import torch
 
 from rlbench.rundir.algorithm import CHECKSUM as ALGORITHM
-from rlbench.rundir.digest_host import (  # noqa: F401  (CHUNK, PARALLEL_BYTES, splitmix64: the checksum's definition)
-    CHUNK,
-    MASK,
-    PARALLEL_BYTES,
-    a_table,
-    b_table,
-    host_lanes,
-    host_lanes_many,
-    splitmix64,
-    tail_word,
-)
+from rlbench.rundir.digest_host import CHUNK, MASK, a_table, b_table, host_lanes, host_lanes_many, tail_word
 
 GROUP = 64  # chunks per device kernel: bounds the device's temporary product to 16 MiB
 BATCH_BYTES = 4 << 20  # `Digests.add_all` concatenates smaller device tensors into batches of about this size

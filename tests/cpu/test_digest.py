@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlbench.errors import BadInput
-from rlbench.rundir import digest, recording
+from rlbench.rundir import digest, digest_host, recording
 from rlbench.rundir.directory import read_run
 from tests.conftest import run_cli, small_toml
 from tests.helpers import random_tensor
@@ -66,7 +66,7 @@ def test_torch_int64_multiply_and_sum_wrap_modulo_2_64_on_the_cpu():
 
 def test_splitmix64_is_the_published_generator():
     """Output 1..3 of SplitMix64 seeded with 0 (Steele, Lea, Flood 2014; Vigna's splitmix64.c)."""
-    assert digest.splitmix64(0, 3).tolist() == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert digest_host.splitmix64(0, 3).tolist() == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
 
 
 def test_known_values():
@@ -308,7 +308,7 @@ def test_the_gpu_kernel_under_tritons_interpreter():
 def test_a_large_host_tensor_has_the_same_lanes_on_any_number_of_threads():
     """A host tensor past PARALLEL_BYTES is summed by several threads (an offloaded optimizer's gradients): the
     lanes of every split equal one thread's and torch's path's."""
-    tensor = torch.randn(digest.PARALLEL_BYTES // 4 + 12_345, generator=torch.Generator().manual_seed(3))
+    tensor = torch.randn(digest_host.PARALLEL_BYTES // 4 + 12_345, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     try:
         found = set()

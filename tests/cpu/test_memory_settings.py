@@ -205,3 +205,16 @@ def test_megatron_recomputes_through_its_transformer_config():
     with pytest.raises(BadInput, match="set by train.recompute") as info:
         overrides_of(clash)
     assert info.value.field == "train.megatron.recompute_num_layers"
+    # held to megatron-core's own TransformerConfig (0.16.1, transformer_config.py's __post_init__): it takes the
+    # three fields, and refuses full granularity without a method, as slime_args refuses the slime flag alone
+    pytest.importorskip("megatron.core")
+    from rlbench.backends.megatron import model as mmodel
+    from rlbench.core.model import load_model_config
+
+    config = load_config()
+    hf = load_model_config(config.model.path)
+    dims = mmodel.dims_of(hf, 1, config.model.path)
+    made = mmodel.transformer_config(hf, dims, 1, False, "cpu", overrides_of(train))
+    assert (made.recompute_granularity, made.recompute_method, made.recompute_num_layers) == ("full", "uniform", 1)
+    with pytest.raises(BadInput, match="recompute_method must be"):
+        mmodel.transformer_config(hf, dims, 1, False, "cpu", {"recompute_granularity": "full"})
