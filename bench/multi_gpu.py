@@ -3,6 +3,7 @@ compared bit for bit, each against TP=1 within a tolerance, and each run's step 
 
     python bench/multi_gpu.py [--shape 1.7B] [--layouts tp2dp2,tp2,dp2] [--dtypes bfloat16,float32] [--steps 3]
                               [--vocab 151936|fixture] [--device cuda] [--out DIR] [--rtol bfloat16=1e-2,...]
+                              [--drop-checkpoints]
 
 For each dtype: TP=1 once (the reference), then each layout twice (`rlbench run --trainer megatron --tp T --dp D
 --deterministic`, random weights of bench/scale.py's shape, Qwen3's vocabulary, 8 prompts x 8 samples x 64 new
@@ -14,12 +15,16 @@ this script measures it). Each run's medians of perf/step_time, rollout_time and
 
 Resumable across calls on one machine (a GPU host's 10-minute calls): every run's directory is kept under --out;
 a run with all its steps committed is not run again, a run cut short continues with `--resume`.
+`--drop-checkpoints` removes a run's checkpoints/ once all its steps are committed (the comparisons read its
+checksums and recordings only): at 4B each run writes two checkpoints of ~64 GB (megatron's fp32 shards, the
+model's safetensors, AdamW's moments), more than a four-GPU host's disk holds for three runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,9 +54,12 @@ def committed(run: Path) -> int:
     return sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
 
 
-def run(toml: Path, out: Path, tp: int, dp: int, device: str, steps: int) -> float:
-    """One run to `steps` committed steps (continued where one was cut short); its wall seconds (0: already done)."""
+def run(toml: Path, out: Path, tp: int, dp: int, device: str, steps: int, drop: bool = False) -> float:
+    """One run to `steps` committed steps (continued where one was cut short); its wall seconds (0: already done).
+    `drop`: its checkpoints removed once every step is committed."""
     if committed(out) >= steps:
+        if drop:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
         return 0.0
     command = [sys.executable, "-m", "rlbench.cli", "run"]
     if out.is_dir() and committed(out):
@@ -63,7 +71,10 @@ def run(toml: Path, out: Path, tp: int, dp: int, device: str, steps: int) -> flo
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{out.name}: rlbench run exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if drop:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return seconds
 
 
 def stages(out: Path) -> str:
@@ -88,6 +99,9 @@ def main() -> None:
         "--rtol",
         default="",
         help="DTYPE=R,... (defaults: " + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_RTOL.items()) + ")",
+    )
+    parser.add_argument(
+        "--drop-checkpoints", action="store_true", help="remove each run's checkpoints once all its steps are in"
     )
     args = parser.parse_args()
     rtol = {**DEFAULT_RTOL, **{k: float(v) for k, v in (p.split("=") for p in args.rtol.split(",") if p)}}
@@ -124,12 +138,12 @@ def main() -> None:
         toml = root / f"{dtype}.toml"
         toml.write_text(scale._toml(config))
         reference = root / f"{dtype}-tp1"
-        seconds = run(toml, reference, 1, 1, args.device, args.steps)
+        seconds = run(toml, reference, 1, 1, args.device, args.steps, args.drop_checkpoints)
         print(f"  {dtype} tp1: {stages(reference)}" + (f" ({seconds:.0f} s wall)" if seconds else " (kept)"))
         for name in args.layouts.split(","):
             tp, dp = layout(name)
             first, second = root / f"{dtype}-{name}-a", root / f"{dtype}-{name}-b"
-            walls = [run(toml, out, tp, dp, args.device, args.steps) for out in (first, second)]
+            walls = [run(toml, out, tp, dp, args.device, args.steps, args.drop_checkpoints) for out in (first, second)]
             same = (first / "checksums.jsonl").read_bytes() == (second / "checksums.jsonl").read_bytes()
             diff = subprocess.run(
                 [
