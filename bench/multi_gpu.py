@@ -9,9 +9,10 @@ For each dtype: TP=1 once (the reference), then each layout twice (`rlbench run 
 --deterministic`, random weights of bench/scale.py's shape, Qwen3's vocabulary, 8 prompts x 8 samples x 64 new
 tokens, micro-batches of 8 so DP=2 splits each minibatch); the two runs' checksums.jsonl compared byte for byte,
 then `rlbench diff TP1 LAYOUT --rtol R --json`: where they part first and by how much, or that every recorded
-value of every step agrees within R. R per dtype from `--rtol` (default: float64 1e-12 and float32 1e-6, the
-tolerances docs/usage.md states for TP=2 against TP=1 in those dtypes; bfloat16 1e-2, which the docs do not state:
-this script measures it). Each run's medians of perf/step_time, rollout_time and train_time after its first step.
+value of every step agrees within R, and each value stage's largest difference over the run. R per dtype from
+`--rtol` (default: float64 1e-12 and float32 1e-6, the tolerances docs/usage.md states for TP=2 against TP=1 in
+those dtypes; bfloat16 1e-2, which this script measured as bf16's noise: docs/usage.md). Each run's medians of
+perf/step_time, rollout_time and train_time after its first step.
 
 Resumable across calls on one machine (a GPU host's 10-minute calls): every run's directory is kept under --out;
 a run with all its steps committed is not run again, a run cut short continues with `--resume`.
@@ -172,6 +173,15 @@ def main() -> None:
                         f"parts from tp1 at rtol {rtol[dtype]:g}: step {f['step']}, {f['stage']}, {f['where']}, "
                         f"max abs {f['max_abs']}, max rel {f['max_rel']}"
                     )
+                largest = found.get("largest") or {}
+                verdict += "; largest over the run: " + (
+                    ", ".join(
+                        f"{stage} {v['max_abs']:.3g} abs ({v['max_rel'] or float('nan'):.3g} rel) "
+                        f"at step {v['step']}, {v['where']}"
+                        for stage, v in largest.items()
+                    )
+                    or "none (every value stage bit for bit)"
+                )
             print(
                 f"  {dtype} {name} (TP={tp}, DP={dp}): two runs bit for bit: {same}; against tp1: {verdict}; "
                 f"{stages(first)}" + (f" ({walls[0]:.0f} s, {walls[1]:.0f} s wall)" if all(walls) else "")

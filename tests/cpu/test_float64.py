@@ -123,8 +123,12 @@ def test_advice_for_float32_layouts_parting_by_a_rounding_sized_gap():
         "and part by 2.4e-06 relative"
     )
     assert 'rerun both with dtype = "float64" in the [model] table of --config' in advice
+    bf16 = layout_advice(_manifest(1, 1, "bfloat16"), _manifest(2, 2, "bfloat16"), _gap(1.39e-2, "old_logprobs"))
+    assert "(A: tp 1, dp 1, bfloat16; B: tp 2, dp 2, bfloat16) and part by 0.014 relative, a gap bfloat16" in bf16
     for a, b, gap in (
-        (_manifest(1, 1, "float32"), _manifest(1, 2, "bfloat16"), _gap(NOISE_GAP, "grads")),
+        (_manifest(1, 1, "float32"), _manifest(1, 2, "bfloat16"), _gap(NOISE_GAP["bfloat16"], "grads")),
+        (_manifest(1, 1, "bfloat16"), _manifest(2, 2, "bfloat16"), _gap(1.39e-2, "old_logprobs")),  # 4B on 4 GPUs
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(NOISE_GAP["float32"])),
         (_manifest(1, 1, "float64"), _manifest(2, 1, "float32"), _gap(1e-7, "old_logprobs")),
     ):
         assert layout_advice(a, b, gap) is not None, (a, b)
@@ -137,7 +141,9 @@ def test_advice_for_float32_layouts_parting_by_a_rounding_sized_gap():
         (_manifest(2, 1, "float32"), _manifest(2, 1, "float32"), _gap(2.4e-6)),
         (_manifest(1, 1, "float64"), _manifest(2, 1, "float64"), _gap(2.4e-6)),  # float64 already
         (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), None),  # no difference
-        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(2 * NOISE_GAP)),  # too large for rounding
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(2 * NOISE_GAP["float32"])),  # too large
+        (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(1.39e-2)),  # bf16's noise, not float32's
+        (_manifest(1, 1, "bfloat16"), _manifest(2, 2, "bfloat16"), _gap(2 * NOISE_GAP["bfloat16"])),
         (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(None, "grads")),  # a checksum only: gap unknown
         (_manifest(1, 1, "float32"), _manifest(2, 1, "float32"), _gap(1e-7, "rewards")),  # rounding does not reach it
         ({"config": {"model": {"dtype": "float32"}}}, _manifest(2, 1, "float32"), _gap(1e-7)),  # A's layout unknown
