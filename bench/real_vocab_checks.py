@@ -11,16 +11,21 @@ recorded: random weights sample them a few times in a thousand, so 2 x 64 sample
 
 `--shape fixture --device cpu --new-tokens 8` checks the script itself on the CPU in a minute (the fixture model at
 Qwen3's vocabulary). Exit 0 when every command exited 0 and every run recorded at least one padded id; else 1.
+With `--keep DIR` it resumes: a command that exited 0 there before (DIR/done.jsonl) is not run again, so a GPU
+host's 10-minute calls can carry it on. The SGLang run needs sglang-router and the client's and server's
+packages (`pip install '.[router,serve]'`): it is checked before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -36,14 +41,28 @@ RUNS = {
 }
 
 
-def rlbench(*args: str) -> tuple[int, str]:
+def rlbench(done_log: Path, *args: str) -> int:
+    """`rlbench ARGS` in its own process, unless done_log says it exited 0 already; its exit code. A run or replay
+    cut short before (its directory there, no exit recorded) continues: `run --resume`, or the replay made again."""
+    key = " ".join(args)
+    kept = {r["command"] for r in map(json.loads, done_log.read_text().splitlines()) if r["exit"] == 0}
+    if key in kept:
+        print(f"  exit 0 (kept)  rlbench {key}", flush=True)
+        return 0
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else None
+    if args[0] == "run" and out is not None and (out / "manifest.json").is_file():
+        args = ("run", "--resume", str(out))
+    elif args[0] == "replay" and out is not None and out.exists():
+        shutil.rmtree(out)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "rlbench", *args], capture_output=True, text=True)
     lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     print(f"  exit {done.returncode} ({time.perf_counter() - start:5.1f} s)  rlbench {' '.join(args)}", flush=True)
     for line in dict.fromkeys(lines[:1] + lines[-1:]):  # the verdict (its first line) and the last
         print(f"      {line[:200]}", flush=True)
-    return done.returncode, done.stdout + done.stderr
+    with done_log.open("a") as log:
+        log.write(json.dumps({"command": key, "exit": done.returncode}) + "\n")
+    return done.returncode
 
 
 def padded(run: Path) -> int:
@@ -65,13 +84,22 @@ def main() -> int:
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="real-vocab-"))
     root.mkdir(parents=True, exist_ok=True)
+    done_log = root / "done.jsonl"
+    done_log.touch()
+    if "sglang" in args.runs.split(","):
+        missing = [m for m in ("sglang_router", "aiohttp", "orjson", "uvicorn", "starlette") if not find_spec(m)]
+        if missing:
+            print(f"the sglang run needs {', '.join(missing)}: pip install '.[router,serve]' (or leave it out: --runs)")
+            return 1
     config = {
         "steps": args.steps,
         "device": args.device,
         "deterministic": True,
         "model": {
-            "path": str(model_dir(root, args.shape, QWEN3_VOCAB)),
-            "tokenizer": str(real_tokenizer(root)),
+            "path": str(
+                root / args.shape if (root / args.shape).is_dir() else model_dir(root, args.shape, QWEN3_VOCAB)
+            ),
+            "tokenizer": str(root / "tokenizer" if (root / "tokenizer").is_dir() else real_tokenizer(root)),
             "dtype": "bfloat16",
             "init": "random",
         },
@@ -93,7 +121,7 @@ def main() -> int:
             ["report", str(run), "--out", str(root / f"{name}.html")],
         ]
         for command in commands:
-            code, _ = rlbench(*command)
+            code = rlbench(done_log, *command)
             if code != 0:
                 failed.append(f"{name}: rlbench {command[0]} {command[1]} exited {code}")
             if command[0] == "run" and code == 0:
