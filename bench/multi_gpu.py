@@ -58,10 +58,14 @@ def committed(run: Path) -> int:
 def run(toml: Path, out: Path, tp: int, dp: int, device: str, steps: int, drop: bool = False) -> float:
     """One run to `steps` committed steps (continued where one was cut short); its wall seconds (0: already done).
     `drop`: its checkpoints removed once every step is committed."""
-    if committed(out) >= steps:
-        if drop:
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        return 0.0
+    seconds = 0.0 if committed(out) >= steps else _make(toml, out, tp, dp, device)
+    if drop:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return seconds
+
+
+def _make(toml: Path, out: Path, tp: int, dp: int, device: str) -> float:
+    """`rlbench run` into `out` (`--resume` where it has committed steps); its wall seconds, or exit on failure."""
     command = [sys.executable, "-m", "rlbench.cli", "run"]
     if out.is_dir() and committed(out):
         command += ["--resume", str(out)]
@@ -72,10 +76,7 @@ def run(toml: Path, out: Path, tp: int, dp: int, device: str, steps: int, drop: 
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{out.name}: rlbench run exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-    seconds = time.perf_counter() - start
-    if drop:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return seconds
+    return time.perf_counter() - start
 
 
 def stages(out: Path) -> str:
@@ -176,8 +177,11 @@ def main() -> None:
                 largest = found.get("largest") or {}
                 verdict += "; largest over the run: " + (
                     ", ".join(
-                        f"{stage} {v['max_abs']:.3g} abs ({v['max_rel'] or float('nan'):.3g} rel) "
-                        f"at step {v['step']}, {v['where']}"
+                        f"{stage} {v['max_abs']:.3g} abs"
+                        + (
+                            f" ({v['max_rel']:.3g} rel)" if v["max_rel"] is not None else ""
+                        )  # as `rlbench diff` says it
+                        + f" at step {v['step']}, {v['where']}"
                         for stage, v in largest.items()
                     )
                     or "none (every value stage bit for bit)"

@@ -12,8 +12,8 @@ recorded: random weights sample them a few times in a thousand, so 2 x 64 sample
 `--shape fixture --device cpu --new-tokens 8` checks the script itself on the CPU in a minute (the fixture model at
 Qwen3's vocabulary). Exit 0 when every command exited 0 and every run recorded at least one padded id; else 1.
 With `--keep DIR` it resumes: a command that exited 0 there before (DIR/done.jsonl) is not run again, so a GPU
-host's 10-minute calls can carry it on. The SGLang run needs sglang-router and the client's and server's
-packages (`pip install '.[router,serve]'`): it is checked before anything runs.
+host's 10-minute calls can carry it on. The SGLang run's packages (sglang-router, the client's and the server's) are
+asked for before anything runs, as `rlbench run` asks for them (rlbench/backends/registry.py, check_installed).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -34,18 +33,23 @@ from scale import QWEN3_TOKENIZER, QWEN3_VOCAB, _toml, model_dir, real_tokenizer
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
+from rlbench.backends.registry import check_installed  # noqa: E402
+from rlbench.config import apply_overrides, load_config  # noqa: E402
+from rlbench.errors import BadInput  # noqa: E402
+
 RUNS = {
     "torch": [],
     "megatron": ["--trainer", "megatron"],
     "sglang": ["--rollout", "sglang", "--sglang-server", "rlbench"],
 }
+SGLANG_OVERRIDES = {"rollout__backend": "sglang", "rollout__sglang_server": "rlbench"}  # RUNS["sglang"] as fields
 
 
-def rlbench(done_log: Path, *args: str) -> int:
-    """`rlbench ARGS` in its own process, unless done_log says it exited 0 already; its exit code. A run or replay
-    cut short before (its directory there, no exit recorded) continues: `run --resume`, or the replay made again."""
+def rlbench(done_log: Path, kept: set[str], *args: str) -> int:
+    """`rlbench ARGS` in its own process, unless it exited 0 before (`kept`, read from done_log); its exit code,
+    appended to done_log. A run or replay cut short before (its directory there, no exit recorded) continues:
+    `run --resume`, or the replay made again."""
     key = " ".join(args)
-    kept = {r["command"] for r in map(json.loads, done_log.read_text().splitlines()) if r["exit"] == 0}
     if key in kept:
         print(f"  exit 0 (kept)  rlbench {key}", flush=True)
         return 0
@@ -86,11 +90,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     done_log = root / "done.jsonl"
     done_log.touch()
-    if "sglang" in args.runs.split(","):
-        missing = [m for m in ("sglang_router", "aiohttp", "orjson", "uvicorn", "starlette") if not find_spec(m)]
-        if missing:
-            print(f"the sglang run needs {', '.join(missing)}: pip install '.[router,serve]' (or leave it out: --runs)")
-            return 1
+    kept = {r["command"] for r in map(json.loads, done_log.read_text().splitlines()) if r["exit"] == 0}
     config = {
         "steps": args.steps,
         "device": args.device,
@@ -108,6 +108,12 @@ def main() -> int:
         "train": {"minibatches": 4, "micro_batch_size": 16},
     }
     (root / "run.toml").write_text(_toml(config))
+    if "sglang" in args.runs.split(","):
+        try:  # what `rlbench run --rollout sglang --sglang-server rlbench` asks first, asked before any run starts
+            check_installed(apply_overrides(load_config(root / "run.toml"), **SGLANG_OVERRIDES))
+        except BadInput as exc:
+            print(f"the sglang run cannot start here: {exc} (or leave it out: --runs)")
+            return 1
     failed = []
     for name in args.runs.split(","):
         run = root / name
@@ -121,7 +127,7 @@ def main() -> int:
             ["report", str(run), "--out", str(root / f"{name}.html")],
         ]
         for command in commands:
-            code = rlbench(done_log, *command)
+            code = rlbench(done_log, kept, *command)
             if code != 0:
                 failed.append(f"{name}: rlbench {command[0]} {command[1]} exited {code}")
             if command[0] == "run" and code == 0:
