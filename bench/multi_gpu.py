@@ -10,9 +10,11 @@ For each dtype: TP=1 once (the reference), then each layout twice (`rlbench run 
 tokens, micro-batches of 8 so DP=2 splits each minibatch); the two runs' checksums.jsonl compared byte for byte,
 then `rlbench diff TP1 LAYOUT --rtol R --json`: where they part first and by how much, or that every recorded
 value of every step agrees within R, and each value stage's largest difference over the run. R per dtype from
-`--rtol` (default: float64 1e-12 and float32 1e-6, the tolerances docs/usage.md states for TP=2 against TP=1 in
-those dtypes; bfloat16 1e-2, below bf16's TP-order noise as this script measured it: 1.2e-2 at 1.7B, 1.4e-2 at
-4B, docs/usage.md). Each run's medians of perf/step_time, rollout_time and train_time after its first step.
+`--rtol` (default: float64 1e-12, the tolerance docs/usage.md states for TP=2 against TP=1 in float64; float32
+1e-6 and bfloat16 1e-2, each just below its dtype's TP-order noise as this script measured it, so the output
+shows where and by how much rounding parts the layouts: float32 1.9e-6 at 1.7B and 3.3e-6 at 4B, bf16 1.2e-2 and
+1.4e-2, docs/usage.md). Each run's medians of perf/step_time, rollout_time and train_time after its first step.
+`--layouts ''` makes the TP=1 reference alone (a host of one GPU can make it; the layouts' runs read it later).
 
 Resumable across calls on one machine (a GPU host's 10-minute calls): every run's directory is kept under --out;
 a run with all its steps committed is not run again, a run cut short continues with `--resume`.
@@ -142,7 +144,7 @@ def main() -> None:
         reference = root / f"{dtype}-tp1"
         seconds = run(toml, reference, 1, 1, args.device, args.steps, args.drop_checkpoints)
         print(f"  {dtype} tp1: {stages(reference)}" + (f" ({seconds:.0f} s wall)" if seconds else " (kept)"))
-        for name in args.layouts.split(","):
+        for name in filter(None, args.layouts.split(",")):  # '': the TP=1 reference only
             tp, dp = layout(name)
             first, second = root / f"{dtype}-{name}-a", root / f"{dtype}-{name}-b"
             walls = [run(toml, out, tp, dp, args.device, args.steps, args.drop_checkpoints) for out in (first, second)]

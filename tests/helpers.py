@@ -8,6 +8,7 @@
 - random_tensor: seeded random bytes viewed as a dtype (the checksum tests, CPU and CUDA).
 - wait_running: waiting on an SGLang-API server's /v1/loads (the conformance tests act on that event, not a clock).
 - cuda_bf16: a small deterministic bf16 run on the GPU (tests/gpu).
+- fixture_requests: sampled requests over the fixture's prompts (rlbench serve's weight loads, CPU and CUDA).
 """
 
 from __future__ import annotations
@@ -182,3 +183,15 @@ def cuda_bf16(out, steps: int = 4, checkpoint_every: int = 2, **overrides):
         train__micro_batch_size=8,
         **overrides,
     )
+
+
+def fixture_requests(n: int = 6, new: int = 6) -> list[GenerateRequest]:
+    """`n` sampled requests (temperature 1, seeds 40..) over the fixture dataset's first prompts."""
+    from rlbench.config import load_config
+    from rlbench.core.data import encode_prompts, load_dataset
+    from rlbench.core.model import load_tokenizer
+
+    config = load_config()
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:n]).values())
+    return [engine_request(prompts, tokenizer.eos_token_id, (i, 40 + i, 1.0, -1, 1.0, new)) for i in range(n)]

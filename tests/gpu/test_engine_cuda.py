@@ -112,6 +112,27 @@ def test_cuda_graphs_give_the_eager_bits_and_follow_weight_updates(setup):
     assert not torch.cuda.is_current_stream_capturing()
 
 
+def test_cuda_graphs_follow_a_weight_load_of_rlbench_serve(tmp_path):
+    """rlbench serve's /update_weights_from_disk with decode graphs captured before it: the weights go into the
+    parameters the graphs read (in place), so what it generates next equals a server started from those weights.
+    A model swapped in instead left the graphs replaying the old, freed weights (tests/cpu/test_serve_weights.py)."""
+    from rlbench.serve.server import ServeConfig, ServerState
+    from tests.conformance.sglang.conftest import write_checkpoint
+    from tests.helpers import fixture_requests
+
+    first, second = write_checkpoint(tmp_path / "a", seed=1), write_checkpoint(tmp_path / "b", seed=2)
+    state = ServerState(ServeConfig(model_path=str(first), load_format="auto", device="cuda"))
+    before = state.engine.generate(fixture_requests())
+    captured = sum(len(kept) for kept in state.engine.graphs.values())
+    assert captured >= 1
+    state.load_weights(str(second), "auto")
+    after = state.engine.generate(fixture_requests())
+    assert sum(len(kept) for kept in state.engine.graphs.values()) == captured  # replayed, not captured again
+    fresh = ServerState(ServeConfig(model_path=str(second), load_format="auto", device="cuda"))
+    assert after == fresh.engine.generate(fixture_requests())
+    assert after != before
+
+
 def test_the_kv_write_lifts_the_deterministic_flag_for_itself_only():
     """The fixed KV store writes its one column with the plain index_copy_ kernel (no sort, no device asserts)
     and leaves torch's deterministic-algorithms setting as it found it, warn-only flag included."""
