@@ -34,10 +34,51 @@ SUPPORTED = ("qwen3",)
 @contextmanager
 def quiet():
     """megatron-core warns, once per rank, that Apex and Transformer Engine are absent and about
-    defaults rlbench does not use (cuda_graph_scope): not the user's concern, so not on stderr."""
+    defaults rlbench does not use (cuda_graph_scope): not the user's concern, so not on stderr. Its import
+    runs here too (every rlbench import of megatron-core is inside this), with `torch.compile` deferred."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        with _compile_on_first_call():
+            yield
+
+
+@contextmanager
+def _compile_on_first_call():
+    """While megatron-core is first imported: `torch.compile` on a function gives a function that compiles it
+    when first called. megatron-core decorates its fused kernels with torch.compile as it is imported
+    (megatron/core/jit.py), and torch.compile imports TorchInductor's compiler for that, ~1.2 s of every rank
+    process's start, though a compiled function compiles on its first call either way. Anything but a plain
+    function (a module) goes to torch.compile itself."""
+    import functools
+    import inspect
+    import sys
+
+    if "megatron.core" in sys.modules:
         yield
+        return
+    compile_now = torch.compile
+
+    def compile_later(model=None, **options):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile_later(fn, **options)
+        if not inspect.isfunction(model):
+            return compile_now(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = compile_later
+    try:
+        yield
+    finally:
+        torch.compile = compile_now
 
 
 def silence_runtime_warnings() -> None:

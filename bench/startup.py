@@ -1,0 +1,73 @@
+"""What an rlbench process costs before and around its work: the CPU seconds (user + sys, the process and every
+process it waited for) of `rlbench run --steps 1` (the default run, one step) and of `rlbench run --trainer megatron
+--tp 2 --steps 1` (rank 0 and one worker rank, each importing torch, transformers and megatron-core), for this
+checkout and for another commit (a git worktree made for it), alternating, each in a fresh process. The CPU suite
+starts over a hundred such processes, so their start is most of its time on two cores.
+
+    python bench/startup.py [--against REV] [--repeats 5]
+
+Prints each command's median CPU seconds per tree and their ratio (this checkout / REV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMMANDS = {
+    "default run, 1 step": ["run", "--steps", "1"],
+    "megatron TP=2, 1 step": ["run", "--trainer", "megatron", "--tp", "2", "--steps", "1"],
+}
+
+
+def cpu_seconds(tree: Path, args: list[str], out: Path) -> float:
+    """CPU seconds of `python -m rlbench ARGS --out OUT` with `tree` first on the path (its children included)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlbench", *args, "--out", str(out)], cwd=out.parent, env=env, capture_output=True
+    )
+    if done.returncode != 0:
+        sys.exit(f"{tree}: rlbench {' '.join(args)} exited {done.returncode}: {done.stderr.decode()[-500:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default="HEAD~1", help="the commit to compare with")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="rlbench-startup-"))
+    other = scratch / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(other), args.against], check=True)
+    try:
+        trees = {"this checkout": REPO, args.against: other}
+        seconds: dict[tuple[str, str], list[float]] = {}
+        for round_ in range(args.repeats):
+            for name, command in COMMANDS.items():
+                for label, tree in trees.items():
+                    out = scratch / f"run-{round_}-{len(seconds.get((name, label), []))}-{label.replace(' ', '_')}"
+                    seconds.setdefault((name, label), []).append(cpu_seconds(tree, command, out))
+                    shutil.rmtree(out, ignore_errors=True)
+        for name in COMMANDS:
+            mine, theirs = (statistics.median(seconds[(name, label)]) for label in trees)
+            print(
+                f"{name}: this checkout {mine:.2f} s CPU, {args.against} {theirs:.2f} s (medians of {args.repeats}, "
+                f"alternating): x{mine / theirs:.3f}"
+            )
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(other)], check=False)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
