@@ -2,7 +2,9 @@
 process it waited for) of `rlbench run --steps 1` (the default run, one step) and of `rlbench run --trainer megatron
 --tp 2 --steps 1` (rank 0 and one worker rank, each importing torch, transformers and megatron-core), for this
 checkout and for another commit (a git worktree made for it), alternating, each in a fresh process. The CPU suite
-starts over a hundred such processes, so their start is most of its time on two cores.
+starts over a hundred such processes, so their start is most of its time on two cores. Most of a process's start is
+imports: torch, transformers (whose Qwen3 model imports torch's dynamo and inductor through its kernels'
+integrations) and, in a megatron rank, megatron-core.
 
     python bench/startup.py [--against REV] [--repeats 5]
 

@@ -55,7 +55,7 @@ def configure_determinism(threads: int, device: str, deterministic: bool = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(threads)
-    use_deterministic_algorithms(not cuda or deterministic)
+    torch.use_deterministic_algorithms(not cuda or deterministic)
     settings = {
         "torch_threads": torch.get_num_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -72,20 +72,3 @@ def configure_determinism(threads: int, device: str, deterministic: bool = False
             }
         )
     return settings
-
-
-def use_deterministic_algorithms(mode: bool) -> None:
-    """`torch.use_deterministic_algorithms(mode)`, without importing TorchInductor for it where nothing has: torch's
-    function imports inductor's config (and with it dynamo, ~1.9 s of every rlbench process's start) only to set its
-    `deterministic`, which inductor reads from TORCHINDUCTOR_DETERMINISTIC when it is first imported. So: set in
-    inductor's config where it is loaded, else in that variable (rank processes inherit it), then the flag itself."""
-    import sys
-
-    import torch
-
-    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
-    if setter is None or "torch._inductor.config" in sys.modules:
-        torch.use_deterministic_algorithms(mode)
-        return
-    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if mode else "0"
-    setter(mode, warn_only=False)
