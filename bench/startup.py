@@ -55,9 +55,9 @@ def main() -> None:
         trees = {"this checkout": REPO, args.against: other}
         seconds: dict[tuple[str, str], list[float]] = {}
         for round_ in range(args.repeats):
-            for name, command in COMMANDS.items():
-                for label, tree in trees.items():
-                    out = scratch / f"run-{round_}-{len(seconds.get((name, label), []))}-{label.replace(' ', '_')}"
+            for index, (name, command) in enumerate(COMMANDS.items()):
+                for side, (label, tree) in enumerate(trees.items()):
+                    out = scratch / f"run-{round_}-{index}-{side}"
                     seconds.setdefault((name, label), []).append(cpu_seconds(tree, command, out))
                     shutil.rmtree(out, ignore_errors=True)
         for name in COMMANDS:

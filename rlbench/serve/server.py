@@ -256,16 +256,16 @@ class ServerState:
     def load_weights(self, model_path: str, load_format: str) -> str:
         """Load the weights `model_path` names, whole (the engine's thread only); LoadFailed, and the
         served weights untouched, when any part of them cannot be read. Once read whole, they are copied into
-        the served parameters in place, never swapped for a new model: the engine's captured CUDA graphs read
-        the parameters by address, so a swapped-in model would leave them replaying the freed old weights
-        (seen at the Qwen3-0.6B shape on a GPU: rollout log-probs 11 nats from the trainer's after the first
-        update), and a run serving its own engine keeps it."""
-        from rlbench.core.model import load_named_, named_weights
+        the served parameters in place by the engine's own weight update (its weights version kept), never
+        swapped for a new model: the engine's captured CUDA graphs read the parameters by address, so a
+        swapped-in model would leave them replaying the freed old weights (seen at the Qwen3-0.6B shape on a GPU:
+        rollout log-probs 11 nats from the trainer's after the first update), and a run serving its own engine
+        keeps it."""
+        from rlbench.core.model import named_weights
         from rlbench.serve.weights import read_candidate
 
         candidate = read_candidate(self.engine.model, model_path, load_format, self.config.random_seed)
-        self.engine.forget_prompts()
-        load_named_(self.engine.model, named_weights(candidate), source=model_path)
+        self.engine.update_weights(named_weights(candidate), self.engine.weight_version)
         del candidate
         self.model_path = self.served_model_name = model_path
         self.load_format = load_format
