@@ -19,6 +19,7 @@ error, 130 Ctrl-C.
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 
@@ -46,14 +47,21 @@ def _polish(command) -> None:
         _polish(sub)
 
 
+@functools.cache
+def command():
+    """The click command of the app, built once a process: typer builds it from every command's signature
+    (~30 ms); a process that calls `main` again (a test, a notebook) reuses it. Parsing state is per call."""
+    built = typer.main.get_command(app)
+    _polish(built)
+    return built
+
+
 def main() -> None:
     """Console entry point: the one error boundary. Exit 0 done / the check holds, 1 a check found a
     difference, 2 bad input or usage (one line), 3 an internal error (a bug in rlbench), 130 Ctrl-C."""
     debug = "--debug" in sys.argv
     try:
-        command = typer.main.get_command(app)
-        _polish(command)
-        code = command.main(args=sys.argv[1:], prog_name="rlbench", standalone_mode=False)
+        code = command().main(args=sys.argv[1:], prog_name="rlbench", standalone_mode=False)
     except RlbenchError as exc:
         if debug:
             traceback.print_exc()

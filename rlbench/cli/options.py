@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import typing
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,22 @@ class FieldOption:
         return self.names[-1] if self.names else f"--{param.replace('_', '-')}"
 
 
+@functools.cache
+def _defaults(root: type) -> Any:
+    """`root()`, made once: every option of a command reads its field's default from it (a CLI builds its
+    commands' options at each call, ~200 of them)."""
+    return root()
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def field_of(path: str, root: type = RunConfig) -> tuple[dataclasses.Field, Any, Any]:
-    """The dataclass field at a dotted `path` of `root`: (field, its default, its type)."""
-    cls, default = root, root()
+    """The dataclass field at a dotted `path` of `root`: (field, its default, its type). The default is
+    shared between calls: read it, never change it."""
+    cls, default = root, _defaults(root)
     *sections, name = path.split(".")
     for section in sections:
         default = getattr(default, section)
@@ -59,7 +73,7 @@ def field_of(path: str, root: type = RunConfig) -> tuple[dataclasses.Field, Any,
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     if name not in by_name:
         raise KeyError(f"{root.__name__} has no field {path!r}")
-    return by_name[name], getattr(default, name), typing.get_type_hints(cls)[name]
+    return by_name[name], getattr(default, name), _hints(cls)[name]
 
 
 def shown(value: Any) -> str:

@@ -128,19 +128,19 @@ def encode_prompts(
     as it is, without special tokens, as slime tokenises it. One that leaves no room for the response
     in the model's context (`limit` tokens) is bad input."""
     encoded = {}
-    for prompt in dataset:
-        with _quiet_tokenizer():
+    with _quiet_tokenizer():  # once for the whole dataset: setting transformers' verbosity walks its loggers
+        for prompt in dataset:
             ids = _encode(tokenizer, prompt, source, template_kwargs)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        if not ids:  # an engine has nothing to continue from (a chat template that renders nothing)
-            raise BadInput(f"prompt {prompt.index} renders to no tokens", path=source)
-        if len(ids) > limit:
-            raise BadInput(
-                f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
-                f"model's {limit} + max_new_tokens positions",
-                path=source,
-            )
-        encoded[prompt.index] = tuple(int(t) for t in ids)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            if not ids:  # an engine has nothing to continue from (a chat template that renders nothing)
+                raise BadInput(f"prompt {prompt.index} renders to no tokens", path=source)
+            if len(ids) > limit:
+                raise BadInput(
+                    f"prompt {prompt.index} renders to {len(ids)} tokens; with the response it must fit the "
+                    f"model's {limit} + max_new_tokens positions",
+                    path=source,
+                )
+            encoded[prompt.index] = tuple(int(t) for t in ids)
     return encoded
 
 

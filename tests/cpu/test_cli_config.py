@@ -13,6 +13,7 @@ import typer
 
 import rlbench.cli
 from rlbench import __version__
+from rlbench.config import RunConfig
 from rlbench.cli.options import FieldOption, config_option, disagreements, option_fields
 from rlbench.cli.runs import RUN_FIELDS
 from tests.conftest import cli
@@ -65,6 +66,17 @@ def test_resume_refuses_every_setting_by_its_name(tmp_path, args, named):
 def test_version():
     res = cli("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"rlbench {__version__}"
+
+
+def test_the_command_is_built_once_and_each_call_parses_its_own_line(tmp_path):
+    """main() reuses one click command a process (typer builds it from ~200 option declarations); what a call
+    parses stays with that call: an option given once is not there the next time."""
+    assert rlbench.cli.command() is rlbench.cli.command()
+    first = cli("run", "--steps", "2", "--seed", "5", "--print-config")
+    second = cli("run", "--steps", "2", "--print-config")
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert json.loads(first.stdout)["seed"] == 5
+    assert json.loads(second.stdout)["seed"] == RunConfig().seed != 5
 
 
 # ---------------------------------------------------------------- the checker, on options that drift
