@@ -6,9 +6,13 @@ starts over a hundred such processes, so their start is most of its time on two 
 imports: torch, transformers (whose Qwen3 model imports torch's dynamo and inductor through its kernels'
 integrations) and, in a megatron rank, megatron-core.
 
+Also, per tree in a fresh process: the seconds one more `rlbench` call takes in a process that already made one
+(`rlbench.cli.main` with `rlbench --version`, the median of 20 after a first; tests/conftest.py's `cli` calls
+the entry point so, hundreds of times a suite run): what the CLI's own set-up costs a call.
+
     python bench/startup.py [--against REV] [--repeats 5]
 
-Prints each command's median CPU seconds per tree and their ratio (this checkout / REV).
+Prints each measure's median per tree and their ratio (this checkout / REV).
 """
 
 from __future__ import annotations
@@ -43,6 +47,34 @@ def cpu_seconds(tree: Path, args: list[str], out: Path) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+CLI_CALLS = """
+import statistics, sys, time
+from rlbench.cli import main
+def call():
+    sys.argv = ["rlbench", "--version"]
+    try:
+        main()
+    except SystemExit:
+        pass
+call()
+times = []
+for _ in range(20):
+    start = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - start)
+print(statistics.median(times), file=sys.stderr)
+"""
+
+
+def cli_call_seconds(tree: Path) -> float:
+    """The median seconds of an in-process `rlbench --version` after the first, with `tree` first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", CLI_CALLS], cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{tree}: in-process rlbench calls exited {done.returncode}: {done.stderr[-500:]}")
+    return float(done.stderr.split()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default="HEAD~1", help="the commit to compare with")
@@ -60,12 +92,19 @@ def main() -> None:
                     out = scratch / f"run-{round_}-{index}-{side}"
                     seconds.setdefault((name, label), []).append(cpu_seconds(tree, command, out))
                     shutil.rmtree(out, ignore_errors=True)
+            for label, tree in trees.items():
+                seconds.setdefault(("cli", label), []).append(cli_call_seconds(tree))
         for name in COMMANDS:
             mine, theirs = (statistics.median(seconds[(name, label)]) for label in trees)
             print(
                 f"{name}: this checkout {mine:.2f} s CPU, {args.against} {theirs:.2f} s (medians of {args.repeats}, "
                 f"alternating): x{mine / theirs:.3f}"
             )
+        mine, theirs = (statistics.median(seconds[("cli", label)]) for label in trees)
+        print(
+            f"an in-process `rlbench --version` after the first: this checkout {mine * 1e3:.1f} ms, {args.against} "
+            f"{theirs * 1e3:.1f} ms (medians of {args.repeats} processes, alternating): x{mine / theirs:.3f}"
+        )
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(other)], check=False)
         shutil.rmtree(scratch, ignore_errors=True)

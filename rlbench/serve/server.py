@@ -266,7 +266,6 @@ class ServerState:
 
         candidate = read_candidate(self.engine.model, model_path, load_format, self.config.random_seed)
         self.engine.update_weights(named_weights(candidate), self.engine.weight_version)
-        del candidate
         self.model_path = self.served_model_name = model_path
         self.load_format = load_format
         return "Succeeded to update model weights."

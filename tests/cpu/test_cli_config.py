@@ -68,7 +68,7 @@ def test_version():
     assert res.returncode == 0 and res.stdout.strip() == f"rlbench {__version__}"
 
 
-def test_the_command_is_built_once_and_each_call_parses_its_own_line(tmp_path):
+def test_the_command_is_built_once_and_each_call_parses_its_own_line():
     """main() reuses one click command a process (typer builds it from ~200 option declarations); what a call
     parses stays with that call: an option given once is not there the next time."""
     assert rlbench.cli.command() is rlbench.cli.command()
