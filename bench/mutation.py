@@ -66,6 +66,7 @@ MODULES = {
     "rlbench/checks/golden_compare.py": ["tests/cpu/test_golden_compare.py"],
     "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
     "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
+    "rlbench/checks/tito_reasoning.py": ["tests/cpu/test_tito_reasoning.py", "tests/cpu/test_tito_audit.py"],
     # all but the five that run the loop (run_small): the rest write their recordings by hand
     "rlbench/checks/logprobs.py": [
         "tests/cpu/test_check_logprobs.py",

@@ -4,6 +4,7 @@ compare.py           the first index where two id sequences part, with context
 tito.py              token-in-token-out drift: id comparison, drift-mode classification, findings
 tito_audit.py        check tito --audit: a chat template over generated conversation shapes
 tito_shapes.py       the conversation shapes the audit plays
+tito_reasoning.py    the audit's reasoning probe: the forms a template reads reasoning in, a turn as sampled
 tito_run.py          check tito RUN: trained vs sampled ids, canonical ids, evidence, re-render
 tito_jsonl.py        check tito JSONL: trajectories {messages, token_ids} against the template's re-render
 tito_report.py       what check tito reports: each finding where it is, the counts each lens kept

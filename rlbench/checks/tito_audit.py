@@ -20,10 +20,10 @@ Stages, each named in a finding's `where`:
 After a broken prefix or generation prompt the shape goes on from the template's own rendering, so what
 follows is still audited and nothing is reported twice.
 
-The reasoning shape probes reasoning templates only (renders_reasoning): one that renders no turn's
-reasoning_content in any position, even as the last turn (plain ChatML), serves a model that samples no reasoning,
-and the shape is not audited ("not a reasoning template: probe skipped"); one that keeps the last turn's reasoning
-and strips it from the history is probed, and that is mode 4.
+The reasoning shape probes reasoning templates only (tito_reasoning.py), in each form the template reads a turn's
+reasoning in: reasoning_content ("reasoning") and inline, a think block in the content ("reasoning-inline"). One that
+reads neither (plain ChatML) is not audited ("not a reasoning template: probe skipped"); one that keeps the reasoning
+where it is sampled and strips it from the history is probed, and that is mode 4.
 
 Findings and hazards. A finding (strict, exit 1): the template, under the chosen builder and kwargs,
 gives the engine and the trainer other ids than it renders for the same conversation. A hazard (reported,
@@ -41,7 +41,6 @@ finding, "template error: ...", and the other shapes are still audited.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +55,13 @@ from rlbench.checks.tito_builders import (
     template_errors,
 )
 from rlbench.errors import BadInput
+from rlbench.checks.tito_reasoning import (
+    NOT_REASONING,
+    is_reasoning_probe,
+    reasoning_forms,
+    reasoning_of,
+    with_reasoning,
+)
 from rlbench.checks.tito_shapes import conversation_shapes
 
 
@@ -134,7 +140,7 @@ def audit_shape(
 def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: list[Finding]) -> None:
     tok, b = play.tok, play.builder
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    reasoning = tuple(str(m.get("reasoning_content") or "") for m in messages if m["role"] == "assistant")
+    reasoning = tuple(reasoning_of(m) for m in messages if m["role"] == "assistant")
     buffer = encode(tok, b.render(messages[: turns[0]], tools, True))
     state = _State()
     for k, j in enumerate(turns):
@@ -154,10 +160,11 @@ def _audit_shape(play: _Play, shape: str, messages: list[dict], tools, found: li
             )
             buffer = _resync(play, state, shape, f"re-render before turn {j}", buffer, prompt, reasoning, found)
             common = _common_text_prefix(tok, prompt, turn)
-            buffer, body = encode(tok, turn[:common]), turn[common:]
+            head, body = turn[:common], turn[common:]
+            buffer = encode(tok, head)
         else:
-            body = turn[len(prompt) :]
-        body, lost = _with_reasoning(body, messages[j], prompt)
+            head, body = prompt, turn[len(prompt) :]
+        body, lost = with_reasoning(body, messages[j], head)
         if lost:
             found.append(_lost_reasoning(shape, j))
         truncated = bool(messages[j].get("truncated"))
@@ -264,7 +271,7 @@ def _resync(
 def _empty_think(message: dict) -> bool:
     """A turn without reasoning: what a generation prompt opened and its rendering dropped is an empty think
     block, which no message key can carry; with reasoning, the rendering has lost what was sampled."""
-    return not str(message.get("reasoning_content") or "").strip()
+    return not reasoning_of(message)
 
 
 def _common_text_prefix(tok, a: str, b: str) -> int:
@@ -274,60 +281,6 @@ def _common_text_prefix(tok, a: str, b: str) -> int:
     while n < min(len(ids_a), len(ids_b)) and ids_a[n] == ids_b[n]:
         n += 1
     return len(decode(tok, ids_b[:n]))
-
-
-_EMPTY_THINK = re.compile(r"<think>(\s*)</think>")
-
-
-def _with_reasoning(body: str, message: dict, prompt: str) -> tuple[str, bool]:
-    """The turn as sampled: its rendering after the prompt, with the message's reasoning in the think block the
-    template left empty (or before a closing </think> when the prompt opened the block). True when the reasoning
-    has no place in the rendering at all: the template loses it whatever the builder does."""
-    reasoning = str(message.get("reasoning_content") or "").strip()
-    if not reasoning or reasoning in body:
-        return body, False
-    empty = _EMPTY_THINK.search(body)
-    if empty:
-        inner = f"\n{reasoning}\n" if empty.group(1) else reasoning
-        return body[: empty.start()] + "<think>" + inner + "</think>" + body[empty.end() :], False
-    if body.lstrip().startswith("</think>") and prompt.rstrip().endswith("<think>"):
-        return reasoning + body, False
-    return body, True
-
-
-NOT_REASONING = (
-    "not a reasoning template: probe skipped (the template renders a turn's reasoning_content "
-    "nowhere, not even in the last turn)"
-)
-
-
-def _reasoning_probe(messages: list[dict]) -> bool:
-    """Whether a shape is the reasoning probe: an assistant turn carries reasoning_content."""
-    return any(m["role"] == "assistant" and str(m.get("reasoning_content") or "").strip() for m in messages)
-
-
-def renders_reasoning(builder, messages: list[dict], tools) -> bool:
-    """Whether the template renders reasoning in some position: each assistant turn with reasoning, rendered as the
-    last turn (where every reasoning template keeps it) and in the whole conversation, holds its reasoning or a think
-    block for it. A template that never does (plain ChatML) is not a reasoning template: the model it serves samples
-    no reasoning, and the probe's reasoning_content, which it ignores, is no drift. One that does is probed, and a
-    turn whose reasoning is kept last but stripped from the history stays mode 4. A template that cannot render the
-    probe is probed, so that its error is the shape's finding."""
-    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant" and m.get("reasoning_content")]
-    try:
-        whole = builder.render(messages, tools, False)
-        for j in turns:
-            prompt, turn = builder.render(messages[:j], tools, True), builder.render(messages[: j + 1], tools, False)
-            body = turn[len(prompt) :] if turn.startswith(prompt) else turn
-            if not _with_reasoning(body, messages[j], prompt)[1] or _reasoning_in(whole, messages[j]):
-                return True
-    except template_errors():
-        return True
-    return False
-
-
-def _reasoning_in(text: str, message: dict) -> bool:
-    return str(message.get("reasoning_content") or "").strip() in text
 
 
 def _lost_reasoning(shape: str, j: int) -> Finding:
@@ -439,9 +392,10 @@ def audit(
                 f"{builder.name} builder is not allowed to (--tito-allowed-append-roles)"
             )
             continue
-        if _reasoning_probe(messages) and not renders_reasoning(builder, messages, tools):
+        forms = reasoning_forms(builder, name, messages, tools) if is_reasoning_probe(messages) else [(name, messages)]
+        if not forms:
             report.skipped[name] = NOT_REASONING
-            continue
-        report.shapes.append(name)
-        report.findings += audit_shape(tok, name, messages, tools, builder, stops, compare)
+        for shape, played in forms:
+            report.shapes.append(shape)
+            report.findings += audit_shape(tok, shape, played, tools, builder, stops, compare)
     return report

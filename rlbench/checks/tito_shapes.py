@@ -1,5 +1,6 @@
 """The conversation shapes check tito --audit plays, by name, each as (messages, tools): single- and multi-turn
-chats, tool calls and their results, reasoning turns."""
+chats, tool calls and their results, reasoning turns (in reasoning_content; inline_reasoning() moves the reasoning
+into the content, the form the audit also plays it in)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ def assistant_message(text, **extra):
 
 def calculator_call(expr):
     return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+
+
+def inline_reasoning(messages: list[dict]) -> list[dict]:
+    """The same conversation with each assistant turn's reasoning_content moved inline into its content, as
+    DeepSeek-R1's and QwQ's templates read a turn (and Qwen3's, besides reasoning_content):
+    `<think>\\n{reasoning}\\n</think>\\n\\n{content}`."""
+    out = []
+    for m in messages:
+        reasoning = m.get("reasoning_content") if m["role"] == "assistant" else None
+        if reasoning:
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
+        out.append(m)
+    return out
 
 
 def conversation_shapes() -> dict[str, tuple[list[dict], list | None]]:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rlbench.checks import tito_audit, tito_shapes
+from rlbench.checks import tito_audit, tito_reasoning, tito_shapes
 from rlbench.checks.tito_audit import audit, audit_shape
 from rlbench.checks.tito_shapes import conversation_shapes
 from rlbench.core.model import load_tokenizer
@@ -240,6 +240,7 @@ def _chatml_with_default_system(tmp_path, reasoning: str):
 
 def test_a_template_that_renders_no_reasoning_anywhere_is_not_probed(tmp_path):
     """Plain ChatML with a default system prompt: the reasoning_content the probe adds is rendered in no position,
+    and the same reasoning inline in the content is rendered unchanged in every position,
     so the reasoning shape is not audited ("not a reasoning template: probe skipped", in text and --json) and the
     audit passes over the other shapes, saying how many."""
     tokenizer = _chatml_with_default_system(tmp_path, "")
@@ -278,7 +279,7 @@ def test_a_reasoning_template_that_loses_a_turns_reasoning_even_last_is_mode_4()
         "message.get('reasoning_content') %}", "message.get('reasoning_content') and loop.index0 > 1 %}"
     )
     messages = conversation_shapes()["reasoning"][0]
-    assert tito_audit.renders_reasoning(tito_audit.PlainBuilder(tok, {}), messages, None)
+    assert tito_reasoning.renders_reasoning(tito_audit.PlainBuilder(tok, {}), messages, None)
     lost = [f for f in audit_shape(tok, "reasoning", messages, None) if f.where.startswith("turn ")]
     assert [(f.mode, f.where) for f in lost] == [
         ("reasoning", "turn 1: its reasoning is not in the template's rendering of the turn, even as the last turn")

@@ -56,7 +56,7 @@ def play(tok, tito, cls, stop: frozenset[int], skip_special: bool = False) -> di
     out, as the audit plays it), up to its stop token; with `skip_special`, each turn's ids decoded with
     skip_special_tokens=True and encoded again first, as a naive pipeline does."""
     from rlbench.checks.tito import decode, encode
-    from rlbench.checks.tito_audit import _with_reasoning
+    from rlbench.checks.tito_reasoning import with_reasoning
 
     messages, tools = deepcopy(cls.MESSAGES), cls.TOOLS
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -67,7 +67,7 @@ def play(tok, tito, cls, stop: frozenset[int], skip_special: bool = False) -> di
         prompt = tito.render_messages(messages[:j], add_generation_prompt=True, tools=tools)
         turn = tito.render_messages(messages[: j + 1], add_generation_prompt=False, tools=tools)
         assert turn.startswith(prompt), cls.__name__
-        body, _ = _with_reasoning(turn[len(prompt) :], messages[j], prompt)  # what a model that reasoned sampled
+        body, _ = with_reasoning(turn[len(prompt) :], messages[j], prompt)  # what a model that reasoned sampled
         ids = encode(tok, body)
         at = next((i for i, t in enumerate(ids) if t in stop), None)
         if at is None:  # GLM: the stop is the next message's opener
