@@ -39,7 +39,7 @@ import torch
 from rlbench.core.vocab import Vocab, run_vocab
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
-from rlbench.rundir.directory import read_run, step_name
+from rlbench.rundir.directory import step_name
 
 STATS = ("train_rollout_logprob_abs_diff", "token_mean_abs", "p99_abs", "max_abs", "k3_kl", "mean_exp_abs")
 GATE_OPTIONS = {
@@ -255,9 +255,12 @@ def check_logprobs(
     from rlbench.replay.replay import source_config
 
     thresholds = _check_thresholds(thresholds)
-    run = read_run(run_dir)
-    if not run.steps:
-        raise BadInput("no committed step to check", path=run.root / "metrics.jsonl")
+    from rlbench.replay.integrity import open_run
+
+    opened = open_run(
+        run_dir, recordings="verify", checkpoints="verify" if recompute else "present", need_recordings=True
+    )
+    run = opened.run
     config = source_config(run)
     check_made_with(run, tokenizer=config.model.tokenizer, model=config.model.path if recompute else None)
     recomputer = _Recomputer(run, config) if recompute else None
@@ -270,6 +273,11 @@ def check_logprobs(
     by_lag: dict[int, tuple[list, list]] = {}
     left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
     wanted = run.steps if steps is None else [s for s in run.steps if s in set(steps)]
+    if not wanted:
+        raise BadInput(
+            f"undetermined: none of the steps asked for is committed (the run committed {len(run.steps)})",
+            field="--steps",
+        )
     for step in wanted:
         tensors, meta = recording.read_step(run.root, step)
         if vocab is not None:

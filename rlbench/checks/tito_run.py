@@ -135,9 +135,9 @@ def check_run(
         return check_jsonl(path, load_tokenizer(tokenizer_dir), tokenizer_dir, dict(kwargs or {}))
     from rlbench.core.context import check_made_with
     from rlbench.rundir import recording
-    from rlbench.rundir.directory import read_run
+    from rlbench.replay.integrity import open_run
 
-    run = read_run(path)
+    run = open_run(path, recordings="verify", need_recordings=True).run
     config = run.manifest.get("config") or {}
     tokenizer_dir = tokenizer_dir or (config.get("model") or {}).get("tokenizer")
     check_made_with(run, tokenizer=tokenizer_dir, model=model_dir)
@@ -203,6 +203,12 @@ def check_run(
         )
     if report.removed:
         report.notes.append(f"{report.removed} samples removed by slime (remove_sample): not trained, not judged")
+    if not report.samples:  # no verdict speaks for nothing
+        raise BadInput(
+            f"undetermined: no sample to judge in {len(run.steps)} committed steps ({report.removed} removed by "
+            "slime, remove_sample)",
+            path=run.root / "rollouts",
+        )
     if report.evidence.get("no_logprobs"):
         report.notes.append(
             f"{report.evidence['no_logprobs']} non-canonical samples without engine log-probs: "

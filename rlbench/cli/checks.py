@@ -382,15 +382,29 @@ def _render_tito(report, findings, headline: str, audit: bool) -> None:
         if not strict:
             stdout.print(f"hazards only: {headline}", markup=False, highlight=False, soft_wrap=True)
     if not audit and report.samples and report.lens != "rendered":
-        share = report.non_canonical / report.samples
-        stdout.print(
-            f"canonical re-tokenisation: {report.non_canonical} of {report.samples} samples ({share:.1%}) "
-            "were sampled as ids that are not the canonical encoding of their text. They trained as sampled; "
-            "a pipeline that decoded and re-tokenised them would train on other ids (mode 1).",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
+        stdout.print(_canonical_line(report), markup=False, highlight=False, soft_wrap=True)
+
+
+def _canonical_line(report) -> str:
+    """How many samples train on non-canonical ids, claiming "sampled so" only for those shown sampled: all of them
+    where the engine's ids were compared, those whose log-probs agree where only evidence was."""
+    n, share = report.non_canonical, report.non_canonical / report.samples
+    head = f"canonical re-tokenisation: {n} of {report.samples} samples ({share:.1%})"
+    tail = "a pipeline that decoded and re-tokenised them would train on other ids (mode 1)."
+    if report.lens == "sampled":
+        return (
+            f"{head} were sampled as ids that are not the canonical encoding of their text. They trained as "
+            f"sampled; {tail}"
         )
+    evidence = report.evidence
+    undetermined = evidence.get("undetermined", 0) + evidence.get("no_logprobs", 0)
+    parts = [f"{evidence.get('sampled', 0)} shown sampled so (their log-probs agree)"]
+    parts += [f"{evidence.get('retokenised', 0)} re-tokenised (findings above)"] * bool(evidence.get("retokenised"))
+    parts += [f"{undetermined} undetermined"] * bool(undetermined)
+    return (
+        f"{head} train on ids that are not the canonical encoding of their text: {', '.join(parts)}. Where they were "
+        f"sampled so, {tail}"
+    )
 
 
 @check_app.command("weights")

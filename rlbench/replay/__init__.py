@@ -5,6 +5,7 @@ resume.py   cut a killed run back to its committed steps and continue it
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
 diff_extra.py  what diff compares beside the stages: sample weights versions; slime imports' schedules, fields
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
+integrity.py  one integrity check of a run directory, for every command that reads one (open_run)
 slime.py    import slime's debug rollout dumps, or a --dump-details directory (torch.load with weights_only=True)
 slime_train.py  slime's train dumps (format 2) read field by field and joined to their rollout dumps
 slime_train_v1.py  format 1 (a file per rank, slime before 2026-08 and Miles): TP, PP and CP ranks put together

@@ -25,7 +25,7 @@ import torch
 import math
 
 from rlbench.errors import BadInput
-from rlbench.replay.checkpoints import verify_checkpoints
+from rlbench.replay.integrity import open_run
 from rlbench.replay.diff_extra import (
     schedule_difference,
     schedules_recorded,
@@ -33,7 +33,7 @@ from rlbench.replay.diff_extra import (
     version_difference,
 )
 from rlbench.rundir import recording
-from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
+from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, step_name
 
 TOKEN_STAGES = {"rollout_tokens": "tokens", "rollout_logprobs": "rollout_logprobs", "old_logprobs": "old_logprobs"}
 SAMPLE_STAGES = {"rewards": "rewards", "advantages": "advantages"}
@@ -77,27 +77,6 @@ class DiffResult:
     # With a tolerance: each value stage's largest |a - b| over every step compared ({stage: {"step", "where",
     # "max_abs", "max_rel"}}), whether or not it is within the tolerance; a stage equal bit for bit is left out.
     largest: dict[str, dict] = field(default_factory=dict)
-
-
-def verify_recordings(run: RunDir) -> int:
-    """Read every committed step's recording (each file checks its own digest) and hold the checksums its
-    tensors determine to the run's checksums.jsonl. Returns the steps verified (0 for a run made
-    without recording); a defect is BadInput naming the file."""
-    from rlbench.core.loop import recorded_checksums
-
-    if run.manifest.get("config", {}).get("record") is False:
-        return 0
-    rows = {row["step"]: row for row in run.checksums}
-    for step in run.steps:
-        tensors, _ = recording.read_step(run.root, step)
-        for key, digest in recorded_checksums(tensors).items():
-            if key in rows[step] and rows[step][key] != digest:
-                raise BadInput(
-                    f"the recording of step {step} does not match checksums.jsonl at {key} (an edited or "
-                    "mixed-up file)",
-                    path=run.root / "rollouts" / f"{step_name(step)}.safetensors",
-                )
-    return len(run.steps)
 
 
 def _load(run: RunDir, step: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -290,27 +269,29 @@ def diff(
     """The first difference between runs A and B (None: none), over every step both committed, or over
     `steps` ("A:B") only; every other step either side committed makes them differ."""
     tol = _tolerance(atol, rtol)
-    run_a, run_b = read_run(a), read_run(b)
-    for run in (run_a, run_b):
-        run.require_checksums()
+    # Before --steps narrows the checksums: each run is verified whole, every recording and checkpoint held to its
+    # run's own checksums (integrity.py). A damaged one is bad input (exit 2), not a difference (exit 1): its own
+    # run's checksums expose it, whatever the other run holds.
+    opened = {
+        side: open_run(path, recordings="verify", checkpoints="verify", need_steps=False)
+        for side, path in (("A", a), ("B", b))
+    }
+    run_a, run_b = opened["A"].run, opened["B"].run
     if not run_a.steps and not run_b.steps:
         raise BadInput("neither run has a committed step: nothing to compare", path=run_a.root / "metrics.jsonl")
-    # Before --steps narrows the checksums: every checkpoint is held to its run's own. A damaged one is bad input
-    # (exit 2), not a difference (exit 1): its own run's checksums expose it, whatever the other run holds.
-    checkpoints = {"A": verify_checkpoints(run_a), "B": verify_checkpoints(run_b)}
     if steps is not None:
         span = _span(steps, run_a, run_b)
         for run in (run_a, run_b):
             run.metrics = [r for r in run.metrics if r["step"] in span]
             run.checksums = [r for r in run.checksums if r["step"] in span]
-    verified = {"A": verify_recordings(run_a), "B": verify_recordings(run_b)}
+    verified = {side: o.recordings for side, o in opened.items()}
     sums_a = {row["step"]: row for row in run_a.checksums}
     sums_b = {row["step"]: row for row in run_b.checksums}
     keys_a, keys_b = run_a.checksum_keys, run_b.checksum_keys
     stages = [k for k in CHECKSUM_KEYS if k in keys_a and k in keys_b]
     only = {"A": [k for k in keys_a if k not in keys_b], "B": [k for k in keys_b if k not in keys_a]}
     steps = sorted(set(sums_a) & set(sums_b))
-    notes = run_a.notes + run_b.notes + checkpoints["A"].notes + checkpoints["B"].notes
+    notes = opened["A"].notes + opened["B"].notes
     notes += [
         f"{side} recorded no values (--no-record): its checksums were compared, not verified against recordings"
         for side, count in verified.items()
@@ -393,7 +374,7 @@ def diff(
         comparisons,
         only,
         verified,
-        {side: v.steps_done for side, v in checkpoints.items()},
+        {side: o.checkpoints for side, o in opened.items()},
         layout_advice(run_a.manifest, run_b.manifest, first),
         len(steps) if schedules else 0,
         train_fields,

@@ -1,12 +1,12 @@
 """Replay: retrain on a run's recording, with no rollout engine, and verify every stage.
 
-`replay(RUN)` reads RUN's rollouts step by step, recomputes data..rewards checksums from the
-recording (so an edited recording shows at the stage it edits), then advantage, logprob and
-train from the recorded initial weights (or from a checkpoint, for a step range), and compares
-each step's checksums with RUN's as it goes. The first stage that differs ends the replay: it is
+RUN is first verified whole (integrity.py): every recording held to RUN's checksums.jsonl, every checkpoint to the
+checksums RUN recorded for it; a missing, edited or damaged file is bad input, before anything is replayed. So the
+recorded data..rewards are RUN's own, and their checksums, recomputed from the recording, agree. `replay(RUN)` then
+recomputes advantage, logprob and train from the recorded initial weights (or from a checkpoint, for a step range)
+and compares each step's checksums with RUN's as it goes. The first stage that differs ends the replay: it is
 reported as (step, stage), and the replay's own run directory keeps that step for `rlbench diff`.
-`engine_weights` is not compared: a replay starts no engine. RUN's committed checkpoints are first held to
-the checksums RUN recorded for them (checkpoints.py): a damaged one is bad input, before anything is replayed.
+`engine_weights` is not compared: a replay starts no engine.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from rlbench.config import RunConfig, config_from_dict
 from rlbench.core.loop import Diverged, StepState
 from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
-from rlbench.replay.checkpoints import verify_checkpoints
-from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, read_run, step_name
+from rlbench.replay.integrity import open_run
+from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, step_name
 
 
 @dataclass
@@ -74,14 +74,11 @@ def replay(
     steps: str | None = None,
     on_step: Callable[[StepState], None] | None = None,
 ) -> ReplayResult:
-    source = read_run(run_dir)
-    source.require_checksums()
-    if not source.steps:
-        raise BadInput("no committed step to replay", path=source.root / "metrics.jsonl")
+    opened = open_run(run_dir, recordings="verify", checkpoints="verify", need_recordings=True)
+    source = opened.run
     first, last = parse_range(steps, len(source.steps))
     if source.steps[:last] != list(range(last)):
         raise BadInput(f"committed steps are not 0..{last - 1} in order", path=source.root / "metrics.jsonl")
-    checkpoints = verify_checkpoints(source)
     init = None
     if first > 0:
         init = source.root / "checkpoints" / step_name(first)
@@ -131,8 +128,8 @@ def replay(
             common(),
             None,
             sum(map(len, compared)),
-            checkpoints.steps_done,
-            checkpoints.notes,
+            opened.checkpoints,
+            opened.notes,
         )
     if done != list(range(first, last)):  # every step of the range compared, or no verdict
         raise AssertionError(f"replay compared steps {done}, expected {first}..{last - 1}")
@@ -145,8 +142,8 @@ def replay(
         common(),
         result,
         sum(map(len, compared)),
-        checkpoints.steps_done,
-        checkpoints.notes,
+        opened.checkpoints,
+        opened.notes,
     )
 
 
@@ -167,7 +164,7 @@ def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None
     """`run --mode train-only --rollouts RUN`: the trainer and algorithm are this config's; what was
     recorded (model, tokenizer, data, sampling) is the recording's, and so is the step count unless
     `steps` asks for fewer (`recorded_overrides` names what that changes)."""
-    source = read_run(rollouts)
+    source = open_run(rollouts, recordings="verify", need_steps=False, need_recordings=True).run
     recorded = source_config(source)
     committed = len(source.steps)
     if steps is not None and steps > committed:

@@ -18,6 +18,7 @@ from rlbench.core.loop import StepState
 from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
+from rlbench.replay.integrity import open_run
 from rlbench.replay.replay import source_config
 from rlbench.rundir.directory import foreign_entries, read_run, step_name
 from rlbench.rundir.writes import atomic_write
@@ -88,8 +89,9 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
             "directory of its own making; move these away first",
             path=run_dir,
         )
-    source = read_run(run_dir)
-    source.require_checksums()  # the committed steps it recomputes are verified by them
+    # the whole directory verified first: a damaged run is refused, never "already complete"; the committed steps
+    # it recomputes are then verified by their checksums
+    source = open_run(run_dir, recordings="verify", checkpoints="present", need_steps=False).run
     root = source.root
     committed = len(source.steps)
     if source.steps != list(range(committed)):

@@ -16,8 +16,15 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def edit_step(root: Path, step: int, edit) -> None:
-    """Load step `step`, let `edit(tensors, meta)` change it in place, write it back consistently."""
+def edit_step(root: Path, step: int, edit, checksums: bool = True) -> None:
+    """Load step `step`, let `edit(tensors, meta)` change it in place, write it back consistently: the files' own
+    digests, and (`checksums`) the step's line of checksums.jsonl where the recording determines it, as another
+    run that sampled or scored so would have written them. With checksums=False the recording no longer matches
+    its run's checksums: an edited or mixed-up file, which every reader refuses (replay/integrity.py)."""
+    import json
+
+    from rlbench.core.loop import recorded_checksums
+
     tensors, meta = read_step(root, step)
     tensors = {k: v.clone() for k, v in tensors.items()}
     edit(tensors, meta)
@@ -25,6 +32,14 @@ def edit_step(root: Path, step: int, edit) -> None:
     st_bytes, js_bytes = encode_step(step, tensors, meta["samples"], extra)
     (root / "rollouts" / f"{step:06d}.safetensors").write_bytes(st_bytes)
     (root / "rollouts" / f"{step:06d}.json").write_bytes(js_bytes)
+    if checksums:
+        path = root / "checksums.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        fresh = recorded_checksums(tensors)
+        for row in rows:
+            if row["step"] == step:
+                row.update({key: value for key, value in fresh.items() if key in row})
+        path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
 def response_positions(tensors: dict[str, torch.Tensor], sample: int) -> range:

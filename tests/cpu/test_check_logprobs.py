@@ -122,7 +122,9 @@ def _samples(prompts=(3, 3)):
 def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=({}, {}), **manifest):
     """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
     `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1).
-    `meta`: the two samples' JSON."""
+    `meta`: the two samples' JSON. A rollout-only run unless `mode` says otherwise: a full run's checkpoints are
+    the test's to write (_checkpoint), as every reader holds a full run to those its schedule wrote."""
+    from rlbench.core.loop import recorded_checksums
     from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
 
@@ -130,7 +132,7 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
         "schema": SCHEMA,
         "checksum": CHECKSUM,
         "config": config or _config(),
-        "mode": "full",
+        "mode": "rollout-only",
         "stages": ["data"],
         "hashes": {},
         **manifest,
@@ -151,7 +153,8 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
         }
         if old_logprobs:
             tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
-        writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": f"{step:064x}"}, {"train/loss": 0.0})
+        data = recorded_checksums(tensors)["data"]
+        writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": data}, {"train/loss": 0.0})
     writer.close()
     return root
 
@@ -217,7 +220,7 @@ def test_a_recording_without_trainer_logprobs_needs_recompute(tmp_path):
     empty = _recorded(tmp_path / "e", [])
     with pytest.raises(BadInput) as info:
         check_logprobs(empty)
-    assert str(info.value) == f"{empty / 'metrics.jsonl'}: no committed step to check"
+    assert str(info.value) == f"{empty / 'metrics.jsonl'}: no committed step: nothing to judge (undetermined)"
 
 
 def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
@@ -255,9 +258,14 @@ def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):
         str(info.value) == f"{config.model.path}: the model's initial weights ({here}) are not the ones the run "
         "recorded (000000000000): another model or seed"
     )
-    manifest_path.write_text(json.dumps(manifest))  # a full run: weights change every step, and no checkpoint
+    # a full run: weights change every step; one without the checkpoint its first step wrote is damaged
+    manifest_path.write_text(json.dumps({**manifest, "mode": "full"}))
     with pytest.raises(BadInput) as info:
         check_logprobs(run, recompute=True)
+    assert info.value.path == str(run / "checkpoints" / "000000") and "is not there" in str(info.value)
+    _checkpoint(run, 0, named_weights(model))  # checkpoint 0 holds step 0's weights; --steps 1 asks for another
+    with pytest.raises(BadInput) as info:
+        check_logprobs(run, recompute=True, steps=[1])
     assert (
         str(info.value) == f"{run / 'checkpoints'}: no step could be recomputed (no checkpoint holds the weights "
         "any step sampled with)"
@@ -368,11 +376,16 @@ def _weights(model, shift):
     return {name: w + shift * torch.randn(w.shape, generator=g) for name, w in named_weights(model).items()}
 
 
+def _every(checkpoint_every: int, steps: int) -> dict:
+    return {"checkpoint_every": checkpoint_every, "steps": steps}
+
+
 def _checkpoint(run, step, weights):
     from safetensors.torch import save_file
 
     (run / "checkpoints" / f"{step:06d}").mkdir(parents=True)
     save_file(weights, str(run / "checkpoints" / f"{step:06d}" / "model.safetensors"))
+    (run / "checkpoints" / f"{step:06d}" / "state.json").write_text(json.dumps({"steps_done": step}))
 
 
 def _sampled_with(model, weights, temperature):
@@ -400,7 +413,10 @@ def test_recompute_on_a_full_run_loads_each_steps_checkpoint(tmp_path):
         [-1.0] * 4,
         _sampled_with(model, third, config.rollout.temperature),
     ]
-    run = _recorded(tmp_path / "r", [(r, r) for r in rollout], old_logprobs=False)
+    # a full run stopped after 3 of 4 steps, a checkpoint every 2: checkpoints 0 and 2 are all it wrote
+    run = _recorded(
+        tmp_path / "r", [(r, r) for r in rollout], old_logprobs=False, mode="full", config=_config() | _every(2, 4)
+    )
     _checkpoint(run, 0, first)
     _checkpoint(run, 2, third)
     report = check_logprobs(run, recompute=True)

@@ -398,7 +398,7 @@ def test_ctrl_c_says_the_committed_steps_are_kept(tmp_path, toml):
 def test_an_internal_error_is_exit_3_never_a_verdict(tmp_path, done, monkeypatch):
     from rlbench.replay import diff as diff_module
 
-    monkeypatch.setattr(diff_module, "verify_recordings", lambda run: 1 // 0)
+    monkeypatch.setattr(diff_module, "open_run", lambda *args, **kwargs: 1 // 0)
     res = cli("diff", str(done), str(done))
     _one_line(res, "internal error: ZeroDivisionError", "--debug", code=3)
 

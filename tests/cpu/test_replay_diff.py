@@ -97,8 +97,8 @@ def test_replay_names_the_perturbed_reward(original, tmp_path):
 
     edit_step(edited, step, flip)
     res = replay(edited, tmp_path / "rep")
-    assert not res.ok
-    assert (res.diverged.step, res.diverged.stage) == (step, "rewards")
+    assert not res.ok  # the recording is held to its checksums, so the retraining parts at the first stage it makes
+    assert (res.diverged.step, res.diverged.stage) == (step, "advantages")
     # The replay kept the diverging step, so diff can look inside it.
     found = diff(original, tmp_path / "rep").first
     assert (found.step, found.stage, found.where) == (step, "rewards", "sample 3")
@@ -109,11 +109,16 @@ def test_replay_cli_exit_codes(original, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["reproduced"] == 5
     edited = copy_run(original, tmp_path / "edited")
-    edit_step(edited, 1, lambda t, m: t["rewards"].add_(0.5))
+    edit_step(edited, 1, lambda t, m: t["rewards"].__setitem__(0, 0.5))
     bad = run_cli("replay", str(edited), "--out", str(tmp_path / "r2"), "--json")
     assert bad.returncode == 1, bad.stderr
     first = json.loads(bad.stdout)["first_difference"]
-    assert (first["step"], first["stage"]) == (1, "rewards")
+    assert (first["step"], first["stage"]) == (1, "advantages")
+    behind = copy_run(original, tmp_path / "behind")  # the same edit, its checksums left as the run wrote them
+    edit_step(behind, 1, lambda t, m: t["rewards"].__setitem__(0, 0.5), checksums=False)
+    refused = run_cli("replay", str(behind), "--out", str(tmp_path / "r3"))
+    assert refused.returncode == 2 and "does not match checksums.jsonl at rewards" in refused.stderr, refused.stderr
+    assert not (tmp_path / "r3").exists()
 
 
 def test_diff_names_one_changed_token(original, tmp_path):
@@ -121,8 +126,8 @@ def test_diff_names_one_changed_token(original, tmp_path):
     step, sample = 2, 5
     bump_response_token(edited, step, sample, 1)
     retrained = tmp_path / "retrained"
-    res = replay(edited, retrained)  # the recording's own trainer config; stops at the edit, keeping it
-    assert (res.diverged.step, res.diverged.stage) == (step, "rollout_tokens")
+    res = replay(edited, retrained)  # the recording's own trainer config; stops at the first stage the edit moves
+    assert (res.diverged.step, res.diverged.stage) == (step, "old_logprobs")
     found = diff(original, retrained).first
     assert (found.step, found.stage) == (step, "rollout_tokens")
     prompt = int(read_step(original, step)[0]["prompt_lengths"][sample])
