@@ -12,9 +12,10 @@ generation in flight). A sample generated with version v and trained at step r h
 - `fully` with `max_staleness` K (slime's fully-async worker, bounded): groups are generated in window r as far
   ahead as K allows: the waiting groups train B a step (B = data.prompts_per_step), oldest weights first, then by
   group number, so each group's step is known when it is started, and it is started only if that step is within
-  K versions of e(r). A group older than K when its step comes is aborted and requeued (never, while the engine
-  follows the schedule: the rule holds the bound whatever changes). A group with an aborted sample (a slime
-  plugin's) is requeued and generated again once the weights have moved on, its seeds its attempt's own.
+  K versions of e(r). No group is older than K when its step comes: one started later carries the newest version,
+  so it can pass only groups of that version and push them no further back than its own place, which K admitted;
+  a group that leaves the queue moves the rest forward. A group with an aborted sample (a slime plugin's) is
+  requeued and generated again once the weights have moved on, its seeds its attempt's own.
   K = 0 generates nothing ahead: the on-policy run, bit for bit.
 
 Groups are numbered over the run, g = step * B + slot, in the data cursor's order; attempt 0 of group g draws the
@@ -86,13 +87,10 @@ class Pipeline:
 
     def take(self, step: int) -> tuple[list[Group], list[dict]]:
         """The groups step `step` trains (in group order, none with an aborted sample) and what is recorded with
-        it (requeued and dropped groups): the window before joined, stale groups requeued, what is missing
-        generated now with the engine's weights."""
+        it (requeued and dropped groups): the window before joined, what is missing generated now with the
+        engine's weights. Every group waiting is within the bound (the module docstring says why)."""
         self.wait()
         version = self.engine_version(step)
-        for g in [g for g in self.ready if step - g.version > self.bound]:
-            self.ready.remove(g)
-            self._requeue(g, step, "stale")
         generated = 0
         while len(self.ready) < self.per_step:
             batch = [self._next(version) for _ in range(self.per_step - len(self.ready))]

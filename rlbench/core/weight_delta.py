@@ -130,7 +130,7 @@ class Publisher:
             raise DeltaRefused(
                 f"version {version}: other tensors than the base's ({sorted(set(weights) ^ set(self.snapshot))[:3]})"
             )
-        delta, sums, changed_bytes, total = {}, {}, 0, 0
+        delta, sums, changed_bytes, total, fresh = {}, {}, 0, 0, {}
         compressor = zstandard.ZstdCompressor(level=1)
         for name, tensor in weights.items():
             new, old = raw_bytes(tensor), self.snapshot[name]
@@ -147,7 +147,7 @@ class Publisher:
                 diff = np.concatenate(
                     [np.array([positions.size], "<u4").view(np.uint8), positions.view(np.uint8), new[mask]]
                 )
-            self.snapshot[name] = new
+            fresh[name] = new  # the base moves only once the version is published whole
             if changed:
                 changed_bytes += changed
                 delta[name] = np.frombuffer(compressor.compress(diff.tobytes()), dtype=np.uint8)
@@ -171,6 +171,7 @@ class Publisher:
         (tmp / INDEX).write_text(json.dumps(index))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+        self.snapshot = fresh
         wire = sum(f.stat().st_size for f in path.iterdir())
         return Published(version, False, len(delta), changed_bytes, total, wire)
 

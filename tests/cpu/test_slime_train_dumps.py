@@ -123,6 +123,17 @@ def test_a_planted_change_is_found_at_its_rollout_stage_and_sample(reference, tm
     assert f"sample {sample}" in first["where"], first
 
 
+def _shorten(dump):
+    """Train sample 3's response one token shorter in every per-token field (a dump that stays well formed)."""
+    from rlbench.replay.slime_train import PER_TOKEN
+
+    sample = dump["samples"][3]
+    for key in PER_TOKEN:
+        if sample.get(key) is not None:
+            sample[key] = sample[key][:-1]
+    sample["response_lengths"] -= 1
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [
@@ -136,6 +147,51 @@ def test_a_planted_change_is_found_at_its_rollout_stage_and_sample(reference, tm
             "are missing from the train dump",
         ),
         (lambda d: d["dp_shards"][1]["micro_batch_indices"].pop(), "micro-batches do not cover its rows"),
+        pytest.param(
+            lambda d: d["samples"][2]["rollout_log_probs"].__setitem__(1, -9.0),
+            "train sample 2 (rollout_position 2, sample_index 18): rollout_log_probs differ from the rollout dump's at "
+            "response token 1 (-9.0 vs ",
+            id="engine log-probs other than the rollout dump's",
+        ),
+        pytest.param(
+            lambda d: d["samples"][3].update(total_lengths=10),
+            "train sample 3 (rollout_position 3, sample_index 19): total_lengths 10 != len(tokens) 9",
+            id="a total length other than the ids'",
+        ),
+        pytest.param(
+            _shorten,
+            "train sample 3 (rollout_position 3, sample_index 19): response_lengths 2 != the rollout dump's "
+            "response_length 3",
+            id="a response length other than the rollout dump's",
+        ),
+        pytest.param(
+            lambda d: d["samples"][1].update(rollout_position=0, sample_index=16),
+            "train sample 1 (rollout_position 0, sample_index 16): trained twice (also train sample 0)",
+            id="a rollout sample trained twice",
+        ),
+        pytest.param(
+            lambda d: d["dp_shards"].pop(),
+            "rollout 2: DP shard(s) [1] missing from dp_shards (present: [0])",
+            id="a DP shard missing",
+        ),
+        pytest.param(
+            lambda d: d["dp_shards"][0].update(partition=[0, 2, 4, 7]),
+            "rollout 2: DP rank 0's partition does not list the samples it trained",
+            id="a partition other than the shard's samples",
+        ),
+        pytest.param(
+            lambda d: d["dp_shards"].append(
+                {"rank": 2, "data_parallel_rank": 2, "partition": [], "micro_batch_indices": []}
+            ),
+            "rollout 2: DP rank 2 trained no sample in this dump",
+            id="a DP shard without its samples",
+        ),
+        pytest.param(
+            lambda d: d.update(samples=[], dp_shards=[]),
+            "rollout 2: rollout samples at positions 0, 1, 2, 3, 4, 5, 6, 7 (index 16, 17, 18, 19, 20, 21, 22, 23) "
+            "are missing from the train dump",
+            id="nothing trained: not a trailing block dropped",
+        ),
     ],
 )
 def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_written(tmp_path, change, says):
@@ -147,6 +203,86 @@ def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_w
     assert "rollout 2" in done.stderr and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def _tool_span_trained(dump):  # train sample 5's tool span (response tokens 2-4, loss mask 0) trained from token 2
+    dump["samples"][5]["loss_masks"][2] = 1
+
+
+def _removed(dump):  # the rollout dump says slime removed sample 3
+    dump["samples"][3]["remove_sample"] = True
+
+
+def _mask_zeroed(dump):  # train sample 3's loss mask all 0, as slime's writer zeroes a removed sample's
+    dump["samples"][3]["loss_masks"].zero_()
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        pytest.param(
+            {"train_data/2.pt": _tool_span_trained},
+            "rollout 2, train sample 5 (rollout_position 5, sample_index 21): loss_masks differ from the rollout "
+            "dump's loss_mask at response token 2",
+            id="a tool span trained",
+        ),
+        pytest.param(
+            {"rollout_data/2.pt": _removed},
+            "rollout 2, train sample 3 (rollout_position 3, sample_index 19): loss_masks differ from the rollout "
+            "dump's loss_mask at response token 0",
+            id="a removed sample trained",
+        ),
+        pytest.param({"rollout_data/2.pt": _removed, "train_data/2.pt": _mask_zeroed}, None, id="removed, zeroed"),
+    ],
+)
+def test_a_loss_mask_the_rollout_dump_does_not_hold_is_a_finding_naming_its_token(tmp_path, changes, says):
+    """The join holds each train sample's loss_masks to its rollout sample's loss_mask, all 0 where the rollout dump
+    says slime removed the sample (remove_sample): a token of a tool span trained (the train dump changed) and a
+    removed sample trained (the rollout dump changed) are each a finding naming the rollout, the sample and the
+    first token that differs: exit 1, one line, nothing written. The removed sample with its mask zeroed, as
+    slime's writer zeroes it, joins."""
+    train = torch.load(V2 / "train_data" / "2.pt", weights_only=True)
+    assert train["samples"][5]["loss_masks"].tolist() == [1, 1, 0, 0, 0, 1]  # the fixture's tool span in sample 5
+    planted = _copy(tmp_path, "planted")
+    for file, change in changes.items():
+        _edit(planted / file, change)
+    out = tmp_path / "out"
+    done = _import(planted, out)
+    if says is None:
+        assert done.returncode == 0, done.stderr
+        assert "1 samples removed by slime (remove_sample)" in done.stdout
+        return
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "(1 findings): " + says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        pytest.param(
+            lambda d: d["samples"][3].update(log_probs=d["samples"][3]["log_probs"][:-1]),
+            "samples[3].log_probs: expected 3 values (response_lengths), got 2 values: a field left sliced by "
+            "context parallelism?",
+            id="a per-token field not restored from context parallelism",
+        ),
+        pytest.param(
+            lambda d: d.update(sampler_state={"x": 1}),
+            "top-level keys slime's format 2 does not write: sampler_state",
+            id="a top-level key slime does not write",
+        ),
+    ],
+)
+def test_a_train_dump_slime_would_not_write_is_refused_naming_its_file_and_field(tmp_path, change, says):
+    """What slime's format-2 writer never produces is bad input (exit 2), one line naming the file and the field,
+    and nothing is written: never joined as if it were a dump."""
+    odd = _copy(tmp_path, "odd")
+    _edit(odd / "train_data" / "2.pt", change)
+    out = tmp_path / "out"
+    done = _import(odd, out)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{odd / 'train_data' / '2.pt'}: {says}" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_a_format_1_file_that_is_not_what_slime_writes_is_refused_by_name(tmp_path):
@@ -276,6 +412,26 @@ def test_format_1_copies_that_disagree_and_rows_without_a_sample_are_findings(tm
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ranks 0 and 1 hold the same rows and disagree" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_format_1_rows_of_no_rollout_sample_and_ranks_of_two_cp_sizes_are_findings(tmp_path):
+    """A DP shard whose rows (both tensor-parallel copies) name an index the rollout dump does not hold, and a
+    Miles shard whose ranks record different context-parallel sizes: each a finding naming the rollout, the ranks
+    and what is wrong (exit 1, one line, nothing written), never joined by a guess."""
+    rows = _v1_directory(tmp_path / "a")
+    for rank in (2, 3):  # the two copies of DP shard [17, 19, 21, 23]
+        _edit(rows / "train_data" / f"2_{rank}.pt", lambda d: d["rollout_data"]["sample_indices"].__setitem__(0, 999))
+    sizes = _v1_directory(tmp_path / "b", "miles-cp")
+    _edit(sizes / "train_data" / "2_1.pt", lambda d: d.update(cp_size=4))
+    for directory, says in (
+        (rows, "rollout 2, rank 2 row 0 (sample_index 999): no sample of that index in the rollout dump"),
+        (sizes, "rollout 2, DP shard of ranks [0, 1]: the ranks record different context-parallel sizes ([2, 4] or"),
+    ):
+        out = directory.parent / "out"
+        done = _import(directory, out)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "findings): " + says in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_with_a_tolerance_each_stage_reports_its_largest_difference(reference, tmp_path):

@@ -98,6 +98,125 @@ def test_each_broken_chain_is_named_by_version_and_tensor(tmp_path, case):
         assert "is not the published one" in done.stdout or "does not decompress" in done.stdout
 
 
+def _rewrite(version: Path, edit) -> None:
+    """A delta version's file written again after `edit(diffs, sums)` changes its tensors (name -> the compressed
+    diff, uint8) and their checksums (the header's metadata) in place."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path = version / weight_delta.DELTA_FILE
+    with safe_open(str(path), "np") as f:
+        diffs, sums = {name: f.get_tensor(name) for name in f.keys()}, dict(f.metadata())
+    edit(diffs, sums)
+    save_file(diffs, str(path), metadata=sums)
+
+
+FIRST = "model.embed_tokens.weight"  # a tensor versions 2 (an overwrite) and 3 (an xor) both change
+
+
+def _first_diff(version: Path, change) -> None:
+    """FIRST's diff in `version` decompressed, changed (`change(bytes) -> bytes`) and compressed again."""
+    import zstandard
+
+    def edit(diffs, sums):
+        raw = zstandard.ZstdDecompressor().decompress(diffs[FIRST].tobytes())
+        diffs[FIRST] = np.frombuffer(zstandard.ZstdCompressor(level=1).compress(change(raw)), np.uint8)
+
+    _rewrite(version, edit)
+
+
+def _short_xor(version: Path) -> None:  # one byte fewer than the tensor has
+    _first_diff(version, lambda raw: raw[:-1])
+
+
+def _overcounted(version: Path) -> None:  # an overwrite counting one position more than it holds
+    _first_diff(version, lambda raw: (int.from_bytes(raw[:4], "little") + 1).to_bytes(4, "little") + raw[4:])
+
+
+def _renamed(version: Path) -> None:  # FIRST's diff and checksum under a name the weights lack
+    def edit(diffs, sums):
+        diffs["model.layers.9.mlp.up_proj.weight"] = diffs.pop(FIRST)
+        sums["model.layers.9.mlp.up_proj.weight"] = sums.pop(FIRST)
+
+    _rewrite(version, edit)
+
+
+def _gzip(version: Path) -> None:  # the index names a compression slime's receiving side does not read
+    index = json.loads((version / weight_delta.INDEX).read_text())
+    index["metadata"]["compression_format"] = "gzip"
+    (version / weight_delta.INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    ("version", "edit", "says"),
+    [
+        pytest.param(3, _short_xor, f"version 3, {FIRST}: 40191 diff bytes for a tensor of 40192", id="xor short"),
+        pytest.param(
+            2, _overcounted, f"version 2, {FIRST}: an overwrite of 10755 positions that does not fit", id="overwrite"
+        ),
+        pytest.param(
+            3,
+            _renamed,
+            "version 3, model.layers.9.mlp.up_proj.weight: no such tensor in the weights it applies to",
+            id="no such tensor",
+        ),
+        pytest.param(2, _gzip, "version 2: compression_format 'gzip', expected zstd", id="not zstd"),
+    ],
+)
+def test_a_delta_that_cannot_be_applied_as_published_is_refused_naming_version_and_tensor(
+    tmp_path, version, edit, says
+):
+    """slime's receiving side applies only what fits the weights it holds: an xor diff of another size than its
+    tensor, an overwrite whose count its positions and bytes do not hold, a tensor the weights lack and a
+    compression other than zstd each stop `check weights` at that version (exit 1), named, never applied anyway
+    (nor a crash)."""
+    chain = _copy(tmp_path)
+    edit(chain / f"weight_v{version:06d}")
+    done = _check(chain, "--base", str(DELTAS / "base"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith(f"refused: versions 1..{version - 1} verified, then {says}"), done.stdout
+
+
+def test_check_weights_holds_the_chains_last_state_to_the_final_checkpoint_tensor_by_tensor(tmp_path):
+    """--final: the weights the chain ends at are compared with the checkpoint given, every tensor's bytes; one
+    byte changed in one tensor of the trainer's final checkpoint is named (exit 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    final = tmp_path / "final"
+    shutil.copytree(DELTAS / "final", final)
+    tensors = load_file(str(final / "model.safetensors"))
+    name = sorted(tensors)[-1]
+    tensors[name].reshape(-1).view(torch.uint8)[0] ^= 1
+    save_file(tensors, str(final / "model.safetensors"))
+    done = _check(DELTAS / "chain", "--base", str(DELTAS / "base"), "--final", str(final))
+    assert done.returncode == 1, done.stdout + done.stderr
+    says = f"after version 5: {name} differs from the checkpoint given (1 tensors do)"
+    assert done.stdout.startswith(f"refused: versions 1..5 verified, then {says}"), done.stdout
+
+
+def test_a_delta_is_published_only_over_the_bases_tensors_at_their_sizes(tmp_path):
+    """The trainer's side refuses a delta it could not encode on its base: a tensor of another byte size, or a
+    tensor missing (which would otherwise be left out of the version silently); no version directory is written,
+    and the base stays the last published version's, every tensor of it (the next delta is taken against it)."""
+    states = _states()
+    name = list(states[1])[-1]  # the last one encoded: every tensor before it was already diffed
+    config = REPO / "rlbench/fixtures/models/tiny-qwen3/config.json"
+    for weights, says in (
+        ({**states[1], name: states[1][name].reshape(-1)[:-1]}, f"version 2, {name}: "),
+        ({k: v for k, v in states[1].items() if k != name}, "version 2: other tensors than the base's"),
+    ):
+        publisher = weight_delta.Publisher(tmp_path / "chain")
+        publisher.publish_full(1, states[0], config)
+        with pytest.raises(weight_delta.DeltaRefused) as refused:
+            publisher.publish(2, weights)
+        assert str(refused.value).startswith(says), refused.value
+        assert not (tmp_path / "chain" / "weight_v000002").exists()
+        base = {k: weight_delta.raw_bytes(v) for k, v in states[0].items()}
+        assert set(publisher.snapshot) == set(base)
+        assert all((publisher.snapshot[k] == base[k]).all() for k in base)
+
+
 def test_check_weights_that_cannot_judge_says_so(tmp_path):
     done = _check(DELTAS / "chain")
     assert done.returncode == 2 and "undetermined: version 1 is a delta and no --base" in done.stderr
