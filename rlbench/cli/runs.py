@@ -370,7 +370,7 @@ def _render_replay(res) -> None:
     d = res.diverged
     stdout.print(
         f"[bold red]replay differs[/] at step {d.step}, stage {d.stage}: expected {d.expected[:16]}, "
-        f"got {d.got[:16]} ({res.reproduced - 1} steps before it reproduced)"
+        f"got {d.got[:16]} ({res.reproduced} step{'s' * (res.reproduced != 1)} before it reproduced)"
     )
     stdout.print(f"see where inside: rlbench diff {res.source} {res.out}", markup=False, highlight=False)
 

@@ -127,6 +127,8 @@ def rollout(ctx: Context, state: StepState) -> None:
     requests = step_requests(ctx, state)
     state.samples = generate(ctx, requests, [state.prompts[i // n] for i in range(len(requests))])
     state.tensors = samples.flatten(state.samples)
+    if ctx.generate_fn is not None:  # its trajectories' own prompt ids (a chat with tools) are what is recorded
+        state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
     _finite(state, "rollout", "rollout_logprobs", state.tensors["rollout_logprobs"], "the engine's log-probs")
     _checksum_rollout(state)
 
@@ -144,7 +146,7 @@ def rollout_async(ctx: Context, state: StepState, pipe) -> None:
         "requeued": log,
     }
     state.tensors = samples.flatten(state.samples)
-    if ctx.plugin_rollout is not None:  # the samples' own prompt ids, as on-policy
+    if ctx.plugin_rollout is not None or ctx.generate_fn is not None:  # the samples' own prompt ids, as recorded
         state.checksums["data"] = tensors_digest(samples.recorded_prompt_tensors(state.tensors))
     else:
         state.checksums["data"] = tensors_digest(samples.prompt_tensors(state.prompts, ctx.prompt_ids))

@@ -4,7 +4,7 @@ series starting at iteration 1, 2 and 5, "nan" steps, one-step files, mtp and to
 Megatron-LM writes it; `check golden --tier approx --rename "lm loss=train/loss"` compares a run at the file's
 steps (its iteration k against the run's step k - 1) with Megatron-LM's own tolerances, both ways; a hostile or
 off-grid file is bad input in one line (exit 2). The runs are run directories written here (a manifest and
-metrics.jsonl: what the check reads), plus one short real run."""
+metrics.jsonl, and what every reader verifies of a run), plus one short real run."""
 
 from __future__ import annotations
 
@@ -37,19 +37,22 @@ def _finite(series: dict) -> dict[int, float]:
 
 
 def _run_dir(root: Path, series: dict[str, dict[int, float]], steps: int) -> Path:
-    """A run directory whose committed steps 0..steps-1 log these metrics (FILL where a series has no value)."""
+    """A run directory whose committed steps 0..steps-1 log these metrics (FILL where a series has no value): a
+    rollout-only run made without recording and with no stage checksummed, so what every reader verifies of a run
+    (replay/integrity.py) is there and the metrics are all the check reads."""
     root.mkdir(parents=True)
     manifest = {
         "schema": "rlbench.run/1",
         "checksum": "wordsum/1",
-        "config": {},
+        "config": {"record": False},
         "stages": [],
-        "mode": "full",
+        "mode": "rollout-only",
         "device": "cpu",
     }
     (root / "manifest.json").write_text(json.dumps(manifest))
     rows = [{"step": s, **{name: values.get(s, FILL) for name, values in series.items()}} for s in range(steps)]
     (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (root / "checksums.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(steps)))
     return root
 
 

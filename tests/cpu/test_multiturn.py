@@ -181,3 +181,16 @@ ERROR = "error: expected integers joined by + - *"
 def test_calculator_evaluates_only_arithmetic(expr, result):
     """The tool's exact output: what the model reads back is the integer as Python writes it, or the error."""
     assert calculator(expr) == result
+
+
+def test_a_multiturn_run_replays_and_diffs_bit_for_bit(runs, tmp_path):
+    """A generate function's trajectories carry their own prompt ids (the chat with its tools), and the `data`
+    checksum is taken of those, as recorded: the run's recording verifies, and replay reproduces it (it parted at
+    step 0, stage data, when the checksum was of the dataset's ids)."""
+    from rlbench.replay.diff import diff
+    from rlbench.replay.replay import replay
+
+    for name in ("multiturn", "multiturn-naive"):
+        res = replay(runs / name, tmp_path / name)
+        assert res.ok and res.reproduced == 2 and "data" in res.compared_stages
+        assert diff(runs / name, tmp_path / name).first is None

@@ -63,3 +63,17 @@ def test_a_run_with_engine_ids_says_what_was_compared(sampled_run):
     lines, doc = _both("check", "tito", str(sampled_run))
     assert doc["lens"] == "sampled" and doc["compared"] == doc["samples"] > 0
     _check_against_json(lines, doc)
+
+
+def test_a_replay_that_parts_says_how_many_steps_reproduced_before(sampled_run, tmp_path):
+    """The count in the text is the JSON's `reproduced`: the steps replayed bit for bit before the one that parts."""
+    from tests.cpu.recordings import copy_run, edit_step
+
+    run = copy_run(sampled_run, tmp_path / "run")
+    edit_step(run, 1, lambda t, m: t["rewards"].__setitem__(0, 0.5))  # another run's rewards at step 1
+    text = cli("replay", str(run), "--out", str(tmp_path / "a"))
+    doc = cli("replay", str(run), "--out", str(tmp_path / "b"), "--json")
+    assert text.returncode == doc.returncode == 1, text.stderr + doc.stderr
+    reproduced = json.loads(doc.stdout)["reproduced"]
+    assert reproduced == 1 and "at step 1, stage advantages" in text.stdout
+    assert "(1 step before it reproduced)" in text.stdout, text.stdout
