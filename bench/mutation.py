@@ -24,7 +24,7 @@ repository is changed. Mutation runs are too slow for CI (.ci/run does not run t
 
     python bench/mutation.py                      # every module, from scratch (the figures of docs/benchmarks.md)
     python bench/mutation.py rlbench/core/algo.py # some modules
-    python bench/mutation.py --planted            # the 9 bugs of issue 14, each planted: the test that fails
+    python bench/mutation.py --planted            # the bugs of issues 14 and 50, each planted: the test that fails
 
 `--planted` copies the repository to a temporary directory, plants one bug there at a time (never in the
 working tree), runs the tests named for it and prints which fail and their first error line.
@@ -67,6 +67,16 @@ MODULES = {
     "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
     "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
     "rlbench/checks/tito_reasoning.py": ["tests/cpu/test_tito_reasoning.py", "tests/cpu/test_tito_audit.py"],
+    # issue 50: the modules last round added or grew, and the integrity check every reader goes through
+    "rlbench/replay/integrity.py": ["tests/cpu/test_integrity.py", "tests/cpu/test_verdicts.py"],
+    "rlbench/core/pipeline.py": ["tests/cpu/test_async.py", "-k", "not over_http"],
+    "rlbench/core/weight_delta.py": ["tests/cpu/test_weight_delta.py"],
+    "rlbench/core/slime_contract.py": ["tests/cpu/test_slime_contract.py"],
+    "rlbench/replay/slime_train.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
+    "rlbench/replay/slime_train_v1.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
+    "rlbench/replay/slime_dir.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
+    "rlbench/rundir/sections.py": ["tests/cpu/test_sweep.py", "-k", "manifest_section"],
+    "rlbench/serve/pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_serve_weights.py"],
     # all but the five that run the loop (run_small): the rest write their recordings by hand
     "rlbench/checks/logprobs.py": [
         "tests/cpu/test_check_logprobs.py",
@@ -201,7 +211,7 @@ def load_equivalent() -> dict[str, dict]:
     return out
 
 
-# ---------------------------------------------------------------- the planted bugs of issue 14
+# ---------------------------------------------------------------- the planted bugs of issues 14 and 50
 
 # (bug, file, the original text, the planted text, the tests that should catch it)
 PLANTED = [
@@ -262,6 +272,29 @@ PLANTED = [
         ["tests/cpu/test_multiturn.py", "-k", "calculator"],
     ),
     (
+        "issue 50: the train dump join's loss-mask finding deleted",
+        "rlbench/replay/slime_train.py",
+        """        if at is not None:
+            out.append(f"{label}: loss_masks differ from the rollout dump's loss_mask at response token {at}")
+""",
+        "",
+        ["tests/cpu/test_slime_train_dumps.py", "-k", "loss_mask"],
+    ),
+    (
+        "issue 50: a run read without its checkpoints",
+        "rlbench/replay/integrity.py",
+        "    if run.manifest[\"mode\"] != \"rollout-only\" and steps:\n        _checkpoints(found, checkpoints)\n",
+        "",
+        ["tests/cpu/test_integrity.py"],
+    ),
+    (
+        "issue 50: a verdict over zero samples (check tito)",
+        "rlbench/checks/tito_run.py",
+        "    if not report.samples:  # no verdict speaks for nothing",
+        "    if False:  # no verdict speaks for nothing",
+        ["tests/cpu/test_integrity.py", "tests/cpu/test_tito_run.py"],
+    ),
+    (
         "`rlbench --help` no longer lists `run`",
         "rlbench/cli/runs.py",
         "@app.command(context_settings=",
@@ -312,7 +345,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"modules to mutate [default: all]: {', '.join(MODULES)}")
     parser.add_argument(
-        "--planted", action="store_true", help="plant the 9 bugs of issue 14 and show the tests that fail"
+        "--planted", action="store_true", help="plant the bugs of issues 14 and 50 and show the tests that fail"
     )
     parser.add_argument(
         "--keep",

@@ -257,10 +257,13 @@ def check_logprobs(
     thresholds = _check_thresholds(thresholds)
     from rlbench.replay.integrity import open_run
 
-    opened = open_run(
-        run_dir, recordings="verify", checkpoints="verify" if recompute else "present", need_recordings=True
-    )
-    run = opened.run
+    run = open_run(
+        run_dir,
+        recordings="verify",
+        checkpoints="verify" if recompute else "present",  # --recompute loads them
+        need_steps=True,
+        need_recordings=True,
+    ).run
     config = source_config(run)
     check_made_with(run, tokenizer=config.model.tokenizer, model=config.model.path if recompute else None)
     recomputer = _Recomputer(run, config) if recompute else None

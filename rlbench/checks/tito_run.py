@@ -137,7 +137,7 @@ def check_run(
     from rlbench.rundir import recording
     from rlbench.replay.integrity import open_run
 
-    run = open_run(path, recordings="verify", need_recordings=True).run
+    run = open_run(path, recordings="verify", checkpoints="present", need_steps=True, need_recordings=True).run
     config = run.manifest.get("config") or {}
     tokenizer_dir = tokenizer_dir or (config.get("model") or {}).get("tokenizer")
     check_made_with(run, tokenizer=tokenizer_dir, model=model_dir)

@@ -86,7 +86,7 @@ median of a steady window within 5%), at the steps it holds a value for: its ite
     """
     from rlbench.checks import golden as g
     from rlbench.checks.golden_compare import compare
-    from rlbench.replay.integrity import open_run
+    from rlbench.replay.integrity import METRICS_ONLY, open_run
 
     renames = parse_renames(rename)
     overrides = [g.parse_override(spec) for spec in tolerance or []]
@@ -94,7 +94,7 @@ median of a steady window within 5%), at the steps it holds a value for: its ite
         from rlbench.checks.plot import require_matplotlib
 
         require_matplotlib()  # before the comparison's work, not after it
-    run = open_run(run_dir, recordings="present").run  # metrics are compared; the rest is seen whole, not read
+    run = open_run(run_dir, **METRICS_ONLY).run
     report = compare(run, g.load_golden(golden, renames), tier.value, ignore or [], overrides)
     if plot is not None:
         from rlbench.checks.plot import save
@@ -195,10 +195,10 @@ new ones applied. The reason is appended to the file's history. The file is repl
 is not a valid golden file is refused and left as it is."""
     from rlbench.checks import golden as g
     from rlbench.checks import golden_build
-    from rlbench.replay.integrity import open_run
+    from rlbench.replay.integrity import METRICS_ONLY, open_run
 
     overrides = [g.parse_override(spec) for spec in tolerance or []]
-    run = open_run(run_dir, recordings="present").run
+    run = open_run(run_dir, **METRICS_ONLY).run
     previous = g.load_golden(golden) if golden.exists() else None
     if previous is not None and previous.format != "rlbench":
         raise BadInput(

@@ -273,7 +273,7 @@ def diff(
     # run's own checksums (integrity.py). A damaged one is bad input (exit 2), not a difference (exit 1): its own
     # run's checksums expose it, whatever the other run holds.
     opened = {
-        side: open_run(path, recordings="verify", checkpoints="verify", need_steps=False)
+        side: open_run(path, recordings="verify", checkpoints="verify", need_steps=False, need_recordings=False)
         for side, path in (("A", a), ("B", b))
     }
     run_a, run_b = opened["A"].run, opened["B"].run

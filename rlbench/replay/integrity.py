@@ -27,11 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rlbench.config import RunConfig, config_from_dict
 from rlbench.errors import BadInput
 from rlbench.replay.checkpoints import DAMAGED, verify_checkpoints
 from rlbench.rundir.directory import RunDir, read_run, step_name
 
 Depth = Literal["verify", "present"]
+# A reader of metrics only (check golden, golden update): the rest of the run is seen whole, not read (no torch).
+METRICS_ONLY = {"recordings": "present", "checkpoints": "present", "need_steps": True, "need_recordings": False}
 
 
 @dataclass
@@ -45,42 +48,14 @@ class Integrity:
     checkpoints_present: list[int] = field(default_factory=list)  # checkpoints seen whole (state.json), not read
     notes: list[str] = field(default_factory=list)
 
-    def text(self) -> str:
-        """What was verified, as a verdict says it."""
-        steps = len(self.run.steps)
-        parts = [f"{steps} committed step{'s' * (steps != 1)} with their checksums"]
-        if self.recordings:
-            parts.append(f"{self.recordings} recordings held to them")
-        elif self.recordings_present:
-            parts.append(f"{self.recordings_present} recordings present (not read)")
-        else:
-            parts.append("no recording (--no-record)")
-        if self.checkpoints:
-            parts.append(f"{len(self.checkpoints)} checkpoints held to them")
-        elif self.checkpoints_present:
-            parts.append(f"{len(self.checkpoints_present)} checkpoints present (not read)")
-        return "verified: " + ", ".join(parts)
-
-    def to_json(self) -> dict:
-        return {
-            "steps": len(self.run.steps),
-            "recordings_verified": self.recordings,
-            "recordings_present": self.recordings_present,
-            "checkpoints_verified": self.checkpoints,
-            "checkpoints_present": self.checkpoints_present,
-        }
-
 
 def open_run(
-    path: str | Path,
-    *,
-    recordings: Depth = "verify",
-    checkpoints: Depth = "present",
-    need_steps: bool = True,
-    need_recordings: bool = False,
+    path: str | Path, *, recordings: Depth, checkpoints: Depth, need_steps: bool, need_recordings: bool
 ) -> Integrity:
     """Read the run at `path` and verify it as the module docstring says; any defect is BadInput naming the file.
-    `need_recordings`: the reader judges the recording, so a run made with --no-record cannot be judged."""
+    Each reader says how deep it verifies (no default: a reader chooses); `need_steps`: a run that committed no
+    step cannot be judged; `need_recordings`: the reader judges the recording, so a run made with --no-record
+    cannot be judged."""
     run = read_run(path)
     root = run.root
     if not (root / "metrics.jsonl").is_file():
@@ -100,13 +75,14 @@ def open_run(
     if steps and steps != list(range(steps[0], steps[0] + len(steps))):
         raise BadInput("committed steps are not consecutive (an edited log)", path=root / "metrics.jsonl")
     found = Integrity(run, notes=list(run.notes))
-    recorded = run.manifest["config"].get("record") is not False
+    config = config_from_dict(run.manifest["config"], root / "manifest.json")
+    recorded = config.record
     if not recorded and need_recordings:
         raise BadInput("the run was made with --no-record: it holds no recording to judge", path=root / "rollouts")
     if recorded and steps:
         _recordings(found, recordings)
     if run.manifest["mode"] != "rollout-only" and steps:
-        _checkpoints(found, checkpoints)
+        _checkpoints(found, checkpoints, config)
     return found
 
 
@@ -144,21 +120,19 @@ def _recordings(found: Integrity, depth: Depth) -> None:
     found.recordings = len(run.steps)
 
 
-def due_checkpoints(run: RunDir) -> list[int]:
-    """The checkpoints (steps done) the loop wrote for `run`'s committed steps: the initial weights when the run
-    began at step 0, then every `checkpoint_every` steps done and after the run's last step (core/loop.py,
-    `record`)."""
-    config = run.manifest["config"]
-    every, total = config.get("checkpoint_every", 25), config.get("steps")
-    due = [0] if run.steps[0] == 0 else []
-    return due + [s + 1 for s in run.steps if (s + 1) % every == 0 or s + 1 == total]
+def due_checkpoints(steps: list[int], every: int, total: int) -> list[int]:
+    """The checkpoints (steps done) the loop wrote for committed `steps` of a run of `total` steps checkpointing
+    `every` steps: the initial weights when the run began at step 0, then every `every` steps done and after the
+    run's last step (core/loop.py, `record`)."""
+    due = [0] if steps[0] == 0 else []
+    return due + [s + 1 for s in steps if (s + 1) % every == 0 or s + 1 == total]
 
 
-def _checkpoints(found: Integrity, depth: Depth) -> None:
+def _checkpoints(found: Integrity, depth: Depth, config: RunConfig) -> None:
     run, root = found.run, found.run.root
     last = run.steps[-1] + 1
-    complete = last == run.manifest["config"].get("steps")
-    for done in due_checkpoints(run):
+    complete = last == config.steps
+    for done in due_checkpoints(run.steps, config.checkpoint_every, config.steps):
         path = root / "checkpoints" / step_name(done)
         if (path / "state.json").is_file():
             found.checkpoints_present.append(done)

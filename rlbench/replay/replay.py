@@ -74,7 +74,7 @@ def replay(
     steps: str | None = None,
     on_step: Callable[[StepState], None] | None = None,
 ) -> ReplayResult:
-    opened = open_run(run_dir, recordings="verify", checkpoints="verify", need_recordings=True)
+    opened = open_run(run_dir, recordings="verify", checkpoints="verify", need_steps=True, need_recordings=True)
     source = opened.run
     first, last = parse_range(steps, len(source.steps))
     if source.steps[:last] != list(range(last)):
@@ -164,7 +164,7 @@ def train_only_config(config: RunConfig, rollouts: str | Path, steps: int | None
     """`run --mode train-only --rollouts RUN`: the trainer and algorithm are this config's; what was
     recorded (model, tokenizer, data, sampling) is the recording's, and so is the step count unless
     `steps` asks for fewer (`recorded_overrides` names what that changes)."""
-    source = open_run(rollouts, recordings="verify", need_steps=False, need_recordings=True).run
+    source = open_run(rollouts, recordings="verify", checkpoints="present", need_steps=False, need_recordings=True).run
     recorded = source_config(source)
     committed = len(source.steps)
     if steps is not None and steps > committed:

@@ -91,7 +91,7 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
         )
     # the whole directory verified first: a damaged run is refused, never "already complete"; the committed steps
     # it recomputes are then verified by their checksums
-    source = open_run(run_dir, recordings="verify", checkpoints="present", need_steps=False).run
+    source = open_run(run_dir, recordings="verify", checkpoints="present", need_steps=False, need_recordings=False).run
     root = source.root
     committed = len(source.steps)
     if source.steps != list(range(committed)):

@@ -51,9 +51,11 @@ def collect(
     """The page's data for run A (and B, and a golden file): plain, JSON-safe values."""
     from rlbench.replay.integrity import open_run
 
-    # each run verified as every command verifies it (integrity.py): the page shows no verdict over a damaged run
-    a = open_run(run_a, recordings="verify").run
-    b = open_run(run_b, recordings="verify").run if run_b is not None else None
+    # each run verified as every command verifies it (integrity.py): the page shows no verdict over a damaged run;
+    # its recordings are read (the mismatch, TITO), its checkpoints not
+    READ = {"recordings": "verify", "checkpoints": "present", "need_steps": True, "need_recordings": False}
+    a = open_run(run_a, **READ).run
+    b = open_run(run_b, **READ).run if run_b is not None else None
     data = {
         "runs": [_run_summary(a)] + ([_run_summary(b)] if b else []),
         "verdicts": [],
