@@ -224,6 +224,11 @@ def compare(
             continue
         kind = tol.kind if (tier == "approx" or tol.kind == "median") else "exact"
         results.append(_compare_series(name, series.values, got[name], tol, kind))
+    if not results:  # no verdict speaks for nothing
+        raise BadInput(
+            f"undetermined: no metric left to compare (the golden's {len(golden.metrics)} are all --ignore'd)",
+            path=golden.path,
+        )
     exact_able = [m for m in results if m.kind != "median" and m.status != "missing"]
     if (
         tier == "approx"

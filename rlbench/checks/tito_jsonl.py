@@ -46,6 +46,8 @@ def check_jsonl(path: Path, tok, tokenizer_dir, kwargs: dict) -> RunReport:
             tok, lineno, row, {**kwargs, **(row.get("chat_template_kwargs") or {})}, stops, compare
         ):
             report.findings.append(SampleFinding(None, lineno, found.where, found))
+    if not report.samples:  # no verdict speaks for nothing
+        raise BadInput("undetermined: no trajectory to judge (the file holds no row)", path=path)
     if unread:
         report.notes.append(
             "not read: "

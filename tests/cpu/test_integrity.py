@@ -362,3 +362,34 @@ def test_a_checkpoint_is_excused_only_after_the_last_step_of_a_stopped_run(whole
     lines = (run / "metrics.jsonl").read_text()
     (run / "metrics.jsonl").write_text(lines + json.dumps({"step": 9})[:5])  # a torn line: read, and said
     assert open_run(run, **DEEP).notes == ["metrics.jsonl: ignored a torn last line (a write was cut off)"]
+
+
+def test_the_other_inputs_emptied_get_no_verdict(whole, tmp_path):
+    """Beyond run directories: a trajectory file with no row (check tito), a golden check with every metric left
+    out (check golden --ignore '*'), a log-prob check of steps the run did not commit: each "undetermined", exit 2,
+    where each passed over nothing before (issue 50)."""
+    from tests.conftest import REPO
+
+    whole_run, golden = whole
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    tokenizer = REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean"
+    for args, says in (
+        (
+            ("check", "tito", str(empty), "--tokenizer", str(tokenizer)),
+            f"{empty}: undetermined: no trajectory to judge (the file holds no row)",
+        ),
+        (
+            ("check", "golden", str(whole_run), str(golden), "--ignore", "*"),
+            f"{golden}: undetermined: no metric left to compare (the golden's 14 are all --ignore'd)",
+        ),
+    ):
+        res = cli(*args)
+        assert res.returncode == 2 and res.stderr.strip() == f"rlbench: error: {says}", res.stdout + res.stderr
+    from rlbench.checks.logprobs import check_logprobs
+    from rlbench.errors import BadInput
+
+    with pytest.raises(
+        BadInput, match=f"undetermined: none of the steps asked for is committed .the run committed {STEPS}"
+    ):
+        check_logprobs(whole_run, steps=[STEPS + 3])
