@@ -218,15 +218,15 @@ PLANTED = [
     (
         "PPO clip bounds swapped",
         "rlbench/core/algo.py",
-        "ratio.clamp(1 - eps_low, 1 + eps_high)",
-        "ratio.clamp(1 - eps_high, 1 + eps_low)",
+        "clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)",
+        "clipped = -adv * ratio.clamp(1 - eps_high, 1 + eps_low)",
         ["tests/cpu/test_algo.py"],
     ),
     (
         "PPO clip lower bound dropped",
         "rlbench/core/algo.py",
-        "ratio.clamp(1 - eps_low, 1 + eps_high)",
-        "ratio.clamp(max=1 + eps_high)",
+        "clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)",
+        "clipped = -adv * ratio.clamp(max=1 + eps_high)",
         ["tests/cpu/test_algo.py"],
     ),
     (
@@ -283,7 +283,7 @@ PLANTED = [
     (
         "issue 50: a run read without its checkpoints",
         "rlbench/replay/integrity.py",
-        "    if run.manifest[\"mode\"] != \"rollout-only\" and steps:\n        _checkpoints(found, checkpoints)\n",
+        "    if run.manifest[\"mode\"] != \"rollout-only\" and steps:\n        _checkpoints(found, checkpoints, config)\n",
         "",
         ["tests/cpu/test_integrity.py"],
     ),
