@@ -283,7 +283,7 @@ PLANTED = [
     (
         "issue 50: a run read without its checkpoints",
         "rlbench/replay/integrity.py",
-        "    if run.manifest[\"mode\"] != \"rollout-only\" and steps:\n        _checkpoints(found, checkpoints, config)\n",
+        '    if run.manifest["mode"] != "rollout-only" and steps:\n        _checkpoints(found, checkpoints, config)\n',
         "",
         ["tests/cpu/test_integrity.py"],
     ),

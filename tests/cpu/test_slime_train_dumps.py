@@ -4,6 +4,7 @@ fixtures in examples/slime-dump-details were written by slime's own writers (tes
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -602,3 +603,269 @@ def test_slime_rollout_dumps_before_2025_07_are_named_and_refused(tmp_path):
     assert done.returncode == 2 and "a plain pickle of a list, not a torch.save file" in done.stderr
     assert "(1dc85516d..ed2f3a999^)" in done.stderr and "Traceback" not in done.stderr
     assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+# The reader and the join called directly (no CLI, no import): each case one planted change in rollout 2's dumps,
+# loaded once; the refusal's whole line and the join's whole findings are the contract, word for word.
+
+
+@pytest.fixture(scope="module")
+def rollout_2() -> tuple[dict, list[dict]]:
+    train = torch.load(V2 / "train_data" / "2.pt", weights_only=True)
+    return train, torch.load(V2 / "rollout_data" / "2.pt", weights_only=True)["samples"]
+
+
+def _setting(*keys, value):
+    """A change setting dump[k1][k2]... to value."""
+
+    def change(dump):
+        target = dump
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+        return dump
+
+    return change
+
+
+def _saved(tmp_path: Path, dump) -> Path:
+    path = tmp_path / "2.pt"
+    torch.save(dump, path)
+    return path
+
+
+NOT_RESTORED = "expected 3 values (response_lengths), got not numbers: a field left sliced by context parallelism?"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        pytest.param(lambda d: [1, 2], "expected a dict (slime's train dump), got list", id="not a dict"),
+        pytest.param(
+            lambda d: {"rollout_id": 0, "rank": 0, "rollout_data": {}},
+            "format_version: a train dump of slime's format 1 (a file per rank, named {rollout_id}_{rank}.pt): give "
+            "the --dump-details directory, whose train_data/ holds every rank's file",
+            id="format 1 given as a file",
+        ),
+        pytest.param(
+            lambda d: {k: v for k, v in d.items() if k != "format_version"},
+            "format_version: format_version None: rlbench reads slime's format 2",
+            id="no format_version",
+        ),
+        pytest.param(
+            _setting("format_version", value=3),
+            "format_version: format_version 3: rlbench reads slime's format 2",
+            id="format 3",
+        ),
+        pytest.param(_setting("rank", value=True), "rank: expected int, got True", id="a bool rank"),
+        pytest.param(_setting("samples", value={}), "samples: expected list, got {}", id="samples not a list"),
+        pytest.param(
+            lambda d: d | {"sampler_state": {}, "epoch": 1},
+            "top-level keys slime's format 2 does not write: epoch, sampler_state",
+            id="two top-level keys slime does not write",
+        ),
+        pytest.param(_setting("samples", 2, value=7), "samples[2]: expected a dict, got int", id="a sample not a dict"),
+        pytest.param(
+            _setting("samples", 0, "rollout_position", value=-1),
+            "samples[0].rollout_position: expected an integer >= 0, got -1",
+            id="a negative rollout_position",
+        ),
+        pytest.param(
+            _setting("samples", 1, "data_parallel_rank", value=True),
+            "samples[1].data_parallel_rank: expected an integer >= 0, got True",
+            id="a bool data_parallel_rank",
+        ),
+        pytest.param(
+            _setting("samples", 0, "multimodal_train_inputs", value={"pixel_values": [0.5]}),
+            "samples[0].multimodal_train_inputs: refused: rlbench's models are text only",
+            id="multimodal train inputs",
+        ),
+        pytest.param(
+            _setting("samples", 0, "tokens", value="abc"),
+            "samples[0].tokens: expected the sample's token ids",
+            id="tokens not ids",
+        ),
+        pytest.param(
+            _setting("samples", 3, "log_probs", value=["a", "b", "c"]),
+            "samples[3].log_probs: " + NOT_RESTORED,
+            id="per-token values not numbers",
+        ),
+        pytest.param(
+            _setting("samples", 3, "advantages", value=5), "samples[3].advantages: " + NOT_RESTORED, id="a scalar"
+        ),
+        pytest.param(
+            _setting("dp_shards", 1, value=5), "dp_shards[1]: expected a dict, got int", id="a shard not a dict"
+        ),
+        pytest.param(
+            _setting("dp_shards", 0, "data_parallel_rank", value="0"),
+            "dp_shards[0].data_parallel_rank: expected an integer",
+            id="a shard's rank not an integer",
+        ),
+        pytest.param(
+            _setting("dp_shards", 1, "micro_batch_indices", value=[[0, 1], ["a"]]),
+            "dp_shards[1].micro_batch_indices: expected lists of row indices",
+            id="a micro-batch not row indices",
+        ),
+    ],
+)
+def test_each_malformed_train_dump_is_refused_in_one_line_naming_file_field_and_what_was_expected(
+    rollout_2, tmp_path, change, says
+):
+    from rlbench.errors import BadInput
+    from rlbench.replay.slime_train import read_train_dump
+
+    path = _saved(tmp_path, change(copy.deepcopy(rollout_2[0])))
+    with pytest.raises(BadInput) as refused:
+        read_train_dump(path)
+    assert str(refused.value) == f"{path}: {says}"
+
+
+def test_a_train_dump_is_read_whole_and_what_slime_may_leave_out_joins(rollout_2, tmp_path):
+    """The reader keeps the file's own fields (path, ids, raw_reward, the fields slime's writer does not produce,
+    named); per-token fields as plain lists, a shard without micro-batches, a rollout sample without loss_mask
+    (all trained) or without rollout_log_probs are what slime may write: read, and joined with no finding."""
+    from rlbench.replay.slime_train import join, read_train_dump
+
+    train, rollout = copy.deepcopy(rollout_2)
+    train["samples"][3] |= {k: train["samples"][3][k].tolist() for k in ("log_probs", "rollout_log_probs")}
+    train["samples"][4]["my_field"] = 1
+    del train["dp_shards"][0]["micro_batch_indices"]
+    rollout[0]["loss_mask"] = None
+    rollout[1]["rollout_log_probs"] = None
+    path = _saved(tmp_path, train)
+    read = read_train_dump(path)
+    assert (read.path, read.rollout_id, read.rank, read.raw_reward) == (path, 2, 0, train["raw_reward"])
+    assert read.unknown == ["my_field"] and read.format_version == 2
+    joined = join(rollout, read)
+    assert (joined.rollout_id, joined.findings, joined.notes) == (2, [], [])
+    assert joined.pairs == [(k, k) for k in range(8)]
+
+
+def _extra_rollout_samples(count: int):
+    def change(rollout):
+        return rollout + [dict(rollout[0], index=24 + i) for i in range(count)]
+
+    return change
+
+
+def _tokens(k: int, change):
+    def planted(dump):
+        dump["samples"][k]["tokens"] = change(dump["samples"][k]["tokens"])
+        return dump
+
+    return planted
+
+
+LABEL_2 = "rollout 2, train sample 2 (rollout_position 2, sample_index 18)"
+
+
+@pytest.mark.parametrize(
+    ("train_change", "rollout_change", "findings", "notes"),
+    [
+        pytest.param(
+            _setting("samples", 0, "rollout_position", value=8),
+            None,
+            [
+                "rollout 2, train sample 0 (rollout_position 8, sample_index 16): no such sample in the rollout dump "
+                "(8 samples)",
+                "rollout 2: DP rank 0's partition does not list the samples it trained",
+                "rollout 2: rollout samples at positions 0 (index 16) are missing from the train dump",
+            ],
+            [],
+            id="a position one past the rollout dump, the others still joined",
+        ),
+        pytest.param(
+            lambda d: d["samples"][1].update(rollout_position=0, sample_index=16) or d,
+            None,
+            [
+                "rollout 2, train sample 1 (rollout_position 0, sample_index 16): trained twice (also train sample 0)",
+                "rollout 2: DP rank 1's partition does not list the samples it trained",
+                "rollout 2: rollout samples at positions 1 (index 17) are missing from the train dump",
+            ],
+            [],
+            id="trained twice, the others still joined",
+        ),
+        pytest.param(
+            _tokens(2, lambda t: torch.cat([t[:8], t[8:] + 1])),
+            None,
+            [f"{LABEL_2}: tokens differ from the rollout dump's at token 8"],
+            [],
+            id="the first differing token named",
+        ),
+        pytest.param(
+            _tokens(2, lambda t: torch.cat([t, torch.tensor([5])])),
+            None,
+            [
+                f"{LABEL_2}: tokens differ from the rollout dump's at token 9",
+                f"{LABEL_2}: total_lengths 9 != len(tokens) 10",
+            ],
+            [],
+            id="one token more: the first past the shorter",
+        ),
+        pytest.param(
+            _setting("samples", 2, "sample_index", value=99),
+            None,
+            [
+                "rollout 2, train sample 2 (rollout_position 2, sample_index 99): sample_index 99 != the rollout "
+                "dump's index 18"
+            ],
+            [],
+            id="both indices named",
+        ),
+        pytest.param(
+            None,
+            _extra_rollout_samples(3),
+            [],
+            [
+                "rollout 2: the last 3 of 11 rollout samples were not trained (positions 8..10): slime's schedule "
+                "keeps whole global batches and drops the rest"
+            ],
+            id="a trailing block dropped: a note",
+        ),
+        pytest.param(
+            lambda d: d | {"samples": [], "dp_shards": []},
+            _extra_rollout_samples(1),
+            [
+                "rollout 2: rollout samples at positions 0, 1, 2, 3, 4, 5, 6, 7 and 1 more (index 16, 17, 18, 19, 20, "
+                "21, 22, 23 and 1 more) are missing from the train dump"
+            ],
+            [],
+            id="nine untrained, eight named",
+        ),
+        pytest.param(
+            lambda d: d["dp_shards"].append(copy.deepcopy(d["dp_shards"][0])) or d,
+            None,
+            ["rollout 2: DP shard(s) repeated missing from dp_shards (present: [0, 0, 1])"],
+            [],
+            id="a shard given twice",
+        ),
+    ],
+)
+def test_each_join_that_does_not_hold_is_named_by_sample_and_the_rest_still_joined(
+    rollout_2, tmp_path, train_change, rollout_change, findings, notes
+):
+    from rlbench.replay.slime_train import join, read_train_dump
+
+    train, rollout = copy.deepcopy(rollout_2)
+    train = train_change(train) if train_change else train
+    rollout = rollout_change(rollout) if rollout_change else rollout
+    joined = join(rollout, read_train_dump(_saved(tmp_path, train)))
+    assert (joined.findings, joined.notes) == (findings, notes)
+
+
+def test_engine_log_probs_are_held_at_float32_whatever_either_file_or_torchs_default_dtype(rollout_2, tmp_path):
+    """slime trains on float32 log-probs; the rollout dump holds the engine's as Python floats (float64). A train
+    dump holding them at float64 too, read where torch's default dtype is float64, still joins: both sides are
+    rounded to float32 before they are compared, never to the default dtype."""
+    from rlbench.replay.slime_train import join, read_train_dump
+
+    train, rollout = copy.deepcopy(rollout_2)
+    train["samples"][3]["rollout_log_probs"] = torch.tensor(rollout[3]["rollout_log_probs"], dtype=torch.float64)
+    read = read_train_dump(_saved(tmp_path, train))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        joined = join(rollout, read)
+    finally:
+        torch.set_default_dtype(default)
+    assert joined.findings == []
