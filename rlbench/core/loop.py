@@ -66,14 +66,14 @@ def step_requests(ctx: Context, state: StepState) -> list[GenerateRequest]:
     ]
 
 
-def group_request(ctx: Context, prompt_ids: tuple[int, ...], step: int, group: int, j: int, *more) -> GenerateRequest:
-    """Sample `j` of the `group`-th prompt drawn for `step`: its seed named by that place (and by `more`, an async
-    group's later attempt: core/pipeline.py), with the run's sampling settings."""
+def group_request(ctx: Context, prompt_ids: tuple[int, ...], step: int, group: int, j: int) -> GenerateRequest:
+    """Sample `j` of the `group`-th prompt drawn for `step`: its seed named by that place, with the run's sampling
+    settings."""
     cfg = ctx.config.rollout
     seed = ctx.config.seed if cfg.sampling_seed is None else cfg.sampling_seed
     return GenerateRequest(
         prompt_ids,
-        derive_seed(seed, "sample", step, group, j, *more),
+        derive_seed(seed, "sample", step, group, j),
         cfg.max_new_tokens,
         cfg.temperature,
         ctx.stop_token_ids,

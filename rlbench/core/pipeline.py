@@ -14,14 +14,15 @@ generation in flight). A sample generated with version v and trained at step r h
   group number, so each group's step is known when it is started, and it is started only if that step is within
   K versions of e(r). No group is older than K when its step comes: one started later carries the newest version,
   so it can pass only groups of that version and push them no further back than its own place, which K admitted;
-  a group that leaves the queue moves the rest forward. A group with an aborted sample (a slime plugin's) is
-  requeued and generated again once the weights have moved on, its seeds its attempt's own.
+  a group that leaves the queue moves the rest forward. A group with an aborted sample (only a slime plugin
+  aborts one) is requeued and generated again once the weights have moved on, the plugin told its attempt.
   K = 0 generates nothing ahead: the on-policy run, bit for bit.
 
-Groups are numbered over the run, g = step * B + slot, in the data cursor's order; attempt 0 of group g draws the
-seeds the on-policy run gives (step, slot, index), a later attempt seeds of its own. A step trains its groups in
-group order (slime sorts a batch by sample index). What a window generates runs on a thread while the step
-trains; the step's sync waits for it, and an error there stops the run before the step commits.
+Groups are numbered over the run, g = step * B + slot, in the data cursor's order; the engine draws the seeds the
+on-policy run gives (step, slot, index), a slime plugin its own (at each attempt, as slime's requeued groups do).
+A step trains its groups in group order (slime sorts a batch by sample index). What a window generates runs on a
+thread while the step trains; the step's sync waits for it, and an error there stops the run before the step
+commits.
 """
 
 from __future__ import annotations
@@ -230,9 +231,8 @@ class Pipeline:
             g.samples = made[k * n : (k + 1) * n]
 
     def _requests(self, g: Group) -> list[GenerateRequest]:
-        """The group's engine requests: the on-policy run's seeds at attempt 0 (step, slot, index), else the
-        attempt's own."""
-        attempt = ("attempt", g.attempt) if g.attempt else ()
+        """The group's engine requests, with the on-policy run's seeds (step, slot, index): only a slime plugin
+        aborts a sample, so a group the engine generates is never requeued and has no later attempt."""
         prompt_ids = self.ctx.prompt_ids[g.prompt.index]
         n = self.ctx.config.rollout.n_samples_per_prompt
-        return [group_request(self.ctx, prompt_ids, g.origin, g.slot, j, *attempt) for j in range(n)]
+        return [group_request(self.ctx, prompt_ids, g.origin, g.slot, j) for j in range(n)]
