@@ -265,7 +265,7 @@ def test_a_group_aborted_max_attempts_times_stops_the_run():
     assert str(refused.value) == "rollout.async_mode: group 0 (step 0's prompt 0) was aborted 8 times"
 
 
-def test_one_step_trains_around_an_aborted_group_and_refuses_a_step_of_nothing_but():
+def test_one_step_keeps_an_aborted_groups_place_untrained_and_refuses_a_step_with_none_to_train():
     """one-step (as on-policy): a group with an aborted sample keeps its place in its step, untrained, recorded as
     "aborted: not trained" with the step; a step whose every group aborted has nothing to train and stops the run,
     naming the plugin's setting."""
