@@ -11,6 +11,25 @@ import torch
 from rlbench.rundir.recording import encode_step, read_step
 
 
+def small_run(out: Path, steps: int) -> Path:
+    """A complete small run of the default task, a checkpoint every 2 steps, written to `out`."""
+    from rlbench.config import load_config
+    from rlbench.session import run
+
+    run(
+        load_config(
+            out=str(out),
+            steps=steps,
+            checkpoint_every=2,
+            data__prompts_per_step=2,
+            rollout__n_samples_per_prompt=4,
+            train__minibatches=2,
+            train__micro_batch_size=4,
+        )
+    )
+    return out
+
+
 def copy_run(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

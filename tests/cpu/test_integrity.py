@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from tests.conftest import cli
-from tests.cpu.recordings import copy_run, edit_step
+from tests.cpu.recordings import copy_run, edit_step, small_run
 
 STEPS = 4  # checkpoint_every 2: checkpoints after 0, 2 and 4 steps
 DEEP = {"recordings": "verify", "checkpoints": "present", "need_steps": True, "need_recordings": True}
@@ -21,21 +21,8 @@ DEEP = {"recordings": "verify", "checkpoints": "present", "need_steps": True, "n
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """A complete small run and a golden file written from it."""
-    from rlbench.config import load_config
-    from rlbench.session import run
-
     root = tmp_path_factory.mktemp("integrity")
-    run(
-        load_config(
-            out=str(root / "a"),
-            steps=STEPS,
-            checkpoint_every=2,
-            data__prompts_per_step=2,
-            rollout__n_samples_per_prompt=4,
-            train__minibatches=2,
-            train__micro_batch_size=4,
-        )
-    )
+    small_run(root / "a", STEPS)
     res = cli("golden", "update", str(root / "a"), str(root / "golden.json"), "--reason", "the table's reference")
     assert res.returncode == 0, res.stderr
     return root / "a", root / "golden.json"

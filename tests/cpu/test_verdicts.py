@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from tests.cpu.recordings import copy_run, edit_step
+from tests.cpu.recordings import copy_run, edit_step, small_run
 
 STEPS = 4
 
@@ -18,22 +18,10 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A small run and its replay (the same checksums, a different directory)."""
-    from rlbench.config import load_config
-    from rlbench.session import run
     from rlbench.replay.replay import replay
 
     root = tmp_path_factory.mktemp("verdicts")
-    run(
-        load_config(
-            out=str(root / "a"),
-            steps=STEPS,
-            checkpoint_every=2,
-            data__prompts_per_step=2,
-            rollout__n_samples_per_prompt=4,
-            train__minibatches=2,
-            train__micro_batch_size=4,
-        )
-    )
+    small_run(root / "a", STEPS)
     assert replay(root / "a", root / "replay").ok
     return root / "a", root / "replay"
 
