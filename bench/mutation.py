@@ -77,6 +77,15 @@ MODULES = {
     "rlbench/replay/slime_dir.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
     "rlbench/rundir/sections.py": ["tests/cpu/test_sweep.py", "-k", "manifest_section"],
     "rlbench/serve/pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_serve_weights.py"],
+    "rlbench/serve/weights.py": ["tests/cpu/test_serve_weights.py"],
+    # the plugin runs but three that take 8-20 s each (a kill and resume, the fan-out, the SGLang fleet)
+    "rlbench/slime_rollout.py": [
+        "tests/cpu/test_slime_run.py",
+        "-k",
+        "not (resume_after_a_kill or fan_out_trains or against_an_sglang_fleet)",
+    ],
+    # what diff compares beside the stages: the weights version of an async run's samples, imported schedules
+    "rlbench/replay/diff_extra.py": ["tests/cpu/test_diff_extra.py"],
     # all but the five that run the loop (run_small): the rest write their recordings by hand
     "rlbench/checks/logprobs.py": [
         "tests/cpu/test_check_logprobs.py",

@@ -334,6 +334,8 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
             for k, v in s.items()
             if not SAMPLE_FIELDS.get(k, "kept").startswith("used")
         }
+        if train.raw_reward is not None:  # the whole batch's, in the rollout dump's order (held so by the join)
+            fields["raw_reward"] = _plain(train.raw_reward[r["position"]])
         if "advantages" in s and "advantages" not in tensors:
             fields["advantages"] = [float(v) for v in s["advantages"]]
         # what the trainer computed on tokens outside the loss mask: not in the stages (0 there), kept to compare

@@ -20,7 +20,9 @@ dumps (slime.py `load_dump`'s refusal: what a pickle holds named from its opcode
 The join (`join`): every train sample to the rollout sample at its `rollout_position`, and each pair held
 together: the index, the ids, the response length, the loss mask (slime zeroes a removed sample's), the engine's
 log-probs; every DP shard present and its micro-batches covering its rows exactly once; every rollout sample
-trained, except a trailing block the schedule dropped (slime keeps whole global batches: a note, not a finding).
+trained, except a trailing block the schedule dropped (slime keeps whole global batches: a note, not a finding);
+the top-level `raw_reward`, the whole batch in the rollout dump's order, one value per rollout sample (the import
+keeps each trained sample's value with its other train fields, where diff compares it).
 A broken pair is a finding naming the rollout, the sample's position and index and what differs: never a crash.
 """
 
@@ -221,6 +223,10 @@ def join(rollout_samples: list[dict], train: TrainDump) -> Join:
         pairs.append((k, p))
         findings += _pair(label, sample, rollout_samples[p])
     findings += _shards(rid, train)
+    raw = train.raw_reward.tolist() if torch.is_tensor(train.raw_reward) else train.raw_reward
+    if raw is not None and (not isinstance(raw, (list, tuple)) or len(raw) != n):
+        got = f"{len(raw)} values" if isinstance(raw, (list, tuple)) else type(raw).__name__
+        findings.append(f"rollout {rid}: raw_reward holds {got}, expected one per rollout dump sample ({n})")
     missing = sorted(set(range(n)) - set(seen))
     if missing:
         trailing = missing == list(range(n - len(missing), n))

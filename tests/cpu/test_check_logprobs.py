@@ -528,3 +528,21 @@ def test_nucleus_logprobs_by_hand():
     assert got.tolist() == pytest.approx(expected, abs=1e-6)
     full = torch.log_softmax(logits[0] / 2.0, -1)[1]
     assert nucleus_logprobs(logits[:1], torch.tensor([1]), [[0, 1, 2, 3]], 2.0)[0] == pytest.approx(float(full))
+
+
+def test_an_async_runs_mismatch_is_split_by_each_samples_recorded_lag(tmp_path):
+    """Each sample's deltas go to the lag its JSON records (`async.lag`), over every step; a run that records no
+    lag has no per-lag table."""
+    steps = [
+        ([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5]),
+        ([-3.0, -1.0, -1.0, -1.0], [-3.0, -1.0, -1.125, -1.0]),
+    ]
+    run = _recorded(tmp_path / "lagged", steps, meta=({"async": {"lag": 2}}, {"async": {"lag": 0}}))
+    report = check_logprobs(run, top=1)
+    # delta = trainer - rollout: sample 0 (lag 2) 0, 0.5 then 0, 0; sample 1 (lag 0) 0, 0.25 then 0.125, 0
+    f64 = torch.float64
+    assert report.per_lag == [
+        {"lag": 0, "tokens": 4, "samples": 2, **statistics(torch.tensor([0.0, 0.25, 0.125, 0.0], dtype=f64), [2, 2])},
+        {"lag": 2, "tokens": 4, "samples": 2, **statistics(torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=f64), [2, 2])},
+    ]
+    assert check_logprobs(_recorded(tmp_path / "sync", steps), top=1).per_lag == []

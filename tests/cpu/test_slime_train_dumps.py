@@ -188,6 +188,11 @@ def _shorten(dump):
             id="a DP shard without its samples",
         ),
         pytest.param(
+            lambda d: d["raw_reward"].pop(),
+            "rollout 2: raw_reward holds 7 values, expected one per rollout dump sample (8)",
+            id="a whole-batch raw_reward of another length",
+        ),
+        pytest.param(
             lambda d: d.update(samples=[], dp_shards=[]),
             "rollout 2: rollout samples at positions 0, 1, 2, 3, 4, 5, 6, 7 (index 16, 17, 18, 19, 20, 21, 22, 23) "
             "are missing from the train dump",
@@ -515,6 +520,8 @@ def test_the_train_dumps_other_fields_are_compared_value_by_value(reference, tmp
             lambda d: d["samples"][5]["log_probs"].__setitem__(2, 5.0),
             "sample 5, untrained_tokens.log_probs[0]",
         ),
+        # the top-level raw_reward, the whole batch in the rollout dump's order: kept with the sample at position 6
+        "raw_reward": (lambda d: d["raw_reward"].__setitem__(6, 0.25), "sample 6, raw_reward"),
     }
     train = torch.load(V2 / "train_data" / "1.pt", weights_only=True)
     assert train["samples"][5]["loss_masks"].tolist() == [1, 1, 0, 1]  # the fixture's tool span in sample 5
@@ -748,6 +755,15 @@ def _extra_rollout_samples(count: int):
     return change
 
 
+def _whole_batch_rewards(count: int):
+    """raw_reward as slime writes it for a rollout batch of `count` samples (the whole batch, trained or not)."""
+
+    def change(dump):
+        return dump | {"raw_reward": [0.5] * count}
+
+    return change
+
+
 def _tokens(k: int, change):
     def planted(dump):
         dump["samples"][k]["tokens"] = change(dump["samples"][k]["tokens"])
@@ -813,7 +829,7 @@ LABEL_2 = "rollout 2, train sample 2 (rollout_position 2, sample_index 18)"
             id="both indices named",
         ),
         pytest.param(
-            None,
+            _whole_batch_rewards(11),
             _extra_rollout_samples(3),
             [],
             [
@@ -823,7 +839,7 @@ LABEL_2 = "rollout 2, train sample 2 (rollout_position 2, sample_index 18)"
             id="a trailing block dropped: a note",
         ),
         pytest.param(
-            lambda d: d | {"samples": [], "dp_shards": []},
+            lambda d: _whole_batch_rewards(9)(d) | {"samples": [], "dp_shards": []},
             _extra_rollout_samples(1),
             [
                 "rollout 2: rollout samples at positions 0, 1, 2, 3, 4, 5, 6, 7 and 1 more (index 16, 17, 18, 19, 20, "
