@@ -77,7 +77,7 @@ MODULES = {
     "rlbench/replay/slime_dir.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
     "rlbench/rundir/sections.py": ["tests/cpu/test_sweep.py", "-k", "manifest_section"],
     "rlbench/serve/pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_serve_weights.py"],
-    "rlbench/serve/weights.py": ["tests/cpu/test_serve_weights.py"],
+    "rlbench/serve/weights.py": ["tests/cpu/test_serve_weights.py", "tests/conformance/sglang/test_weights.py"],
     # the plugin runs but three that take 8-20 s each (a kill and resume, the fan-out, the SGLang fleet)
     "rlbench/slime_rollout.py": [
         "tests/cpu/test_slime_run.py",

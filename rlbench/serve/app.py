@@ -141,7 +141,7 @@ class Handlers:
         """One item, a batch or n copies, answered in SGLang's shape (answer.py); streamed as server-sent
         events with `stream`."""
         state = self.state
-        body = await _json(request, state.config.max_request_bytes)
+        body = await _json(request, state.config.max_request_bytes, required=True)
         encode = state.encode if state.tokenizer is not None else no_text
         try:
             call = await _maybe_off_loop(request, lambda: rq.parse_generate(body, state.vocab, encode))
@@ -456,7 +456,7 @@ async def internal(_request: Request, exc: Exception) -> Response:
     return json_response({"error": {"message": f"{exc.__class__.__name__}: {str(exc)[:300]}"}}, status_code=400)
 
 
-async def _json(request: Request, limit: int, required: bool = True) -> Any:
+async def _json(request: Request, limit: int, *, required: bool) -> Any:
     """The request's JSON body, read to at most `limit` bytes (413 past it, before the rest is read), taken
     only as application/json (FastAPI's rule: another content type is not parsed, the pydantic envelope
     answers). A missing body is None when not `required`."""

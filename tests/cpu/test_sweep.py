@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from rlbench.errors import BadInput
 from tests.conftest import REPO, cli, record_sweep
 
 # Examples per target: the CPU suite's budget by default; RLBENCH_SWEEP_EXAMPLES=300 for a long sweep. Derandomized,
@@ -578,3 +579,25 @@ def test_every_command_refuses_a_manifest_section_of_the_wrong_type_by_name(base
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1, (command, res.returncode, res.stderr)
         assert f"manifest.json: {'.'.join(where)}: expected an object" in lines[0], (command, lines[0])
+
+
+def test_check_manifest_sections_names_the_type_it_found_and_leaves_absent_sections_to_their_readers():
+    """The refusal says what the section holds (null, a string, a list, a number) and names the field; a
+    section absent (no `rollout` table in the config, no `platform`) or a manifest section written as null (older
+    runs) is not refused here."""
+    from rlbench.rundir.sections import check_sections
+
+    path = Path("/runs/x/manifest.json")
+    for made, field, got in [
+        ({"config": {"train": None}}, "config.train", "null"),
+        ({"config": {"model": "qwen-tiny"}}, "config.model", "str"),
+        ({"config": {"rollout": {"sglang": [1]}}}, "config.rollout.sglang", "list"),
+        ({"platform": "x86"}, "platform", "str"),
+        ({"vocab": 5, "config": {"model": "m"}}, "vocab", "int"),  # the manifest's own sections first
+    ]:
+        with pytest.raises(BadInput) as refused:
+            check_sections(made, path)
+        assert str(refused.value) == f"{path}: {field}: expected an object (a table), got {got}"
+        assert (refused.value.path, refused.value.field) == (str(path), field)
+    check_sections({"config": {"model": {}}, "platform": None, "hashes": None}, path)  # absent or null: no refusal
+    check_sections({}, path)
