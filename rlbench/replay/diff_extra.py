@@ -110,7 +110,7 @@ def _first_unequal(x, y, tol, where: str = "") -> tuple[str | None, object, obje
         return None, None, None, n
     if isinstance(x, dict) and isinstance(y, dict):
         n = 0
-        for key in sorted(set(x) | set(y), key=str):
+        for key in sorted(set(x) | set(y)):  # JSON's keys: strings
             found, a, b, m = _first_unequal(x.get(key), y.get(key), tol, f"{where}.{key}")
             n += m
             if found is not None:
@@ -127,4 +127,4 @@ def _agree(x, y, tol) -> bool:
         return False
     if math.isnan(x) and math.isnan(y):
         return True
-    return tol is not None and abs(x - y) <= tol[0] + (tol[1] * abs(y) if y != 0 else 0.0)
+    return tol is not None and abs(x - y) <= tol[0] + tol[1] * abs(y)

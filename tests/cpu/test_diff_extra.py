@@ -91,7 +91,9 @@ def _shard(dp: int, **fields) -> dict:
 def test_the_same_schedule_is_no_difference_whatever_ranks_wrote_it():
     assert schedule_difference(_meta(), _meta()) is None
     assert schedule_difference(_meta(dp_shards=[_shard(0)]), _meta(dp_shards=[_shard(0)])) is None
-    # which global rank wrote a shard, its samples' ids and its context-parallel split are not the schedule
+    # which global rank wrote a shard, its DP rank's number (the same rows and micro-batches on each shard in turn),
+    # its samples' ids and its context-parallel split are not the schedule
+    assert schedule_difference(_meta(dp_shards=[_shard(0)]), _meta(dp_shards=[_shard(0, data_parallel_rank=3)])) is None
     a = _meta(dp_shards=[_shard(0, rank=0, sample_indices=[0, 1], context_parallel={"size": 1})])
     b = _meta(dp_shards=[_shard(0, rank=4, sample_indices=[7, 8], context_parallel={"size": 2})])
     assert schedule_difference(a, b) is None
@@ -185,6 +187,12 @@ def test_the_first_unequal_value_is_named_by_its_place_with_both_values_and_the_
     }
 
 
+def test_a_list_or_table_against_a_value_of_another_kind_is_a_difference_at_its_place():
+    for x, y in [([1.0], 1.0), (1.0, [1.0]), ({"k": 1}, 1), (None, {"k": 1}), ([1], {"0": 1})]:
+        found, _ = train_fields_difference(_fields({"r": {"x": x}}), _fields({"r": {"x": y}}), (9.0, 9.0))
+        assert found == {"stage": "train_fields", "where": "sample 0, r.x", "a": x, "b": y}
+
+
 def test_lists_of_another_length_differ_after_their_common_part_agrees():
     found, compared = train_fields_difference(_fields({"kl": [1, 2, 3]}), _fields({"kl": [1, 2]}), None)
     assert found == {"stage": "train_fields", "where": "sample 0, kl (length 3 in A, 2 in B)", "a": 3, "b": 2}
@@ -205,7 +213,12 @@ def test_values_agree_exactly_without_a_tolerance_and_within_atol_plus_rtol_time
     assert agree(1.5, 1.0, (0.25, 0.25)) and not agree(1.5, 1.0, (0.25, 0.125))
     assert agree(1.0, -1.0, (0.0, 2.0)) and not agree(1.0, -1.0, (0.0, 1.5))  # |y|, not y
     assert agree(-1.0, 1.0, (0.0, 2.0)) and not agree(-1.0, 1.0, (1.75, 0.0))  # |x - y|, not x - y
+    assert agree(3.0, 2.0, (0.0, 0.5)) and not agree(3.0, 2.0, (0.0, 0.375))  # rtol times |y|, not over it
     assert agree(0.5, 0.0, (0.5, 100.0)) and not agree(0.625, 0.0, (0.5, 100.0))  # y == 0: atol alone
+    # inside tables too
+    nested = (_fields({"r": {"x": [1.5]}}), _fields({"r": {"x": [1.0]}}))
+    assert train_fields_difference(*nested, (0.5, 0.0))[0] is None
+    assert train_fields_difference(*nested, (0.25, 0.0))[0]["where"] == "sample 0, r.x[0]"
     # only numbers are held to a tolerance: text, and a bool against a number, must be equal
     assert not agree("1.0", "1.00", (1.0, 1.0)) and agree("a", "a", None)
     assert not agree(True, 2, (5.0, 5.0)) and not agree(2, True, (5.0, 5.0))
