@@ -88,7 +88,12 @@ INLINE = "-inline"  # the reasoning shape played with its reasoning inline: its 
 
 def is_reasoning_probe(messages: list[dict]) -> bool:
     """Whether a shape is the reasoning probe: an assistant turn carries reasoning_content."""
-    return any(m["role"] == "assistant" and str(m.get("reasoning_content") or "").strip() for m in messages)
+    return any(_carries_reasoning(m) for m in messages)
+
+
+def _carries_reasoning(message: dict) -> bool:
+    """An assistant turn with reasoning_content that is more than whitespace."""
+    return message["role"] == "assistant" and bool(str(message.get("reasoning_content") or "").strip())
 
 
 def reasoning_forms(builder, name: str, messages: list[dict], tools) -> list[tuple[str, list[dict]]]:
@@ -127,7 +132,7 @@ def _think_block(text: str, reasoning: str) -> str | None:
     at = text.rfind(reasoning)
     if at < 0:
         return None
-    start, end = text.rfind("<think>", 0, at), text.find("</think>", at)
+    start, end = text.rfind("<think>", 0, at), text.find("</think>", at + len(reasoning))
     start = start if start >= 0 and "</think>" not in text[start:at] else at
     return text[start : end + len("</think>") if end >= 0 else at + len(reasoning)]
 
@@ -139,18 +144,14 @@ def renders_reasoning(builder, messages: list[dict], tools) -> bool:
     no reasoning, and the probe's reasoning_content, which it ignores, is no drift. One that does is probed, and a
     turn whose reasoning is kept last but stripped from the history stays mode 4. A template that cannot render the
     probe is probed, so that its error is the shape's finding."""
-    turns = [j for j, m in enumerate(messages) if m["role"] == "assistant" and m.get("reasoning_content")]
+    turns = [j for j, m in enumerate(messages) if _carries_reasoning(m)]
     try:
         whole = builder.render(messages, tools, False)
         for j in turns:
             prompt, turn = builder.render(messages[:j], tools, True), builder.render(messages[: j + 1], tools, False)
             body = turn[len(prompt) :] if turn.startswith(prompt) else turn
-            if not with_reasoning(body, messages[j], prompt)[1] or _reasoning_in(whole, messages[j]):
+            if not with_reasoning(body, messages[j], prompt)[1] or reasoning_of(messages[j]) in whole:
                 return True
     except template_errors():
         return True
     return False
-
-
-def _reasoning_in(text: str, message: dict) -> bool:
-    return str(message.get("reasoning_content") or "").strip() in text

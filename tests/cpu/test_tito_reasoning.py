@@ -2,14 +2,15 @@
 logic (tests/cpu/data/chat_templates/): reasoning a model samples inline in its content (a think block before the
 answer), which a template strips from the history, is mode 4 as reasoning_content is, in the shape that names the
 form ("reasoning-inline"); a template that passes a think block through as any text reads no reasoning, and the probe
-is skipped."""
+is skipped. Then the probe's parts, each as a property: a turn's reasoning, the turn as sampled, the think block it
+compares, which turns it reads, and what it asks the builder to render."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from rlbench.checks import tito_reasoning
+from rlbench.checks import tito_reasoning, tito_shapes
 from rlbench.checks.tito_audit import audit, audit_shape
 from rlbench.checks.tito_builders import PlainBuilder
 from rlbench.checks.tito_shapes import conversation_shapes, inline_reasoning
@@ -157,3 +158,219 @@ def test_an_inline_turn_is_sampled_as_its_content_reads():
     kept = "<think>\n7 ends in 7\n</think>\n\nodd<e>"
     assert tito_reasoning.with_reasoning(kept, message, "<A>") == (kept, False)  # rendered as sampled
     assert tito_reasoning.with_reasoning("odd<e>", {**message, "reasoning_content": "7"}, "<A>") == ("odd<e>", True)
+
+
+def _builder(template: str, **kwargs) -> PlainBuilder:
+    """The plain builder over tito-clean's vocabulary with the chat template `template` (its text) and kwargs."""
+    tok = load_tokenizer(CLEAN)
+    tok.chat_template = template
+    return PlainBuilder(tok, kwargs)
+
+
+def _template(name: str, *edits: tuple[str, str]) -> str:
+    """The template `name` of TEMPLATES with each (old, new) edit made, each where it occurs once."""
+    text = (TEMPLATES / name).read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+_REASONING = conversation_shapes()["reasoning"][0]
+_INLINE = inline_reasoning(_REASONING)
+# Qwen3's test for the turns whose reasoning it renders (after the last user message), and what it renders before
+_QWEN3_KEEPS = "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+_QWEN3_STRIPPED = "{{- '<|im_start|>assistant\\n' + content -}}"
+# QwQ's assistant turn (after the content's last </think>) and its generation prompt, which opens the think block
+_QWQ_TURN = "{{- '<|im_start|>assistant\\n' + message['content']"
+_QWQ_PROMPT = "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
+
+
+def test_a_turns_reasoning_is_its_reasoning_content_else_the_think_block_in_its_content():
+    """reasoning_content is a turn's reasoning, even beside a think block in its content; without it, the think block,
+    the content's own or one the generation prompt opened (the content starts inside it); a turn with no text content
+    (tool calls only) has none."""
+    both = {"role": "assistant", "content": "<think>\nplan\n</think>\n\nodd", "reasoning_content": "7 ends in 7"}
+    assert tito_reasoning.reasoning_of(both) == "7 ends in 7"
+    assert (
+        tito_reasoning.reasoning_of({"role": "assistant", "content": "7 ends in 7\n</think>\n\nodd"}) == "7 ends in 7"
+    )
+    calls = {"role": "assistant", "content": None, "tool_calls": [tito_shapes.calculator_call("3+4")]}
+    assert tito_reasoning.reasoning_of(calls) == ""
+
+
+def test_reasoning_the_template_left_out_goes_in_the_empty_think_block_it_rendered():
+    """A turn rendered with an empty think block (the reasoning dropped, its place kept, as GLM-4.5 renders the
+    history) was sampled with the reasoning in it, laid out as the block is: on lines of its own where the block has
+    whitespace, bare where it has none. Not lost."""
+    message = {"role": "assistant", "content": "odd", "reasoning_content": "7 ends in 7"}
+    assert tito_reasoning.with_reasoning("<think>\n\n</think>\n\nodd<e>", message, "<A>") == (
+        "<think>\n7 ends in 7\n</think>\n\nodd<e>",
+        False,
+    )
+    assert tito_reasoning.with_reasoning("<think></think>odd<e>", message, "<A>") == (
+        "<think>7 ends in 7</think>odd<e>",
+        False,
+    )
+
+
+def test_a_turn_that_closes_the_block_its_prompt_opened_was_sampled_with_its_reasoning_before_the_close():
+    """A generation prompt that opens a think block (whitespace after the tag or not) and a turn rendered from the
+    </think> that closes it (whitespace before or not): the model sampled its reasoning before that close. A turn
+    that closes a block no prompt opened gives the reasoning no place: lost."""
+    message = {"role": "assistant", "content": "odd", "reasoning_content": "7 ends in 7"}
+    assert tito_reasoning.with_reasoning("\n</think>\n\nodd<e>", message, "<A><think>\n") == (
+        "7 ends in 7\n</think>\n\nodd<e>",
+        False,
+    )
+    assert tito_reasoning.with_reasoning("</think>odd<e>", message, "<A><think>") == (
+        "7 ends in 7</think>odd<e>",
+        False,
+    )
+    assert tito_reasoning.with_reasoning("</think>odd<e>", message, "<A>") == ("</think>odd<e>", True)
+
+
+def test_an_inline_turn_is_sampled_up_to_its_answer_as_the_template_splits_it():
+    """The answer is what follows the content's last </think>, as the templates split it (words and all), found
+    where the rendering begins even where the rest of the turn repeats it (a tool call's arguments); the sampled
+    content runs to that answer's end whatever the reasoning says. Where the prompt opened the block, the content's
+    own <think> (after any leading whitespace) is not sampled again, nor the prompt's whitespace after it where the
+    content has that whitespace."""
+    sampled = tito_reasoning.with_reasoning
+    tagged = {"role": "assistant", "content": "<think>\n7 ends in 7\n</think>\n\nI close with </think>, so: it is odd"}
+    assert sampled(", so: it is odd<e>", tagged, "<A>") == (tagged["content"] + "<e>", False)
+    called = {"role": "assistant", "content": "<think>\n7 ends in 7\n</think>\n\nodd"}
+    assert sampled('odd<call>{"answer": "odd"}</call><e>', called, "<A>") == (
+        called["content"] + '<call>{"answer": "odd"}</call><e>',
+        False,
+    )
+    said = {"role": "assistant", "content": "<think>\nodd, as 7 ends in 7\n</think>\n\nodd"}
+    assert sampled("odd<e>", said, "<A>") == (said["content"] + "<e>", False)
+    spaced = {"role": "assistant", "content": "\n<think>\n7 ends in 7\n</think>\n\nodd"}
+    assert sampled("odd<e>", spaced, "<A><think>\n") == ("7 ends in 7\n</think>\n\nodd<e>", False)
+    tight = {"role": "assistant", "content": "<think>7 ends in 7</think>odd"}
+    assert sampled("odd<e>", tight, "<A><think>\n") == ("7 ends in 7</think>odd<e>", False)
+
+
+def test_the_think_block_of_a_reasoning_is_the_one_around_its_last_occurrence():
+    """A reasoning's think block in a rendering: from the <think> that opens it (not one of a block closed before it,
+    nor a later one) to the </think> after it, markers included; the reasoning on where no opened block holds it; to
+    the reasoning's end where nothing closes it; None where it is absent."""
+    block = tito_reasoning._think_block
+    text = (
+        "<s>Reason in <think> </think> tags.</s><u>Is 7 odd, as 7 ends in 7?</u>"
+        "<a><think>\n7 ends in 7\n</think>\n\nodd</a><u>12?</u><a><think>\n12 ends in 2\n</think>\n\neven</a>"
+    )
+    assert block(text, "7 ends in 7") == "<think>\n7 ends in 7\n</think>"
+    assert block(text, "12 ends in 2") == "<think>\n12 ends in 2\n</think>"
+    assert block("<think>\n7 ends in 7\n</think>odd", "7 ends in 7") == "<think>\n7 ends in 7\n</think>"
+    assert block("7 ends in 7\n</think>\n\nodd", "7 ends in 7") == "7 ends in 7\n</think>"  # opened before the text
+    assert block("<think>\nI end with </think>\n</think>odd", "I end with </think>") == (
+        "<think>\nI end with </think>\n</think>"
+    )
+    assert block("<think>\n\n</think>\n\n7 ends in 7", "7 ends in 7") == "7 ends in 7"
+    assert block("<a><think>\n7 ends in 7", "7 ends in 7") == "<think>\n7 ends in 7"
+    assert block("<a>odd</a>", "7 ends in 7") is None
+
+
+def test_only_assistant_turns_that_reasoned_tell_whether_a_template_reads_reasoning():
+    """Each assistant turn that carries reasoning is probed, rendered as the last turn and in the whole conversation;
+    a turn without reasoning (or with blank reasoning_content), or a user's message carrying some (another model
+    playing the user), tells nothing. Qwen3 keeps the one reasoning turn's reasoning where it was sampled, the last
+    turn, and strips it from the history, in both forms; plain ChatML reads it in neither."""
+    messages = [
+        {"role": "user", "content": "Is 7 even or odd?", "reasoning_content": "a question on parity"},
+        {"role": "assistant", "content": "odd", "reasoning_content": "7 ends in 7"},
+        {"role": "user", "content": "And 12?"},
+        {"role": "assistant", "content": "even", "reasoning_content": "\n"},
+    ]
+    for template, reads in (("qwen3_style.jinja", True), ("chatml_default_system.jinja", False)):
+        builder = _builder(_template(template))
+        assert tito_reasoning.renders_reasoning(builder, messages, None) is reads, template
+        assert tito_reasoning.changes_inline_reasoning(builder, inline_reasoning(messages), None) is reads, template
+
+
+def test_qwen3_without_thinking_still_renders_a_turns_reasoning_as_the_last_turn():
+    """enable_thinking=False: the generation prompt closes an empty think block, which the turn, rendered with its
+    reasoning, does not start with; the turn as a whole holds the reasoning: a reasoning template."""
+    messages = [*_REASONING[:3], {"role": "assistant", "content": "even"}]
+    assert tito_reasoning.renders_reasoning(
+        _builder(_template("qwen3_style.jinja"), enable_thinking=False), messages, None
+    )
+
+
+def test_a_template_that_shows_the_think_tags_outside_the_turn_reads_no_reasoning():
+    """A default system prompt that shows the think tags (an empty block) is not the turn's: only the turn's
+    rendering after its prompt can hold its reasoning, and plain ChatML with that prompt reads none."""
+    template = _template(
+        "chatml_default_system.jinja", ("You are a helpful assistant.", "Reason in <think> </think> tags, then answer.")
+    )
+    assert not tito_reasoning.renders_reasoning(_builder(template), _REASONING, None)
+
+
+def test_a_turn_closing_a_think_block_holds_reasoning_only_where_its_prompt_opened_the_block():
+    """QwQ's generation prompt opens a think block; a template that renders each turn with that block closed empty
+    (the reasoning dropped) reads reasoning: the model samples it there. One whose turns close a block that no
+    generation prompt opened reads none."""
+    closed = _template("qwq_style.jinja", (_QWQ_TURN, _QWQ_TURN.replace("\\n'", "\\n<think>\\n</think>\\n\\n'")))
+    assert tito_reasoning.renders_reasoning(_builder(closed), _REASONING, None)
+    stray = _template(
+        "qwq_style.jinja",
+        (_QWQ_TURN, _QWQ_TURN.replace("\\n'", "\\n</think>\\n\\n'")),
+        (_QWQ_PROMPT, "{{- '<|im_start|>assistant\\n' -}}"),
+    )
+    assert not tito_reasoning.renders_reasoning(_builder(stray), _REASONING, None)
+
+
+def test_a_template_that_renders_reasoning_in_the_history_only_reads_reasoning():
+    """Reasoning rendered in some position makes a reasoning template, the history included: here each turn's
+    reasoning once the conversation goes on past it, never as the last turn."""
+    history_only = _template("qwen3_style.jinja", (_QWEN3_KEEPS, "{%- if not loop.last and reasoning -%}"))
+    assert tito_reasoning.renders_reasoning(_builder(history_only), _REASONING, None)
+
+
+def test_a_template_that_lays_out_the_historys_think_block_otherwise_changes_inline_reasoning():
+    """Not only a dropped think block: Qwen3 keeping the history's reasoning but in a block of another layout (no
+    newlines) changes the block the model sampled as the last turn, and the inline form is played."""
+    relaid = _template(
+        "qwen3_style.jinja",
+        (
+            _QWEN3_STRIPPED,
+            "{{- '<|im_start|>assistant\\n' + ('<think>' + reasoning.strip('\\n') + '</think>' if reasoning else '')"
+            " + content -}}",
+        ),
+    )
+    assert tito_reasoning.changes_inline_reasoning(_builder(relaid), _INLINE, None)
+
+
+def test_a_template_that_cannot_render_reasoning_is_probed_in_each_form_so_that_its_error_is_found():
+    """A template that raises on a turn's reasoning, in either form: both forms are played (and each reports the
+    error as its finding), none is skipped as 'not a reasoning template'."""
+    raising = _template(
+        "qwen3_style.jinja",
+        (_QWEN3_KEEPS, "{%- if reasoning -%}{{- raise_exception('no reasoning here') -}}{%- endif -%}" + _QWEN3_KEEPS),
+    )
+    forms = tito_reasoning.reasoning_forms(_builder(raising), "reasoning", _REASONING, None)
+    assert forms == [("reasoning", _REASONING), ("reasoning-inline", _INLINE)]
+
+
+class _Recorder:
+    """A builder that records what each rendering is asked for: (messages, tools, generation prompt)."""
+
+    def __init__(self, builder):
+        self.builder, self.calls = builder, []
+
+    def render(self, messages, tools, generation):
+        self.calls.append((len(messages), tools, generation))
+        return self.builder.render(messages, tools, generation)
+
+
+def test_the_probe_renders_with_the_shapes_tools_and_a_generation_prompt_only_before_a_turn():
+    """Every rendering the probe asks for carries the shape's tools; only a turn's prompt has a generation prompt,
+    not the turn rendered as the last one, nor the whole conversation. Plain ChatML reads no reasoning, so every
+    turn is asked for: for reasoning_content the whole, then each turn's prompt and the turn; inline, the whole, then
+    each turn."""
+    recorder, tools = _Recorder(_builder(_template("chatml_default_system.jinja"))), [tito_shapes.CALCULATOR]
+    assert tito_reasoning.reasoning_forms(recorder, "reasoning", _REASONING, tools) == []
+    steps = [(4, False), (1, True), (2, False), (3, True), (4, False)] + [(4, False), (2, False), (4, False)]
+    assert recorder.calls == [(n, tools, generation) for n, generation in steps]
