@@ -94,7 +94,7 @@ MODULES = {
         "is_exactly_zero or on_a_rollout_only_run or on_a_full_run_uses or through_the_cli)",
     ],
 }
-LINKED = ("rlbench", "tests", "golden", "configs", "examples")
+LINKED = ("rlbench", "tests", "golden", "configs", "examples", ".vendor")  # .vendor: Miles (tests/get_miles.py)
 KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too
 
 

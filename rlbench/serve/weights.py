@@ -159,4 +159,4 @@ def _reset(model: torch.nn.Module, skip: list[str] | None) -> None:
             if any(p in name for p in (skip or ())):
                 continue
             if tensor.is_floating_point():
-                tensor.copy_(torch.rand(tensor.shape, dtype=torch.float32, generator=noise).to(tensor.dtype))
+                tensor.copy_(torch.rand(tensor.shape, dtype=torch.float32, generator=noise))  # copy_ casts
