@@ -380,3 +380,24 @@ def test_the_other_inputs_emptied_get_no_verdict(whole, tmp_path):
         BadInput, match=f"undetermined: none of the steps asked for is committed .the run committed {STEPS}"
     ):
         check_logprobs(whole_run, steps=[STEPS + 3])
+
+
+def test_the_last_checkpoint_is_owed_after_the_last_step_whatever_the_interval_and_bad_settings_name_the_manifest(
+    whole, tmp_path
+):
+    """A run checkpoints after its last step even where the interval does not fall there; a config or vocabulary
+    in the manifest that cannot be read is refused naming manifest.json and the field."""
+    from rlbench.replay.integrity import open_run
+
+    whole_run, _ = whole
+    run = copy_run(whole_run, tmp_path / "run")
+    _manifest(run, config={"checkpoint_every": 2 * STEPS})  # no interval falls inside the run: the start and the end
+    assert open_run(run, **DEEP).checkpoints_present == [0, STEPS]
+    shutil.rmtree(run / "checkpoints" / f"{STEPS:06d}")
+    assert _refused(run).startswith(f"{run / 'checkpoints' / f'{STEPS:06d}'}: missing: the checkpoint after {STEPS}")
+    run = copy_run(whole_run, tmp_path / "config")
+    _manifest(run, config={"steps": "many"})
+    assert _refused(run) == f"{run / 'manifest.json'}: config.steps: expected an integer, got 'many'"
+    run = copy_run(whole_run, tmp_path / "vocab")
+    _manifest(run, vocab={"model": "big", "tokenizer": 3})
+    assert _refused(run) == f"{run / 'manifest.json'}: vocab.model: expected an integer in [1, 2**31 - 1], got 'big'"
