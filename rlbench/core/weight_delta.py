@@ -17,7 +17,9 @@ The receiving side keeps a host-local checkpoint and a marker of the version it 
 `{"version": "000003"}`); a pull to version T seeds from the newest full version at or below T (or the base), then
 applies each delta in order, each only on its declared base. slime's patch applies in place and checks after; here
 each version is applied in memory and every tensor verified before anything is written, and the files are replaced
-whole (a refused version leaves the local checkpoint as it was).
+whole (a refused version leaves the local checkpoint as it was). A version is applied only whole: a tensor its index
+names and none of its files holds (a file lost), or one in two of its files (slime applies a version's tensors
+concurrently: no order), refuses it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,14 +181,26 @@ class Publisher:
 
 
 def _header(blob: bytes, where: str) -> tuple[dict, int]:
-    if len(blob) < 8:
-        raise DeltaRefused(f"{where}: not a safetensors file ({len(blob)} bytes)")
-    (length,) = struct.unpack("<Q", blob[:8])
+    length = int.from_bytes(blob[:8], "little")  # a file under 8 bytes falls short of any header too
+    if length > len(blob) - 8:
+        raise DeltaRefused(f"{where}: not a safetensors file ({len(blob)} bytes, short of the header it announces)")
     try:
         header = json.loads(blob[8 : 8 + length])
     except (ValueError, UnicodeDecodeError) as exc:
         raise DeltaRefused(f"{where}: its safetensors header does not parse ({exc.__class__.__name__})") from None
     return header, 8 + length
+
+
+def _tensors(path: Path) -> tuple[bytes, dict, dict[str, tuple[int, int]]]:
+    """A safetensors file's bytes, its header's metadata, and where each tensor's bytes lie in them."""
+    blob = path.read_bytes()
+    header, start = _header(blob, str(path))
+    metadata = header.pop("__metadata__", None) or {}
+    spans = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        spans[name] = (start + begin, start + end)
+    return blob, metadata, spans
 
 
 def read_checkpoint(directory: str | Path) -> dict[str, tuple[str, np.ndarray]]:
@@ -200,12 +213,9 @@ def read_checkpoint(directory: str | Path) -> dict[str, tuple[str, np.ndarray]]:
     if not files:
         raise DeltaRefused(f"{directory}: no model.safetensors (nor an index of its shards)")
     for path in files:
-        blob = path.read_bytes()
-        header, start = _header(blob, str(path))
-        for name, info in header.items():
-            if name != "__metadata__":
-                begin, end = info["data_offsets"]
-                out[name] = (path.name, np.frombuffer(blob, np.uint8, end - begin, start + begin).copy())
+        blob, _, tensors = _tensors(path)
+        for name, (begin, end) in tensors.items():
+            out[name] = (path.name, np.frombuffer(blob, np.uint8, end - begin, begin).copy())
     return out
 
 
@@ -227,7 +237,8 @@ def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: in
     `held` is the version the state is at. Returns the new version. DeltaRefused names the version and tensor."""
     import zstandard
 
-    meta = json.loads((path / INDEX).read_text()).get("metadata", {})
+    index = json.loads((path / INDEX).read_text())
+    meta = index.get("metadata", {})
     try:
         version, base = int(meta["version"]), int(meta["base_version"])
     except (KeyError, ValueError):
@@ -242,24 +253,21 @@ def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: in
     encoding, algorithm = meta.get("delta_encoding"), meta.get("checksum_format")
     if encoding not in ENCODINGS:
         raise DeltaRefused(f"{label}: delta_encoding {encoding!r}, expected one of {', '.join(ENCODINGS)}")
+    if algorithm not in CHECKSUMS:
+        raise DeltaRefused(f"{label}: checksum_format {algorithm!r}, expected one of {', '.join(CHECKSUMS)}")
     staged = {}
     for file in sorted(path.glob("*.safetensors")):
-        blob = file.read_bytes()
-        header, start = _header(blob, str(file))
-        sums = header.get("__metadata__") or {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        blob, sums, tensors = _tensors(file)
+        for name, (begin, end) in tensors.items():
             if name not in state:
                 raise DeltaRefused(f"{label}, {name}: no such tensor in the weights it applies to")
-            begin, end = info["data_offsets"]
+            if name in staged:  # slime applies a version's tensors concurrently: a tensor twice has no order
+                raise DeltaRefused(f"{label}, {name}: in two of the version's files")
             try:
-                diff = np.frombuffer(
-                    zstandard.ZstdDecompressor().decompress(blob[start + begin : start + end]), np.uint8
-                )
+                diff = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob[begin:end]), np.uint8)
             except zstandard.ZstdError as exc:
                 raise DeltaRefused(f"{label}, {name}: its zstd data does not decompress ({exc})") from None
-            old = staged.get(name, state[name][1])
+            old = state[name][1]
             if encoding == "xor":
                 if diff.size != old.size:
                     raise DeltaRefused(f"{label}, {name}: {diff.size} diff bytes for a tensor of {old.size}")
@@ -278,6 +286,9 @@ def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: in
                     "another base, or a version applied twice)"
                 )
             staged[name] = new
+    missing = sorted(set(index.get("weight_map", {})) - set(staged))
+    if missing:  # a file lost (or cut short) would otherwise change nothing, and pass
+        raise DeltaRefused(f"{label}, {missing[0]}: in its index, in none of its files ({len(missing)} tensors)")
     for name, new in staged.items():
         state[name] = (state[name][0], new)
     return version
@@ -326,7 +337,6 @@ def _pull(local: Path, base: Path, source: Path, target: int) -> int:
 
 def _reset(source: Path, local: Path, version: int) -> None:
     """The local checkpoint made an exact copy of the full checkpoint `source` (files it lacks removed)."""
-    local.mkdir(parents=True, exist_ok=True)
     names = {f.name for f in source.iterdir() if f.is_file()}
     for name in names:
         tmp = local / f".{name}.tmp"
@@ -339,22 +349,23 @@ def _reset(source: Path, local: Path, version: int) -> None:
 
 
 def _write_state(local: Path, state: dict[str, tuple[str, np.ndarray]]) -> None:
-    """Each safetensors file of the local checkpoint rewritten with the new bytes, under a temporary name and
-    renamed (its header, and so its layout, unchanged)."""
-    for path in sorted(local.glob("*.safetensors")):
-        blob = bytearray(path.read_bytes())
-        header, start = _header(bytes(blob), str(path))
-        for name, info in header.items():
-            if name != "__metadata__" and state.get(name, (None,))[0] == path.name:
-                begin, end = info["data_offsets"]
-                blob[start + begin : start + end] = state[name][1].tobytes()
+    """Each file the local checkpoint's weights are in (read_checkpoint's; any other safetensors file beside them
+    left alone) rewritten with the new bytes, under a temporary name and renamed (its header, and so its layout,
+    unchanged)."""
+    for file in sorted({file for file, _ in state.values()}):
+        path = local / file
+        blob, _, tensors = _tensors(path)
+        blob = bytearray(blob)
+        for name, (begin, end) in tensors.items():
+            if state[name][0] == file:  # a name in two shards is read from the later one: written there
+                blob[begin:end] = state[name][1].tobytes()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(bytes(blob))
         os.replace(tmp, path)
 
 
 def _mark(local: Path, version: int) -> None:
-    (local / SYNC_DIR).mkdir(parents=True, exist_ok=True)
+    """The version the local checkpoint holds, recorded (pull made its .weight_sync directory)."""
     tmp = local / SYNC_DIR / "state.json.tmp"
     tmp.write_text(json.dumps({"version": f"{version:06d}"}))
     os.replace(tmp, local / SYNC_DIR / "state.json")

@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rlbench.errors import BadInput
+from rlbench.rundir.jsonio import parse_json, read_bytes
 
 NOT_READ = {
     "dashboard_columns": "Miles' parquet copy of the rollout dumps' per-token columns",
@@ -28,20 +28,28 @@ NOT_READ = {
 def dump_directory(directory: Path) -> tuple[list[Path], dict[int, list[Path]], list[str]]:
     """A `--dump-details` directory's training rollout dumps (rollout_data/{id}.pt), its train dumps by rollout
     id (train_data/{id}.pt, slime's format 2; or format 1's file per rank, train_data/{id}_{rank}.pt, in rank
-    order), and notes on what was skipped (evaluation dumps)."""
+    order), and notes on what was skipped (evaluation dumps). A rollout id with train dumps in both formats is
+    refused: which to read is not for rlbench to guess."""
     rollouts = directory / "rollout_data"
     if not rollouts.is_dir():
         raise BadInput("not a slime --dump-details directory (no rollout_data/)", path=directory)
     files = sorted(rollouts.glob("*.pt"))
     evals = [f for f in files if f.stem.startswith("eval_")]
-    train: dict[int, list[Path]] = {}
-    ranked = []
+    numbered = []
     for f in (directory / "train_data").glob("*.pt"):
         parts = f.stem.split("_")
-        if all(part.isdigit() for part in parts) and len(parts) in (1, 2):
-            ranked.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else -1, f))
-    for rollout_id, _, f in sorted(ranked):
+        if len(parts) <= 2 and all(part.isdecimal() for part in parts):  # {id}.pt, or format 1's {id}_{rank}.pt
+            numbered.append(([int(part) for part in parts], f))
+    train: dict[int, list[Path]] = {}
+    for (rollout_id, *_), f in sorted(numbered):  # by number: rank 10 after rank 9, {id}.pt before {id}_0.pt
         train.setdefault(rollout_id, []).append(f)
+    both = [str(rid) for rid, paths in train.items() if "_" not in paths[0].stem and "_" in paths[-1].stem]
+    if both:
+        raise BadInput(
+            f"rollout {', '.join(both)}: train dumps in both of slime's formats, {{id}}.pt (format 2) and "
+            "{id}_{rank}.pt (format 1): two slime versions' dumps in one directory? keep one",
+            path=directory / "train_data",
+        )
     notes = [f"{len(evals)} evaluation dumps (rollout_data/eval_<id>.pt) skipped: not training data"] if evals else []
     if not (directory / "train_data").is_dir():
         notes.append("no train_data/: the rollout side only")
@@ -60,12 +68,9 @@ def restore_trajectories(directory: Path, loaded: list[tuple[dict, Path]]) -> li
         if not path.is_file():
             continue
         by_index = {s.get("index"): s for s in dump["samples"] if isinstance(s, dict)}
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_bytes(path).splitlines(), 1):
             where = f"line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BadInput(f"{where}: not JSON ({exc.msg})", path=path) from None
+            row = parse_json(line, path, f"JSON on {where}")
             if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
                 raise BadInput(f"{where}, messages: expected an object with a list of messages", path=path)
             extra = sorted(set(row) - {"sample_index", "group_index", "status", "reward", "prompt", "messages"})

@@ -885,3 +885,316 @@ def test_engine_log_probs_are_held_at_float32_whatever_either_file_or_torchs_def
     finally:
         torch.set_default_dtype(default)
     assert joined.findings == []
+
+
+# Format 1 read directly (read_train_dump_v1, cp_spans, assemble): small rank files written to tmp_path, one property
+# a test; expected values worked by hand from slime's writer and megatron's split as slime and Miles compute it
+# (cp_utils.get_logits_and_tokens_offset_with_cp).
+
+V1_RESPONSE = [k / 10 + 0.01 for k in range(10)]  # a response of 10 tokens after a prompt of 1 token: total 11
+V1_REFUSED = "expected {'rollout_id', 'rank', 'rollout_data'} (slime's format 1)"
+V1_NO_INDEX = "expected every row's Sample.index: format 1 joins by it (a sample without one cannot be joined)"
+
+
+def _v1_rows(indices=(7,), **columns) -> dict:
+    """A rank's rollout_data as slime writes it: rows of 3 tokens (prompt 1, response 2) with the trainer's
+    log_probs."""
+    return {
+        "tokens": [torch.tensor([1, 2, 3]) for _ in indices],
+        "response_lengths": [2] * len(indices),
+        "sample_indices": list(indices),
+        "log_probs": [torch.tensor([-0.5, -0.25]) for _ in indices],
+        **columns,
+    }
+
+
+def _v1_file(tmp_path: Path, rank: int, data: dict, **top) -> Path:
+    path = tmp_path / f"3_{rank}.pt"
+    torch.save({"rollout_id": 3, "rank": rank, "rollout_data": data, **top}, path)
+    return path
+
+
+def _v1_read(paths: list[Path], indices: list[int]):
+    from rlbench.replay.slime_train_v1 import read_train_dump_v1
+
+    findings: list[str] = []
+    return read_train_dump_v1(paths, [{"index": i} for i in indices], findings), findings
+
+
+def _plain(value):
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        pytest.param(lambda d: [d], V1_REFUSED, id="not a dict"),
+        pytest.param(lambda d: {k: v for k, v in d.items() if k != "rank"}, V1_REFUSED, id="no rank"),
+        pytest.param(
+            lambda d: d | {"sampler_state": {}, "epoch": 1},
+            "top-level keys format 1 does not write: epoch, sampler_state",
+            id="two top-level keys format 1 does not write",
+        ),
+        pytest.param(lambda d: d | {"cp_rank": True}, "cp_rank: expected an integer >= 0, got True", id="bool cp_rank"),
+        pytest.param(lambda d: d | {"cp_rank": -1}, "cp_rank: expected an integer >= 0, got -1", id="cp_rank -1"),
+        pytest.param(lambda d: d | {"cp_size": 0}, "cp_size: expected an integer >= 1, got 0", id="cp_size 0"),
+        pytest.param(lambda d: d | {"cp_size": "2"}, "cp_size: expected an integer >= 1, got '2'", id="cp_size text"),
+        pytest.param(
+            lambda d: d | {"qkv_format": "sbhd"}, "qkv_format: expected 'thd' or 'bshd', got 'sbhd'", id="sbhd"
+        ),
+        pytest.param(
+            _setting("rollout_data", value=[]),
+            "rollout_data: expected a dict of columns with response_lengths",
+            id="rollout_data not a dict",
+        ),
+        pytest.param(
+            _setting("rollout_data", "sample_indices", value=[None]),
+            "rollout_data.sample_indices: " + V1_NO_INDEX,
+            id="a row without its index",
+        ),
+        pytest.param(
+            _setting("rollout_data", "sample_indices", value=None),
+            "rollout_data.sample_indices: " + V1_NO_INDEX,
+            id="no sample_indices",
+        ),
+        pytest.param(
+            lambda d: d | {"qkv_format": "bshd", "cp_size": 2},
+            "qkv_format: qkv_format bshd splits the padded length, and no rollout_data.max_seq_lens says what it was",
+            id="bshd split without max_seq_lens",
+        ),
+    ],
+)
+def test_a_malformed_format_1_file_is_refused_in_one_line_naming_file_field_and_what_was_expected(
+    tmp_path, change, says
+):
+    """Each way a rank's file is not what slime's or Miles' format-1 writer writes is bad input (exit 2) in one
+    line naming that file (not another rank's), the field and what was expected."""
+    from rlbench.errors import BadInput
+
+    good = _v1_file(tmp_path, 0, _v1_rows())
+    path = tmp_path / "3_1.pt"
+    torch.save(change({"rollout_id": 3, "rank": 1, "rollout_data": _v1_rows()}), path)
+    with pytest.raises(BadInput) as refused:
+        _v1_read([good, path], [7])
+    assert str(refused.value) == f"{path}: {says}" and refused.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "top",
+    [
+        {},
+        {"qkv_format": "bshd"},
+        {"qkv_format": "bshd", "cp_size": 1},
+        {"cp_size": 1},
+        {"cp_rank": 0, "cp_size": 1, "qkv_format": "thd"},
+    ],
+    ids=["slime's", "bshd, no cp_size", "bshd, cp_size 1", "cp_size without cp_rank", "Miles' without CP"],
+)
+def test_one_format_1_file_without_context_parallelism_is_its_dp_shard_read_whole(tmp_path, top):
+    """One rank's file, with or without Miles' cp_rank, cp_size and qkv_format (bshd wants no max_seq_lens where
+    nothing is split; a cp_size without a cp_rank is CP rank 0), is one DP shard read whole: each row a sample at
+    its rollout position, the file's path, rollout and rank kept, no finding and no note."""
+    path = _v1_file(tmp_path, 4, _v1_rows((7, 5)), **top)
+    train, findings = _v1_read([path], [5, 7])
+    assert (findings, train.notes, train.unknown, train.format_version) == ([], [], [], 1)
+    assert (train.path, train.rollout_id, train.rank, train.raw_reward) == (path, 3, 4, None)
+    row = {"tokens": [1, 2, 3], "response_lengths": 2, "log_probs": [-0.5, -0.25], "data_parallel_rank": 0}
+    assert _plain(train.samples) == [
+        row | {"rollout_position": 0, "sample_index": 5},
+        row | {"rollout_position": 1, "sample_index": 7},
+    ]
+    layout = dict.fromkeys(("micro_batch_indices", "num_microbatches", "global_batch_sizes"))
+    assert _plain(train.shards) == [
+        {"rank": 4, "data_parallel_rank": 0, "sample_indices": [7, 5], "partition": [1, 0], **layout}
+    ]
+
+
+def test_format_1_dp_shards_are_numbered_by_lowest_rank_and_read_from_the_lowest_rank_holding_the_trainers_fields(
+    tmp_path,
+):
+    """Ranks holding the same rows are one DP shard, numbered by its lowest rank (not by its rows); its columns
+    are read from its lowest rank holding log_probs (rank 2: not the first pipeline stage 0, nor rank 10 whose
+    file name sorts first); a field of another length than the rows stays with the shard; raw_reward is kept
+    from the shard that holds it."""
+    stage_0 = _v1_rows((9,))
+    del stage_0["log_probs"]
+    own = {"step_stats": [1.0, 2.0, 3.0], "global_stats": torch.tensor([4.0, 5.0]), "scale": torch.tensor(0.5)}
+    paths = [
+        _v1_file(tmp_path, 0, stage_0),
+        _v1_file(tmp_path, 1, _v1_rows((7,), **own)),
+        _v1_file(tmp_path, 2, _v1_rows((9,), raw_reward=[0.0, 1.0])),
+        _v1_file(tmp_path, 10, _v1_rows((9,), raw_reward=[0.0, 1.0])),
+    ]
+    train, findings = _v1_read(paths, [7, 9])
+    assert (findings, train.rank, train.raw_reward, train.unknown) == ([], 0, [0.0, 1.0], [])
+    read = [
+        (s["sample_index"], s["rollout_position"], s["data_parallel_rank"], s.get("log_probs")) for s in train.samples
+    ]
+    assert _plain(read) == [[7, 0, 1, [-0.5, -0.25]], [9, 1, 0, [-0.5, -0.25]]]
+    layout = dict.fromkeys(("micro_batch_indices", "num_microbatches", "global_batch_sizes"))
+    assert _plain(train.shards) == [
+        {"rank": 2, "data_parallel_rank": 0, "sample_indices": [9], "partition": [1], **layout},
+        {"rank": 1, "data_parallel_rank": 1, "sample_indices": [7], "partition": [0], **layout} | _plain(own),
+    ]
+
+
+def test_format_1_shards_that_cannot_be_put_together_are_each_a_finding_and_the_rest_still_read(tmp_path):
+    """Each DP shard or row that cannot be put together is its own finding, word for word, in rank order, and what
+    can be is still read: a row of no rollout sample (its shard's other row still read), a CP rank no file holds,
+    a CP rank beyond the recorded size, a field one CP rank lacks, slices that no field every rank holds tells
+    apart."""
+    v = V1_RESPONSE
+
+    def sliced(index: int, **fields) -> dict:  # one row of 11 tokens, response 10, fields CP-sliced
+        columns = {name: [torch.tensor(values)] for name, values in fields.items()}
+        return {"tokens": [torch.arange(11)], "response_lengths": [10], "sample_indices": [index], **columns}
+
+    paths = [
+        _v1_file(tmp_path, 0, _v1_rows((999, 7))),
+        _v1_file(tmp_path, 1, sliced(5, log_probs=v[3:9]), cp_rank=1, cp_size=2),
+        *[_v1_file(tmp_path, r, sliced(6, log_probs=v[3:9]), cp_rank=r - 2, cp_size=2) for r in (2, 3, 4)],
+        _v1_file(tmp_path, 6, sliced(8, log_probs=v[:3] + v[9:], advantages=v[:3] + v[9:]), cp_rank=0, cp_size=2),
+        _v1_file(tmp_path, 7, sliced(8, log_probs=v[3:9]), cp_rank=1, cp_size=2),
+        _v1_file(tmp_path, 8, sliced(4, rollout_log_probs=v[:3] + v[9:])),
+        _v1_file(tmp_path, 9, sliced(4, log_probs=v[3:9])),
+    ]
+    train, findings = _v1_read(paths, [4, 5, 6, 7, 8])
+    assert findings == [
+        "rollout 3, rank 0 row 0 (sample_index 999): no sample of that index in the rollout dump",
+        "rollout 3, DP shard of ranks [1]: context-parallel ranks [0] of 2 missing",
+        "rollout 3, DP shard of ranks [2, 3, 4]: context-parallel ranks [0, 1, 2] of 2 missing",
+        "rollout 3, DP shard of ranks [6, 7]: advantages held by CP ranks [0] of 2 only",
+        "rollout 3, DP shard of ranks [8, 9]: fields are sliced by context parallelism and no field every rank "
+        "holds tells its CP ranks apart",
+    ]
+    assert [(s["sample_index"], s["rollout_position"]) for s in train.samples] == [(7, 3)]
+
+
+@pytest.mark.parametrize(
+    ("change", "disagree"),
+    [
+        pytest.param(lambda d: None, False, id="equal copies"),
+        pytest.param(lambda d: d["rewards"].__setitem__(0, torch.tensor(0.5)), False, id="a number as a tensor"),
+        pytest.param(lambda d: d.update(entropy=[torch.tensor([0.1, 0.2])]), True, id="a column one lacks"),
+        pytest.param(lambda d: d.update(rollout_mask_sums=torch.tensor([2.0])), True, id="a tensor one lacks"),
+        pytest.param(lambda d: d.update(num_microbatches=[2, 2]), True, id="a list one entry longer"),
+        pytest.param(lambda d: d.update(step=4), True, id="a number"),
+        pytest.param(lambda d: d.update(mask_sums=torch.tensor([3.0])), True, id="a tensor"),
+    ],
+)
+def test_format_1_copies_of_one_rank_agree_in_every_field_or_are_one_finding(tmp_path, change, disagree):
+    """Ranks holding the same rows and the trainer's fields (tensor-parallel copies) are compared in every field,
+    one that only one copy holds included, by value (0.5 as a number or as a tensor alike): any difference is one
+    finding naming both ranks, word for word, and the shard is still read from the lower rank."""
+    first = _v1_rows(rewards=[0.5], step=3, num_microbatches=[2], mask_sums=torch.tensor([2.0]))
+    second = copy.deepcopy(first)
+    change(second)
+    train, findings = _v1_read([_v1_file(tmp_path, 0, first), _v1_file(tmp_path, 1, second)], [7])
+    says = (
+        "rollout 3, DP shard of ranks [0, 1]: ranks 0 and 1 hold the same rows and disagree (tensor-parallel copies "
+        "should be equal)"
+    )
+    assert findings == ([says] if disagree else [])
+    assert train.shards[0]["rank"] == 0 and [s["sample_index"] for s in train.samples] == [7]
+
+
+def test_a_format_1_row_slime_would_not_write_is_refused_naming_the_first_file_and_the_samples_place(tmp_path):
+    """A row that is no sample format 2 would hold (tokens not ids) is bad input naming the rollout's first file
+    and the sample's place in rollout order."""
+    from rlbench.errors import BadInput
+
+    paths = [_v1_file(tmp_path, 0, _v1_rows((5,))), _v1_file(tmp_path, 1, _v1_rows((7,), tokens=["abc"]))]
+    with pytest.raises(BadInput) as refused:
+        _v1_read(paths, [5, 7])
+    assert str(refused.value) == f"{paths[0]}: samples[1].tokens: expected the sample's token ids"
+
+
+@pytest.mark.parametrize(
+    ("total", "response", "padded", "spans"),
+    [
+        pytest.param(11, 10, None, [[(0, 3), (9, 10)], [(3, 6), (6, 9)]], id="both chunks in the response"),
+        pytest.param(8, 5, None, [[(4, 5)], [(0, 2), (2, 4)]], id="a chunk wholly in the prompt"),
+        pytest.param(11, 10, 16, [[(0, 4)], [(4, 8), (8, 10)]], id="bshd: chunks of the padded length"),
+    ],
+)
+def test_each_cp_rank_holds_megatrons_zigzag_chunks_of_the_response_one_position_early(total, response, padded, spans):
+    """The response positions each of 2 CP ranks holds, worked by hand from get_logits_and_tokens_offset_with_cp:
+    chunk size ceil(length / 4) of the sequence (of the padded length under bshd), rank r holding chunks r and
+    3 - r, each log-prob from the logits one position before its token, a chunk wholly in the prompt holding
+    nothing."""
+    from rlbench.replay.slime_train_v1 import cp_spans
+
+    assert [cp_spans(total, response, r, 2, padded) for r in range(2)] == spans
+
+
+def test_cp_slices_reassemble_bit_for_bit_at_the_first_slices_dtype_and_lists_at_float32(tmp_path):
+    """Slices reassemble bit for bit at the first CP rank's dtype (float64 kept, a list of floats beside it kept
+    exact); slices held as lists of numbers at float32, whatever torch's default dtype; CP size 1 is its one slice;
+    slices that leave part of the response uncovered (a padded length shorter than the sequence) are None."""
+    from rlbench.replay.slime_train_v1 import assemble
+
+    whole = torch.tensor(V1_RESPONSE, dtype=torch.float64)
+    low, high = whole[[0, 1, 2, 9]], whole[3:9]
+    for chunks in ([low, high], [low, high.tolist()], [whole]):
+        out = assemble(chunks, 11, 10)
+        assert out.dtype == torch.float64 and torch.equal(out, whole)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        lists = [assemble([low.tolist(), high.tolist()], 11, 10), assemble([whole.tolist()], 11, 10)]
+    finally:
+        torch.set_default_dtype(default)
+    for out in lists:
+        assert out.dtype == torch.float32 and torch.equal(out, whole.float())
+    assert assemble([whole[:2], whole[2:4]], 11, 10, padded=4) is None
+
+
+@pytest.mark.parametrize(
+    ("top", "columns", "held"),
+    [
+        pytest.param(
+            {"qkv_format": "bshd"},
+            {"total_lengths": [11], "max_seq_lens": [16]},
+            ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9]),
+            id="bshd: by the padded length",
+        ),
+        pytest.param(
+            {"qkv_format": "thd"}, {"max_seq_lens": [16]}, ([0, 1, 2, 9], [3, 4, 5, 6, 7, 8]), id="thd: by tokens"
+        ),
+        pytest.param({}, {"total_lengths": [12]}, ([0, 1, 8, 9], [2, 3, 4, 5, 6, 7]), id="by total_lengths"),
+    ],
+)
+def test_format_1_cp_slices_reassemble_by_the_split_that_cut_them(tmp_path, top, columns, held):
+    """Two CP ranks' slices (Miles': cp_rank recorded) reassemble to the response as megatron's split cut them: by
+    the padded length (max_seq_lens) under qkv_format bshd, by the sequence length under thd (max_seq_lens then
+    aside), that length read from total_lengths where recorded, else counted from tokens."""
+    v = torch.tensor(V1_RESPONSE)
+    paths = [
+        _v1_file(
+            tmp_path,
+            cp_rank,
+            {
+                "tokens": [torch.arange(11)],
+                "response_lengths": [10],
+                "sample_indices": [7],
+                "log_probs": [v[held[cp_rank]]],
+            }
+            | columns,
+            cp_rank=cp_rank,
+            cp_size=2,
+            **top,
+        )
+        for cp_rank in (0, 1)
+    ]
+    train, findings = _v1_read(paths, [7])
+    assert findings == [] and torch.equal(train.samples[0]["log_probs"], v)
+    assert train.notes == [
+        "rollout 3: context parallelism 2 reassembled in 1 DP shards, CP ranks [[0], [1]] (recorded by the ranks "
+        "(cp_rank))"
+    ]

@@ -114,23 +114,23 @@ def _rewrite(version: Path, edit) -> None:
 FIRST = "model.embed_tokens.weight"  # a tensor versions 2 (an overwrite) and 3 (an xor) both change
 
 
-def _first_diff(version: Path, change) -> None:
-    """FIRST's diff in `version` decompressed, changed (`change(bytes) -> bytes`) and compressed again."""
+def _edit_diff(version: Path, change, name: str = FIRST) -> None:
+    """A tensor's diff in `version` decompressed, changed (`change(bytes) -> bytes`) and compressed again."""
     import zstandard
 
     def edit(diffs, sums):
-        raw = zstandard.ZstdDecompressor().decompress(diffs[FIRST].tobytes())
-        diffs[FIRST] = np.frombuffer(zstandard.ZstdCompressor(level=1).compress(change(raw)), np.uint8)
+        raw = zstandard.ZstdDecompressor().decompress(diffs[name].tobytes())
+        diffs[name] = np.frombuffer(zstandard.ZstdCompressor(level=1).compress(change(raw)), np.uint8)
 
     _rewrite(version, edit)
 
 
 def _short_xor(version: Path) -> None:  # one byte fewer than the tensor has
-    _first_diff(version, lambda raw: raw[:-1])
+    _edit_diff(version, lambda raw: raw[:-1])
 
 
 def _overcounted(version: Path) -> None:  # an overwrite counting one position more than it holds
-    _first_diff(version, lambda raw: (int.from_bytes(raw[:4], "little") + 1).to_bytes(4, "little") + raw[4:])
+    _edit_diff(version, lambda raw: (int.from_bytes(raw[:4], "little") + 1).to_bytes(4, "little") + raw[4:])
 
 
 def _renamed(version: Path) -> None:  # FIRST's diff and checksum under a name the weights lack
@@ -373,3 +373,390 @@ def test_rlbench_serve_pulls_a_version_refuses_one_out_of_order_and_a_path_outsi
         assert outside.status_code == 400 and "outside the directory this server reads weights from" in outside.text
     finally:
         serving.close()
+
+
+# ---- unit level: a small chain of three tensors, built in each test --------------------------------------------------
+
+CONFIG = REPO / "rlbench/fixtures/models/tiny-qwen3/config.json"
+
+
+def _trained(step: int) -> dict:
+    """A trainer's weights after `step` steps: three small tensors of three dtypes, two moved each step, one never."""
+    import torch
+
+    return {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4) * (1 + step / 8),
+        "b": torch.arange(6, dtype=torch.bfloat16) + step,
+        "c": torch.ones(5, dtype=torch.int64),
+    }
+
+
+def _raw(weights: dict) -> dict:
+    return {name: weight_delta.raw_bytes(t) for name, t in weights.items()}
+
+
+def _chain(root: Path, last: int, encoding: str = "xor") -> weight_delta.Publisher:
+    """Version 1 full, then a delta per step up to `last`."""
+    publisher = weight_delta.Publisher(root, encoding)
+    publisher.publish_full(1, _trained(1), CONFIG)
+    for version in range(2, last + 1):
+        publisher.publish(version, _trained(version))
+    return publisher
+
+
+def _pulled(local: Path) -> dict:
+    return {name: data for name, (_, data) in weight_delta.read_checkpoint(local).items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_the_publisher_refuses_what_it_cannot_publish_naming_why(tmp_path):
+    """An encoding or checksum slime does not read is refused before anything is written; a delta before any full
+    version has no base; a delta over other tensors than the base's names (up to three of) those that differ."""
+    root = tmp_path / "chain"
+    for args, says in (
+        (("zigzag",), "delta_encoding 'zigzag': expected one of xor, overwrite"),
+        (("xor", "md5"), "checksum_format 'md5': expected one of xxh3-128, blake3, adler32"),
+    ):
+        with pytest.raises(weight_delta.DeltaRefused) as refused:
+            weight_delta.Publisher(root, *args)
+        assert str(refused.value) == says
+    assert not root.exists()
+    publisher = weight_delta.Publisher(root)
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        publisher.publish(1, _trained(1))
+    assert str(refused.value) == "a delta needs a base: publish a full version first"
+    base = _trained(1)
+    publisher.publish_full(1, {**base, "d": base["c"].clone(), "e": base["c"].clone()}, CONFIG)
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        publisher.publish(2, {"a": base["a"], "z": base["c"]})
+    assert str(refused.value) == "version 2: other tensors than the base's (['b', 'c', 'd'])"
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+def test_each_version_reports_the_tensors_and_bytes_it_carries_and_its_files_size(tmp_path, encoding):
+    """What a publish reports is what it wrote: a full version all its tensors and bytes; a delta the tensors and
+    bytes that changed, of all the weights' bytes; each the size of its files (the sync's wire bytes)."""
+    root = tmp_path / "chain"
+    publisher = weight_delta.Publisher(root, encoding)
+    old, new = _raw(_trained(1)), _raw(_trained(2))
+    total = sum(data.size for data in old.values())
+    changed = {name: int(np.count_nonzero(new[name] != old[name])) for name in old}
+    assert sum(1 for n in changed.values() if n) == 2  # a and b move, c does not
+
+    def wire(version: int) -> int:
+        return sum(f.stat().st_size for f in weight_delta.version_dir(root, version).iterdir())
+
+    full = publisher.publish_full(1, _trained(1), CONFIG)
+    assert full == weight_delta.Published(1, True, 3, total, total, wire(1))
+    delta = publisher.publish(2, _trained(2))
+    assert delta == weight_delta.Published(2, False, 2, sum(changed.values()), total, wire(2))
+
+
+def test_a_version_is_written_whole_whatever_its_directory_held(tmp_path):
+    """A publish leaves exactly the version's files: the temporary directory an interrupted write left behind is
+    replaced, a version directory of the same number (an earlier chain's) replaced whole, and the root made again
+    where it was cleared since the chain's full version."""
+    root = tmp_path / "chain"
+    for version in (1, 2):
+        leftover = root / f".weight_v{version:06d}.tmp"
+        leftover.mkdir(parents=True)
+        (leftover / "model.safetensors").write_bytes(b"half written")
+        (weight_delta.version_dir(root, version)).mkdir()
+        (weight_delta.version_dir(root, version) / "stale.json").write_text("{}")
+    publisher = _chain(root, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["weight_v000001", "weight_v000002"]
+    assert sorted(p.name for p in (root / "weight_v000001").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (root / "weight_v000002").iterdir()) == [weight_delta.DELTA_FILE, weight_delta.INDEX]
+    shutil.rmtree(root)
+    publisher.publish(3, _trained(3))
+    assert sorted(p.name for p in (root / "weight_v000003").iterdir()) == [weight_delta.DELTA_FILE, weight_delta.INDEX]
+
+
+def test_header_metadata_is_kept_where_written_and_passed_over_where_read(tmp_path):
+    """A safetensors header's metadata (transformers writes format: pt) is no tensor: a full version written with it
+    keeps it, a base checkpoint holding it is read and pulled onto, and the pulled checkpoint still carries it."""
+    from safetensors import safe_open
+
+    def metadata(directory: Path) -> dict:
+        with safe_open(str(directory / "model.safetensors"), "np") as f:
+            return f.metadata()
+
+    base = weight_delta.write_hf_directory(tmp_path / "base", _trained(0), CONFIG, metadata={"format": "pt"})
+    assert metadata(base) == {"format": "pt"}
+    root = tmp_path / "chain"
+    publisher = weight_delta.Publisher(root)
+    publisher.publish_full(0, _trained(0), CONFIG)
+    shutil.rmtree(root / "weight_v000000")  # a stream of deltas only: version 0 is the engine's base
+    for version in (1, 2):
+        publisher.publish(version, _trained(version))
+    local = tmp_path / "local"
+    assert weight_delta.pull(local, base, root, 2) == 2
+    assert _same(_pulled(local), _raw(_trained(2))) and metadata(local) == {"format": "pt"}
+
+
+@pytest.mark.parametrize(
+    ("blob", "says"),
+    [
+        pytest.param(b"", "not a safetensors file (0 bytes, short of the header it announces)", id="empty"),
+        pytest.param(b"\x02\x00\x00", "not a safetensors file (3 bytes, short of", id="no length"),
+        pytest.param((3).to_bytes(8, "little") + b"{}", "not a safetensors file (10 bytes, short of", id="one short"),
+        pytest.param(b"\xff" * 8 + b"{}", "not a safetensors file (10 bytes, short of", id="huge length"),
+        pytest.param((0).to_bytes(8, "little"), "its safetensors header does not parse (JSONDecodeError)", id="0"),
+        pytest.param((4).to_bytes(8, "little") + b"{no}", "its safetensors header does not parse", id="not json"),
+    ],
+)
+def test_a_safetensors_file_cut_short_or_garbled_is_refused_naming_it(tmp_path, blob, says):
+    """Every safetensors file is read through its announced header, which must fit in the file and parse: one that
+    does not is refused, naming the file (a checkpoint read, or a delta applied), never read past its end. A file
+    whose header fills it holds no tensor; a directory with no weights is refused naming it."""
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.read_checkpoint(directory)
+    assert str(refused.value) == f"{directory}: no model.safetensors (nor an index of its shards)"
+    (directory / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    assert weight_delta.read_checkpoint(directory) == {}
+    (directory / "model.safetensors").write_bytes(blob)
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.read_checkpoint(directory)
+    assert str(refused.value).startswith(f"{directory / 'model.safetensors'}: {says}")
+    root = tmp_path / "chain"
+    _chain(root, 2)
+    (root / "weight_v000002" / weight_delta.DELTA_FILE).write_bytes(blob)
+    state = weight_delta.read_checkpoint(root / "weight_v000001")
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.apply_version(state, root / "weight_v000002", 1)
+    assert str(refused.value).startswith(f"{root / 'weight_v000002' / weight_delta.DELTA_FILE}: {says}")
+
+
+def _index(edit):
+    def change(version: Path) -> None:
+        index = json.loads((version / weight_delta.INDEX).read_text())
+        edit(index)
+        (version / weight_delta.INDEX).write_text(json.dumps(index))
+
+    return change
+
+
+def _sums(edit):
+    return lambda version: _rewrite(version, lambda diffs, sums: edit(sums))
+
+
+def _overwrite_at_end(raw: bytes) -> bytes:  # the last position moved to the tensor's end: one past its last byte
+    count = int.from_bytes(raw[:4], "little")
+    return raw[: 4 + 4 * (count - 1)] + (48).to_bytes(4, "little") + raw[4 + 4 * count :]  # a: 12 float32
+
+
+def _twice_in_files(version: Path) -> None:  # a's diff and checksum again in a second file of the version
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(version / weight_delta.DELTA_FILE), "np") as f:
+        diff, sums = f.get_tensor("a"), f.metadata()
+    save_file({"a": diff}, str(version / "model-00001-of-00002.safetensors"), metadata={"a": sums["a"]})
+
+
+@pytest.mark.parametrize(
+    ("encoding", "edit", "says"),
+    [
+        pytest.param(
+            "xor",
+            _index(lambda index: index["metadata"].pop("version")),
+            "{index}: metadata without version and base_version",
+            id="no version",
+        ),
+        pytest.param(
+            "xor", _index(lambda index: index.pop("metadata")), "{index}: metadata without version and base_version"
+        ),
+        pytest.param(
+            "xor",
+            _index(lambda index: index["metadata"].update(delta_encoding="zigzag")),
+            "version 2: delta_encoding 'zigzag', expected one of xor, overwrite",
+            id="encoding",
+        ),
+        pytest.param(
+            "xor",
+            _index(lambda index: index["metadata"].update(checksum_format="md5")),
+            "version 2: checksum_format 'md5', expected one of xxh3-128, blake3, adler32",
+            id="checksum format",
+        ),
+        pytest.param(
+            "xor",
+            lambda version: _rewrite(version, lambda diffs, sums: diffs.update(a=np.frombuffer(b"no zstd", np.uint8))),
+            "version 2, a: its zstd data does not decompress (",
+            id="not zstd",
+        ),
+        pytest.param(
+            "xor",
+            _sums(lambda sums: sums.update(a="0" * 32)),
+            "version 2, a: xxh3-128 of the applied bytes is not the published one (a changed byte, another base, or "
+            "a version applied twice)",
+            id="checksum",
+        ),
+        pytest.param(
+            "overwrite",
+            lambda version: _edit_diff(version, lambda raw: raw + b"\x00", "a"),
+            "version 2, a: an overwrite of {a_changed} positions that does not fit",
+            id="a byte too many",
+        ),
+        pytest.param(
+            "overwrite",
+            lambda version: _edit_diff(version, _overwrite_at_end, "a"),
+            "version 2, a: an overwrite of {a_changed} positions that does not fit",
+            id="past the end",
+        ),
+        pytest.param("xor", _twice_in_files, "version 2, a: in two of the version's files", id="twice"),
+        pytest.param(
+            "xor",
+            lambda version: (version / weight_delta.DELTA_FILE).unlink(),
+            "version 2, a: in its index, in none of its files (2 tensors)",
+            id="file lost",
+        ),
+    ],
+)
+def test_a_delta_not_as_published_is_refused_naming_version_and_tensor_and_changes_nothing(
+    tmp_path, encoding, edit, says
+):
+    """apply_version applies a version only whole and as published: an index without its version, an encoding or a
+    checksum slime does not write, data that does not decompress, a checksum that does not hold, an overwrite that
+    does not fit its tensor (a byte too many, a position one past its end), a tensor in two of its files (slime
+    applies them concurrently: no order) or one its index names and no file holds: each refused, naming the version
+    and the tensor, and the weights it was applied to left as they were."""
+    root = tmp_path / "chain"
+    _chain(root, 2, encoding)
+    edit(root / "weight_v000002")
+    state = weight_delta.read_checkpoint(root / "weight_v000001")
+    before = {name: (file, data.copy()) for name, (file, data) in state.items()}
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.apply_version(state, root / "weight_v000002", 1)
+    a_changed = int(np.count_nonzero(_raw(_trained(2))["a"] != _raw(_trained(1))["a"]))
+    assert str(refused.value).startswith(
+        says.format(index=root / "weight_v000002" / weight_delta.INDEX, a_changed=a_changed)
+    )
+    assert state.keys() == before.keys()
+    assert all(state[n][0] == before[n][0] and np.array_equal(state[n][1], before[n][1]) for n in state)
+
+
+def test_a_version_is_its_files_an_index_without_a_weight_map_promises_nothing(tmp_path):
+    """slime's receiving side applies what a version's files hold: an index with no weight_map applies all the same,
+    every tensor verified, to the published state."""
+    root = tmp_path / "chain"
+    _chain(root, 2)
+    _index(lambda index: index.pop("weight_map"))(root / "weight_v000002")
+    state = weight_delta.read_checkpoint(root / "weight_v000001")
+    assert weight_delta.apply_version(state, root / "weight_v000002", 1) == 2
+    assert _same({n: data for n, (_, data) in state.items()}, _raw(_trained(2)))
+
+
+def test_verify_chain_reports_the_chain_and_each_way_its_last_state_is_not_the_checkpoint_given(tmp_path):
+    """The report names the chain it read; the last state is held to the checkpoint given, every tensor: equal, it
+    says how many; a tensor missing on either side, or of other bytes, fails the chain naming the first, and no
+    equality is claimed."""
+    root = tmp_path / "chain"
+    _chain(root, 3)
+    last = _raw(_trained(3))
+    report = weight_delta.verify_chain(root, None, last)
+    assert (report.root, report.failure, report.final) == (str(root), None, "3 tensors equal the checkpoint given")
+    for final, first in (
+        ({**last, "d": last["c"]}, "d"),
+        ({n: data for n, data in last.items() if n != "a"}, "a"),
+        ({**last, "b": _raw(_trained(2))["b"]}, "b"),
+    ):
+        report = weight_delta.verify_chain(root, None, final)
+        says = f"after version 3: {first} differs from the checkpoint given (1 tensors do)"
+        assert (report.versions, report.failure, report.final) == ([1, 2, 3], says, None)
+
+
+def test_verify_chain_names_a_missing_version_and_the_option_a_chain_of_deltas_needs(tmp_path):
+    """A chain with a gap fails at the missing version, naming the chain's span; a chain that starts with a delta
+    and no base given cannot be judged, naming the --base option."""
+    from rlbench.errors import BadInput
+
+    root = tmp_path / "chain"
+    _chain(root, 4)
+    shutil.rmtree(root / "weight_v000003")
+    report = weight_delta.verify_chain(root)
+    assert (report.versions, report.failure) == ([1, 2], "version 3 is missing (the chain has 1..4)")
+    shutil.rmtree(root / "weight_v000001")
+    with pytest.raises(BadInput) as undetermined:
+        weight_delta.verify_chain(root)
+    assert str(undetermined.value) == (
+        "--base: undetermined: version 2 is a delta and no --base gives the weights it builds on"
+    )
+
+
+def test_a_pull_goes_on_from_the_version_held_and_rewrites_nothing_when_there(tmp_path):
+    """A pull applies only what it must: from the version the local checkpoint holds, the versions after it (the
+    older ones may be gone from the shared directory); it returns how many versions it applied; a pull to the
+    version held applies none and rewrites not one file (a server may be reading them)."""
+    root, local, no_base = tmp_path / "chain", tmp_path / "local", tmp_path / "never read"
+    _chain(root, 5)
+    assert weight_delta.pull(local, no_base, root, 3) == 2  # full version 1, then deltas 2 and 3
+    for version in (1, 2, 3):
+        shutil.rmtree(weight_delta.version_dir(root, version))
+    files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in local.iterdir() if p.is_file()}
+    assert weight_delta.pull(local, no_base, root, 3) == 0
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in local.iterdir() if p.is_file()} == files
+    assert weight_delta.pull(local, no_base, root, 5) == 2
+    assert weight_delta.applied_version(local) == 5 and _same(_pulled(local), _raw(_trained(5)))
+
+
+def test_a_pull_waits_while_another_server_on_the_host_holds_slimes_lock(tmp_path):
+    """A host's servers share one local checkpoint: a pull waits while the lock slime's SGLang patch takes
+    (.weight_sync/lock) is held, and runs once it is released."""
+    import fcntl
+    import threading
+
+    root, local = tmp_path / "chain", tmp_path / "local"
+    _chain(root, 2)
+    (local / weight_delta.SYNC_DIR).mkdir(parents=True)
+    pulled = []
+    with open(local / weight_delta.SYNC_DIR / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pulling = threading.Thread(target=lambda: pulled.append(weight_delta.pull(local, root, root, 2)))
+        pulling.start()
+        pulling.join(timeout=1.0)
+        assert pulling.is_alive() and weight_delta.applied_version(local) is None
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    pulling.join()
+    assert pulled == [1] and weight_delta.applied_version(local) == 2
+
+
+def test_a_pull_of_a_sharded_checkpoint_rewrites_only_the_files_its_weights_are_in(tmp_path):
+    """A full version sharded as transformers shards (an index with a weight_map and no metadata) is a full version;
+    a pull onto it writes each tensor into its own shard, and a safetensors file beside the shards that the index
+    does not name (a consolidated copy; here one that does not even parse) is copied and left as it is."""
+    from safetensors.torch import save_file
+
+    root, local = tmp_path / "chain", tmp_path / "local"
+    _chain(root, 2)
+    full, weights = root / "weight_v000001", _trained(1)
+    shutil.rmtree(full)
+    full.mkdir()
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    shards["c"] = shards["b"]
+    for shard in sorted(set(shards.values())):
+        save_file({n: weights[n] for n, s in shards.items() if s == shard}, str(full / shard))
+    (full / weight_delta.INDEX).write_text(json.dumps({"weight_map": shards}))
+    (full / "consolidated.safetensors").write_bytes(b"not safetensors")
+    assert weight_delta.pull(local, tmp_path / "never read", root, 2) == 1
+    pulled = weight_delta.read_checkpoint(local)
+    assert {n: file for n, (file, _) in pulled.items()} == shards
+    assert _same({n: data for n, (_, data) in pulled.items()}, _raw(_trained(2)))
+    assert (local / "consolidated.safetensors").read_bytes() == b"not safetensors"
+
+
+def test_a_pull_to_a_version_not_published_is_refused_naming_it(tmp_path):
+    """A target version with no directory, or a version whose index is not JSON, is refused naming its path."""
+    root, local = tmp_path / "chain", tmp_path / "local"
+    _chain(root, 2)
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.pull(local, root, root, 4)
+    assert str(refused.value) == f"published weight version missing: {root / 'weight_v000004'}"
+    (root / "weight_v000002" / weight_delta.INDEX).write_text("{not json")
+    with pytest.raises(weight_delta.DeltaRefused) as refused:
+        weight_delta.pull(local, root, root, 2)
+    assert str(refused.value) == f"{root / 'weight_v000002' / weight_delta.INDEX}: not JSON"

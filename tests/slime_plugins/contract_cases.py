@@ -3,7 +3,9 @@ They need no engine: each records how it was called on the sample it was handed 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 
 CALLS: list[tuple] = []
 
@@ -98,3 +100,62 @@ async def finishes_in_given_order(args, sample, sampling_params):
     sample.response, sample.status = f"answer {sample.index}", type(sample).Status.COMPLETED
     sample.tokens, sample.response_length = [sample.index], 1
     return sample
+
+
+async def miles_style_with_options(input, *, verbose=False):
+    """Miles' own shape with an option after `input`: Miles calls any function whose first parameter is `input` with
+    a GenerateFnInput (compatibility.py `_is_legacy_generate_fn`: `params[0] != "input"`), whatever follows."""
+    return input
+
+
+async def reward_with_options(args, sample, scale=1.0):
+    """slime checks the first two parameters only (`tuple(parameters)[:2] == ("args", "sample")`): more after them,
+    with defaults, are the user's own."""
+    return 0.5 * scale
+
+
+async def raises(args, sample, sampling_params):
+    raise ValueError(f"no answer for sample {sample.index}")
+
+
+async def raises_in_evaluation(args, sample, sampling_params, evaluation=False):
+    raise ValueError(f"no answer for sample {sample.index}")
+
+
+async def _raises_noted(args, sample, sampling_params, note=""):
+    raise ValueError(note)
+
+
+raises_partial = functools.partial(_raises_noted, note="from a partial")  # no __qualname__ of its own
+
+
+async def reward_raises(args, sample):
+    raise ZeroDivisionError("empty label")
+
+
+async def group_reward_raises(args, samples):
+    raise ZeroDivisionError("empty label")
+
+
+async def records(args, sample, sampling_params, evaluation=False):
+    """Records on `args` what it was handed (sample index, sampling params, evaluation) and how many samples were
+    generating at once (yielding to the event loop in between, so the others run)."""
+    args.in_flight += 1
+    args.most_in_flight = max(args.most_in_flight, args.in_flight)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    args.in_flight -= 1
+    args.seen.append(("generate", sample.index, dict(sampling_params), evaluation))
+    sample.status = type(sample).Status.COMPLETED
+    return sample
+
+
+async def reward_records(args, sample):
+    indices = [s.index for s in sample] if isinstance(sample, list) else sample.index
+    args.seen.append(("reward", indices))
+    return [0.5] * len(sample) if isinstance(sample, list) else 0.5
+
+
+async def group_reward_records(args, samples):
+    args.seen.append(("group_reward", [s.index for s in samples]))
+    return [0.75] * len(samples)
