@@ -520,6 +520,7 @@ def test_without_group_rm_a_fan_out_is_scored_as_its_own_list(Sample):
 
 
 def test_a_group_reward_that_raises_names_itself_and_the_reward_option(Sample):
+    """--group-rm: what the group's reward function raises becomes the same one line as a sample's reward's."""
     with pytest.raises(BadInput) as err:
         _step(Sample, "generate", "group_reward_raises", group_rm=True)
     assert err.value.field == REWARD_OPTION and str(err.value) == (
