@@ -1020,14 +1020,15 @@ def test_format_1_dp_shards_are_numbered_by_lowest_rank_and_read_from_the_lowest
 ):
     """Ranks holding the same rows are one DP shard, numbered by its lowest rank (not by its rows); its columns
     are read from its lowest rank holding log_probs (rank 2: not the first pipeline stage 0, nor rank 10 whose
-    file name sorts first); a field of another length than the rows stays with the shard; raw_reward is kept
-    from the shard that holds it."""
-    stage_0 = _v1_rows((9,))
-    del stage_0["log_probs"]
+    file name sorts first), or where none holds them (a shard of one first pipeline stage) from its lowest rank;
+    a field of another length than the rows stays with the shard; raw_reward is kept from the shard that holds
+    it."""
+    stage_0, untrained = _v1_rows((9,)), _v1_rows((7,))
+    del stage_0["log_probs"], untrained["log_probs"]
     own = {"step_stats": [1.0, 2.0, 3.0], "global_stats": torch.tensor([4.0, 5.0]), "scale": torch.tensor(0.5)}
     paths = [
         _v1_file(tmp_path, 0, stage_0),
-        _v1_file(tmp_path, 1, _v1_rows((7,), **own)),
+        _v1_file(tmp_path, 1, untrained | own),
         _v1_file(tmp_path, 2, _v1_rows((9,), raw_reward=[0.0, 1.0])),
         _v1_file(tmp_path, 10, _v1_rows((9,), raw_reward=[0.0, 1.0])),
     ]
@@ -1036,7 +1037,7 @@ def test_format_1_dp_shards_are_numbered_by_lowest_rank_and_read_from_the_lowest
     read = [
         (s["sample_index"], s["rollout_position"], s["data_parallel_rank"], s.get("log_probs")) for s in train.samples
     ]
-    assert _plain(read) == [[7, 0, 1, [-0.5, -0.25]], [9, 1, 0, [-0.5, -0.25]]]
+    assert _plain(read) == [[7, 0, 1, None], [9, 1, 0, [-0.5, -0.25]]]
     layout = dict.fromkeys(("micro_batch_indices", "num_microbatches", "global_batch_sizes"))
     assert _plain(train.shards) == [
         {"rank": 2, "data_parallel_rank": 0, "sample_indices": [9], "partition": [1], **layout},
