@@ -74,7 +74,11 @@ MODULES = {
     "rlbench/core/slime_contract.py": ["tests/cpu/test_slime_contract.py"],
     "rlbench/replay/slime_train.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
     "rlbench/replay/slime_train_v1.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
-    "rlbench/replay/slime_dir.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
+    "rlbench/replay/slime_dir.py": [
+        "tests/cpu/test_slime_train_dumps.py",
+        "tests/cpu/test_import_slime.py",
+        "tests/cpu/test_slime_dir.py",
+    ],
     "rlbench/rundir/sections.py": ["tests/cpu/test_sweep.py", "-k", "manifest_section"],
     "rlbench/serve/pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_serve_weights.py"],
     "rlbench/serve/weights.py": ["tests/cpu/test_serve_weights.py", "tests/conformance/sglang/test_weights.py"],
