@@ -3,13 +3,20 @@ the true on-policy option, and gates with thresholds."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import pytest
 import torch
 
-from rlbench.checks.logprobs import check_logprobs, statistics
+from rlbench.checks.logprobs import (
+    abs_histogram,
+    check_logprobs,
+    nucleus_logprobs,
+    sequence_nucleus_logprobs,
+    statistics,
+)
 from rlbench.errors import BadInput
 from tests.conftest import run_cli, word_level_tokenizer
 
@@ -111,19 +118,25 @@ def test_gates_through_the_cli(run_small, tmp_path):
 # ---------------------------------------------------------------- on a recording written by hand (no model)
 
 
-def _samples(prompts=(3, 3)):
-    """Two samples' token ids: `prompts[s]` prompt ids (1, then 50...) and 2 response ids (60 + 2s, 61 + 2s)."""
+def _samples(prompts=(3, 3), response=2):
+    """Two samples' token ids: `prompts[s]` prompt ids (1, then 50...) and `response` response ids (60 + response * s
+    on: 60, 61 and 62, 63 for 2)."""
     return [
-        [1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p] + [60 + 2 * s, 61 + 2 * s]
+        [1, *range(50 + (p - 1) * s, 50 + (p - 1) * s + p - 1)][:p]
+        + list(range(60 + response * s, 60 + response * (s + 1)))
         for s, p in enumerate(prompts)
     ]
 
 
-def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=({}, {}), **manifest):
-    """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of 2 samples of
-    `prompts` prompt tokens + 2 response tokens each: only the response tokens are trained (loss mask 1).
-    `meta`: the two samples' JSON. A rollout-only run unless `mode` says otherwise: a full run's checkpoints are
-    the test's to write (_checkpoint), as every reader holds a full run to those its schedule wrote."""
+def _recorded(
+    root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=({}, {}), trained=None, top_p=None, **manifest
+):
+    """A run directory whose recordings hold the given per-step (trainer, rollout) log-probs of the trained tokens
+    of 2 samples of `prompts` prompt tokens + response tokens: `trained` is each sample's response loss mask
+    (default: 2 response tokens, both trained), prompts are not. `meta`: the two samples' JSON. `top_p`: each
+    token's recorded nucleus (a list per token of both samples). A rollout-only run unless `mode` says otherwise:
+    a full run's checkpoints are the test's to write (_checkpoint), as every reader holds a full run to those its
+    schedule wrote."""
     from rlbench.core.loop import recorded_checksums
     from rlbench.rundir.algorithm import CHECKSUM
     from rlbench.rundir.directory import SCHEMA, RunWriter
@@ -138,9 +151,12 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
         **manifest,
     }
     writer = RunWriter(root, manifest, record=True)
-    samples = _samples(prompts)
+    trained = trained or ((1, 1), (1, 1))
+    samples = _samples(prompts, len(trained[0]))
     for step, (trainer, rollout) in enumerate(steps):
-        mask = torch.tensor([0] * prompts[0] + [1, 1] + [0] * prompts[1] + [1, 1], dtype=torch.uint8)
+        mask = torch.tensor(
+            [0] * prompts[0] + list(trained[0]) + [0] * prompts[1] + list(trained[1]), dtype=torch.uint8
+        )
         tensors = {
             "tokens": torch.tensor(samples[0] + samples[1]),
             "offsets": torch.tensor([0, len(samples[0]), len(samples[0]) + len(samples[1])]),
@@ -153,6 +169,9 @@ def _recorded(root, steps, old_logprobs=True, prompts=(3, 3), config=None, meta=
         }
         if old_logprobs:
             tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
+        if top_p is not None:
+            tensors["top_p_ids"] = torch.tensor([i for ids in top_p for i in ids], dtype=torch.int64)
+            tensors["top_p_offsets"] = torch.tensor([0, *itertools.accumulate(len(ids) for ids in top_p)])
         data = recorded_checksums(tensors)["data"]
         writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": data}, {"train/loss": 0.0})
     writer.close()
@@ -520,8 +539,6 @@ def test_the_token_mean_gates_under_its_own_option(tmp_path):
 def test_nucleus_logprobs_by_hand():
     """Renormalised over the nucleus and the target itself, after the temperature; an empty nucleus keeps
     the target alone (slime's tool tokens: log-prob 0)."""
-    from rlbench.checks.logprobs import nucleus_logprobs
-
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
     got = nucleus_logprobs(logits, torch.tensor([1, 3, 2]), [[3], [2, 3], []], 2.0)
     expected = [0.5 - math.log(math.exp(0.5) + math.exp(1.5)), 1.5 - math.log(math.exp(1.0) + math.exp(1.5)), 0.0]
@@ -546,3 +563,216 @@ def test_an_async_runs_mismatch_is_split_by_each_samples_recorded_lag(tmp_path):
         {"lag": 2, "tokens": 4, "samples": 2, **statistics(torch.tensor([0.0, 0.5, 0.0, 0.0], dtype=f64), [2, 2])},
     ]
     assert check_logprobs(_recorded(tmp_path / "sync", steps), top=1).per_lag == []
+
+
+def _model():
+    from rlbench.config import load_config
+    from rlbench.core.model import build_model
+
+    config = load_config()
+    return build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
+
+
+def _by_hand(model, ids, prompt, nuclei, temperature):
+    """The reference: each of ids[prompt:]'s log-prob given its prefix, over its nucleus and itself (None: over
+    every id), from one plain forward; the first id of a sequence has no prefix and gets 0."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double() / temperature
+    out = []
+    for j in range(prompt, len(ids)):
+        nucleus = nuclei[j - prompt] if nuclei is not None else range(logits.shape[-1])
+        keep = sorted(set(nucleus) | {ids[j]})
+        out.append(0.0 if j == 0 else float(logits[j - 1, ids[j]] - torch.logsumexp(logits[j - 1, keep], 0)))
+    return out
+
+
+# ---------------------------------------------------------------- the histogram of |delta| (recordings by hand)
+
+
+def test_histogram_counts_exact_zeros_then_bins_closed_above_then_the_rest_with_the_non_finite():
+    """abs_histogram: |delta| == 0 first, then (0, e0], (e0, e1], ..., then above the last edge, where the
+    non-finite deltas count too; every bin is there, empty or not; edges are compared in float64."""
+    delta = torch.tensor([0.0, -0.0, 0.25, -0.5, 0.5, 1.0, 3.0, -math.inf, math.nan], dtype=torch.float64)
+    assert abs_histogram(delta, [0.5, 1.0, 2.0]) == [2, 3, 1, 0, 3]
+    assert abs_histogram(torch.tensor([0.25]), [0.5, 1.0]) == [0, 1, 0, 0]
+    assert abs_histogram(torch.tensor([1.0, -1.0, 0.0]), [2.0]) == [1, 2, 0]
+    # 0.7 is in (0.1, 0.7]; float32's 0.7 is 0.69999999, which would put it above
+    assert abs_histogram(torch.tensor([0.7, 0.1], dtype=torch.float64), [0.1, 0.7]) == [0, 1, 1, 0]
+
+
+# ---------------------------------------------------------------- counted over samples, steps and lags
+
+
+def _unequal(root, **kwargs):
+    """2 steps; sample 0 trains both response tokens, sample 1 only its second, both of policy lag 1.
+    delta = trainer - rollout: step 0 0.5, 0.25 | 1.0; step 1 0, 0 | 0.125."""
+    steps = [([-1.0] * 3, [-1.5, -1.25, -2.0]), ([-1.0] * 3, [-1.0, -1.0, -1.125])]
+    meta = ({"async": {"lag": 1}}, {"async": {"lag": 1}})
+    return _recorded(root, steps, trained=((1, 1), (0, 1)), meta=meta, **kwargs)
+
+
+def test_per_sample_means_weigh_samples_of_unequal_lengths_alike_in_every_table(tmp_path):
+    """slime's train_rollout_logprob_abs_diff is the mean of each sample's mean |delta| overall, per step and per
+    lag, the token mean each token alike; a sample of one judged token counts as a sample; with edges, the
+    histogram of every judged |delta|."""
+    report = check_logprobs(_unequal(tmp_path / "r"), edges=[0.25, 0.5])
+    # sample means: step 0 0.375, 1.0; step 1 0, 0.125
+    assert (report.tokens, report.samples) == (6, 4)
+    assert report.stats["train_rollout_logprob_abs_diff"] == pytest.approx(1.5 / 4)
+    assert report.stats["token_mean_abs"] == pytest.approx(1.875 / 6)
+    assert [(r["step"], r["tokens"], r["samples"]) for r in report.per_step] == [(0, 3, 2), (1, 3, 2)]
+    assert [r["train_rollout_logprob_abs_diff"] for r in report.per_step] == pytest.approx([1.375 / 2, 0.125 / 2])
+    assert [r["token_mean_abs"] for r in report.per_step] == pytest.approx([1.75 / 3, 0.125 / 3])
+    [lag] = report.per_lag
+    assert (lag["lag"], lag["tokens"], lag["samples"]) == (1, 6, 4)
+    assert (lag["train_rollout_logprob_abs_diff"], lag["token_mean_abs"]) == (
+        pytest.approx(0.375),
+        pytest.approx(0.3125),
+    )
+    assert report.histogram == [2, 2, 1, 1]  # |delta| 0, 0 | 0.25, 0.125 | 0.5 | 1.0
+
+
+def test_without_per_step_statistics_the_rows_count_only_and_no_edges_no_histogram(tmp_path):
+    """per_step=False: each step's row holds its counts only; without edges there is no histogram."""
+    report = check_logprobs(_unequal(tmp_path / "r"), per_step=False)
+    assert report.per_step == [{"step": 0, "tokens": 3, "samples": 2}, {"step": 1, "tokens": 3, "samples": 2}]
+    assert report.stats["train_rollout_logprob_abs_diff"] == pytest.approx(0.375) and report.histogram is None
+
+
+def test_samples_left_out_are_counted_over_every_step_and_not_as_judged(tmp_path):
+    """Removed samples and samples without engine log-probs add up over the steps, and no step counts them judged."""
+    steps = [([-1.0] * 4, [-1.5, -1.0, -3.0, -3.0])] * 2
+    removed = check_logprobs(_recorded(tmp_path / "removed", steps, meta=({}, {"remove_sample": True})))
+    assert (removed.removed, removed.without_logprobs, removed.samples, removed.tokens) == (2, 0, 2, 4)
+    assert [r["samples"] for r in removed.per_step] == [1, 1]
+    assert removed.notes == ["2 samples removed by slime (remove_sample): not trained, not judged"]
+    without = check_logprobs(_recorded(tmp_path / "without", steps, meta=({}, {"has_rollout_logprobs": False})))
+    assert (without.removed, without.without_logprobs, without.samples) == (0, 2, 2)
+    assert without.notes == ["2 samples without engine log-probs: not judged"]
+
+
+def test_the_first_non_finite_delta_named_is_the_runs_first(tmp_path):
+    """With non-finite deltas in several steps, the note names the earliest one, and counts them all."""
+    nan = float("nan")
+    steps = [([-1.0, -1.0, nan, -1.0], [-1.0] * 4), ([-1.0, nan, -1.0, -1.0], [-1.0] * 4)]
+    assert check_logprobs(_recorded(tmp_path / "r", steps)).notes == [
+        "2 non-finite log-prob deltas; the first at step 0, sample 1, response token 0 (trainer nan, rollout -1.0)"
+    ]
+
+
+def test_steps_asked_for_narrow_the_check_and_none_committed_is_undetermined(tmp_path):
+    """`steps` keeps the committed steps asked for; asking for none of them is bad input on --steps."""
+    run = _unequal(tmp_path / "r")
+    assert check_logprobs(run, steps=[1, 5]).steps == [1]
+    with pytest.raises(BadInput) as info:
+        check_logprobs(run, steps=[5])
+    assert (info.value.field, str(info.value)) == (
+        "--steps",
+        "--steps: undetermined: none of the steps asked for is committed (the run committed 2)",
+    )
+
+
+# ---------------------------------------------------------------- what of the run the check verifies
+
+
+def test_a_run_made_without_recordings_is_refused(tmp_path):
+    """A run made with --no-record holds nothing to judge, even where files are there: refused, saying so."""
+    run = _recorded(tmp_path / "r", [([-1.0] * 4, [-1.0] * 4)], config={**_config(), "record": False})
+    with pytest.raises(BadInput, match="made with --no-record"):
+        check_logprobs(run)
+
+
+def test_checkpoints_are_verified_when_recompute_loads_them_and_only_then(tmp_path):
+    """Checkpoint 0 of a full run holds other weights than the initial ones its manifest records: read as recorded
+    the run is judged (no checkpoint is read); recomputed, it is refused, naming the checkpoint."""
+    from rlbench.core.model import named_weights
+    from rlbench.rundir.digest import weights_digest
+
+    model = _model()
+    run = _recorded(
+        tmp_path / "r",
+        [([-1.0] * 4, [-1.0] * 4)],
+        mode="full",
+        config=_config() | _every(2, 4),
+        hashes={"initial_weights": weights_digest(named_weights(model))},
+    )
+    _checkpoint(run, 0, _weights(model, 0.05))
+    assert check_logprobs(run).stats["max_abs"] == 0.0
+    with pytest.raises(BadInput, match="the weights do not match manifest.json's hashes.initial_weights") as info:
+        check_logprobs(run, recompute=True)
+    assert info.value.path == str(run / "checkpoints" / "000000" / "model.safetensors")
+
+
+def test_ids_are_held_to_the_tokenizers_vocabulary_when_the_models_config_cannot_be_read(tmp_path):
+    """No vocab section and no model config.json: the tokenizer alone (4 ids) bounds the ids, and the recording
+    holding ids up to 63 is bad input naming the file; with no tokenizer either, the worst tokens show their ids."""
+    word_level_tokenizer().save_pretrained(tmp_path / "tok")
+    steps = [([-1.0, -2.0, -1.0, -1.0], [-1.0, -2.5, -1.0, -1.0])]
+    config = _config(model={"path": str(tmp_path / "no-model"), "tokenizer": str(tmp_path / "tok")})
+    run = _recorded(tmp_path / "tok-only", steps, config=config)
+    with pytest.raises(BadInput, match="token id 63 is outside the model's vocabulary") as info:
+        check_logprobs(run)
+    assert (info.value.path, info.value.field) == (str(run / "rollouts" / "000000.safetensors"), "tokens")
+    config = _config(model={"path": str(tmp_path / "no-model"), "tokenizer": str(tmp_path / "no-tok")})
+    [worst] = check_logprobs(_recorded(tmp_path / "neither", steps, config=config), top=1).worst
+    assert (worst.token_id, worst.text, worst.context) == (61, "[61]", "[1, 50, 51, 60]")
+
+
+def test_worst_tokens_of_equal_mismatch_keep_recording_order_in_a_long_step(tmp_path):
+    """24 tokens of one step, every delta 0.5: the worst 24 are in recording order (sample, then token), which an
+    unstable sort of that many ties does not keep."""
+    run = _recorded(tmp_path / "r", [([-1.0] * 24, [-1.5] * 24)], trained=((1,) * 12, (1,) * 12))
+    worst = check_logprobs(run, top=24).worst
+    assert [(w.sample, w.response_token) for w in worst] == [(s, t) for s in (0, 1) for t in range(12)]
+
+
+# ---------------------------------------------------------------- nucleus (top-p) log-probs
+
+
+def test_nucleus_logprobs_scale_by_a_positive_temperature_only_on_the_logits_device():
+    """t > 0 divides the logits (t = 0.5 doubles them); t = 0, greedy, leaves them as they are; the mask is made
+    where the logits are (here the meta device, as it would be a GPU)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    half = nucleus_logprobs(logits, torch.tensor([1]), [[2]], 0.5)
+    assert half.tolist() == pytest.approx([2.0 - math.log(math.exp(2.0) + math.exp(4.0))], abs=1e-6)
+    greedy = nucleus_logprobs(logits, torch.tensor([1]), [[2]], 0.0)
+    assert greedy.tolist() == pytest.approx([1.0 - math.log(math.exp(1.0) + math.exp(2.0))], abs=1e-6)
+    meta = nucleus_logprobs(torch.zeros(2, 5, device="meta"), torch.tensor([1, 2], device="meta"), [[0], [3]], 1.0)
+    assert (meta.device.type, meta.shape) == ("meta", (2,))
+
+
+def test_a_sequences_nucleus_logprobs_predict_each_response_token_from_its_prefix():
+    """ids[prompt:] each over its own nucleus; a first token with no prefix gets 0, and with no response token
+    there is nothing to compute."""
+    model, ids = _model(), [1, 62, 63, 64]
+    nuclei = [[5, 62], [7, 9], [63, 64, 100], [2]]
+    for prompt in (0, 1, 2):
+        got = sequence_nucleus_logprobs(model, torch.tensor(ids), prompt, nuclei[prompt:], 0.5)
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx(_by_hand(model, ids, prompt, nuclei[prompt:], 0.5), abs=1e-5)
+    assert sequence_nucleus_logprobs(model, torch.tensor(ids), 4, [], 0.5).tolist() == []
+
+
+def test_recompute_renormalises_a_top_p_sample_over_its_recorded_nucleus_on_every_step(tmp_path):
+    """A rollout-only run of 2 steps at temperature 0.5: sample 0 sampled from every id, sample 1 (`top_p`) from
+    its recorded nuclei; the engine's log-probs, worked out here from one plain forward, are what recomputing gives
+    (float noise), and each step's top-p sample is counted. Read as recorded, nothing is recomputed or counted."""
+    model = _model()
+    first, second = _samples((3, 1))  # [1, 50, 51, 60, 61], [1, 62, 63]
+    nuclei = [[5, 62], [7, 9]]  # sample 1's response tokens; 63 is not in its nucleus, and counts all the same
+    rollout = _by_hand(model, first, 3, None, 0.5) + _by_hand(model, second, 1, nuclei, 0.5)
+    trainer = [rollout[0], rollout[1] - 0.5, rollout[2], rollout[3]]
+    run = _recorded(
+        tmp_path / "r",
+        [(trainer, rollout)] * 2,
+        prompts=(3, 1),
+        config=_config(rollout={"temperature": 0.5}),
+        meta=({}, {"top_p": True}),
+        top_p=[[]] * 6 + nuclei,
+    )
+    recomputed = check_logprobs(run, recompute=True)
+    assert (recomputed.steps, recomputed.tokens, recomputed.top_p) == ([0, 1], 8, 2)
+    assert recomputed.notes == ["2 samples recomputed over their recorded top-p nucleus"]
+    assert recomputed.stats["max_abs"] < 1e-5
+    recorded = check_logprobs(run)
+    assert (recorded.top_p, recorded.notes, recorded.stats["max_abs"]) == (0, [], pytest.approx(0.5))
