@@ -37,6 +37,7 @@ from rlbench.replay.pickled import load_torch_file
 from rlbench.replay.slime_train import CP_FIELDS, TrainDump, check_sample
 
 V1_KEYS = {"rollout_id", "rank", "rollout_data", "cp_rank", "cp_size", "qkv_format"}  # Miles adds the last three
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 V1_LAYOUT = ("micro_batch_indices", "num_microbatches", "global_batch_sizes")
 V1_WHOLE_BATCH = ("raw_reward",)  # the whole rollout batch, in the rollout dump's order, on every rank
 
@@ -163,6 +164,16 @@ def _read_file(path: Path) -> tuple:
             path=path,
             field="rollout_data.sample_indices",
         )
+    for name in CP_FIELDS:
+        column = data.get(name)
+        bad = next((r for r, row in enumerate(column) if not _numbers(row)), None) if isinstance(column, list) else None
+        if bad is not None:
+            raise BadInput(
+                f"expected each row a 1-D tensor or list of numbers (a value per token), row {bad} is "
+                f"{_kind(column[bad])}",
+                path=path,
+                field=f"rollout_data.{name}",
+            )
     if dump.get("qkv_format") == "bshd" and (dump.get("cp_size") or 1) > 1 and "max_seq_lens" not in data:
         raise BadInput(
             "qkv_format bshd splits the padded length, and no rollout_data.max_seq_lens says what it was",
@@ -170,6 +181,18 @@ def _read_file(path: Path) -> tuple:
             field="qkv_format",
         )
     return path, dump, data, tuple(indices)
+
+
+def _numbers(row) -> bool:
+    if torch.is_tensor(row):
+        return row.dim() == 1 and (row.dtype.is_floating_point or row.dtype in INTEGER_DTYPES)
+    return isinstance(row, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
+
+
+def _kind(row) -> str:
+    if torch.is_tensor(row):
+        return f"a {row.dim()}-D {str(row.dtype).removeprefix('torch.')} tensor"
+    return f"{row!r:.40}"
 
 
 def _cp_layout(holders: list, label: str, findings: list[str]) -> tuple[int, list[int], str] | None:
@@ -266,9 +289,8 @@ def _per_row(value, n: int) -> bool:
 
 
 def _equal(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(torch.as_tensor(u), torch.as_tensor(v)) if len(u) == len(v) else False for u, v in zip(a, b)
-    )
+    # rows are 1-D numbers (_read_file): torch.equal is False for rows of unequal length
+    return len(a) == len(b) and all(torch.equal(torch.as_tensor(u), torch.as_tensor(v)) for u, v in zip(a, b))
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -964,6 +964,36 @@ def _plain(value):
             id="no sample_indices",
         ),
         pytest.param(
+            _setting("rollout_data", "log_probs", value=[["a", "b"]]),
+            "rollout_data.log_probs: expected each row a 1-D tensor or list of numbers (a value per token), row 0 is "
+            "['a', 'b']",
+            id="text in a log-prob row",
+        ),
+        pytest.param(
+            _setting("rollout_data", "rollout_log_probs", value=[[-0.5, True]]),
+            "rollout_data.rollout_log_probs: expected each row a 1-D tensor or list of numbers (a value per token), "
+            "row 0 is [-0.5, True]",
+            id="a bool in a list row",
+        ),
+        pytest.param(
+            _setting("rollout_data", "log_probs", value=[torch.zeros(2, 1)]),
+            "rollout_data.log_probs: expected each row a 1-D tensor or list of numbers (a value per token), row 0 is "
+            "a 2-D float32 tensor",
+            id="a 2-D row",
+        ),
+        pytest.param(
+            _setting("rollout_data", "teacher_log_probs", value=[torch.tensor([True, False])]),
+            "rollout_data.teacher_log_probs: expected each row a 1-D tensor or list of numbers (a value per token), "
+            "row 0 is a 1-D bool tensor",
+            id="a bool tensor row",
+        ),
+        pytest.param(
+            _setting("rollout_data", "log_probs", value=[torch.tensor([1j, 2j])]),
+            "rollout_data.log_probs: expected each row a 1-D tensor or list of numbers (a value per token), row 0 is "
+            "a 1-D complex64 tensor",
+            id="a complex row",
+        ),
+        pytest.param(
             lambda d: d | {"qkv_format": "bshd", "cp_size": 2},
             "qkv_format: qkv_format bshd splits the padded length, and no rollout_data.max_seq_lens says what it was",
             id="bshd split without max_seq_lens",
