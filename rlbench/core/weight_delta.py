@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlbench.core.confine import inside, no_link, open_lock, replace_with, write_new
+from rlbench.errors import BadInput
+
 ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
 INDEX = "model.safetensors.index.json"
@@ -178,71 +181,121 @@ class Publisher:
 
 
 # ---- reading a version --------------------------------------------------------------------------------------------
+#
+# `root`, where given, confines every path read (and, pulling, written): rlbench/core/confine.py's rule.
 
 
-def _header(blob: bytes, where: str) -> tuple[dict, int]:
+def _header(blob: bytes, where: str) -> tuple[dict, dict, int]:
+    """A safetensors file's header: (tensor name -> (begin, end) in the data, the string metadata, where the data
+    starts), each field of the type safetensors writes (DeltaRefused naming the field otherwise)."""
     length = int.from_bytes(blob[:8], "little")  # a file under 8 bytes falls short of any header too
     if length > len(blob) - 8:
         raise DeltaRefused(f"{where}: not a safetensors file ({len(blob)} bytes, short of the header it announces)")
     try:
         header = json.loads(blob[8 : 8 + length])
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise DeltaRefused(f"{where}: its safetensors header does not parse ({exc.__class__.__name__})") from None
-    return header, 8 + length
-
-
-def _tensors(path: Path) -> tuple[bytes, dict, dict[str, tuple[int, int]]]:
-    """A safetensors file's bytes, its header's metadata, and where each tensor's bytes lie in them."""
-    blob = path.read_bytes()
-    header, start = _header(blob, str(path))
+    if not isinstance(header, dict):
+        raise BadInput(f"its safetensors header is a {type(header).__name__}, expected an object", path=where)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise BadInput(f"expected an object of strings, got {_kind(metadata)}", path=where, field="__metadata__")
+    data = len(blob) - 8 - length
     spans = {}
     for name, info in header.items():
-        begin, end = info["data_offsets"]
-        spans[name] = (start + begin, start + end)
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            raise BadInput(
+                f"expected [begin, end], integers within the file's {data} data bytes, got {_kind(offsets)}",
+                path=where,
+                field=f"{name}.data_offsets",
+            )
+        spans[name] = (8 + length + offsets[0], 8 + length + offsets[1])
+    return spans, metadata, 8 + length
+
+
+def _kind(value) -> str:
+    return f"{value!r:.60}"
+
+
+def _tensors(path: Path, root: Path | None = None) -> tuple[bytes, dict, dict[str, tuple[int, int]]]:
+    """A safetensors file's bytes, its header's metadata, and where each tensor's bytes lie in them."""
+    blob = inside(path, root).read_bytes()
+    spans, metadata, _ = _header(blob, str(path))
     return blob, metadata, spans
 
 
-def read_checkpoint(directory: str | Path) -> dict[str, tuple[str, np.ndarray]]:
+def read_checkpoint(directory: str | Path, root: Path | None = None) -> dict[str, tuple[str, np.ndarray]]:
     """Every tensor of an HF checkpoint directory (the files its weights are in, as core/model.py's `weight_files`
     picks them: an rlbench checkpoint's optimizer state aside) as (file name, its bytes)."""
     from rlbench.core.model import weight_files
 
     out = {}
-    files = weight_files(directory)
+    files = weight_files(inside(directory, root))
     if not files:
         raise DeltaRefused(f"{directory}: no model.safetensors (nor an index of its shards)")
     for path in files:
-        blob, _, tensors = _tensors(path)
+        blob, _, tensors = _tensors(path, root)
         for name, (begin, end) in tensors.items():
             out[name] = (path.name, np.frombuffer(blob, np.uint8, end - begin, begin).copy())
     return out
 
 
-def is_delta(path: Path) -> bool:
-    """A version is a delta when its index metadata names an encoding (slime's `_is_delta`)."""
-    if not path.is_dir():
-        raise DeltaRefused(f"published weight version missing: {path}")
-    index = path / INDEX
-    if not index.is_file():
-        return False
+def _index(path: Path, root: Path | None) -> dict:
+    """A version's index, each field it is read by of the type slime writes (DeltaRefused naming it otherwise)."""
     try:
-        return "delta_encoding" in json.loads(index.read_text()).get("metadata", {})
-    except ValueError:
-        raise DeltaRefused(f"{index}: not JSON") from None
+        index = json.loads(inside(path / INDEX, root).read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise DeltaRefused(f"{path / INDEX}: not JSON ({exc.__class__.__name__})") from None
+    if not isinstance(index, dict):
+        raise BadInput(f"expected an object, got {_kind(index)}", path=path / INDEX)
+    for key in ("metadata", "weight_map"):
+        value = index.get(key, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise BadInput(f"expected an object of strings, got {_kind(value)}", path=path / INDEX, field=key)
+    return index
 
 
-def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: int) -> int:
-    """Apply delta version `path` to `state` (name -> (file, bytes)) in place, verifying every tensor it changes;
-    `held` is the version the state is at. Returns the new version. DeltaRefused names the version and tensor."""
+def is_delta(path: Path, root: Path | None = None) -> bool:
+    """A version is a delta when its index metadata names an encoding (slime's `_is_delta`)."""
+    if not inside(path, root).is_dir():
+        raise DeltaRefused(f"published weight version missing: {path}")
+    if not (path / INDEX).is_file():
+        return False
+    return "delta_encoding" in _index(path, root).get("metadata", {})
+
+
+def _decompress(data: bytes, limit: int, label: str) -> np.ndarray:
+    """A zstd frame's bytes, refused when it holds (or declares) more than `limit`: what the tensor it changes can
+    take, so no frame makes rlbench allocate more than that."""
     import zstandard
 
-    index = json.loads((path / INDEX).read_text())
-    meta = index.get("metadata", {})
     try:
-        version, base = int(meta["version"]), int(meta["base_version"])
-    except (KeyError, ValueError):
-        raise DeltaRefused(f"{path / INDEX}: metadata without version and base_version") from None
+        declared = zstandard.get_frame_parameters(data).content_size
+        if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+            raise DeltaRefused(f"{label}: its zstd frame declares {declared} bytes, the tensor takes at most {limit}")
+        return np.frombuffer(zstandard.ZstdDecompressor().decompress(data, max_output_size=limit), np.uint8)
+    except zstandard.ZstdError as exc:
+        raise DeltaRefused(f"{label}: its zstd data does not decompress within {limit} bytes ({exc})") from None
+
+
+def apply_version(
+    state: dict[str, tuple[str, np.ndarray]], path: Path, held: int, root: Path | None = None
+) -> tuple[int, int]:
+    """Apply delta version `path` to `state` (name -> (file, bytes)) in place, verifying every tensor it changes;
+    `held` is the version the state is at. Returns the new version and the tensors verified. DeltaRefused names the
+    version and tensor."""
+    index = _index(inside(path, root), root)
+    meta = index.get("metadata", {})
+    numbers = [meta.get(k) for k in ("version", "base_version")]
+    if not all(isinstance(n, str) and n.isdigit() and n.isascii() for n in numbers):
+        raise DeltaRefused(f"{path / INDEX}: metadata without version and base_version (zero-padded numbers)")
+    version, base = (int(n) for n in numbers)
     label = f"version {version}" + ("" if path.name == f"weight_v{version:06d}" else f" ({path.name})")
     if path.name != f"weight_v{version:06d}":
         raise DeltaRefused(f"{label}: published under {path.name} (out of order)")
@@ -257,17 +310,16 @@ def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: in
         raise DeltaRefused(f"{label}: checksum_format {algorithm!r}, expected one of {', '.join(CHECKSUMS)}")
     staged = {}
     for file in sorted(path.glob("*.safetensors")):
-        blob, sums, tensors = _tensors(file)
+        blob, sums, tensors = _tensors(file, root)
         for name, (begin, end) in tensors.items():
             if name not in state:
                 raise DeltaRefused(f"{label}, {name}: no such tensor in the weights it applies to")
             if name in staged:  # slime applies a version's tensors concurrently: a tensor twice has no order
                 raise DeltaRefused(f"{label}, {name}: in two of the version's files")
-            try:
-                diff = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob[begin:end]), np.uint8)
-            except zstandard.ZstdError as exc:
-                raise DeltaRefused(f"{label}, {name}: its zstd data does not decompress ({exc})") from None
             old = state[name][1]
+            # xor: one byte per byte; overwrite: a count, then at most every position (4 bytes) and its new byte
+            limit = old.size if encoding == "xor" else 4 + 5 * old.size
+            diff = _decompress(blob[begin:end], limit, f"{label}, {name}")
             if encoding == "xor":
                 if diff.size != old.size:
                     raise DeltaRefused(f"{label}, {name}: {diff.size} diff bytes for a tensor of {old.size}")
@@ -291,10 +343,19 @@ def apply_version(state: dict[str, tuple[str, np.ndarray]], path: Path, held: in
         raise DeltaRefused(f"{label}, {missing[0]}: in its index, in none of its files ({len(missing)} tensors)")
     for name, new in staged.items():
         state[name] = (state[name][0], new)
-    return version
+    return version, len(staged)
 
 
 # ---- the engine's side: /pull_weights --------------------------------------------------------------------------
+#
+# A pull reads and verifies everything first (the seed's files, every delta, every tensor) and only then writes:
+# each new file staged under a fresh name in `.weight_sync/staging/`, flushed, then a journal (`pending.json`:
+# the version and the renames) written, then each file renamed into place and the version marked. A pull killed
+# before the journal leaves the checkpoint as it was (the next pull clears the staging); killed after it, the next
+# pull finishes the renames first: either way no reader of the marker sees files of another version.
+
+STAGING = "staging"
+JOURNAL = "pending.json"
 
 
 def applied_version(local: Path) -> int | None:
@@ -304,71 +365,125 @@ def applied_version(local: Path) -> int | None:
         return None
 
 
-def pull(local: str | Path, base: str | Path, source: str | Path, target: int) -> int:
+def pull(local: str | Path, base: str | Path, source: str | Path, target: int, root: Path | None = None) -> int:
     """Bring the host-local checkpoint `local` to version `target` of `source` (slime's `pull`): seeded from the
-    newest full version at or below it (the engine's `base` for version 0), then each delta in order, each
-    verified before the checkpoint's files are replaced. Returns the versions applied."""
+    newest full version at or below it (the engine's `base` for version 0), then each delta in order, every tensor
+    verified before the first byte of the checkpoint or its state changes. `root` confines the local checkpoint
+    and the versions (not `base`, the server's own model). Returns the versions applied."""
     import fcntl
 
     local, source = Path(local), Path(source)
-    (local / SYNC_DIR).mkdir(parents=True, exist_ok=True)
-    with open(local / SYNC_DIR / "lock", "w") as lock:  # a host's servers share the checkpoint: one pulls at a time
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _pull(local, Path(base), source, target)
+    _apart(local, source)
+    sync = no_link(inside(local, root) / SYNC_DIR)
+    fd = open_lock(sync / "lock")  # a host's servers share the checkpoint: one pulls at a time
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _recover(local)
+        return _pull(local, Path(base), source, target, root)
+    finally:
+        os.close(fd)
 
 
-def _pull(local: Path, base: Path, source: Path, target: int) -> int:
+def _apart(local: Path, source: Path) -> None:
+    """A local checkpoint that is (or lies inside) a published version would be written into the chain."""
+    a, b = local.resolve(), source.resolve()
+    if b in a.parents and a.relative_to(b).parts[0].startswith("weight_v"):
+        raise BadInput(
+            f"{local} lies in the published version {b / a.relative_to(b).parts[0]}: a pull writes the local "
+            "checkpoint, never a published version",
+            field="local_checkpoint_dir",
+        )
+
+
+def _pull(local: Path, base: Path, source: Path, target: int, root: Path | None) -> int:
     held = applied_version(local)
     start = target
-    while start > (held if held is not None else 0) and is_delta(version_dir(source, start)):
+    while start > (held if held is not None else 0) and is_delta(version_dir(source, start), root):
         start -= 1
+    seed = None
     if held is None or start > held:
-        _reset(base if start == 0 else version_dir(source, start), local, start)
-        held = start
-    if target <= held:
+        seed = base if start == 0 else version_dir(source, start)
+        state, held = read_checkpoint(seed, None if start == 0 else root), start
+    elif target <= held:
         return 0
-    state = read_checkpoint(local)
+    else:
+        state = read_checkpoint(local, root)
     for version in range(held + 1, target + 1):
-        held = apply_version(state, version_dir(source, version), held)
-    _write_state(local, state)
-    _mark(local, held)
+        held, _ = apply_version(state, version_dir(source, version), held, root)
+    if seed is None:
+        files, remove = _patched(local, state, root), []
+    else:
+        files = _seeded(seed, state, None if start == 0 else root)
+        remove = sorted(f.name for f in local.iterdir() if (f.is_file() or f.is_symlink()) and f.name not in files)
+    _commit(local, files, remove, target)
     return target - start
 
 
-def _reset(source: Path, local: Path, version: int) -> None:
-    """The local checkpoint made an exact copy of the full checkpoint `source` (files it lacks removed)."""
-    names = {f.name for f in source.iterdir() if f.is_file()}
-    for name in names:
-        tmp = local / f".{name}.tmp"
-        shutil.copyfile(source / name, tmp)
-        os.replace(tmp, local / name)
-    for f in local.iterdir():
-        if f.is_file() and f.name not in names:
-            f.unlink()
-    _mark(local, version)
+def _patch(blob: bytes, file: str, state: dict) -> bytes:
+    """A safetensors file's bytes with the tensors `state` keeps in it (by file name) replaced (its header, and so
+    its layout, unchanged)."""
+    spans, _, _ = _header(blob, file)
+    out = bytearray(blob)
+    for name, (begin, end) in spans.items():
+        if name in state and state[name][0] == file:  # a name in two shards is read from the later one
+            out[begin:end] = state[name][1].tobytes()
+    return bytes(out)
 
 
-def _write_state(local: Path, state: dict[str, tuple[str, np.ndarray]]) -> None:
-    """Each file the local checkpoint's weights are in (read_checkpoint's; any other safetensors file beside them
-    left alone) rewritten with the new bytes, under a temporary name and renamed (its header, and so its layout,
-    unchanged)."""
-    for file in sorted({file for file, _ in state.values()}):
-        path = local / file
-        blob, _, tensors = _tensors(path)
-        blob = bytearray(blob)
-        for name, (begin, end) in tensors.items():
-            if state[name][0] == file:  # a name in two shards is read from the later one: written there
-                blob[begin:end] = state[name][1].tobytes()
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(bytes(blob))
-        os.replace(tmp, path)
+def _seeded(seed: Path, state: dict, root: Path | None) -> dict[str, bytes]:
+    """Each file of the full checkpoint `seed`, by name, with `state`'s bytes (the local checkpoint made its exact
+    copy)."""
+    files, weights = {}, {file for file, _ in state.values()}
+    for f in sorted(seed.iterdir()):
+        if f.is_file():
+            blob = inside(f, root).read_bytes()
+            files[f.name] = _patch(blob, f.name, state) if f.name in weights else blob
+    return files
+
+
+def _patched(local: Path, state: dict, root: Path | None) -> dict[str, bytes]:
+    """Each file the local checkpoint's weights are in (read_checkpoint's; any other file left alone) with the new
+    bytes."""
+    return {f: _patch(inside(local / f, root).read_bytes(), f, state) for f in sorted({f for f, _ in state.values()})}
+
+
+def _commit(local: Path, files: dict[str, bytes], remove: list[str], version: int) -> None:
+    """Stage every file, write the journal, then rename, remove and mark (the comment above `applied_version`)."""
+    sync = local / SYNC_DIR
+    staging = no_link(sync / STAGING)
+    renames = {name: write_new(staging, name, data).name for name, data in files.items()}
+    _failpoint("staged")
+    replace_with(sync / JOURNAL, json.dumps({"version": version, "renames": renames, "remove": remove}).encode())
+    _failpoint("journal")
+    _recover(local)
+
+
+def _recover(local: Path) -> None:
+    """Finish a journalled pull (each staged file renamed into place, the files it removes removed, the version
+    marked), then clear the staging: what a pull killed part way through left."""
+    sync, journal = local / SYNC_DIR, local / SYNC_DIR / JOURNAL
+    if journal.is_file() and not journal.is_symlink():
+        plan = json.loads(journal.read_text())
+        for name, staged in plan["renames"].items():
+            if (sync / STAGING / staged).is_file():
+                os.replace(sync / STAGING / staged, local / name)
+                _failpoint("renamed")
+        for name in plan["remove"]:
+            (local / name).unlink(missing_ok=True)
+        _mark(local, plan["version"])
+        _failpoint("marked")
+        journal.unlink()
+    if (sync / STAGING).is_dir() and not (sync / STAGING).is_symlink():
+        shutil.rmtree(sync / STAGING)
+
+
+def _failpoint(step: str) -> None:
+    """Where a test stops a pull, as a kill would (tests/cpu/test_weight_delta.py)."""
 
 
 def _mark(local: Path, version: int) -> None:
-    """The version the local checkpoint holds, recorded (pull made its .weight_sync directory)."""
-    tmp = local / SYNC_DIR / "state.json.tmp"
-    tmp.write_text(json.dumps({"version": f"{version:06d}"}))
-    os.replace(tmp, local / SYNC_DIR / "state.json")
+    """The version the local checkpoint holds, recorded."""
+    replace_with(local / SYNC_DIR / "state.json", json.dumps({"version": f"{version:06d}"}).encode())
 
 
 # ---- `rlbench check weights` --------------------------------------------------------------------------------------
@@ -389,8 +504,9 @@ def verify_chain(
 ) -> ChainReport:
     """Every version under `root` applied in order, from its first full version (or from `base`, version 0),
     each delta on its declared base with every tensor's checksum held; the last state held to `final` (name ->
-    bytes) where given."""
+    bytes) where given. The chain's directory confines what is read of it (links inside it followed, none out)."""
     root = Path(root)
+    confine = root.resolve()
     found = sorted(
         int(p.name[len("weight_v") :]) for p in root.glob("weight_v*") if p.name[len("weight_v") :].isdigit()
     )
@@ -400,11 +516,9 @@ def verify_chain(
     expected = list(range(found[0], found[-1] + 1))
     state, held = None, None
     try:
-        if not is_delta(version_dir(root, found[0])):
+        if not is_delta(version_dir(root, found[0]), confine):
             pass  # the chain starts with a full version
         elif base is None:
-            from rlbench.errors import BadInput
-
             raise BadInput(
                 f"undetermined: version {found[0]} is a delta and no --base gives the weights it builds on",
                 field="--base",
@@ -415,12 +529,12 @@ def verify_chain(
             path = version_dir(root, version)
             if not path.is_dir():
                 raise DeltaRefused(f"version {version} is missing (the chain has {found[0]}..{found[-1]})")
-            if not is_delta(path):
-                state, held = read_checkpoint(path), version
+            if not is_delta(path, confine):
+                state, held = read_checkpoint(path, confine), version
                 report.full.append(version)
             else:
-                held = apply_version(state, path, held)
-                report.tensors_checked += len(json.loads((path / INDEX).read_text()).get("weight_map", {}))
+                held, checked = apply_version(state, path, held, confine)
+                report.tensors_checked += checked
             report.versions.append(version)
     except DeltaRefused as exc:
         report.failure = str(exc)

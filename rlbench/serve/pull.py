@@ -1,14 +1,15 @@
 """slime's /pull_weights (the endpoint its SGLang patch adds: docker/patch/latest/sglang-pull_weights.patch at
 THUDM/slime 624b824a): bring a host-local checkpoint to a published weight version (rlbench/core/weight_delta.py
-`pull`: the newest full version at or below it, then each delta on its declared base, every tensor verified before the
-checkpoint's files are replaced), then the caller reloads it through /update_weights_from_disk as SGLang's does.
+`pull`: the newest full version at or below it, then each delta on its declared base, every tensor verified before
+the checkpoint's files are replaced), then the caller reloads it through /update_weights_from_disk as SGLang's does.
 
 Body {local_checkpoint_dir, source_dir, target_version} (PullWeightsReqInput); answer {success, message}, 400 when
 it failed (SGLang's patch: the traceback; here the one line naming the version and tensor), and then the local
 checkpoint is as it was. Both paths must lie below the directory the server reads weights from where it has one
-(`--weights-dir`), as for /update_weights_from_disk. Version 0 is the server's own model (`--model-path`). Pulls are
-serialised on the server's engine thread (the host's other servers wait on the checkpoint's lock file), so a
-request arriving while one runs applies after it.
+(`--weights-dir`), as for /update_weights_from_disk, and so must every file and version read or written there, links
+followed (rlbench/core/confine.py); the local checkpoint may not lie in a published version. Version 0 is the
+server's own model (`--model-path`). Pulls are serialised on the server's engine thread (the host's other servers
+wait on the checkpoint's lock file), so a request arriving while one runs applies after it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ async def handle(state, read_body, request: Request) -> Response:
             return _answer(False, outside)
     try:
         await state.worker.call(
-            pull, body["local_checkpoint_dir"], state.model_path, body["source_dir"], body["target_version"]
+            pull,
+            body["local_checkpoint_dir"],
+            state.model_path,
+            body["source_dir"],
+            body["target_version"],
+            state.config.weights_root(),
         )
     except (DeltaRefused, BadInput, OSError, ValueError, KeyError) as exc:
         return _answer(False, f"pull_weights to version {body['target_version']} refused: {exc}")

@@ -264,7 +264,9 @@ class ServerState:
         from rlbench.core.model import named_weights
         from rlbench.serve.weights import read_candidate
 
-        candidate = read_candidate(self.engine.model, model_path, load_format, self.config.random_seed)
+        candidate = read_candidate(
+            self.engine.model, model_path, load_format, self.config.random_seed, self.config.weights_root()
+        )
         self.engine.update_weights(named_weights(candidate), self.engine.weight_version)
         self.model_path = self.served_model_name = model_path
         self.load_format = load_format

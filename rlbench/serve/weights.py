@@ -33,12 +33,16 @@ class LoadFailed(Exception):
     """A weight load that changed nothing: SGLang's message for it."""
 
 
-def read_candidate(model: torch.nn.Module, path: str, load_format: str, seed: int) -> torch.nn.Module:
+def read_candidate(
+    model: torch.nn.Module, path: str, load_format: str, seed: int, root: Path | None = None
+) -> torch.nn.Module:
     """A copy of `model` holding the weights `path` names (LoadFailed, with SGLang's message, when they
     cannot be read whole). `load_format` dummy (a server started from random weights, asked without a
     format) reads the directory's safetensors where it has some, else gives the seeded initial weights
     of a model directory without any (the one the server started from): SGLang's own server refuses any
-    disk update once started with --load-format dummy."""
+    disk update once started with --load-format dummy. `root` (--weights-dir) confines every file read, links
+    followed (rlbench/core/confine.py)."""
+    from rlbench.core.confine import inside
     from rlbench.core.model import init_weights_, load_checkpoint_, weight_files
 
     if load_format not in FORMATS:
@@ -47,7 +51,7 @@ def read_candidate(model: torch.nn.Module, path: str, load_format: str, seed: in
         )
     try:
         directory = Path(path)
-        files = weight_files(directory) if directory.is_dir() else []
+        files = [inside(f, root) for f in weight_files(directory)] if directory.is_dir() else []
         bare = directory.is_dir() and (directory / "config.json").is_file() and not files
     except (OSError, BadInput) as exc:
         raise LoadFailed(f"Failed to get weights iterator: {_reason(exc)}.") from None

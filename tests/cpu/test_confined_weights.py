@@ -1,0 +1,402 @@
+"""Issue 51, points 1 and 3: the weights directory a server confines (--weights-dir) cannot be escaped through
+links, a delta chain verifies only what it read, and a pull changes nothing of the local checkpoint until every
+tensor of every version is verified, and is whole after a kill at any step (rlbench/core/confine.py,
+rlbench/core/weight_delta.py `pull`). Each case both ways: a link that stays inside still works. Outside files are
+held to their bytes and modification times."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlbench.core import weight_delta
+from rlbench.core.confine import Outside
+from rlbench.errors import BadInput
+from tests.conftest import cli
+from tests.cpu.test_weight_delta import CONFIG, _chain, _pulled, _raw, _same, _trained
+
+
+def _tree(directory: Path) -> dict:
+    """Every file below `directory` (links as their targets' names), the pull's lock file aside: what a pull may
+    not change when it is refused."""
+    out = {}
+    for path in sorted(directory.rglob("*")) if directory.exists() else []:
+        rel = str(path.relative_to(directory))
+        if path.is_symlink():
+            out[rel] = ("link", os.readlink(path))
+        elif path.is_file() and rel != ".weight_sync/lock":
+            out[rel] = path.read_bytes()
+    return out
+
+
+def _untouched(directory: Path) -> dict:
+    """Bytes and modification times of every file below `directory` (outside the confining one)."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def root(tmp_path):
+    """D (the confining directory, resolved as the server holds it) with a chain of versions 1 (full) to 3 in
+    D/chain, and a directory beside D, outside it, holding a copy of the chain and a victim file."""
+    d = tmp_path / "D"
+    _chain(d / "chain", 3)
+    outside = tmp_path / "outside"
+    shutil.copytree(d / "chain", outside / "chain")
+    (outside / "victim").write_bytes(b"not the checkpoint's")
+    return d.resolve()
+
+
+def _pull(root: Path, target: int, local: str = "local", source: str = "chain") -> int:
+    return weight_delta.pull(root / local, root / "base-unused", root / source, target, root)
+
+
+# ---- links ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_version_directory_that_is_a_link_is_followed_only_inside_the_root(root, where):
+    """D/chain/weight_v000002 a link: to the outside copy, refused by name and nothing pulled past version 1 (the
+    local checkpoint as it was); to a copy inside D, pulled as the version itself."""
+    outside = root.parent / "outside"
+    _pull(root, 1)
+    store = outside / "chain" if where == "outside" else root / "store"
+    if where == "inside":
+        shutil.copytree(root / "chain" / "weight_v000002", store / "weight_v000002")
+    shutil.rmtree(root / "chain" / "weight_v000002")
+    (root / "chain" / "weight_v000002").symlink_to(store / "weight_v000002")
+    before, kept = _tree(root / "local"), _untouched(outside)
+    if where == "outside":
+        with pytest.raises(Outside) as refused:
+            _pull(root, 2)
+        assert str(refused.value).startswith(f"{root / 'chain' / 'weight_v000002'}: resolves to {store}")
+        assert _tree(root / "local") == before
+    else:
+        assert _pull(root, 2) == 1 and _same(_pulled(root / "local"), _raw(_trained(2)))
+    assert _untouched(outside) == kept
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_full_versions_file_linked_outside_the_root_is_not_copied_in(root, where):
+    """The full version's model.safetensors a link: to a file outside D, refused and its bytes not copied into the
+    local checkpoint; to a file inside D, copied as the version's own."""
+    target = root.parent / "outside" / "chain" / "weight_v000001" if where == "outside" else root / "store"
+    if where == "inside":
+        shutil.copytree(root / "chain" / "weight_v000001", target)
+    weights = root / "chain" / "weight_v000001" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to(target / "model.safetensors")
+    kept = _untouched(root.parent / "outside")
+    if where == "outside":
+        with pytest.raises(Outside, match="resolves to .*outside"):
+            _pull(root, 1)
+        assert _tree(root / "local") == {}
+    else:
+        _pull(root, 1)
+        assert (root / "local" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
+        assert not (root / "local" / "model.safetensors").is_symlink()
+    assert _untouched(root.parent / "outside") == kept
+
+
+def test_a_sync_directory_that_is_a_link_is_refused_and_nothing_written_through_it(root):
+    """The local checkpoint's .weight_sync a link to a directory outside D: refused before anything (no lock, no
+    state, no staged file) is written there."""
+    sync = root.parent / "outside" / "sync"
+    sync.mkdir()
+    (root / "local").mkdir()
+    (root / "local" / ".weight_sync").symlink_to(sync)
+    with pytest.raises(BadInput, match="is a symbolic link: rlbench writes no file through a link"):
+        _pull(root, 2)
+    assert list(sync.iterdir()) == [] and _tree(root / "local") == {".weight_sync": ("link", str(sync))}
+
+
+def test_names_a_pull_once_wrote_through_are_replaced_never_written_through(root):
+    """Links planted at the names earlier pulls wrote their temporary files under, and the local checkpoint's files
+    themselves links to files outside D: the pull writes new files of its own beside them, and the outside files
+    keep their bytes. (The local files linked outside are not read: a pull from a full version replaces them.)"""
+    outside = root.parent / "outside"
+    local = root / "local"
+    (local / ".weight_sync").mkdir(parents=True)
+    for name in (".model.safetensors.tmp", ".config.json.tmp", ".weight_sync/state.json.tmp", "model.safetensors"):
+        (local / name).symlink_to(outside / "victim")
+    kept = _untouched(outside)
+    assert _pull(root, 3) == 2
+    assert _same(_pulled(local), _raw(_trained(3))) and not (local / "model.safetensors").is_symlink()
+    assert _untouched(outside) == kept
+
+
+def test_a_local_checkpoint_linked_outside_is_not_read_to_apply_a_delta(root):
+    """Local at version 2, its model.safetensors then swapped for a link to the outside copy of version 1: pulling
+    version 3 reads the local weights, and refuses the link (a link inside D is read)."""
+    local = root / "local"
+    _pull(root, 2)
+    held = local / "model.safetensors"
+    held.unlink()
+    held.symlink_to(root.parent / "outside" / "chain" / "weight_v000001" / "model.safetensors")
+    with pytest.raises(Outside):
+        _pull(root, 3)
+    shutil.copyfile(root / "chain" / "weight_v000001" / "model.safetensors", root / "v1.safetensors")
+    held.unlink()
+    held.symlink_to(root / "v1.safetensors")  # version 1's bytes marked as 2: the delta on them does not verify
+    with pytest.raises(weight_delta.DeltaRefused, match="version 3, a: xxh3-128 of the applied bytes"):
+        _pull(root, 3)
+
+
+def test_a_local_checkpoint_inside_a_published_version_is_refused_and_the_chain_kept(root):
+    """Pulling into weight_v000001 (or a directory in it) would write into the chain: refused, naming the field;
+    a local checkpoint beside the versions is pulled."""
+    chain = _tree(root / "chain")
+    for local in ("chain/weight_v000001", "chain/weight_v000001/sub"):
+        with pytest.raises(BadInput) as refused:
+            _pull(root, 3, local=local)
+        assert refused.value.field == "local_checkpoint_dir"
+        assert f"lies in the published version {root / 'chain' / 'weight_v000001'}" in str(refused.value)
+    assert _tree(root / "chain") == chain
+    assert _pull(root, 3, local="chain/local") == 2  # in the chain's directory, not in a version
+
+
+# ---- staged: nothing changes until every version is verified ------------------------------------------------------
+
+
+def _drop_shard(version: Path) -> None:
+    (version / weight_delta.DELTA_FILE).unlink()
+
+
+def _flip_byte(version: Path) -> None:
+    path = version / weight_delta.DELTA_FILE
+    blob = bytearray(path.read_bytes())
+    blob[-3] ^= 0x40
+    path.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("damage", [_drop_shard, _flip_byte], ids=["a shard missing", "a byte changed"])
+@pytest.mark.parametrize("held", [None, 1], ids=["from nothing", "from version 1"])
+def test_a_refused_pull_changes_no_byte_of_the_local_checkpoint_or_its_state(root, damage, held):
+    """Version 3 damaged: a pull to 3 is refused naming version 3, whether it starts from the full version 1 (which
+    it read, and did not write) or from the version held; the local directory is byte for byte as before. The same
+    pull to 2 then goes through."""
+    if held is not None:
+        _pull(root, held)
+    damage(root / "chain" / "weight_v000003")
+    before = _tree(root / "local")
+    with pytest.raises(weight_delta.DeltaRefused, match="^version 3, "):
+        _pull(root, 3)
+    assert _tree(root / "local") == before
+    _pull(root, 2)
+    assert weight_delta.applied_version(root / "local") == 2 and _same(_pulled(root / "local"), _raw(_trained(2)))
+
+
+class _Killed(BaseException):
+    """What a kill does to a pull at a failpoint: it stops there, and nothing of it runs after."""
+
+
+@pytest.mark.parametrize("step", ["staged", "journal", "renamed", "marked"])
+def test_a_pull_killed_at_each_step_leaves_its_version_or_the_next_pull_finishes_it(root, step, monkeypatch):
+    """Local at version 1 (config.json and model.safetensors), pulled to 3 and killed at `step`: before the journal
+    the local checkpoint and its marker are version 1's bytes; after it, the next pull finishes the renames. Either
+    way the next pull leaves exactly what a pull to 3 into an empty directory leaves, with no staged file."""
+    _pull(root, 1)
+    version_1 = _tree(root / "local")
+    _pull(root, 3, local="reference")
+    killed = []
+
+    def failpoint(at):
+        if at == step and not killed:
+            killed.append(at)
+            raise _Killed
+
+    monkeypatch.setattr(weight_delta, "_failpoint", failpoint)
+    with pytest.raises(_Killed):
+        _pull(root, 3)
+    after = {k: v for k, v in _tree(root / "local").items() if not k.startswith(".weight_sync/")}
+    if step == "staged":
+        assert after == {k: v for k, v in version_1.items() if not k.startswith(".weight_sync/")}
+        assert weight_delta.applied_version(root / "local") == 1
+    else:
+        assert (root / "local" / ".weight_sync" / weight_delta.JOURNAL).is_file()
+    assert _pull(root, 3) == (2 if step == "staged" else 0)  # killed before the journal: pulled again
+    assert _tree(root / "local") == _tree(root / "reference")
+    assert not (root / "local" / ".weight_sync" / weight_delta.STAGING).exists()
+
+
+# ---- rlbench check weights ----------------------------------------------------------------------------------------
+
+
+def _check(chain: Path):
+    return cli("check", "weights", str(chain))
+
+
+def test_check_weights_counts_the_checksums_it_held_not_the_names_an_index_lists(root):
+    """Without weight_maps (an index that promises nothing) every tensor in the files is still verified and
+    counted; an index that names a tensor no file holds is exit 1 naming it."""
+    chain = root / "chain"
+    files = 0
+    for version in (2, 3):
+        index = chain / f"weight_v{version:06d}" / weight_delta.INDEX
+        table = json.loads(index.read_text())
+        files += len(table.pop("weight_map"))
+        index.write_text(json.dumps(table))
+    done = _check(chain)
+    assert done.returncode == 0 and f"; {files} tensor checksums held after applying" in done.stdout, done.stdout
+    table = json.loads(index.read_text()) | {"weight_map": {"a": weight_delta.DELTA_FILE, "absent": "x.safetensors"}}
+    index.write_text(json.dumps(table))
+    done = _check(chain)
+    assert done.returncode == 1
+    assert "then version 3, absent: in its index, in none of its files (1 tensors)" in done.stdout
+
+
+def test_check_weights_follows_no_link_out_of_the_chain(root):
+    """A version that is a link out of the chain's directory: exit 2 naming it, nothing read through it; the same
+    link to a copy inside the chain's directory verifies."""
+    chain = root / "chain"
+    shutil.move(chain / "weight_v000003", root / "v3")
+    (chain / "weight_v000003").symlink_to(root / "v3")
+    done = _check(chain)
+    assert done.returncode == 2 and done.stderr.startswith(f"rlbench: error: {chain / 'weight_v000003'}: resolves to")
+    assert len(done.stderr.strip().splitlines()) == 1
+    (chain / "weight_v000003").unlink()
+    shutil.move(root / "v3", chain / "store-v3")
+    (chain / "weight_v000003").symlink_to(chain / "store-v3")
+    assert _check(chain).returncode == 0
+
+
+# ---- files of the wrong shape: one line naming the file and the field ----------------------------------------------
+
+
+def _index_edit(change):
+    def edit(version: Path):
+        index = version / weight_delta.INDEX
+        index.write_text(json.dumps(change(json.loads(index.read_text()))))
+
+    return edit
+
+
+def _header_edit(change):
+    """Version 3's delta file with its header rewritten (the data kept)."""
+
+    def edit(version: Path):
+        path = version / weight_delta.DELTA_FILE
+        blob = path.read_bytes()
+        length = int.from_bytes(blob[:8], "little")
+        header = json.dumps(change(json.loads(blob[8 : 8 + length]))).encode()
+        path.write_bytes(len(header).to_bytes(8, "little") + header + blob[8 + length :])
+
+    return edit
+
+
+def _offsets_as_text(header):
+    header["a"]["data_offsets"] = [str(o) for o in header["a"]["data_offsets"]]
+    return header
+
+
+@pytest.mark.parametrize(
+    ("edit", "file", "says"),
+    [
+        (_index_edit(lambda t: [t]), weight_delta.INDEX, "expected an object, got [{'metadata'"),
+        (_index_edit(lambda t: t | {"metadata": "xor"}), weight_delta.INDEX, "metadata: expected an object of strings"),
+        (
+            _index_edit(lambda t: t | {"metadata": t["metadata"] | {"version": None}}),
+            weight_delta.INDEX,
+            "metadata: expected an object of strings, got {'version': None",
+        ),
+        (
+            _index_edit(lambda t: t | {"weight_map": ["a"]}),
+            weight_delta.INDEX,
+            "weight_map: expected an object of strings, got ['a']",
+        ),
+        (_header_edit(lambda h: [h]), weight_delta.DELTA_FILE, "its safetensors header is a list, expected an object"),
+        (_header_edit(_offsets_as_text), weight_delta.DELTA_FILE, "a.data_offsets: expected [begin, end], integers"),
+        (
+            _header_edit(lambda h: h | {"__metadata__": {"a": 1}}),
+            weight_delta.DELTA_FILE,
+            "__metadata__: expected an object of strings, got {'a': 1}",
+        ),
+    ],
+    ids=["index a list", "metadata text", "version null", "weight_map a list", "header a list", "offsets text", "sums"],
+)
+def test_a_version_file_of_the_wrong_json_shape_is_bad_input_in_one_line(root, edit, file, says):
+    """Exit 2, one line naming the file and the field, from `rlbench check weights`; a pull is refused (BadInput,
+    which /pull_weights answers 400) leaving the local checkpoint as it was."""
+    _pull(root, 2)
+    before = _tree(root / "local")
+    edit(root / "chain" / "weight_v000003")
+    done = _check(root / "chain")
+    assert done.returncode == 2, done.stdout + done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"rlbench: error: {root / 'chain' / 'weight_v000003' / file}: {says}"), line
+    with pytest.raises(BadInput):
+        _pull(root, 3)
+    assert _tree(root / "local") == before
+
+
+def test_a_zstd_frame_larger_than_its_tensor_is_refused_before_it_is_expanded(root):
+    """A diff whose frame declares (or, without a declared size, holds) far more bytes than the tensor takes: refused
+    naming version and tensor, no memory for it allocated."""
+    import zstandard
+    from safetensors.numpy import save
+
+    version = root / "chain" / "weight_v000003"
+    path = version / weight_delta.DELTA_FILE
+    sums = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
+    for declared in (True, False):
+        frame = zstandard.ZstdCompressor(level=19, write_content_size=declared).compress(bytes(1 << 26))
+        path.write_bytes(save({"a": np.frombuffer(frame, np.uint8)}, metadata={"a": sums["a"]}))
+        state = weight_delta.read_checkpoint(root / "chain" / "weight_v000001")
+        weight_delta.apply_version(state, root / "chain" / "weight_v000002", 1)
+        with pytest.raises(weight_delta.DeltaRefused) as refused:
+            weight_delta.apply_version(state, version, 2)
+        size = _raw(_trained(3))["a"].size
+        says = f"declares {1 << 26} bytes, the tensor takes at most {size}" if declared else f"within {size} bytes"
+        assert str(refused.value).startswith("version 3, a: its zstd") and says in str(refused.value)
+
+
+# ---- /update_weights_from_disk and /pull_weights on a server with --weights-dir -----------------------------------
+
+
+def test_the_server_reads_no_weights_through_a_link_out_of_its_weights_dir(tmp_path):
+    """rlbench serve --weights-dir D: /update_weights_from_disk of a directory in D whose model.safetensors links
+    outside D answers 400 and the served weights stay; linked inside D it loads. /pull_weights of a chain whose
+    version links outside D answers 400 and the local checkpoint is as it was."""
+    import requests
+
+    from rlbench.serve.server import ServeConfig, serve_in_thread
+    from tests.conformance.sglang.conftest import write_checkpoint
+
+    d = tmp_path / "D"
+    base = write_checkpoint(d / "base")
+    other = write_checkpoint(tmp_path / "outside" / "other", seed=2)
+    linked = d / "linked"
+    linked.mkdir()
+    shutil.copyfile(other / "config.json", linked / "config.json")
+    (linked / "model.safetensors").symlink_to(other / "model.safetensors")
+    kept = _untouched(tmp_path / "outside")
+    serving = serve_in_thread(ServeConfig(model_path=str(base), load_format="auto", port=0, weights_dir=str(d)))
+    try:
+        checksum = requests.post(serving.url + "/weights_checker", json={"action": "checksum"}, timeout=60).json()
+        load = requests.post(serving.url + "/update_weights_from_disk", json={"model_path": str(linked)}, timeout=60)
+        assert load.status_code == 400 and "resolves to" in load.json()["message"], load.text
+        same = requests.post(serving.url + "/weights_checker", json={"action": "checksum"}, timeout=60).json()
+        assert same == checksum
+        shutil.copyfile(other / "model.safetensors", d / "inside.safetensors")
+        (linked / "model.safetensors").unlink()
+        (linked / "model.safetensors").symlink_to(d / "inside.safetensors")
+        load = requests.post(serving.url + "/update_weights_from_disk", json={"model_path": str(linked)}, timeout=60)
+        assert load.status_code == 200, load.text
+        weights = {k: torch.ones(2) for k in ("w",)}
+        publisher = weight_delta.Publisher(tmp_path / "outside" / "chain")
+        publisher.publish_full(1, weights, CONFIG)
+        (d / "chain").mkdir()
+        (d / "chain" / "weight_v000001").symlink_to(tmp_path / "outside" / "chain" / "weight_v000001")
+        kept = _untouched(tmp_path / "outside")
+        body = {"local_checkpoint_dir": str(d / "local"), "source_dir": str(d / "chain"), "target_version": 1}
+        pulled = requests.post(serving.url + "/pull_weights", json=body, timeout=60)
+        assert pulled.status_code == 400 and "resolves to" in pulled.json()["message"], pulled.text
+        assert _tree(d / "local") == {}
+    finally:
+        serving.close()
+    assert _untouched(tmp_path / "outside") == kept
