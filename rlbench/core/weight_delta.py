@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rlbench.core.confine import inside, no_link, open_lock, replace_with, write_new
+from rlbench.rundir.failpoints import hit
 from rlbench.errors import BadInput
 
 ENCODINGS = ("xor", "overwrite")
@@ -451,10 +452,13 @@ def _commit(local: Path, files: dict[str, bytes], remove: list[str], version: in
     """Stage every file, write the journal, then rename, remove and mark (the comment above `applied_version`)."""
     sync = local / SYNC_DIR
     staging = no_link(sync / STAGING)
-    renames = {name: write_new(staging, name, data).name for name, data in files.items()}
-    _failpoint("staged")
+    renames = {}
+    for name, data in files.items():
+        renames[name] = write_new(staging, name, data).name
+        hit("pull.staging")
+    hit("pull.staged")
     replace_with(sync / JOURNAL, json.dumps({"version": version, "renames": renames, "remove": remove}).encode())
-    _failpoint("journal")
+    hit("pull.journal")
     _recover(local)
 
 
@@ -467,18 +471,14 @@ def _recover(local: Path) -> None:
         for name, staged in plan["renames"].items():
             if (sync / STAGING / staged).is_file():
                 os.replace(sync / STAGING / staged, local / name)
-                _failpoint("renamed")
+                hit("pull.renamed")
         for name in plan["remove"]:
             (local / name).unlink(missing_ok=True)
         _mark(local, plan["version"])
-        _failpoint("marked")
+        hit("pull.marked")
         journal.unlink()
     if (sync / STAGING).is_dir() and not (sync / STAGING).is_symlink():
         shutil.rmtree(sync / STAGING)
-
-
-def _failpoint(step: str) -> None:
-    """Where a test stops a pull, as a kill would (tests/cpu/test_weight_delta.py)."""
 
 
 def _mark(local: Path, version: int) -> None:

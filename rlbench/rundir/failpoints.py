@@ -25,6 +25,11 @@ POINTS = (
     "resume.cut_back",  # resume: cut the directory back, nothing recomputed yet
     "claim.made",  # a new run directory made whole beside --out, not yet renamed into place
     "serve.generate",  # rlbench serve: a /generate request read, before the engine sees it (a worker dying mid-step)
+    "pull.staging",  # /pull_weights: a new file staged in .weight_sync/staging, not every one yet
+    "pull.staged",  # every new file staged, no journal yet
+    "pull.journal",  # the journal written, nothing renamed
+    "pull.renamed",  # a staged file renamed into the checkpoint
+    "pull.marked",  # the version marked, the journal not yet removed
 )
 
 _armed: dict[str, int] = {}

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,7 @@ import torch
 from rlbench.core import weight_delta
 from rlbench.core.confine import Outside
 from rlbench.errors import BadInput
-from tests.conftest import cli
+from tests.conftest import REPO, cli
 from tests.cpu.test_weight_delta import CONFIG, _chain, _pulled, _raw, _same, _trained
 
 
@@ -191,37 +194,38 @@ def test_a_refused_pull_changes_no_byte_of_the_local_checkpoint_or_its_state(roo
     assert weight_delta.applied_version(root / "local") == 2 and _same(_pulled(root / "local"), _raw(_trained(2)))
 
 
-class _Killed(BaseException):
-    """What a kill does to a pull at a failpoint: it stops there, and nothing of it runs after."""
+def _killed_pull(root: Path, target: int, failpoint: str) -> int:
+    """`pull` in a process of its own, SIGKILLed at `failpoint` (rlbench/rundir/failpoints.py): its exit status."""
+    code = (
+        "import sys; from pathlib import Path; from rlbench.core.weight_delta import pull; "
+        "r = Path(sys.argv[1]); pull(r / 'local', r / 'unused', r / 'chain', int(sys.argv[2]), r)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLBENCH_FAILPOINT": failpoint}
+    return subprocess.run([sys.executable, "-c", code, str(root), str(target)], env=env, check=False).returncode
 
 
-@pytest.mark.parametrize("step", ["staged", "journal", "renamed", "marked"])
-def test_a_pull_killed_at_each_step_leaves_its_version_or_the_next_pull_finishes_it(root, step, monkeypatch):
-    """Local at version 1 (config.json and model.safetensors), pulled to 3 and killed at `step`: before the journal
-    the local checkpoint and its marker are version 1's bytes; after it, the next pull finishes the renames. Either
-    way the next pull leaves exactly what a pull to 3 into an empty directory leaves, with no staged file."""
-    _pull(root, 1)
-    version_1 = _tree(root / "local")
+@pytest.mark.parametrize(
+    "failpoint", ["pull.staging@1", "pull.staged@1", "pull.journal@1", "pull.renamed@1", "pull.marked@1"]
+)
+@pytest.mark.parametrize("held", [None, 1], ids=["from nothing", "from version 1"])
+def test_a_pull_killed_at_each_step_leaves_its_version_or_the_next_pull_finishes_it(root, failpoint, held):
+    """A pull to 3 SIGKILLed at each step of its writes, from an empty local checkpoint (two files from the full
+    version 1) or from version 1 (one file rewritten): before the journal, the checkpoint and its marker are as
+    they were; after it, the journal is there for the next pull. Either way the next pull leaves exactly what a
+    pull to 3 that was never killed leaves (every file's bytes, the marker), with no staged file."""
+    if held is not None:
+        _pull(root, held)
+    before = _tree(root / "local")
     _pull(root, 3, local="reference")
-    killed = []
-
-    def failpoint(at):
-        if at == step and not killed:
-            killed.append(at)
-            raise _Killed
-
-    monkeypatch.setattr(weight_delta, "_failpoint", failpoint)
-    with pytest.raises(_Killed):
-        _pull(root, 3)
-    after = {k: v for k, v in _tree(root / "local").items() if not k.startswith(".weight_sync/")}
-    if step == "staged":
-        assert after == {k: v for k, v in version_1.items() if not k.startswith(".weight_sync/")}
-        assert weight_delta.applied_version(root / "local") == 1
-    else:
-        assert (root / "local" / ".weight_sync" / weight_delta.JOURNAL).is_file()
-    assert _pull(root, 3) == (2 if step == "staged" else 0)  # killed before the journal: pulled again
+    assert _killed_pull(root, 3, failpoint) == -signal.SIGKILL
+    after = _tree(root / "local")
+    journalled = failpoint.split("@")[0] not in ("pull.staging", "pull.staged")
+    assert (".weight_sync/" + weight_delta.JOURNAL in after) == journalled
+    if not journalled:
+        assert {k: v for k, v in after.items() if not k.startswith(".weight_sync/staging/")} == before
+        assert weight_delta.applied_version(root / "local") == held
+    assert _pull(root, 3) == (0 if journalled else 3 - (held or 1))
     assert _tree(root / "local") == _tree(root / "reference")
-    assert not (root / "local" / ".weight_sync" / weight_delta.STAGING).exists()
 
 
 # ---- rlbench check weights ----------------------------------------------------------------------------------------
