@@ -18,8 +18,10 @@ check them, and called exactly as slime's `generate_and_rm` calls them, on a rea
 
 - a step: every sample at once, at most slime's concurrency generating at a time (`run_groups`), the results in
   (group, index) order whatever order they finish in; under `--group-rm` each group scored in one call.
-- what comes back: a Sample or a list of them, each held to what slime trains (`returned`: lengths aligned with
-  response_length, trainable tokens with their log-probs, a real Status), in slime's own words where it has them.
+- what comes back: a Sample or a list of them (else refused before slime's code would read it), each held to what
+  slime trains (`returned`: the types of slime's Sample, lengths aligned with response_length, trainable tokens
+  with their log-probs, a real Status), in slime's own words where it has them; from a reward function called
+  with several samples, a list of one reward each.
 
 Miles (miles-rl 0.0.2) calls a function of this shape the same way (miles/rollout/inference_rollout/
 compatibility.py `LegacyGenerateFnAdapter`: a function of three or more parameters whose first is not `input`);
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -156,8 +159,39 @@ async def _plugin(fn: Callable, field: str, call):
     except (KeyboardInterrupt, asyncio.CancelledError, BadInput):
         raise
     except BaseException as exc:  # noqa: BLE001 - a plugin's bug, named, the cause kept for --debug
-        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
-        raise BadInput(f"{name} raised {exc.__class__.__name__}: {exc}", field=field) from exc
+        raise BadInput(f"{_name(fn)} raised {exc.__class__.__name__}: {exc}", field=field) from exc
+
+
+def _name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+
+
+def _samples(result: Any, sample_cls: type, path: str) -> list:
+    """What a generate function returned, as a list: a Sample or a non-empty list of them, else BadInput naming
+    `path`."""
+    samples = result if isinstance(result, list) else [result]
+    if not samples or not all(isinstance(s, sample_cls) for s in samples):
+        got = type(result).__name__ if not isinstance(result, list) else f"a list of {len(samples)} holding others"
+        raise BadInput(
+            f"{path} returned {got if samples else 'an empty list'}, expected a Sample or a list of Samples "
+            "(slime/rollout/sglang_rollout.py generate_and_rm)",
+            field=GENERATE_FIELD,
+        )
+    return samples
+
+
+async def _rewards(fn: Callable, args: Any, samples: list) -> list:
+    """One batched call of the reward function `fn` (batched_async_rm): a list of one reward per sample, else
+    BadInput naming it (slime zips what came back onto the samples, leaving some unscored or failing there)."""
+    values = await _plugin(fn, REWARD_FIELD, fn(args, samples))
+    if not isinstance(values, list) or len(values) != len(samples):
+        got = f"a list of {len(values)}" if isinstance(values, list) else type(values).__name__
+        raise BadInput(
+            f"{_name(fn)} returned {got}, expected a list of one reward per sample ({len(samples)}) "
+            "(slime/rollout/rm_hub/__init__.py batched_async_rm)",
+            field=REWARD_FIELD,
+        )
+    return values
 
 
 async def generate_and_rm(
@@ -180,15 +214,17 @@ async def generate_and_rm(
     if sample.status in (status.COMPLETED, status.TRUNCATED):
         return sample  # slime asserts a response (and a reward without --group-rm) and generates nothing
     own = getattr(sample, "generate_function_path", None)
+    fn = load(own) if own else generate
     async with semaphore or contextlib.nullcontext():
-        result = await call_generate(load(own) if own else generate, args, sample, params, evaluation)
+        result = await call_generate(fn, args, sample, params, evaluation)
+    _samples(result, type(sample), _name(fn))
     if group_rm or reward is None:
         return result
     if isinstance(result, list):
         if any(s.status == status.ABORTED for s in result):
             return result
         need = [s for s in result if s.reward is None]  # batched_async_rm: called even when `need` is empty
-        for s, value in zip(need, await _plugin(reward, REWARD_FIELD, reward(args, need))):
+        for s, value in zip(need, await _rewards(reward, args, need)):
             s.reward = value
         return result
     if result.status != status.ABORTED and result.reward is None:
@@ -225,7 +261,7 @@ async def run_groups(
                     "generate_and_rm_group sets each result's reward, and a list has none",
                     field=GENERATE_FIELD,
                 )
-            for sample, value in zip(done, await _plugin(reward, REWARD_FIELD, reward(args, list(done)))):
+            for sample, value in zip(done, await _rewards(reward, args, list(done))):
                 sample.reward = value
         return list(done)
 
@@ -297,14 +333,7 @@ def returned(result: Any, sample_cls: type, path: str, vocab: int) -> list:
     """What a custom generate function returned, as a list of samples, each held to what slime's training reads
     (BadInput naming `path`, the sample and the rule, in slime's own words where slime has them: Sample's
     `_validate_response_metadata_lengths` and `append_response_tokens`)."""
-    samples = result if isinstance(result, list) else [result]
-    if not samples or not all(isinstance(s, sample_cls) for s in samples):
-        got = type(result).__name__ if not isinstance(result, list) else f"a list of {len(samples)} holding others"
-        raise BadInput(
-            f"{path} returned {got}, expected a Sample or a list of Samples (slime/rollout/sglang_rollout.py "
-            "generate_and_rm)",
-            field=GENERATE_FIELD,
-        )
+    samples = _samples(result, sample_cls, path)
     for i, s in enumerate(samples):
         where = f"{path}: sample {i}" if len(samples) > 1 else path
         if not isinstance(s.status, sample_cls.Status):
@@ -317,11 +346,17 @@ def returned(result: Any, sample_cls: type, path: str, vocab: int) -> list:
                 f"{where}: response_length {length!r}: expected 0..{len(tokens)} (len(tokens))", field=GENERATE_FIELD
             )
         mask = [1] * length if s.loss_mask is None else s.loss_mask
+        if not isinstance(mask, list) or any(m not in (0, 1) for m in mask):
+            raise BadInput(f"{where}: loss_mask: expected 0s and 1s in a list, got {mask!r:.60}", field=GENERATE_FIELD)
         if len(mask) != length:
             raise BadInput(f"{where}: loss_mask length {len(mask)} != response_length {length}", field=GENERATE_FIELD)
-        if any(m not in (0, 1) for m in mask):
-            raise BadInput(f"{where}: loss_mask: expected 0s and 1s", field=GENERATE_FIELD)
+        if not isinstance(s.response, str):
+            raise BadInput(f"{where}: response: expected str, got {s.response!r:.60}", field=GENERATE_FIELD)
         logprobs = s.rollout_log_probs
+        if logprobs is not None and not (isinstance(logprobs, list) and all(map(_number, logprobs))):
+            raise BadInput(
+                f"{where}: rollout_log_probs: expected a list of numbers, got {logprobs!r:.60}", field=GENERATE_FIELD
+            )
         if logprobs is None and any(mask) and s.status != sample_cls.Status.ABORTED and not s.remove_sample:
             raise BadInput(
                 f"{where}: trainable response tokens require rollout log probabilities.", field=GENERATE_FIELD
@@ -331,3 +366,8 @@ def returned(result: Any, sample_cls: type, path: str, vocab: int) -> list:
                 f"{where}: rollout_log_probs length {len(logprobs)} != response_length {length}", field=GENERATE_FIELD
             )
     return samples
+
+
+def _number(value: Any) -> bool:
+    """A number torch trains (slime's Sample.rollout_log_probs is list[float]): not a bool, not text."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

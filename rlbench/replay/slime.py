@@ -239,7 +239,8 @@ def import_slime(
 def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[str]) -> list[dict] | None:
     """Each step's train-side tensors and layout from its train dump, joined to its rollout dump; None where the
     train dumps do not cover every sample of every step (then the recording holds the rollout side only, said in
-    a note). Every finding of every join is gathered first: a Divergence naming them (nothing written)."""
+    a note). Every finding of every join, and each train dump without its rollout dump, is gathered first: a
+    Divergence naming them (nothing written)."""
     from rlbench.errors import Divergence
     from rlbench.replay.slime_train import join, read_train_dump
     from rlbench.replay.slime_train_v1 import read_train_dump_v1
@@ -262,6 +263,9 @@ def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[s
         if train.unknown:
             notes.append(f"rollout {rollout_id}: train-dump fields kept, not read: {', '.join(train.unknown)}")
         joined.append((train, result, rows))
+    for rid in sorted(set(train_files) - {rollout_id for rollout_id, _, _ in steps}):  # named, never dropped
+        files = ", ".join(f"train_data/{p.name}" for p in train_files[rid])
+        findings.append(f"rollout {rid}: no rollout dump (rollout_data/{rid}.pt) for {files}")
     if findings:
         shown = "; ".join(findings[:3]) + (f"; and {len(findings) - 3} more" if len(findings) > 3 else "")
         raise Divergence(f"the train dumps do not join their rollout dumps ({len(findings)} findings): {shown}")

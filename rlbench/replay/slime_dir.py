@@ -76,12 +76,11 @@ def restore_trajectories(directory: Path, loaded: list[tuple[dict, Path]]) -> li
             extra = sorted(set(row) - {"sample_index", "group_index", "status", "reward", "prompt", "messages"})
             if extra:
                 raise BadInput(f"{where}: fields Miles' trajectory rows do not hold: {', '.join(extra)}", path=path)
-            sample = by_index.get(row.get("sample_index"))
+            index = row.get("sample_index")
+            sample = by_index.get(index) if type(index) is int else None  # a sample's index is an int
             if sample is None:
                 raise BadInput(
-                    f"{where}, sample_index: {row.get('sample_index')!r} is no sample of rollout_data/"
-                    f"{dump['rollout_id']}.pt",
-                    path=path,
+                    f"{where}, sample_index: {index!r} is no sample of rollout_data/{dump['rollout_id']}.pt", path=path
                 )
             for key in ("group_index", "status", "prompt") + (("reward",) if row.get("reward") is not None else ()):
                 if row.get(key) != sample.get(key):

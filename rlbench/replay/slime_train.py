@@ -176,6 +176,9 @@ def check_sample(sample, path: Path, i: int, unknown: set[str]) -> None:
             raise BadInput(f"expected an integer >= 0, got {value!r:.60}", path=path, field=f"{where}.{key}")
     if sample.get("multimodal_train_inputs") is not None:
         raise BadInput(SAMPLE_FIELDS["multimodal_train_inputs"], path=path, field=f"{where}.multimodal_train_inputs")
+    index = sample.get("sample_index")  # slime's `sample.index`: None where the sample had none
+    if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        raise BadInput(f"expected an integer, got {index!r:.60}", path=path, field=f"{where}.sample_index")
     if _ints(sample.get("tokens")) is None:
         raise BadInput("expected the sample's token ids", path=path, field=f"{where}.tokens")
     n = sample["response_lengths"]
@@ -190,6 +193,9 @@ def check_sample(sample, path: Path, i: int, unknown: set[str]) -> None:
                 path=path,
                 field=f"{where}.{key}",
             )
+    masks = sample.get("loss_masks")
+    if masks is not None and _ints(masks) is None:
+        raise BadInput(f"expected integers, got {masks!r:.60}", path=path, field=f"{where}.loss_masks")
     unknown.update(k for k in sample if k not in SAMPLE_FIELDS)
 
 

@@ -473,12 +473,15 @@ def test_group_rm_scores_each_group_in_one_call_and_refuses_a_fan_out(Sample):
     )
 
 
-def _step(Sample, generate: str, reward: str | None, group_rm: bool, concurrency: int = 64, groups: int = 2):
+def _step(
+    Sample, generate: str, reward: str | None, group_rm: bool, concurrency: int = 64, groups: int = 2, given=None
+):
     """run_groups over `groups` groups of 3 fresh samples (index 3g + i), sample i of group g given sampling_params
-    {"sampling_seed": 100 + 3g + i}, with `args` a namespace the recording plugins write to."""
+    {"sampling_seed": 100 + 3g + i}, with `args` a namespace the recording plugins write to (and `given`, what the
+    *_given plugins return)."""
     from types import SimpleNamespace
 
-    args = SimpleNamespace(seen=[], in_flight=0, most_in_flight=0)
+    args = SimpleNamespace(seen=[], in_flight=0, most_in_flight=0, given=given)
     samples = [[Sample(group_index=g, index=3 * g + i) for i in range(3)] for g in range(groups)]
     params = [[{"sampling_seed": 100 + 3 * g + i} for i in range(3)] for g in range(groups)]
     fn = sc.load_generate(f"{CASES}.{generate}")
@@ -551,3 +554,111 @@ def test_what_the_loaders_accept_is_what_slimes_own_contract_tests_accept(Sample
         except BadInput:
             accepted = False
         assert accepted == verdict["accepts"], verdict
+
+
+NOT_A_SAMPLE = ", expected a Sample or a list of Samples (slime/rollout/sglang_rollout.py generate_and_rm)"
+
+
+@pytest.mark.parametrize(
+    "given, got",
+    [
+        pytest.param(None, "NoneType", id="None"),
+        pytest.param({"response": "odd"}, "dict", id="a dict"),
+        pytest.param([], "an empty list", id="an empty list"),
+        pytest.param(lambda s: [s, None], "a list of 2 holding others", id="a list holding None"),
+    ],
+)
+@pytest.mark.parametrize(
+    "reward, group_rm",
+    [pytest.param(None, False, id="no reward"), ("reward", False), pytest.param("group_reward", True, id="group_rm")],
+)
+def test_a_generate_function_that_returns_no_sample_is_one_line_naming_it(Sample, given, got, reward, group_rm):
+    """generate_and_rm reads what came back (its status, its reward) before anything else: what is not a Sample or
+    a list of Samples is refused there, naming the function, whatever scores it (issue 51: exit 3 before)."""
+    with pytest.raises(BadInput) as err:
+        _step(Sample, "returns_given", reward, group_rm, groups=1, given=given)
+    assert str(err.value) == f"{GENERATE_OPTION}: {CASES}.returns_given returned {got}{NOT_A_SAMPLE}"
+
+
+@pytest.mark.parametrize(
+    "given, got",
+    [
+        pytest.param(0.5, "float", id="a float"),
+        pytest.param(None, "NoneType", id="None"),
+        pytest.param({"score": 1.0}, "dict", id="a dict"),
+        pytest.param([], "a list of 0", id="an empty list"),
+        pytest.param([0.5] * 4, "a list of 4", id="one too many"),
+    ],
+)
+@pytest.mark.parametrize(
+    "generate, reward, group_rm, n",
+    [
+        pytest.param("generate", "group_reward_given", True, 3, id="a group"),
+        pytest.param("fan_out", "reward_given", False, 1, id="a fan-out's unscored"),
+    ],
+)
+def test_a_reward_of_several_samples_is_a_list_of_one_each_else_one_line_naming_it(
+    Sample, given, got, generate, reward, group_rm, n
+):
+    """batched_async_rm: one call for a group (--group-rm) or a fan-out's unscored samples, its values zipped onto
+    them; anything but a list of one reward per sample is refused naming the reward function (issue 51: a float was
+    exit 3, a short list left samples unscored)."""
+    with pytest.raises(BadInput) as err:
+        _step(Sample, generate, reward, group_rm, groups=1, given=given)
+    assert str(err.value) == (
+        f"{REWARD_OPTION}: {CASES}.{reward} returned {got}, expected a list of one reward per sample ({n}) "
+        "(slime/rollout/rm_hub/__init__.py batched_async_rm)"
+    )
+
+
+def _trained(Sample, **changes):
+    fields = dict(
+        tokens=[1, 2, 3, 4, 5, 6],
+        response_length=4,
+        loss_mask=[1, 0, 0, 1],
+        rollout_log_probs=[-0.5, 0.0, 0.0, -1.25],
+        response="odd",
+        status=Sample.Status.COMPLETED,
+    )
+    return Sample(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, line",
+    [
+        pytest.param(
+            {"rollout_log_probs": ["-0.5", "0.0", "0.0", "-1.25"]},
+            "rollout_log_probs: expected a list of numbers, got ['-0.5', '0.0', '0.0', '-1.25']",
+            id="log-probs as strings",
+        ),
+        pytest.param(
+            {"rollout_log_probs": [-0.5, None, 0.0, -1.25]},
+            "rollout_log_probs: expected a list of numbers, got [-0.5, None, 0.0, -1.25]",
+            id="a None log-prob",
+        ),
+        pytest.param(
+            {"rollout_log_probs": [-0.5, True, 0.0, -1.25]},
+            "rollout_log_probs: expected a list of numbers, got [-0.5, True, 0.0, -1.25]",
+            id="a bool log-prob",
+        ),
+        pytest.param(
+            {"rollout_log_probs": "abcd"},
+            "rollout_log_probs: expected a list of numbers, got 'abcd'",
+            id="log-probs a string",
+        ),
+        pytest.param({"loss_mask": 1}, "loss_mask: expected 0s and 1s in a list, got 1", id="a loss mask an int"),
+        pytest.param({"response": b"odd"}, "response: expected str, got b'odd'", id="a response as bytes"),
+    ],
+)
+def test_a_returned_sample_of_the_wrong_types_is_one_line_naming_the_field(Sample, changes, line):
+    """slime's Sample: rollout_log_probs list[float], loss_mask list[int], response str (slime/utils/types.py):
+    other types are refused by field before rlbench converts them (issue 51: exit 3, or strings read as numbers)."""
+    with pytest.raises(BadInput) as err:
+        _returned(Sample, _trained(Sample, **changes))
+    assert str(err.value) == f"{GENERATE_OPTION}: my.generate: {line}"
+
+
+def test_integer_log_probs_and_an_empty_response_are_what_slime_trains(Sample):
+    """torch reads ints as numbers, and a response's text may be empty: neither is refused."""
+    sample = _trained(Sample, rollout_log_probs=[0, -1, 0, -2], response="")
+    assert _returned(Sample, sample) == [sample]

@@ -182,6 +182,18 @@ def test_each_trajectory_row_is_put_back_in_the_sample_it_names_and_only_there(t
             id="no such sample",
         ),
         pytest.param(
+            _jsonl(_row(7, sample_index=[7])),
+            {},
+            "line 1, sample_index: [7] is no sample of rollout_data/1.pt",
+            id="a list as sample_index",
+        ),
+        pytest.param(
+            _jsonl(_row(7, sample_index=7.0)),
+            {},
+            "line 1, sample_index: 7.0 is no sample of rollout_data/1.pt",
+            id="a float as sample_index, not the sample of index 7",
+        ),
+        pytest.param(
             _jsonl(_row(7, group_index=4)),
             {},
             "line 1, group_index: 4 differs from the sample's in the rollout dump (3)",

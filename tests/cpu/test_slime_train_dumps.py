@@ -701,6 +701,21 @@ NOT_RESTORED = "expected 3 values (response_lengths), got not numbers: a field l
             _setting("samples", 3, "advantages", value=5), "samples[3].advantages: " + NOT_RESTORED, id="a scalar"
         ),
         pytest.param(
+            _setting("samples", 3, "loss_masks", value=[1.0, 1.0, 1.0]),
+            "samples[3].loss_masks: expected integers, got [1.0, 1.0, 1.0]",
+            id="loss masks as floats",
+        ),
+        pytest.param(
+            _setting("samples", 3, "sample_index", value=[19]),
+            "samples[3].sample_index: expected an integer, got [19]",
+            id="a list as sample_index",
+        ),
+        pytest.param(
+            _setting("samples", 3, "sample_index", value=True),
+            "samples[3].sample_index: expected an integer, got True",
+            id="a bool sample_index",
+        ),
+        pytest.param(
             _setting("dp_shards", 1, value=5), "dp_shards[1]: expected a dict, got int", id="a shard not a dict"
         ),
         pytest.param(
@@ -746,6 +761,17 @@ def test_a_train_dump_is_read_whole_and_what_slime_may_leave_out_joins(rollout_2
     joined = join(rollout, read)
     assert (joined.rollout_id, joined.findings, joined.notes) == (2, [], [])
     assert joined.pairs == [(k, k) for k in range(8)]
+
+
+def test_a_sample_index_slime_left_none_and_loss_masks_as_a_list_of_ints_are_read(rollout_2, tmp_path):
+    """slime's writer copies each sample's `index`, which may be None (observability/train_data_utils.py), and a
+    per-token column may be a plain list: both read as they are."""
+    from rlbench.replay.slime_train import read_train_dump
+
+    train = copy.deepcopy(rollout_2[0])
+    train["samples"][3] |= {"sample_index": None, "loss_masks": [1, 0, 1]}
+    read = read_train_dump(_saved(tmp_path, train))
+    assert (read.samples[3]["sample_index"], read.samples[3]["loss_masks"]) == (None, [1, 0, 1])
 
 
 def _extra_rollout_samples(count: int):
@@ -1229,3 +1255,33 @@ def test_format_1_cp_slices_reassemble_by_the_split_that_cut_them(tmp_path, top,
         "rollout 3: context parallelism 2 reassembled in 1 DP shards, CP ranks [[0], [1]] (recorded by the ranks "
         "(cp_rank))"
     ]
+
+
+def _renumbered(path: Path, target: Path, rollout_id: int) -> None:
+    dump = torch.load(path, weights_only=True)
+    torch.save(dump | {"rollout_id": rollout_id}, target)
+
+
+@pytest.mark.parametrize(
+    ("layout", "files"),
+    [
+        pytest.param("v2", "train_data/7.pt", id="format 2"),
+        pytest.param("v1", "train_data/7_0.pt, train_data/7_1.pt, train_data/7_2.pt, train_data/7_3.pt", id="format 1"),
+    ],
+)
+def test_a_train_dump_without_its_rollout_dump_is_a_finding_naming_it_and_read_with_it(tmp_path, layout, files):
+    """train_data/7.pt (or format 1's 7_{rank}.pt) with no rollout_data/7.pt: a finding naming the files, nothing
+    written (issue 51: dropped silently); with rollout_data/7.pt beside it, rollout 7 is read and joined."""
+    directory = _copy(tmp_path, "v2") if layout == "v2" else _v1_directory(tmp_path)
+    for name in (directory / "train_data").glob("2*.pt"):
+        _renumbered(name, name.with_name("7" + name.name[1:]), 7)
+    done = _import(directory, tmp_path / "out")
+    assert done.returncode == 1 and not (tmp_path / "out").exists()
+    assert done.stderr.splitlines() == [
+        "rlbench: check failed: the train dumps do not join their rollout dumps (1 findings): rollout 7: no rollout "
+        f"dump (rollout_data/7.pt) for {files}"
+    ]
+    _renumbered(directory / "rollout_data" / "2.pt", directory / "rollout_data" / "7.pt", 7)
+    done = _import(directory, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["imported"]["rollout_ids"] == [0, 1, 2, 7]
