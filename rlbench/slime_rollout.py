@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import threading
 from pathlib import Path
@@ -73,6 +74,7 @@ class _LoopThread:
     _lock = threading.Lock()
 
     def __init__(self) -> None:
+        self.running = 0  # coroutines of run() still on the loop (counted on the loop's thread)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="rlbench-slime-loop").start()
 
@@ -84,12 +86,32 @@ class _LoopThread:
             return cls._instance
 
     def run(self, coro) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """`coro`'s result, run on the loop; Ctrl-C while it runs cancels it (where the loop gets to the cancel)."""
+        future = asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop)
         try:
-            return future.result()
+            while True:  # in slices: a SIGINT the kernel hands to another thread runs its handler here, on waking
+                try:
+                    return future.result(timeout=0.25)
+                except concurrent.futures.TimeoutError:
+                    continue
         except BaseException:
-            future.cancel()  # Ctrl-C, or the plugin failed: nothing of the step keeps running
+            future.cancel()
             raise
+
+    async def _tracked(self, coro) -> Any:
+        self.running += 1
+        try:
+            return await coro
+        finally:
+            self.running -= 1
+
+    def abandon(self) -> None:
+        """Leave the loop to its daemon thread, held by a coroutine that did not end (a plugin that blocks it,
+        calling something synchronous in a coroutine, when Ctrl-C came): nothing waits on it again, and the
+        process's next run gets a new loop."""
+        with _LoopThread._lock:
+            if _LoopThread._instance is self:
+                _LoopThread._instance = None
 
 
 def _http_utils(sample_cls: type):
@@ -339,7 +361,10 @@ class SlimeRollout:
     def close(self) -> None:
         client = getattr(self.http, "_http_client", None)
         if client is not None and self.loop is not None:  # bound to this run's server: a next run makes its own
-            self.loop.run(client.aclose())
+            if self.loop.running:  # a step stopped by Ctrl-C left a coroutine on the loop: the client goes with it
+                self.loop.abandon()
+            else:
+                self.loop.run(client.aclose())
             self.http._http_client = None
         if self.server is not None:
             self.server.close()
