@@ -70,7 +70,7 @@ MODULES = {
     # issue 50: the modules last round added or grew, and the integrity check every reader goes through
     "rlbench/replay/integrity.py": ["tests/cpu/test_integrity.py", "tests/cpu/test_verdicts.py"],
     "rlbench/core/pipeline.py": ["tests/cpu/test_async.py", "-k", "not over_http"],
-    "rlbench/core/weight_delta.py": ["tests/cpu/test_weight_delta.py"],
+    "rlbench/core/weight_delta.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_confined_weights.py"],
     "rlbench/core/slime_contract.py": ["tests/cpu/test_slime_contract.py"],
     "rlbench/replay/slime_train.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
     "rlbench/replay/slime_train_v1.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
@@ -81,10 +81,16 @@ MODULES = {
     ],
     "rlbench/rundir/sections.py": ["tests/cpu/test_sweep.py", "-k", "manifest_section"],
     "rlbench/serve/pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_serve_weights.py"],
-    "rlbench/serve/weights.py": ["tests/cpu/test_serve_weights.py", "tests/conformance/sglang/test_weights.py"],
-    # the plugin runs but three that take 8-20 s each (a kill and resume, the fan-out, the SGLang fleet)
+    "rlbench/serve/weights.py": [
+        "tests/cpu/test_serve_weights.py",
+        "tests/conformance/sglang/test_weights.py",
+        "tests/cpu/test_confined_weights.py",
+    ],
+    # the plugin runs but three that take 8-20 s each (a kill and resume, the fan-out, the SGLang fleet), and the
+    # runner's unit tests (none of whose names the -k expression deselects)
     "rlbench/slime_rollout.py": [
         "tests/cpu/test_slime_run.py",
+        "tests/cpu/test_slime_rollout.py",
         "-k",
         "not (resume_after_a_kill or fan_out_trains or against_an_sglang_fleet)",
     ],

@@ -51,13 +51,13 @@ def read_candidate(
         )
     try:
         directory = Path(path)
-        files = [inside(f, root) for f in weight_files(directory)] if directory.is_dir() else []
+        files = [inside(f, root) for f in weight_files(directory)]  # none where it is no directory
         bare = directory.is_dir() and (directory / "config.json").is_file() and not files
     except (OSError, BadInput) as exc:
         raise LoadFailed(f"Failed to get weights iterator: {_reason(exc)}.") from None
     candidate = copy.deepcopy(model)
     if load_format == "dummy" and bare:
-        init_weights_(candidate, seed, getattr(model.config, "initializer_range", 0.02))
+        init_weights_(candidate, seed, model.config.initializer_range)  # every served model's config has one
         return candidate
     if not files:
         raise LoadFailed(f"Failed to get weights iterator: Cannot find any model weights with `{path}`.")
