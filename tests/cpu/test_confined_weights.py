@@ -38,9 +38,25 @@ def _tree(directory: Path) -> dict:
     return out
 
 
+ARMED = 10**9  # an access time (1 s after the epoch) before every file's modification time
+
+
 def _untouched(directory: Path) -> dict:
-    """Bytes and modification times of every file below `directory` (outside the confining one)."""
-    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
+    """Bytes and modification times of every file below `directory` (outside the confining one), each file's access
+    time then set to ARMED, before its modification time: a later read moves it (relatime, this file system's
+    default, records a read so; mounted noatime, access times stay, and only bytes and modification times hold)."""
+    out = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            out[path] = (path.read_bytes(), path.stat().st_mtime_ns)
+            os.utime(path, ns=(ARMED, out[path][1]))
+    return out
+
+
+def _held(directory: Path, kept: dict) -> None:
+    """Nothing below `directory` read (access times still ARMED), written, made or removed since `_untouched`."""
+    assert {p: p.stat().st_atime_ns for p in kept} == dict.fromkeys(kept, ARMED), "an outside file was read"
+    assert _untouched(directory) == kept
 
 
 @pytest.fixture
@@ -81,7 +97,7 @@ def test_a_version_directory_that_is_a_link_is_followed_only_inside_the_root(roo
         assert _tree(root / "local") == before
     else:
         assert _pull(root, 2) == 1 and _same(_pulled(root / "local"), _raw(_trained(2)))
-    assert _untouched(outside) == kept
+    _held(outside, kept)
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
@@ -103,7 +119,7 @@ def test_a_full_versions_file_linked_outside_the_root_is_not_copied_in(root, whe
         _pull(root, 1)
         assert (root / "local" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
         assert not (root / "local" / "model.safetensors").is_symlink()
-    assert _untouched(root.parent / "outside") == kept
+    _held(root.parent / "outside", kept)
 
 
 def test_a_sync_directory_that_is_a_link_is_refused_and_nothing_written_through_it(root):
@@ -130,7 +146,7 @@ def test_names_a_pull_once_wrote_through_are_replaced_never_written_through(root
     kept = _untouched(outside)
     assert _pull(root, 3) == 2
     assert _same(_pulled(local), _raw(_trained(3))) and not (local / "model.safetensors").is_symlink()
-    assert _untouched(outside) == kept
+    _held(outside, kept)
 
 
 def test_a_local_checkpoint_linked_outside_is_not_read_to_apply_a_delta(root):
@@ -403,4 +419,4 @@ def test_the_server_reads_no_weights_through_a_link_out_of_its_weights_dir(tmp_p
         assert _tree(d / "local") == {}
     finally:
         serving.close()
-    assert _untouched(tmp_path / "outside") == kept
+    _held(tmp_path / "outside", kept)
