@@ -426,7 +426,7 @@ def _patch(blob: bytes, file: str, state: dict) -> bytes:
     spans, _, _ = _header(blob, file)
     out = bytearray(blob)
     for name, (begin, end) in spans.items():
-        if name in state and state[name][0] == file:  # a name in two shards is read from the later one
+        if state[name][0] == file:  # a name in two shards is read from the later one
             out[begin:end] = state[name][1].tobytes()
     return bytes(out)
 
@@ -473,7 +473,8 @@ def _recover(local: Path) -> None:
                 os.replace(sync / STAGING / staged, local / name)
                 hit("pull.renamed")
         for name in plan["remove"]:
-            (local / name).unlink(missing_ok=True)
+            (local / name).unlink(missing_ok=True)  # removed already by the pull that was killed
+            hit("pull.removed")
         _mark(local, plan["version"])
         hit("pull.marked")
         journal.unlink()

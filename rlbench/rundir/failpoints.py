@@ -29,6 +29,7 @@ POINTS = (
     "pull.staged",  # every new file staged, no journal yet
     "pull.journal",  # the journal written, nothing renamed
     "pull.renamed",  # a staged file renamed into the checkpoint
+    "pull.removed",  # a file the new version lacks removed from the checkpoint
     "pull.marked",  # the version marked, the journal not yet removed
 )
 

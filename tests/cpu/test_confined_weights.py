@@ -100,16 +100,18 @@ def test_a_version_directory_that_is_a_link_is_followed_only_inside_the_root(roo
     _held(outside, kept)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 @pytest.mark.parametrize("where", ["outside", "inside"])
-def test_a_full_versions_file_linked_outside_the_root_is_not_copied_in(root, where):
-    """The full version's model.safetensors a link: to a file outside D, refused and its bytes not copied into the
-    local checkpoint; to a file inside D, copied as the version's own."""
+def test_a_full_versions_file_linked_outside_the_root_is_not_copied_in(root, where, name):
+    """A file of the full version (its weights, or its config.json, which no weight reader opens) a link: to a file
+    outside D, refused, not read, and its bytes not copied into the local checkpoint; to a file inside D, copied as
+    the version's own."""
     target = root.parent / "outside" / "chain" / "weight_v000001" if where == "outside" else root / "store"
     if where == "inside":
         shutil.copytree(root / "chain" / "weight_v000001", target)
-    weights = root / "chain" / "weight_v000001" / "model.safetensors"
+    weights = root / "chain" / "weight_v000001" / name
     weights.unlink()
-    weights.symlink_to(target / "model.safetensors")
+    weights.symlink_to(target / name)
     kept = _untouched(root.parent / "outside")
     if where == "outside":
         with pytest.raises(Outside, match="resolves to .*outside"):
@@ -117,8 +119,8 @@ def test_a_full_versions_file_linked_outside_the_root_is_not_copied_in(root, whe
         assert _tree(root / "local") == {}
     else:
         _pull(root, 1)
-        assert (root / "local" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
-        assert not (root / "local" / "model.safetensors").is_symlink()
+        assert (root / "local" / name).read_bytes() == (target / name).read_bytes()
+        assert not (root / "local" / name).is_symlink()
     _held(root.parent / "outside", kept)
 
 
@@ -173,10 +175,27 @@ def test_a_local_checkpoint_inside_a_published_version_is_refused_and_the_chain_
     for local in ("chain/weight_v000001", "chain/weight_v000001/sub"):
         with pytest.raises(BadInput) as refused:
             _pull(root, 3, local=local)
-        assert refused.value.field == "local_checkpoint_dir"
-        assert f"lies in the published version {root / 'chain' / 'weight_v000001'}" in str(refused.value)
+        assert str(refused.value) == (
+            f"local_checkpoint_dir: {root / local} lies in the published version {root / 'chain' / 'weight_v000001'}"
+            ": a pull writes the local checkpoint, never a published version"
+        )
     assert _tree(root / "chain") == chain
     assert _pull(root, 3, local="chain/local") == 2  # in the chain's directory, not in a version
+
+
+def test_a_local_checkpoint_outside_the_root_is_refused_and_the_servers_own_model_is_read_from_anywhere(root):
+    """The local checkpoint is held to the root like every version (a link to a directory outside it refused,
+    nothing made there); version 0 is the server's own model (--model-path), read wherever it lies."""
+    outside = root.parent / "outside" / "local"
+    outside.mkdir()
+    (root / "local").symlink_to(outside)
+    with pytest.raises(Outside):
+        _pull(root, 2)
+    assert list(outside.iterdir()) == []
+    (root / "local").unlink()
+    base = root.parent / "outside" / "chain" / "weight_v000001"  # the server's model, outside --weights-dir
+    assert weight_delta.pull(root / "local", base, root / "chain", 0, root) == 0
+    assert weight_delta.applied_version(root / "local") == 0 and _same(_pulled(root / "local"), _raw(_trained(1)))
 
 
 # ---- staged: nothing changes until every version is verified ------------------------------------------------------
@@ -221,20 +240,34 @@ def _killed_pull(root: Path, target: int, failpoint: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "failpoint", ["pull.staging@1", "pull.staged@1", "pull.journal@1", "pull.renamed@1", "pull.marked@1"]
+    ("held", "failpoint"),
+    [
+        pytest.param(held, point, id=f"{label}, {point}")
+        for held, label in ((None, "from nothing"), (1, "from version 1"), ("foreign", "from another dir"))
+        for point in ("pull.staging@1", "pull.staged@1", "pull.journal@1", "pull.renamed@1", "pull.marked@1")
+        + (("pull.removed@1",) if held == "foreign" else ())  # only there has the pull a file to remove
+    ],
 )
-@pytest.mark.parametrize("held", [None, 1], ids=["from nothing", "from version 1"])
 def test_a_pull_killed_at_each_step_leaves_its_version_or_the_next_pull_finishes_it(root, failpoint, held):
     """A pull to 3 SIGKILLed at each step of its writes, from an empty local checkpoint (two files from the full
-    version 1) or from version 1 (one file rewritten): before the journal, the checkpoint and its marker are as
-    they were; after it, the journal is there for the next pull. Either way the next pull leaves exactly what a
-    pull to 3 that was never killed leaves (every file's bytes, the marker), with no staged file."""
-    if held is not None:
+    version 1), from version 1 (one file rewritten) or from a directory of two files no pull wrote (removed: the
+    local checkpoint becomes the full version's copy): before the journal, the checkpoint and its marker are as
+    they were, the staged files named for the files they replace; after it, the journal is there for the next
+    pull. Either way the next pull leaves exactly what a pull to 3 that was never killed leaves (every file's
+    bytes, the marker), with no staged file."""
+    if held == "foreign":
+        (root / "local").mkdir()
+        for name in ("a.txt", "b.txt"):
+            (root / "local" / name).write_text(name)
+        held = None
+    elif held is not None:
         _pull(root, held)
     before = _tree(root / "local")
     _pull(root, 3, local="reference")
     assert _killed_pull(root, 3, failpoint) == -signal.SIGKILL
     after = _tree(root / "local")
+    staged = [k.split("/")[-1] for k in after if k.startswith(".weight_sync/staging/")]
+    assert all(any(n.startswith(f".{f}.") for f in ("model.safetensors", "config.json")) for n in staged), staged
     journalled = failpoint.split("@")[0] not in ("pull.staging", "pull.staged")
     assert (".weight_sync/" + weight_delta.JOURNAL in after) == journalled
     if not journalled:
@@ -270,18 +303,21 @@ def test_check_weights_counts_the_checksums_it_held_not_the_names_an_index_lists
     assert "then version 3, absent: in its index, in none of its files (1 tensors)" in done.stdout
 
 
-def test_check_weights_follows_no_link_out_of_the_chain(root):
-    """A version that is a link out of the chain's directory: exit 2 naming it, nothing read through it; the same
+@pytest.mark.parametrize("version", [1, 3], ids=["the first, full", "a delta"])
+def test_check_weights_follows_no_link_out_of_the_chain(root, version):
+    """A version that is a link out of the chain's directory: exit 2 naming it, nothing of it read; the same
     link to a copy inside the chain's directory verifies."""
-    chain = root / "chain"
-    shutil.move(chain / "weight_v000003", root / "v3")
-    (chain / "weight_v000003").symlink_to(root / "v3")
+    chain, name = root / "chain", f"weight_v{version:06d}"
+    shutil.move(chain / name, root / "moved")
+    (chain / name).symlink_to(root / "moved")
+    kept = _untouched(root / "moved")
     done = _check(chain)
-    assert done.returncode == 2 and done.stderr.startswith(f"rlbench: error: {chain / 'weight_v000003'}: resolves to")
+    assert done.returncode == 2 and done.stderr.startswith(f"rlbench: error: {chain / name}: resolves to")
     assert len(done.stderr.strip().splitlines()) == 1
-    (chain / "weight_v000003").unlink()
-    shutil.move(root / "v3", chain / "store-v3")
-    (chain / "weight_v000003").symlink_to(chain / "store-v3")
+    _held(root / "moved", kept)
+    (chain / name).unlink()
+    shutil.move(root / "moved", chain / "store")
+    (chain / name).symlink_to(chain / "store")
     assert _check(chain).returncode == 0
 
 
