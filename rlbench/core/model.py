@@ -1,5 +1,10 @@
 """Loading the tokenizer and building the policy model, offline, with seeded initial weights.
 
+No code from a directory it reads, ever: a tokenizer or model directory whose JSON names custom code (an
+`auto_map` entry, or a tokenizer or processor class transformers does not have) is refused by name before
+transformers is asked (`refuse_custom_code`), so its "run the custom code? [y/N]" prompt never comes, whatever
+standard input holds; transformers is asked with trust_remote_code=False besides.
+
 A model directory holds a transformers `config.json` and its weights as transformers saves them
 (`model.safetensors`, or shards named by `model.safetensors.index.json`); pickled weights
 (`pytorch_model.bin`) are refused. Whether a run starts from those weights or from random ones is
@@ -11,6 +16,7 @@ with whatever ran before; ours depends on the name alone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,15 +35,53 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+# The files of a tokenizer or model directory transformers reads for which classes to build, and the fields in them
+# that name a class it looks up by name (a name it does not have is custom code, or nothing it can build).
+CODE_FILES = ("tokenizer_config.json", "config.json", "processor_config.json", "preprocessor_config.json")
+CLASS_FIELDS = ("tokenizer_class", "processor_class")
+NO_CODE = "rlbench never runs code from a directory it reads"
+
+
+def refuse_custom_code(path: Path) -> None:
+    """BadInput naming the file and the field where `path`'s JSON asks for code of its own: an `auto_map`, or a
+    tokenizer/processor class that is not transformers' (a file that does not parse is left to transformers)."""
+    for file in (path / name for name in CODE_FILES):
+        table = _json_object(file)
+        if "auto_map" in table:
+            raise BadInput(f"names custom code to import; {NO_CODE}", path=file, field="auto_map")
+        for key in CLASS_FIELDS:
+            name = table.get(key)
+            if name is not None and not (isinstance(name, str) and {name, name.removesuffix("Fast")} & _transformers()):
+                raise BadInput(f"{name!r} is not a transformers class; {NO_CODE}", path=file, field=key)
+
+
+@functools.cache
+def _transformers() -> frozenset[str]:
+    """The names transformers exports (a saved tokenizer's `XTokenizerFast` is its `XTokenizer` since v5)."""
+    import transformers
+
+    return frozenset(dir(transformers))
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in `file`, or {} where there is none (absent, unreadable, not an object)."""
+    try:
+        table = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
 def load_tokenizer(path: str | Path):
-    """A fast tokenizer from a local directory (tokenizer.json + tokenizer_config.json)."""
+    """A fast tokenizer from a local directory (tokenizer.json + tokenizer_config.json), transformers' own class."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise BadInput("not a tokenizer directory (no tokenizer.json)", path=path)
+    refuse_custom_code(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except RecursionError:
         raise BadInput("cannot load tokenizer: its JSON is nested too deeply", path=path) from None
     except Exception as exc:  # noqa: BLE001 - the tokenizers library rejects a malformed file in many ways
@@ -61,11 +105,8 @@ SIZES = (
 
 def _check_sizes(path: Path) -> None:
     """The sizes config.json sets, where it parses as an object (transformers says why it does not)."""
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return
-    for key in SIZES if isinstance(table, dict) else ():
+    table = _json_object(path)
+    for key in SIZES:
         value = table.get(key)
         if (
             key in table
@@ -82,8 +123,9 @@ def load_model_config(path: str | Path):
     if not (path / "config.json").is_file():
         raise BadInput("not a model directory (no config.json)", path=path)
     _check_sizes(path / "config.json")
+    refuse_custom_code(path)
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except RecursionError:
         raise BadInput("cannot load model config: nested too deeply", path=path / "config.json") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -188,7 +230,7 @@ def build_model(path: str | Path, master_seed: int, dtype: str = "float32", devi
     initial_weights(path, init, master_seed)  # init agrees with what the directory holds
     # Construction runs transformers' own init on the global RNG; fork it so nothing leaks out.
     with torch.random.fork_rng(devices=[]):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     if init == "checkpoint":
         load_checkpoint_(model, files)
     else:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 import uuid
@@ -158,8 +159,8 @@ class SGLangShaped(ThreadedApp):
     n-th answer rewritten by `plan(n, answer, request body)` (an abort, a wrong answer, or itself). The other
     routes pass through, unless `faults` names their path: "500" (SGLang's internal error), "garbage" (200 with
     GARBAGE's answer), "nothing" (the connection closed unanswered), "gone" (from then on every connection
-    closed unanswered: a dead server), "lie" (/weights_checker: one tensor's hash changed, so the client
-    fetches it with /get_weights_by_name)."""
+    closed unanswered: a dead server), "hang" (the request read and never answered, until `close()`), "lie"
+    (/weights_checker: one tensor's hash changed, so the client fetches it with /get_weights_by_name)."""
 
     def __init__(self, config, plan: Callable[[int, dict, dict], dict] = lambda n, answer, body: answer):
         from aiohttp import web
@@ -183,6 +184,7 @@ class SGLangShaped(ThreadedApp):
         self.plan, self.count, self.rewritten = plan, 0, 0
         self.faults: dict[str, str] = {}
         self.gone = False
+        self.released = asyncio.Event()  # what a hung request waits for (set by close())
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._proxy)
         super().__init__(app)
@@ -201,6 +203,9 @@ class SGLangShaped(ThreadedApp):
         if fault == "garbage":
             return web.Response(status=200, text=GARBAGE[request.path], content_type="application/json")
         body = await request.read()
+        if fault == "hang":
+            await self.released.wait()
+            return web.Response(status=503)
         async with aiohttp.ClientSession() as session:
             async with session.request(
                 request.method, self.backend.url + request.path, data=body, headers={"Content-Type": "application/json"}
@@ -226,6 +231,7 @@ class SGLangShaped(ThreadedApp):
         return web.json_response(shaped)
 
     def close(self):
+        self.loop.call_soon_threadsafe(self.released.set)
         super().close()
         self.backend.close()
 
@@ -367,8 +373,8 @@ CASES = [
 ]  # SGLang's /flush_cache answers text: any 200 is its
 
 
-def _cli_run(tmp_path: Path, *where: str):
-    toml = small_toml(1).replace("[rollout]\n", "[rollout]\nrequest_attempts = 2\nuse_router = false\n")
+def _cli_run(tmp_path: Path, *where: str, rollout: str = ""):
+    toml = small_toml(1).replace("[rollout]\n", f"[rollout]\nrequest_attempts = 2\nuse_router = false\n{rollout}")
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "s.toml").write_text(toml)
     return cli("run", "-c", str(tmp_path / "s.toml"), "--rollout", "sglang", *where, "--out", str(tmp_path / "run"))
@@ -450,3 +456,51 @@ def test_the_probes_name_what_they_got(faulty, small_config):
         proc.popen.kill()
         proc.popen.wait()
         engine.close()
+
+
+# ---- every call ends within rollout.request_timeout ------------------------------------------------------
+
+
+def test_a_server_that_never_answers_generate_stops_the_run_after_the_request_timeout(faulty, tmp_path):
+    """A server that reads each /generate and never answers: every attempt ends at rollout.request_timeout (the
+    client once handed aiohttp no timeout for a call that gave none, and aiohttp waits forever then), and the run
+    stops with exit 2 and one line naming the timeout. The test waits on the run's exit, not on a clock."""
+    faulty.faults = {"/generate": "hang"}
+    res = _cli_run(tmp_path, "--rollout-external-engine-addrs", faulty.url, rollout="request_timeout = 0.5\n")
+    line, said = _one_line(res), f"POST {faulty.url}/generate: TimeoutError: no answer within 0.5 s"
+    assert f"/generate failed 2 times, the last: {said}" in line, line
+    assert not list((tmp_path / "run" / "rollouts").glob("*"))  # nothing of the step recorded
+
+
+@pytest.mark.parametrize("asked", [None, 30.0], ids=["no timeout given", "a longer one given"])
+def test_every_client_call_ends_at_the_configured_timeout(asked):
+    """Client.call against a raw socket server that reads the request and never answers: whether the call gives
+    no timeout of its own or a longer one, it fails at the configured one (Retryable, naming it), in the same
+    event loop as the server, so nothing but the client's timeout can end it."""
+    from rlbench.backends.sglang.client import Client, Retryable
+
+    client = Client(4, 0.5)
+
+    async def scenario():
+        released = asyncio.Event()
+
+        async def hold(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await released.wait()
+            writer.close()
+
+        server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/generate"
+        try:
+            with pytest.raises(Retryable, match=rf"^POST {url}: TimeoutError: no answer within 0.5 s$") as caught:
+                await client.call("POST", url, {"input_ids": [1]}, timeout_s=asked)
+            assert not caught.value.unreachable  # a slow server, not a dead one
+        finally:
+            released.set()
+            server.close()
+            await server.wait_closed()
+
+    try:
+        client.run(scenario())
+    finally:
+        client.close()

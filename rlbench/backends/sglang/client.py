@@ -7,9 +7,10 @@ synchronously, so the client runs its own event loop with `run()`; the session a
 live as long as the client.
 
 Bounded: at most `max_inflight` requests at a time (a semaphore, and the pool's own limit); each
-request times out after `timeout_s`. A request that fails in a way another attempt can mend
-(no connection, a timeout, 408, 429 or a 5xx) raises `Retryable`; any other status is the server
-refusing the request, BadInput naming the URL and its answer.
+request times out after `timeout_s` (rollout.request_timeout), or sooner where its call asks (a probe).
+A request that fails in a way another attempt can mend (no connection, a timeout, 408, 429 or a 5xx)
+raises `Retryable`; any other status is the server refusing the request, BadInput naming the URL and
+its answer.
 
 A fleet that needs a key (SGLang's --api-key, `rlbench serve --api-key`) gets it from the environment
 variable RLBENCH_SGLANG_API_KEY, sent as `Authorization: Bearer KEY` on every request. It is no setting
@@ -74,6 +75,11 @@ class Client:
                 self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             raise
 
+    def limit(self, timeout_s: float | None) -> float:
+        """The seconds a call may take: `timeout_s` where the call gives one, never more than the configured
+        `self.timeout_s` (every call ends: aiohttp reads a timeout of None as none at all)."""
+        return self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+
     async def _open(self):
         if self._session is None:
             import aiohttp
@@ -95,7 +101,7 @@ class Client:
         import orjson
 
         session = await self._open()
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        limit = self.limit(timeout_s)
         async with self._slots:
             try:
                 data = (
@@ -103,16 +109,15 @@ class Client:
                     if isinstance(body, bytes)
                     else {"json": body}
                 )
-                async with session.request(method, url, timeout=timeout, **data) as response:
+                async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=limit), **data) as response:
                     raw = await response.read()
                     status = response.status
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 unreachable = isinstance(
                     exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError)
                 )
-                raise Retryable(
-                    f"{method} {url}: {exc.__class__.__name__}: {exc or 'timed out'}", unreachable
-                ) from None
+                said = str(exc) or f"no answer within {limit:g} s"  # a timeout says nothing of itself
+                raise Retryable(f"{method} {url}: {exc.__class__.__name__}: {said}", unreachable) from None
         try:
             data = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
