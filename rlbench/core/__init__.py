@@ -19,4 +19,5 @@ metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
 vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
 weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
 weight_delta.py  slime's delta weight sync: versions published, pulled (verified) and a chain checked
+confine.py       one path rule below a confining directory: resolved and held inside, written never through a link
 """

@@ -22,7 +22,7 @@ from rlbench.core import weight_delta
 from rlbench.core.confine import Outside
 from rlbench.errors import BadInput
 from tests.conftest import REPO, cli
-from tests.cpu.test_weight_delta import CONFIG, _chain, _pulled, _raw, _same, _trained
+from tests.cpu.weight_chains import CONFIG, chain, pulled, raw, same, trained
 
 
 def _tree(directory: Path) -> dict:
@@ -64,7 +64,7 @@ def root(tmp_path):
     """D (the confining directory, resolved as the server holds it) with a chain of versions 1 (full) to 3 in
     D/chain, and a directory beside D, outside it, holding a copy of the chain and a victim file."""
     d = tmp_path / "D"
-    _chain(d / "chain", 3)
+    chain(d / "chain", 3)
     outside = tmp_path / "outside"
     shutil.copytree(d / "chain", outside / "chain")
     (outside / "victim").write_bytes(b"not the checkpoint's")
@@ -96,7 +96,7 @@ def test_a_version_directory_that_is_a_link_is_followed_only_inside_the_root(roo
         assert str(refused.value).startswith(f"{root / 'chain' / 'weight_v000002'}: resolves to {store}")
         assert _tree(root / "local") == before
     else:
-        assert _pull(root, 2) == 1 and _same(_pulled(root / "local"), _raw(_trained(2)))
+        assert _pull(root, 2) == 1 and same(pulled(root / "local"), raw(trained(2)))
     _held(outside, kept)
 
 
@@ -147,7 +147,7 @@ def test_names_a_pull_once_wrote_through_are_replaced_never_written_through(root
         (local / name).symlink_to(outside / "victim")
     kept = _untouched(outside)
     assert _pull(root, 3) == 2
-    assert _same(_pulled(local), _raw(_trained(3))) and not (local / "model.safetensors").is_symlink()
+    assert same(pulled(local), raw(trained(3))) and not (local / "model.safetensors").is_symlink()
     _held(outside, kept)
 
 
@@ -195,7 +195,7 @@ def test_a_local_checkpoint_outside_the_root_is_refused_and_the_servers_own_mode
     (root / "local").unlink()
     base = root.parent / "outside" / "chain" / "weight_v000001"  # the server's model, outside --weights-dir
     assert weight_delta.pull(root / "local", base, root / "chain", 0, root) == 0
-    assert weight_delta.applied_version(root / "local") == 0 and _same(_pulled(root / "local"), _raw(_trained(1)))
+    assert weight_delta.applied_version(root / "local") == 0 and same(pulled(root / "local"), raw(trained(1)))
 
 
 # ---- staged: nothing changes until every version is verified ------------------------------------------------------
@@ -226,7 +226,7 @@ def test_a_refused_pull_changes_no_byte_of_the_local_checkpoint_or_its_state(roo
         _pull(root, 3)
     assert _tree(root / "local") == before
     _pull(root, 2)
-    assert weight_delta.applied_version(root / "local") == 2 and _same(_pulled(root / "local"), _raw(_trained(2)))
+    assert weight_delta.applied_version(root / "local") == 2 and same(pulled(root / "local"), raw(trained(2)))
 
 
 def _killed_pull(root: Path, target: int, failpoint: str) -> int:
@@ -406,7 +406,7 @@ def test_a_zstd_frame_larger_than_its_tensor_is_refused_before_it_is_expanded(ro
         weight_delta.apply_version(state, root / "chain" / "weight_v000002", 1)
         with pytest.raises(weight_delta.DeltaRefused) as refused:
             weight_delta.apply_version(state, version, 2)
-        size = _raw(_trained(3))["a"].size
+        size = raw(trained(3))["a"].size
         says = f"declares {1 << 26} bytes, the tensor takes at most {size}" if declared else f"within {size} bytes"
         assert str(refused.value).startswith("version 3, a: its zstd") and says in str(refused.value)
 

@@ -16,6 +16,14 @@ import pytest
 
 from rlbench.core import weight_delta
 from tests.conftest import REPO, cli
+from tests.cpu.weight_chains import (
+    CONFIG,
+    chain as _chain,
+    pulled as _pulled,
+    raw as _raw,
+    same as _same,
+    trained as _trained,
+)
 
 DELTAS = REPO / "examples" / "slime-delta-weights"  # written by tests/slime_deltas/make_deltas.py
 RECORD = REPO / "tests" / "slime_deltas" / "pulled_by_slime.json"
@@ -376,40 +384,6 @@ def test_rlbench_serve_pulls_a_version_refuses_one_out_of_order_and_a_path_outsi
 
 
 # ---- unit level: a small chain of three tensors, built in each test --------------------------------------------------
-
-CONFIG = REPO / "rlbench/fixtures/models/tiny-qwen3/config.json"
-
-
-def _trained(step: int) -> dict:
-    """A trainer's weights after `step` steps: three small tensors of three dtypes, two moved each step, one never."""
-    import torch
-
-    return {
-        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4) * (1 + step / 8),
-        "b": torch.arange(6, dtype=torch.bfloat16) + step,
-        "c": torch.ones(5, dtype=torch.int64),
-    }
-
-
-def _raw(weights: dict) -> dict:
-    return {name: weight_delta.raw_bytes(t) for name, t in weights.items()}
-
-
-def _chain(root: Path, last: int, encoding: str = "xor") -> weight_delta.Publisher:
-    """Version 1 full, then a delta per step up to `last`."""
-    publisher = weight_delta.Publisher(root, encoding)
-    publisher.publish_full(1, _trained(1), CONFIG)
-    for version in range(2, last + 1):
-        publisher.publish(version, _trained(version))
-    return publisher
-
-
-def _pulled(local: Path) -> dict:
-    return {name: data for name, (_, data) in weight_delta.read_checkpoint(local).items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
 
 
 def test_the_publisher_refuses_what_it_cannot_publish_naming_why(tmp_path):
