@@ -186,9 +186,9 @@ class Publisher:
 # `root`, where given, confines every path read (and, pulling, written): rlbench/core/confine.py's rule.
 
 
-def _header(blob: bytes, where: str) -> tuple[dict, dict, int]:
-    """A safetensors file's header: (tensor name -> (begin, end) in the data, the string metadata, where the data
-    starts), each field of the type safetensors writes (DeltaRefused naming the field otherwise)."""
+def _header(blob: bytes, where: str) -> tuple[dict, dict]:
+    """A safetensors file's header: (tensor name -> (begin, end) in the file, the string metadata), each field of the
+    type safetensors writes (BadInput naming the field otherwise)."""
     length = int.from_bytes(blob[:8], "little")  # a file under 8 bytes falls short of any header too
     if length > len(blob) - 8:
         raise DeltaRefused(f"{where}: not a safetensors file ({len(blob)} bytes, short of the header it announces)")
@@ -217,7 +217,7 @@ def _header(blob: bytes, where: str) -> tuple[dict, dict, int]:
                 field=f"{name}.data_offsets",
             )
         spans[name] = (8 + length + offsets[0], 8 + length + offsets[1])
-    return spans, metadata, 8 + length
+    return spans, metadata
 
 
 def _kind(value) -> str:
@@ -227,7 +227,7 @@ def _kind(value) -> str:
 def _tensors(path: Path, root: Path | None = None) -> tuple[bytes, dict, dict[str, tuple[int, int]]]:
     """A safetensors file's bytes, its header's metadata, and where each tensor's bytes lie in them."""
     blob = inside(path, root).read_bytes()
-    spans, metadata, _ = _header(blob, str(path))
+    spans, metadata = _header(blob, str(path))
     return blob, metadata, spans
 
 
@@ -423,7 +423,7 @@ def _pull(local: Path, base: Path, source: Path, target: int, root: Path | None)
 def _patch(blob: bytes, file: str, state: dict) -> bytes:
     """A safetensors file's bytes with the tensors `state` keeps in it (by file name) replaced (its header, and so
     its layout, unchanged)."""
-    spans, _, _ = _header(blob, file)
+    spans, _ = _header(blob, file)
     out = bytearray(blob)
     for name, (begin, end) in spans.items():
         if state[name][0] == file:  # a name in two shards is read from the later one

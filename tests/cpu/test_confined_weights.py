@@ -350,6 +350,21 @@ def _offsets_as_text(header):
     return header
 
 
+def _offsets(begin, end):
+    """`a`'s offsets set to [begin, end] (end None: one past the file's data)."""
+
+    def change(header):
+        header["a"]["data_offsets"] = [begin, end if end is not None else _data(header) + 1]
+        return header
+
+    return change
+
+
+def _data(header) -> int:
+    """The data bytes after the header: the end of the last tensor (safetensors packs them)."""
+    return max(info["data_offsets"][1] for name, info in header.items() if name != "__metadata__")
+
+
 @pytest.mark.parametrize(
     ("edit", "file", "says"),
     [
@@ -372,14 +387,43 @@ def _offsets_as_text(header):
             weight_delta.DELTA_FILE,
             "__metadata__: expected an object of strings, got {'a': 1}",
         ),
+        (
+            _header_edit(lambda h: h | {"a": [0, 4]}),
+            weight_delta.DELTA_FILE,
+            "a.data_offsets: expected [begin, end], integers within the file's {data} data bytes, got None",
+        ),
+        (
+            _header_edit(_offsets(0, None)),
+            weight_delta.DELTA_FILE,
+            "a.data_offsets: expected [begin, end], integers within the file's {data} data bytes, got [0, {past}]",
+        ),
+        (
+            _header_edit(_offsets(5, 4)),
+            weight_delta.DELTA_FILE,
+            "a.data_offsets: expected [begin, end], integers within the file's {data} data bytes, got [5, 4]",
+        ),
     ],
-    ids=["index a list", "metadata text", "version null", "weight_map a list", "header a list", "offsets text", "sums"],
+    ids=[
+        "index a list",
+        "metadata text",
+        "version null",
+        "weight_map a list",
+        "header a list",
+        "offsets text",
+        "sums",
+        "an entry a list",
+        "past the data",
+        "backwards",
+    ],
 )
 def test_a_version_file_of_the_wrong_json_shape_is_bad_input_in_one_line(root, edit, file, says):
     """Exit 2, one line naming the file and the field, from `rlbench check weights`; a pull is refused (BadInput,
     which /pull_weights answers 400) leaving the local checkpoint as it was."""
     _pull(root, 2)
     before = _tree(root / "local")
+    blob = (root / "chain" / "weight_v000003" / weight_delta.DELTA_FILE).read_bytes()
+    data = len(blob) - 8 - int.from_bytes(blob[:8], "little")
+    says = says.replace("{data}", str(data)).replace("{past}", str(data + 1))
     edit(root / "chain" / "weight_v000003")
     done = _check(root / "chain")
     assert done.returncode == 2, done.stdout + done.stderr
@@ -456,3 +500,32 @@ def test_the_server_reads_no_weights_through_a_link_out_of_its_weights_dir(tmp_p
     finally:
         serving.close()
     _held(tmp_path / "outside", kept)
+
+
+def test_an_empty_tensor_and_a_frame_without_its_size_are_read(tmp_path):
+    """What safetensors and zstd may write and slime's readers take: a tensor of no elements (begin == end) in a full
+    version, and a delta frame that does not declare its size (bounded by the tensor's then): both applied."""
+    import zstandard
+    from safetensors.numpy import save
+
+    weights = trained(1) | {"e": torch.zeros(0)}
+    publisher = weight_delta.Publisher(tmp_path / "chain")
+    publisher.publish_full(1, weights, CONFIG)
+    publisher.publish(2, trained(2) | {"e": torch.zeros(0)})
+    state = weight_delta.read_checkpoint(tmp_path / "chain" / "weight_v000001")
+    assert state["e"][1].size == 0 and same({n: b for n, (_, b) in state.items()}, raw(weights))
+    path = tmp_path / "chain" / "weight_v000002" / weight_delta.DELTA_FILE
+    blob = path.read_bytes()
+    spans, sums = weight_delta._header(blob, str(path))  # noqa: SLF001 - the frames rewritten in place
+    frames = {
+        name: np.frombuffer(
+            zstandard.ZstdCompressor(level=1, write_content_size=False).compress(
+                zstandard.ZstdDecompressor().decompress(blob[begin:end])
+            ),
+            np.uint8,
+        )
+        for name, (begin, end) in spans.items()
+    }
+    path.write_bytes(save(frames, metadata=sums))
+    assert weight_delta.apply_version(state, tmp_path / "chain" / "weight_v000002", 1) == (2, len(frames))
+    assert same({n: b for n, (_, b) in state.items()}, raw(trained(2) | {"e": torch.zeros(0)}))

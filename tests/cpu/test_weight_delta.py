@@ -58,7 +58,7 @@ def _flip(chain: Path) -> str:
     """One byte of version 2's first compressed tensor flipped: which tensor."""
     path = chain / "weight_v000002" / weight_delta.DELTA_FILE
     blob = bytearray(path.read_bytes())
-    spans, _, _ = weight_delta._header(bytes(blob), str(path))  # noqa: SLF001 - the test plants at a known place
+    spans, _ = weight_delta._header(bytes(blob), str(path))  # noqa: SLF001 - the test plants at a known place
     name = sorted(spans)[0]
     begin, end = spans[name]
     blob[(begin + end) // 2] ^= 0x40
