@@ -71,6 +71,7 @@ MODULES = {
     "rlbench/replay/integrity.py": ["tests/cpu/test_integrity.py", "tests/cpu/test_verdicts.py"],
     "rlbench/core/pipeline.py": ["tests/cpu/test_async.py", "-k", "not over_http"],
     "rlbench/core/weight_delta.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_confined_weights.py"],
+    "rlbench/core/weight_pull.py": ["tests/cpu/test_weight_delta.py", "tests/cpu/test_confined_weights.py"],
     "rlbench/core/slime_contract.py": ["tests/cpu/test_slime_contract.py"],
     "rlbench/replay/slime_train.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],
     "rlbench/replay/slime_train_v1.py": ["tests/cpu/test_slime_train_dumps.py", "tests/cpu/test_import_slime.py"],

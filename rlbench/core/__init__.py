@@ -18,6 +18,7 @@ plugins.py       load a function by dotted path
 metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
 vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
 weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
-weight_delta.py  slime's delta weight sync: versions published, pulled (verified) and a chain checked
+weight_delta.py  slime's delta weight sync: versions published and read, a chain checked
+weight_pull.py   its engine's side, /pull_weights: a local checkpoint verified whole, then staged and renamed
 confine.py       one path rule below a confining directory: resolved and held inside, written never through a link
 """

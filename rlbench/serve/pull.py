@@ -1,5 +1,5 @@
 """slime's /pull_weights (the endpoint its SGLang patch adds: docker/patch/latest/sglang-pull_weights.patch at
-THUDM/slime 624b824a): bring a host-local checkpoint to a published weight version (rlbench/core/weight_delta.py
+THUDM/slime 624b824a): bring a host-local checkpoint to a published weight version (rlbench/core/weight_pull.py
 `pull`: the newest full version at or below it, then each delta on its declared base, every tensor verified before
 the checkpoint's files are replaced), then the caller reloads it through /update_weights_from_disk as SGLang's does.
 
@@ -24,7 +24,8 @@ FIELDS = {"local_checkpoint_dir": str, "source_dir": str, "target_version": int}
 
 
 async def handle(state, read_body, request: Request) -> Response:
-    from rlbench.core.weight_delta import DeltaRefused, pull
+    from rlbench.core.weight_delta import DeltaRefused
+    from rlbench.core.weight_pull import pull
 
     body = body_fields(await read_body(request, state.config.max_request_bytes, required=True), FIELDS, tuple(FIELDS))
     if body["target_version"] < 0:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlbench.core import weight_delta
+from rlbench.core import weight_delta, weight_pull
 from rlbench.core.confine import Outside
 from rlbench.errors import BadInput
 from tests.conftest import REPO, cli
@@ -72,7 +72,7 @@ def root(tmp_path):
 
 
 def _pull(root: Path, target: int, local: str = "local", source: str = "chain") -> int:
-    return weight_delta.pull(root / local, root / "base-unused", root / source, target, root)
+    return weight_pull.pull(root / local, root / "base-unused", root / source, target, root)
 
 
 # ---- links ----------------------------------------------------------------------------------------------------------
@@ -194,8 +194,8 @@ def test_a_local_checkpoint_outside_the_root_is_refused_and_the_servers_own_mode
     assert list(outside.iterdir()) == []
     (root / "local").unlink()
     base = root.parent / "outside" / "chain" / "weight_v000001"  # the server's model, outside --weights-dir
-    assert weight_delta.pull(root / "local", base, root / "chain", 0, root) == 0
-    assert weight_delta.applied_version(root / "local") == 0 and same(pulled(root / "local"), raw(trained(1)))
+    assert weight_pull.pull(root / "local", base, root / "chain", 0, root) == 0
+    assert weight_pull.applied_version(root / "local") == 0 and same(pulled(root / "local"), raw(trained(1)))
 
 
 # ---- staged: nothing changes until every version is verified ------------------------------------------------------
@@ -226,13 +226,13 @@ def test_a_refused_pull_changes_no_byte_of_the_local_checkpoint_or_its_state(roo
         _pull(root, 3)
     assert _tree(root / "local") == before
     _pull(root, 2)
-    assert weight_delta.applied_version(root / "local") == 2 and same(pulled(root / "local"), raw(trained(2)))
+    assert weight_pull.applied_version(root / "local") == 2 and same(pulled(root / "local"), raw(trained(2)))
 
 
 def _killed_pull(root: Path, target: int, failpoint: str) -> int:
     """`pull` in a process of its own, SIGKILLed at `failpoint` (rlbench/rundir/failpoints.py): its exit status."""
     code = (
-        "import sys; from pathlib import Path; from rlbench.core.weight_delta import pull; "
+        "import sys; from pathlib import Path; from rlbench.core.weight_pull import pull; "
         "r = Path(sys.argv[1]); pull(r / 'local', r / 'unused', r / 'chain', int(sys.argv[2]), r)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLBENCH_FAILPOINT": failpoint}
@@ -269,10 +269,10 @@ def test_a_pull_killed_at_each_step_leaves_its_version_or_the_next_pull_finishes
     staged = [k.split("/")[-1] for k in after if k.startswith(".weight_sync/staging/")]
     assert all(any(n.startswith(f".{f}.") for f in ("model.safetensors", "config.json")) for n in staged), staged
     journalled = failpoint.split("@")[0] not in ("pull.staging", "pull.staged")
-    assert (".weight_sync/" + weight_delta.JOURNAL in after) == journalled
+    assert (".weight_sync/" + weight_pull.JOURNAL in after) == journalled
     if not journalled:
         assert {k: v for k, v in after.items() if not k.startswith(".weight_sync/staging/")} == before
-        assert weight_delta.applied_version(root / "local") == held
+        assert weight_pull.applied_version(root / "local") == held
     assert _pull(root, 3) == (0 if journalled else 3 - (held or 1))
     assert _tree(root / "local") == _tree(root / "reference")
 
@@ -516,7 +516,7 @@ def test_an_empty_tensor_and_a_frame_without_its_size_are_read(tmp_path):
     assert state["e"][1].size == 0 and same({n: b for n, (_, b) in state.items()}, raw(weights))
     path = tmp_path / "chain" / "weight_v000002" / weight_delta.DELTA_FILE
     blob = path.read_bytes()
-    spans, sums = weight_delta._header(blob, str(path))  # noqa: SLF001 - the frames rewritten in place
+    spans, sums = weight_delta.safetensors_header(blob, str(path))
     frames = {
         name: np.frombuffer(
             zstandard.ZstdCompressor(level=1, write_content_size=False).compress(

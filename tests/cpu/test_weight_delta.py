@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlbench.core import weight_delta
+from rlbench.core import weight_delta, weight_pull
 from tests.conftest import REPO, cli
 from tests.cpu.weight_chains import (
     CONFIG,
@@ -58,7 +58,7 @@ def _flip(chain: Path) -> str:
     """One byte of version 2's first compressed tensor flipped: which tensor."""
     path = chain / "weight_v000002" / weight_delta.DELTA_FILE
     blob = bytearray(path.read_bytes())
-    spans, _ = weight_delta._header(bytes(blob), str(path))  # noqa: SLF001 - the test plants at a known place
+    spans, _ = weight_delta.safetensors_header(bytes(blob), str(path))
     name = sorted(spans)[0]
     begin, end = spans[name]
     blob[(begin + end) // 2] ^= 0x40
@@ -258,7 +258,7 @@ def test_rlbench_writes_what_slime_pulled_and_pulls_what_slime_did(tmp_path):
     for version in range(1, len(states)):
         if version > 1:
             publisher.publish(version, states[version])
-        weight_delta.pull(local, DELTAS / "base", ours, version)
+        weight_pull.pull(local, DELTAS / "base", ours, version)
         got = {n: hashlib.sha256(b.tobytes()).hexdigest() for n, (_, b) in weight_delta.read_checkpoint(local).items()}
         assert got == record["sha256_after_each_version"][str(version)], f"version {version}"
     digest = _module().content_digest
@@ -271,14 +271,14 @@ def test_a_refused_version_leaves_the_local_checkpoint_as_it_was(tmp_path):
     """The local checkpoint at version 3, its marker lost (says 2): pulling 3 again would apply its xor twice; every
     tensor is verified before anything is written, so it is refused and not one byte changes."""
     local = tmp_path / "local"
-    weight_delta.pull(local, DELTAS / "base", DELTAS / "chain", 3)
+    weight_pull.pull(local, DELTAS / "base", DELTAS / "chain", 3)
     before = {p.name: p.read_bytes() for p in local.glob("*.safetensors")}
     (local / weight_delta.SYNC_DIR / "state.json").write_text(json.dumps({"version": "000002"}))
     with pytest.raises(weight_delta.DeltaRefused, match="version 3, .*applied twice"):
-        weight_delta.pull(local, DELTAS / "base", DELTAS / "chain", 3)
+        weight_pull.pull(local, DELTAS / "base", DELTAS / "chain", 3)
     assert {p.name: p.read_bytes() for p in local.glob("*.safetensors")} == before
     overwrite = tmp_path / "again"
-    weight_delta.pull(overwrite, DELTAS / "base", DELTAS / "chain", 2)  # version 2 is an overwrite: idempotent
+    weight_pull.pull(overwrite, DELTAS / "base", DELTAS / "chain", 2)  # version 2 is an overwrite: idempotent
     state = weight_delta.read_checkpoint(overwrite)
     held, _ = weight_delta.apply_version(state, DELTAS / "chain" / "weight_v000002", 1)
     assert held == 2 and all(
@@ -329,7 +329,7 @@ def test_rlbench_writes_each_encoding_and_checksum_slime_reads(tmp_path, encodin
     last = {n: weight_delta.raw_bytes(t) for n, t in states[2].items()}
     report = weight_delta.verify_chain(root, None, last)
     assert report.failure is None and report.versions == [1, 2, 3] and report.full == [1]
-    weight_delta.pull(tmp_path / "local", DELTAS / "base", root, 3)
+    weight_pull.pull(tmp_path / "local", DELTAS / "base", root, 3)
     assert all(np.array_equal(last[n], b) for n, (_, b) in weight_delta.read_checkpoint(tmp_path / "local").items())
 
 
@@ -467,7 +467,7 @@ def test_header_metadata_is_kept_where_written_and_passed_over_where_read(tmp_pa
     for version in (1, 2):
         publisher.publish(version, _trained(version))
     local = tmp_path / "local"
-    assert weight_delta.pull(local, base, root, 2) == 2
+    assert weight_pull.pull(local, base, root, 2) == 2
     assert _same(_pulled(local), _raw(_trained(2))) and metadata(local) == {"format": "pt"}
 
 
@@ -668,14 +668,14 @@ def test_a_pull_goes_on_from_the_version_held_and_rewrites_nothing_when_there(tm
     version held applies none and rewrites not one file (a server may be reading them)."""
     root, local, no_base = tmp_path / "chain", tmp_path / "local", tmp_path / "never read"
     _chain(root, 5)
-    assert weight_delta.pull(local, no_base, root, 3) == 2  # full version 1, then deltas 2 and 3
+    assert weight_pull.pull(local, no_base, root, 3) == 2  # full version 1, then deltas 2 and 3
     for version in (1, 2, 3):
         shutil.rmtree(weight_delta.version_dir(root, version))
     files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in local.iterdir() if p.is_file()}
-    assert weight_delta.pull(local, no_base, root, 3) == 0
+    assert weight_pull.pull(local, no_base, root, 3) == 0
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in local.iterdir() if p.is_file()} == files
-    assert weight_delta.pull(local, no_base, root, 5) == 2
-    assert weight_delta.applied_version(local) == 5 and _same(_pulled(local), _raw(_trained(5)))
+    assert weight_pull.pull(local, no_base, root, 5) == 2
+    assert weight_pull.applied_version(local) == 5 and _same(_pulled(local), _raw(_trained(5)))
 
 
 def test_a_pull_waits_while_another_server_on_the_host_holds_slimes_lock(tmp_path):
@@ -690,13 +690,13 @@ def test_a_pull_waits_while_another_server_on_the_host_holds_slimes_lock(tmp_pat
     pulled = []
     with open(local / weight_delta.SYNC_DIR / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        pulling = threading.Thread(target=lambda: pulled.append(weight_delta.pull(local, root, root, 2)))
+        pulling = threading.Thread(target=lambda: pulled.append(weight_pull.pull(local, root, root, 2)))
         pulling.start()
         pulling.join(timeout=1.0)
-        assert pulling.is_alive() and weight_delta.applied_version(local) is None
+        assert pulling.is_alive() and weight_pull.applied_version(local) is None
         fcntl.flock(lock, fcntl.LOCK_UN)
     pulling.join()
-    assert pulled == [1] and weight_delta.applied_version(local) == 2
+    assert pulled == [1] and weight_pull.applied_version(local) == 2
 
 
 def test_a_pull_of_a_sharded_checkpoint_rewrites_only_the_files_its_weights_are_in(tmp_path):
@@ -716,7 +716,7 @@ def test_a_pull_of_a_sharded_checkpoint_rewrites_only_the_files_its_weights_are_
         save_file({n: weights[n] for n, s in shards.items() if s == shard}, str(full / shard))
     (full / weight_delta.INDEX).write_text(json.dumps({"weight_map": shards}))
     (full / "consolidated.safetensors").write_bytes(b"not safetensors")
-    assert weight_delta.pull(local, tmp_path / "never read", root, 2) == 1
+    assert weight_pull.pull(local, tmp_path / "never read", root, 2) == 1
     pulled = weight_delta.read_checkpoint(local)
     assert {n: file for n, (file, _) in pulled.items()} == shards
     assert _same({n: data for n, (_, data) in pulled.items()}, _raw(_trained(2)))
@@ -728,9 +728,9 @@ def test_a_pull_to_a_version_not_published_is_refused_naming_it(tmp_path):
     root, local = tmp_path / "chain", tmp_path / "local"
     _chain(root, 2)
     with pytest.raises(weight_delta.DeltaRefused) as refused:
-        weight_delta.pull(local, root, root, 4)
+        weight_pull.pull(local, root, root, 4)
     assert str(refused.value) == f"published weight version missing: {root / 'weight_v000004'}"
     (root / "weight_v000002" / weight_delta.INDEX).write_text("{not json")
     with pytest.raises(weight_delta.DeltaRefused) as refused:
-        weight_delta.pull(local, root, root, 2)
+        weight_pull.pull(local, root, root, 2)
     assert str(refused.value) == f"{root / 'weight_v000002' / weight_delta.INDEX}: not JSON (JSONDecodeError)"
