@@ -235,7 +235,9 @@ def read_checkpoint(directory: str | Path, root: Path | None = None) -> dict[str
     from rlbench.core.model import weight_files
 
     out = {}
-    files = weight_files(inside(directory, root))
+    directory = inside(directory, root)
+    inside(directory / INDEX, root)  # the index weight_files reads where the weights are sharded: confined first
+    files = weight_files(directory)
     if not files:
         raise DeltaRefused(f"{directory}: no model.safetensors (nor an index of its shards)")
     for path in files:

@@ -168,6 +168,104 @@ def test_a_local_checkpoint_linked_outside_is_not_read_to_apply_a_delta(root):
         _pull(root, 3)
 
 
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_sharded_local_checkpoints_index_linked_outside_is_refused_unread(root, where):
+    """Local at version 2 made sharded (its weights in one shard, the index naming it), the index a link: outside D,
+    the pull to 3 refused naming the link before weight_files reads it, the local checkpoint as it was and the outside
+    index not read; inside D, the pull applies version 3 through it."""
+    from safetensors import safe_open
+
+    outside, local = root.parent / "outside", root / "local"
+    _pull(root, 2)
+    shard = local / "model-00001-of-00001.safetensors"
+    (local / "model.safetensors").rename(shard)
+    with safe_open(str(shard), "np") as f:
+        table = {"metadata": {}, "weight_map": dict.fromkeys(sorted(f.keys()), shard.name)}
+    store = outside if where == "outside" else root / "store"
+    store.mkdir(exist_ok=True)
+    (store / "index.json").write_text(json.dumps(table))
+    link = local / "model.safetensors.index.json"
+    link.symlink_to(store / "index.json")
+    before, kept = _tree(local), _untouched(outside)
+    if where == "outside":
+        with pytest.raises(Outside) as refused:
+            _pull(root, 3)
+        assert str(refused.value).startswith(f"{link}: resolves to {store / 'index.json'}, outside {root}")
+        assert _tree(local) == before
+    else:
+        assert _pull(root, 3) == 1 and same(pulled(local), raw(trained(3)))
+    _held(outside, kept)
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_delta_versions_tensor_file_linked_outside_the_root_is_refused_unread(root, where):
+    """Version 3's index a file in D, the tensor file it names a link to a byte-identical copy of itself (no
+    checksum can refuse it): the copy outside D, the pull from 2 to 3 refused naming the link, the local checkpoint
+    as it was and the copy not read; the copy inside D, applied as the version's own."""
+    outside = root.parent / "outside"
+    _pull(root, 2)
+    store = outside / "chain" / "weight_v000003" if where == "outside" else root / "store"
+    if where == "inside":
+        shutil.copytree(root / "chain" / "weight_v000003", store)
+    delta = root / "chain" / "weight_v000003" / weight_delta.DELTA_FILE
+    assert (store / weight_delta.DELTA_FILE).read_bytes() == delta.read_bytes()
+    delta.unlink()
+    delta.symlink_to(store / weight_delta.DELTA_FILE)
+    before, kept = _tree(root / "local"), _untouched(outside)
+    if where == "outside":
+        with pytest.raises(Outside) as refused:
+            _pull(root, 3)
+        assert str(refused.value).startswith(f"{delta}: resolves to {store / weight_delta.DELTA_FILE}, outside {root}")
+        assert _tree(root / "local") == before
+    else:
+        assert _pull(root, 3) == 1 and same(pulled(root / "local"), raw(trained(3)))
+    _held(outside, kept)
+
+
+@pytest.mark.parametrize("change", ["linked outside D", "linked inside D", "cut short"])
+def test_local_weights_changed_between_the_pulls_two_reads_of_them_are_confined_and_named(root, monkeypatch, change):
+    """A pull from 2 to 3 reads the local weights twice under its lock (which other writers of D do not take): to
+    apply the delta to (read_checkpoint), then to patch. The second read holds the same rule as the first: the
+    weights swapped between the two for a link to a byte-identical copy outside D, refused naming the link, the copy
+    not read; for a link to that copy inside D, patched (the link replaced by the file, the copy kept); cut short,
+    refused naming the file. A refused pull leaves the local checkpoint as the change left it."""
+    local, outside = root / "local", root.parent / "outside"
+    _pull(root, 2)
+    held = local / "model.safetensors"
+    copy = (outside if change == "linked outside D" else root) / "v2.safetensors"
+    shutil.copyfile(held, copy)
+    version2 = copy.read_bytes()
+    kept, changed = _untouched(outside), []
+
+    def read_then_changed(state, *args):  # the pull's one version, after read_checkpoint and before the patch
+        held.unlink()
+        if change == "cut short":
+            held.write_bytes(b"\xff" * 8)
+        else:
+            held.symlink_to(copy)
+        changed.append(_tree(local))
+        return weight_delta.apply_version(state, *args)
+
+    monkeypatch.setattr(weight_pull, "apply_version", read_then_changed)
+    refusals = {
+        "linked outside D": (Outside, f"{held}: resolves to {copy}, outside {root}"),
+        "cut short": (
+            weight_delta.DeltaRefused,
+            "model.safetensors: not a safetensors file (8 bytes, short of the header it announces)",
+        ),
+    }
+    if change in refusals:
+        kind, says = refusals[change]
+        with pytest.raises(kind) as refused:
+            _pull(root, 3)
+        assert str(refused.value).startswith(says), str(refused.value)
+        assert len(changed) == 1 and _tree(local) == changed[0]
+    else:
+        assert _pull(root, 3) == 1 and same(pulled(local), raw(trained(3))) and not held.is_symlink()
+        assert copy.read_bytes() == version2
+    _held(outside, kept)
+
+
 def test_a_local_checkpoint_inside_a_published_version_is_refused_and_the_chain_kept(root):
     """Pulling into weight_v000001 (or a directory in it) would write into the chain: refused, naming the field;
     a local checkpoint beside the versions is pulled."""
@@ -321,6 +419,122 @@ def test_check_weights_follows_no_link_out_of_the_chain(root, version):
     assert _check(chain).returncode == 0
 
 
+@pytest.mark.parametrize(
+    "linked",
+    [
+        "weight_v000001/model.safetensors",
+        f"weight_v000003/{weight_delta.INDEX}",
+        f"weight_v000003/{weight_delta.DELTA_FILE}",
+    ],
+    ids=["a full version's weights", "a delta's index", "a delta's tensor file"],
+)
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_check_weights_reads_no_file_of_a_version_through_a_link_out_of_the_chain(root, where, linked):
+    """A file of a version in the chain's directory (the full version's weights, a delta's index, a delta's tensor
+    file) a link to a byte-identical copy of itself (no checksum can refuse it): the copy outside the chain's
+    directory, exit 2 in one line naming the link, the copy not read; the copy inside it, the chain verifies."""
+    chain, outside = root / "chain", root.parent / "outside"
+    version = linked.split("/")[0]
+    store = outside / "chain" if where == "outside" else chain / "store"
+    if where == "inside":
+        shutil.copytree(chain / version, store / version)
+    assert (store / linked).read_bytes() == (chain / linked).read_bytes()
+    (chain / linked).unlink()
+    (chain / linked).symlink_to(store / linked)
+    kept = _untouched(outside)
+    done = _check(chain)
+    if where == "outside":
+        assert done.returncode == 2, done.stdout + done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f"rlbench: error: {chain / linked}: resolves to {store / linked}, outside {chain}"), line
+    else:
+        assert done.returncode == 0 and done.stdout.startswith("verified: versions 1..3"), done.stdout + done.stderr
+    _held(outside, kept)
+
+
+@pytest.mark.parametrize(
+    "linked", ["weight_v000002", f"weight_v000002/{weight_delta.INDEX}"], ids=["itself", "its index"]
+)
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_check_weights_refuses_a_first_delta_linked_out_of_the_chain_before_asking_for_its_base(root, where, linked):
+    """A chain that starts with a delta (version 2, version 1 moved out to be its --base) whose directory or index
+    is a link to a byte-identical copy: outside the chain's directory, exit 2 naming the link, --base given or not
+    (the index is not read to learn that the version is a delta, so not asked for a base), the copy not read; inside
+    it, a first delta like any other: without --base undetermined, naming --base, and with it verified."""
+    chain, outside = root / "chain", root.parent / "outside"
+    shutil.move(chain / "weight_v000001", root / "base")
+    store = outside / "chain" if where == "outside" else chain / "store"
+    if where == "inside":
+        shutil.copytree(chain / "weight_v000002", store / "weight_v000002")
+    if (chain / linked).is_dir():
+        shutil.rmtree(chain / linked)
+    else:
+        (chain / linked).unlink()
+    (chain / linked).symlink_to(store / linked)
+    kept = _untouched(outside)
+    alone, based = _check(chain), cli("check", "weights", str(chain), "--base", str(root / "base"))
+    if where == "outside":
+        for done in (alone, based):
+            assert done.returncode == 2, done.stdout + done.stderr
+            [line] = done.stderr.strip().splitlines()
+            assert line.startswith(f"rlbench: error: {chain / linked}: resolves to {store / linked}, outside {chain}")
+    else:
+        assert alone.returncode == 2 and alone.stderr.startswith(
+            "rlbench: error: --base: undetermined: version 2 is a delta"
+        ), alone.stderr
+        assert based.returncode == 0 and based.stdout.startswith("verified: versions 2..3"), based.stdout
+    _held(outside, kept)
+
+
+@pytest.mark.parametrize(
+    ("swapped", "reader"),
+    [
+        ("weight_v000001", "read_checkpoint"),
+        ("weight_v000003", "apply_version"),
+        (f"weight_v000003/{weight_delta.INDEX}", "apply_version"),
+    ],
+    ids=["the full version it seeds from", "a delta", "a delta's index"],
+)
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_version_swapped_for_a_link_after_the_pull_checked_it_is_confined_where_it_is_read(
+    root, monkeypatch, where, swapped, reader
+):
+    """A pull learns whether each version is a delta (is_delta, which confines the version and its index) before it
+    reads it (read_checkpoint, apply_version), and other writers of D take no lock: the version it seeds from, a
+    delta, or a delta's index swapped between the two for a link to a byte-identical copy: outside D, refused where
+    it is read, naming the link (the version, not a file in it), the copy not read and the local checkpoint as it
+    was; inside D, pulled as the version's own."""
+    chain, outside = root / "chain", root.parent / "outside"
+    target = 1 if reader == "read_checkpoint" else 3
+    if target == 3:
+        _pull(root, 2)
+    store = outside / "chain" if where == "outside" else root / "store"
+    if where == "inside":
+        shutil.copytree(chain / swapped.split("/")[0], store / swapped.split("/")[0])
+    read, link, swaps = getattr(weight_pull, reader), chain / swapped, []
+
+    def swap_then_read(*args):  # after the pull's is_delta of the version, before the read
+        if not swaps:
+            shutil.rmtree(link) if link.is_dir() else link.unlink()
+            link.symlink_to(store / swapped)
+            swaps.append(link)
+        return read(*args)
+
+    monkeypatch.setattr(weight_pull, reader, swap_then_read)
+    before, kept = _tree(root / "local"), _untouched(outside)
+    if where == "outside":
+        with pytest.raises(Outside) as refused:
+            _pull(root, target)
+        assert str(refused.value).startswith(f"{link}: resolves to {store / swapped}, outside {root}"), refused.value
+        assert _tree(root / "local") == before
+    else:
+        _pull(root, target)
+        assert weight_pull.applied_version(root / "local") == target
+        assert same(pulled(root / "local"), raw(trained(target)))
+    assert swaps == [link]
+    _held(outside, kept)
+
+
 # ---- files of the wrong shape: one line naming the file and the field ----------------------------------------------
 
 
@@ -453,6 +667,42 @@ def test_a_zstd_frame_larger_than_its_tensor_is_refused_before_it_is_expanded(ro
         size = raw(trained(3))["a"].size
         says = f"declares {1 << 26} bytes, the tensor takes at most {size}" if declared else f"within {size} bytes"
         assert str(refused.value).startswith("version 3, a: its zstd") and says in str(refused.value)
+
+
+def test_an_overwrite_frame_holds_at_most_an_entry_per_byte_of_its_tensor(tmp_path):
+    """An overwrite's diff is a 4-byte count, then at most one 4-byte position and one new byte per byte of the
+    tensor: 4 + 5 * n bytes for a tensor of n, which a version that changes every byte reaches, and applies. One byte
+    more (the size declared, or not), or a valid overwrite of one entry more (a position twice, its checksum holding),
+    refused naming version and tensor, before anything past the bound is allocated."""
+    import zstandard
+    from safetensors.numpy import save
+
+    root = tmp_path / "chain"
+    publisher = weight_delta.Publisher(root, "overwrite")
+    publisher.publish_full(1, {"w": torch.zeros(7, dtype=torch.uint8)}, CONFIG)
+    publisher.publish(2, {"w": torch.ones(7, dtype=torch.uint8)})
+    limit, path = 4 + 5 * 7, root / "weight_v000002" / weight_delta.DELTA_FILE
+    blob = path.read_bytes()
+    spans, sums = weight_delta.safetensors_header(blob, str(path))
+    begin, end = spans["w"]
+    diff = zstandard.ZstdDecompressor().decompress(blob[begin:end])
+    assert len(diff) == limit and zstandard.get_frame_parameters(blob[begin:end]).content_size == limit
+    state = weight_delta.read_checkpoint(root / "weight_v000001")
+    assert weight_delta.apply_version(state, root / "weight_v000002", 1) == (2, 1) and state["w"][1].tolist() == [1] * 7
+    again = (8).to_bytes(4, "little") + np.array([*range(7), 0], "<u4").tobytes() + bytes([1] * 8)
+    for content, declared, says in (
+        (diff + b"\x00", True, f"declares {limit + 1} bytes, the tensor takes at most {limit}"),
+        (diff + b"\x00", False, f"does not decompress within {limit} bytes"),
+        (again, True, f"declares {limit + 5} bytes, the tensor takes at most {limit}"),
+        (again, False, f"does not decompress within {limit} bytes"),
+    ):
+        frame = zstandard.ZstdCompressor(level=1, write_content_size=declared).compress(content)
+        path.write_bytes(save({"w": np.frombuffer(frame, np.uint8)}, metadata=sums))
+        state = weight_delta.read_checkpoint(root / "weight_v000001")
+        with pytest.raises(weight_delta.DeltaRefused) as refused:
+            weight_delta.apply_version(state, root / "weight_v000002", 1)
+        assert str(refused.value).startswith("version 2, w: its zstd ") and says in str(refused.value), refused.value
+        assert state["w"][1].tolist() == [0] * 7
 
 
 # ---- /update_weights_from_disk and /pull_weights on a server with --weights-dir -----------------------------------
