@@ -1041,6 +1041,14 @@ def test_a_malformed_format_1_file_is_refused_in_one_line_naming_file_field_and_
     assert str(refused.value) == f"{path}: {says}" and refused.value.exit_code == 2
 
 
+def test_a_format_1_row_of_plain_numbers_is_read_as_a_tensor_row_would_be(tmp_path):
+    """A per-token row held as a Python list (a writer's `.tolist()`) of ints and floats is read, its values kept,
+    as the same row held as a tensor: the reader refuses bools and text in a row (above), not numbers."""
+    path = _v1_file(tmp_path, 0, _v1_rows(log_probs=[[-1, -0.25]]))
+    train, findings = _v1_read([path], [7])
+    assert findings == [] and _plain(train.samples)[0]["log_probs"] == [-1, -0.25]
+
+
 @pytest.mark.parametrize(
     "top",
     [
