@@ -163,7 +163,10 @@ async def _plugin(fn: Callable, field: str, call):
 
 
 def _name(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    """A plugin's dotted name. Every plugin came through load_generate or load_reward, which take only what
+    inspect.iscoroutinefunction does (a function, or a method or functools.partial of one): each has __module__;
+    a partial has no __qualname__, and is named by its repr."""
+    return f"{fn.__module__}.{getattr(fn, '__qualname__', fn)}"
 
 
 def _samples(result: Any, sample_cls: type, path: str) -> list:
