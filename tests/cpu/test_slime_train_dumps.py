@@ -193,6 +193,11 @@ def _shorten(dump):
             id="a whole-batch raw_reward of another length",
         ),
         pytest.param(
+            lambda d: d.update(raw_reward=0.5),
+            "rollout 2: raw_reward holds float, expected one per rollout dump sample (8)",
+            id="a raw_reward not a list",
+        ),
+        pytest.param(
             lambda d: d.update(samples=[], dp_shards=[]),
             "rollout 2: rollout samples at positions 0, 1, 2, 3, 4, 5, 6, 7 (index 16, 17, 18, 19, 20, 21, 22, 23) "
             "are missing from the train dump",
@@ -209,6 +214,17 @@ def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_w
     assert "rollout 2" in done.stderr and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_whole_batch_raw_reward_held_as_a_tensor_joins_as_the_list_of_its_values(tmp_path):
+    """A raw_reward saved as a tensor (one value per rollout dump sample) is read as the list of its values: the
+    dump joins with no finding, as with the list slime's writer saves."""
+    dump = _copy(tmp_path, "tensor")
+    _edit(
+        dump / "train_data" / "2.pt", lambda d: d.update(raw_reward=torch.tensor(d["raw_reward"], dtype=torch.float64))
+    )
+    done = _import(dump, tmp_path / "out")
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _tool_span_trained(dump):  # train sample 5's tool span (response tokens 2-4, loss mask 0) trained from token 2
