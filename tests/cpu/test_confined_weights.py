@@ -75,6 +75,22 @@ def _pull(root: Path, target: int, local: str = "local", source: str = "chain") 
     return weight_pull.pull(root / local, root / "base-unused", root / source, target, root)
 
 
+def _pull_through_link(root: Path, where: str, target: int, link: Path, resolved: Path) -> None:
+    """Pull one version on, to `target`, with `link` in the way: outside D, refused naming the link and what it
+    resolves to, the local checkpoint as it was; inside D, applied as `target`'s own weights. The outside files
+    unread either way."""
+    outside, local = root.parent / "outside", root / "local"
+    before, kept = _tree(local), _untouched(outside)
+    if where == "outside":
+        with pytest.raises(Outside) as refused:
+            _pull(root, target)
+        assert str(refused.value).startswith(f"{link}: resolves to {resolved}, outside {root}"), refused.value
+        assert _tree(local) == before
+    else:
+        assert _pull(root, target) == 1 and same(pulled(local), raw(trained(target)))
+    _held(outside, kept)
+
+
 # ---- links ----------------------------------------------------------------------------------------------------------
 
 
@@ -89,15 +105,7 @@ def test_a_version_directory_that_is_a_link_is_followed_only_inside_the_root(roo
         shutil.copytree(root / "chain" / "weight_v000002", store / "weight_v000002")
     shutil.rmtree(root / "chain" / "weight_v000002")
     (root / "chain" / "weight_v000002").symlink_to(store / "weight_v000002")
-    before, kept = _tree(root / "local"), _untouched(outside)
-    if where == "outside":
-        with pytest.raises(Outside) as refused:
-            _pull(root, 2)
-        assert str(refused.value).startswith(f"{root / 'chain' / 'weight_v000002'}: resolves to {store}")
-        assert _tree(root / "local") == before
-    else:
-        assert _pull(root, 2) == 1 and same(pulled(root / "local"), raw(trained(2)))
-    _held(outside, kept)
+    _pull_through_link(root, where, 2, root / "chain" / "weight_v000002", store / "weight_v000002")
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
@@ -186,15 +194,7 @@ def test_a_sharded_local_checkpoints_index_linked_outside_is_refused_unread(root
     (store / "index.json").write_text(json.dumps(table))
     link = local / "model.safetensors.index.json"
     link.symlink_to(store / "index.json")
-    before, kept = _tree(local), _untouched(outside)
-    if where == "outside":
-        with pytest.raises(Outside) as refused:
-            _pull(root, 3)
-        assert str(refused.value).startswith(f"{link}: resolves to {store / 'index.json'}, outside {root}")
-        assert _tree(local) == before
-    else:
-        assert _pull(root, 3) == 1 and same(pulled(local), raw(trained(3)))
-    _held(outside, kept)
+    _pull_through_link(root, where, 3, link, store / "index.json")
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
@@ -211,15 +211,7 @@ def test_a_delta_versions_tensor_file_linked_outside_the_root_is_refused_unread(
     assert (store / weight_delta.DELTA_FILE).read_bytes() == delta.read_bytes()
     delta.unlink()
     delta.symlink_to(store / weight_delta.DELTA_FILE)
-    before, kept = _tree(root / "local"), _untouched(outside)
-    if where == "outside":
-        with pytest.raises(Outside) as refused:
-            _pull(root, 3)
-        assert str(refused.value).startswith(f"{delta}: resolves to {store / weight_delta.DELTA_FILE}, outside {root}")
-        assert _tree(root / "local") == before
-    else:
-        assert _pull(root, 3) == 1 and same(pulled(root / "local"), raw(trained(3)))
-    _held(outside, kept)
+    _pull_through_link(root, where, 3, delta, store / weight_delta.DELTA_FILE)
 
 
 @pytest.mark.parametrize("change", ["linked outside D", "linked inside D", "cut short"])

@@ -218,7 +218,7 @@ def test_a_train_dump_that_does_not_join_is_a_finding_by_sample_and_nothing_is_w
 
 def test_a_whole_batch_raw_reward_held_as_a_tensor_joins_as_the_list_of_its_values(tmp_path):
     """A raw_reward saved as a tensor (one value per rollout dump sample) is read as the list of its values: the
-    dump joins with no finding, as with the list slime's writer saves."""
+    dump joins with no finding, as the fixture's list does."""
     dump = _copy(tmp_path, "tensor")
     _edit(
         dump / "train_data" / "2.pt", lambda d: d.update(raw_reward=torch.tensor(d["raw_reward"], dtype=torch.float64))
