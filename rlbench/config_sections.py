@@ -62,9 +62,11 @@ class ModelConfig:
     """Where the model (config.json and its weights) and the tokenizer live, and which weights a run
     starts from: `init = "checkpoint"` the directory's safetensors (one file, or the shards of its
     index), `"random"` seeded random weights (a directory without weights). The default is the
-    fixture model with random weights; a model path given without `init` means its checkpoint."""
+    warm-started fixture policy (models/tiny-qwen3-sft, built by rlbench/fixtures/warm_start.py: it answers in
+    the task's format, either word at random); models/tiny-qwen3 with `init = "random"` is the same shape drawn
+    from the seed."""
 
-    path: str = str(FIXTURES / "models" / "tiny-qwen3")
+    path: str = str(FIXTURES / "models" / "tiny-qwen3-sft")
     tokenizer: str = str(FIXTURES / "tokenizers" / "qwen-tiny")
     dtype: Literal["float32", "bfloat16", "float64"] = setting(
         "float32",
@@ -72,7 +74,7 @@ class ModelConfig:
         "precision for TP/DP invariance checks, where float32's reduction-order noise (~1e-6 relative) hides bugs.",
     )
     init: Literal["checkpoint", "random"] = setting(
-        "random",
+        "checkpoint",
         "Initial weights. checkpoint: the model directory's safetensors (one file, or the shards of its index). "
         "random: seeded random weights, for a directory without weights.",
     )
@@ -94,7 +96,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     label_key: str | None = "label"  # none: rows without labels (slime's --label-key unset; a custom reward)
     shuffle: bool = True
-    prompts_per_step: int = 4  # slime: rollout_batch_size (4 x 16: docs/design.md, "Why the default run learns")
+    prompts_per_step: int = 16  # slime: rollout_batch_size (16 x 4: docs/design.md, "Why the default run learns")
     # true: each prompt through the tokenizer's chat template, with a generation prompt (a string is one user
     # message); false: a string prompt tokenised as it is, no special tokens added (slime without
     # --apply-chat-template, whose default that is)
@@ -135,8 +137,8 @@ class RolloutConfig:
         "Rollout engine. hf: embedded transformers, in-process. sglang: SGLang servers over their native HTTP API, "
         "through sglang-router (pip install '.[router]').",
     )
-    n_samples_per_prompt: int = 16
-    max_new_tokens: int = 4
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 4  # the warm-started fixture answers "65 odd": 3 tokens and its stop token
     temperature: float = 1.0
     top_k: int = -1  # SGLang's sampling_params.top_k: -1 (or 0) = every token
     top_p: float = 1.0  # SGLang's sampling_params.top_p: 1.0 = every token
@@ -372,9 +374,10 @@ class AlgoConfig:
         "above 1. none: off. Refused with cispo, whose loss has no dual clip (slime ignores it there).",
     )
     kl_coef: float = setting(
-        0.0,
+        0.1,
         "Weight of the KL-to-reference term in the loss (slime --kl-loss-coef with --use-kl-loss; not slime's "
-        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric.",
+        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric. "
+        "rlbench's default 0.1 holds the warm-started policy near its start while RL learns (slime's is 0).",
     )
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = setting(
         "k3",
@@ -452,7 +455,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
-    minibatches: int = 4  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
+    minibatches: int = 8  # optimizer steps per rollout step (slime: n_samples / global_batch_size)
     micro_batch_size: int = 64  # also the no-grad log-prob pass: one forward for the default step
     max_tokens_per_micro_batch: int | None = setting(
         None,

@@ -140,7 +140,7 @@ def _state(step: int, loss: bool = True):
 
 
 def test_without_a_terminal_progress_is_a_line_every_10th_step_and_at_the_last(monkeypatch):
-    """The default 85 steps: 9 lines, by step count alone (the same on every machine)."""
+    """85 steps: 9 lines, by step count alone (the same on every machine)."""
     out = io.StringIO()
     monkeypatch.setattr(app, "stderr", Console(file=out, width=80))
     with app.progress(85) as on_step:

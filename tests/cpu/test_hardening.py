@@ -434,7 +434,7 @@ def test_help_shows_defaults_and_flags_take_no_value():
     res = cli("run", "--help")
     assert res.returncode == 0
     flat = re.sub(r"[│╭╮╰╯─\s]+", " ", res.stdout)  # the help's table, unwrapped
-    for option, default in (("--seed", "19"), ("--threads", "1"), ("--device", "cpu"), ("--mode", "full")):
+    for option, default in (("--seed", "0"), ("--threads", "1"), ("--device", "cpu"), ("--mode", "full")):
         segment = flat.split(f" {option} ", 1)[1].split("[default:", 1)  # its help, up to its first default
         assert segment[1].startswith(f" {default}]") and " --" not in segment[0].replace(" --rollouts", ""), option
     assert "<bool>" not in res.stdout and "<bool>" not in cli("diff", "--help").stdout

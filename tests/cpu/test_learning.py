@@ -1,7 +1,10 @@
 """The acceptance run: `rlbench run` with no arguments learns parity, not one answer word. Mean
 rollout/raw_reward of the last 10 steps is at least 0.9, and no answer word ("even", "odd") is
-the answer of more than 60% of the last 10 steps' responses. `rlbench replay` reproduces the run.
-(Its wall time is a bench/ figure, bench/engine.py, not a test.)"""
+the answer of more than 60% of the last 10 steps' responses; its first 10 steps' mean is a coin's
+(0.3 to 0.7: the warm-started policy knows the format, not the parity). Held on three seeds fixed
+before any sweep was looked at (0, the default, and the next two: issue 52); bench/learning_sweep.py
+gives the 24-seed table. `rlbench replay` reproduces the default run. (Its wall time is a bench/
+figure, bench/engine.py, not a test.)"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import statistics
 
 import pytest
 
+from rlbench.config import RunConfig
 from tests.conftest import run_cli
 
 ANSWER = re.compile(r"even|odd", re.IGNORECASE)  # what the parity verifier reads: the first match
@@ -27,9 +31,14 @@ def answer_shares(run_dir, steps) -> dict[str | None, float]:
     return {word: n / len(answers) for word, n in collections.Counter(answers).items()}
 
 
+SEEDS = (0, 1, 2)  # fixed before looking: the default seed and the next two
+
+
 @pytest.mark.slow
-def test_default_run_learns(tmp_path):
-    proc = run_cli("run", cwd=tmp_path, timeout=600)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_default_run_learns(tmp_path, seed):
+    assert SEEDS[0] == RunConfig().seed
+    proc = run_cli("run", *(() if seed == SEEDS[0] else ("--seed", str(seed))), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     steps = json.loads((run_dir / "manifest.json").read_text())["config"]["steps"]
@@ -37,10 +46,13 @@ def test_default_run_learns(tmp_path):
     assert [r["step"] for r in rows] == list(range(steps))
     rewards = [r["rollout/raw_reward"] for r in rows]
     assert all(0.0 <= r <= 1.0 for r in rewards)
+    assert 0.3 <= statistics.fmean(rewards[:10]) <= 0.7, rewards[:10]
     assert statistics.fmean(rewards[-10:]) >= 0.9, rewards[-10:]
     shares = answer_shares(run_dir, range(steps - 10, steps))
     assert max(share for word, share in shares.items() if word) <= 0.6, shares
     assert len(list((run_dir / "rollouts").glob("*.safetensors"))) == steps
+    if seed != SEEDS[0]:
+        return
     replayed = run_cli("replay", str(run_dir), "--out", str(tmp_path / "replay"), cwd=tmp_path, timeout=600)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert f"reproduced {steps} steps" in replayed.stdout
