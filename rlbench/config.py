@@ -47,8 +47,8 @@ class RunConfig:
 
     # 0: a round number, not a chosen seed (docs/design.md, "Why the default run learns": how many seeds learn)
     seed: int = setting(0, "Master seed; every random draw is derived from it.")
-    # 120: the default run learns parity from its warm start on most seeds by then (docs/benchmarks.md)
-    steps: int = setting(120, "Number of steps (rollout ids).")
+    # 100: the default run learns parity from its warm start on most seeds by then (docs/benchmarks.md)
+    steps: int = setting(100, "Number of steps (rollout ids).")
     mode: Mode = setting(
         "full",
         "full: the whole loop. rollout-only: generate, score and record; train nothing. train-only: train on "

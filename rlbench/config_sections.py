@@ -451,7 +451,7 @@ class TrainConfig:
         "Trainer. torch: embedded transformers model + AdamW. megatron: megatron-core GPTModel, TP/DP ranks (pip "
         "install '.[megatron]'); [train.megatron] in --config passes through to its TransformerConfig.",
     )
-    lr: float = 1e-3
+    lr: float = 3e-4  # from the warm start: 1e-3 unlearns the copied number (docs/benchmarks.md)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
