@@ -24,6 +24,9 @@ from rlbench.config import RunConfig, load_config  # noqa: E402
 settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 REPO = Path(__file__).resolve().parents[1]
+# the tiny fixture model without weights (model.init = "random"); the default run starts from its fine-tuned
+# copy, models/tiny-qwen3-sft, whose weights are committed
+RANDOM_INIT_MODEL = REPO / "rlbench" / "fixtures" / "models" / "tiny-qwen3"
 # Miles' miles/ package (a real slime Sample and http_utils), unpacked by tests/get_miles.py (the README's test
 # command runs it): never installed, since its wheel also ships sglang/ and megatron/core trees.
 MILES = REPO / ".vendor" / "miles-rl-0.0.2"

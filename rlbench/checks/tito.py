@@ -206,10 +206,13 @@ def classify(
     turn_ends: list[int],
     truncated_ends: list[int],
     stops: frozenset[int] = frozenset(),
+    extends: bool = False,
 ) -> tuple[str, bool]:
     """(mode, strict) of the first divergence at `index` between a sampled buffer and a rendering.
     Each test decodes only what it needs, in this order: a run check may classify many findings.
-    `stops`: the ids that end a sampled turn (generation_config.json's), besides the end-of-turn."""
+    `stops`: the ids that end a sampled turn (generation_config.json's), besides the end-of-turn.
+    `extends`: the rendering goes on past the buffer (the next turn's prompt): the same text then means the
+    rendering's text starts with the buffer's."""
     eos = tok.eos_token_id
     if index in truncated_ends and index < len(expected) and expected[index] in stops | {eos}:
         return "truncated", True
@@ -220,7 +223,11 @@ def classify(
         tok, [got, expected, got[window], expected[window], segment]
     )
     # The same text with other ids, whitespace a rendering adds after the final end-of-turn aside.
-    if whole_got == whole_exp or (index < min(len(got), len(expected)) and whole_got.rstrip() == whole_exp.rstrip()):
+    if (
+        whole_got == whole_exp
+        or (index < min(len(got), len(expected)) and whole_got.rstrip() == whole_exp.rstrip())
+        or (extends and whole_exp.startswith(whole_got))
+    ):
         return "reencode", True
     if _specials_dropped(tok, got, expected, index):
         return "special", True
@@ -315,10 +322,11 @@ def finding(
     turn_ends: list[int],
     truncated_ends: list[int],
     mode: tuple[str, bool] | None = None,
+    extends: bool = False,
 ) -> Finding:
-    """The divergence at `index`, classified (unless `mode` is given), with the ids on both sides from
-    the index on and the few ids before it, each with its text."""
-    name, strict = mode or classify(tok, got, expected, index, turn_ends, truncated_ends)
+    """The divergence at `index`, classified (unless `mode` is given; `extends` as classify's), with the ids on
+    both sides from the index on and the few ids before it, each with its text."""
+    name, strict = mode or classify(tok, got, expected, index, turn_ends, truncated_ends, extends=extends)
     context = list(got[max(0, index - CONTEXT) : index])
     exp, gt = list(expected[index : index + SHOWN]), list(got[index : index + SHOWN])
     context_text, exp_text, got_text = decode_many(tok, [context, exp, gt])

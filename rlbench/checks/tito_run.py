@@ -59,7 +59,9 @@ def _check_turns(tok, turns: list[dict], trained: list[int], label: str) -> Find
         index = first_divergence(got, nxt[: len(got)] if len(nxt) >= len(got) else nxt)
         if index is not None:
             truncated = [len(got)] if not turns[k]["output_ids"] or turns[k]["output_ids"][-1] != eos else []
-            return finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)], [] if last else truncated)
+            ends = [] if last else truncated
+            # the next turn's prompt goes on past this turn; the trained ids end with the last one
+            return finding(tok, label, f"turn {k} vs {where}", got, nxt, index, [len(got)], ends, extends=not last)
     return None
 
 

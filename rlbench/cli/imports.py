@@ -66,14 +66,14 @@ sample's metadata; its other sidecars are named and not read.
     from rlbench.replay.slime import import_slime as run_import
 
     defaults = ModelConfig()
-    # The model the dumps were sampled with: its checkpoint where it has one (recorded as model.init).
-    init = "checkpoint" if model is not None and weight_files(model) else "random"
+    # The model the dumps were sampled with (or, without --model, the default's): its checkpoint where the
+    # directory has one, else seeded random weights (recorded as model.init).
+    path = model or defaults.path
+    init = "checkpoint" if weight_files(path) else "random"
     summary = run_import(
         dumps,
         out,
-        ModelConfig(
-            path=str(model or defaults.path), init=init, tokenizer=str(tokenizer or _saved(dumps) or defaults.tokenizer)
-        ),
+        ModelConfig(path=str(path), init=init, tokenizer=str(tokenizer or _saved(dumps) or defaults.tokenizer)),
         reward_key,
         model_given=model is not None,
     )

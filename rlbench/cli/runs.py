@@ -187,8 +187,9 @@ def run(
     """Run the RL loop deterministically: data, rollout, reward, advantage, logprob, train, sync.
 
     With no arguments it runs the embedded default (a tiny Qwen3-architecture model learning a parity task on the CPU, \
-from random weights) and writes a run directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, \
-checkpoints/. Two runs with one seed write identical checksums.
+from a committed warm-started policy that knows the answer format, not the parity) and writes a run \
+directory: manifest.json, metrics.jsonl, checksums.jsonl, rollouts/, checkpoints/. Two runs with one seed write \
+identical checksums.
 
     slime's own arguments are read too (--hf-checkpoint, --prompt-data, --input-key, --label-key, \
 --apply-chat-template, --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, --num-rollout, \

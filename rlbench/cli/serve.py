@@ -31,10 +31,10 @@ def _option(path: str, *names: str, **kwargs):
 
 @app.command()
 def serve(
-    model_path: Annotated[Optional[Path], _option("model_path", default_text="the fixture model")] = None,
-    load_format: Annotated[
-        Optional[LoadFormat], _option("load_format", default_text="auto with --model-path, dummy for the fixture")
+    model_path: Annotated[
+        Optional[Path], _option("model_path", default_text="the fixture policy `rlbench run` starts from")
     ] = None,
+    load_format: Annotated[Optional[LoadFormat], _option("load_format")] = None,
     tokenizer_path: Annotated[Optional[Path], _option("tokenizer_path", default_text="the fixture tokenizer")] = None,
     host: Annotated[Optional[str], _option("host")] = None,
     port: Annotated[Optional[int], _option("port", min=0, max=65535)] = None,
@@ -83,8 +83,6 @@ otherwise; beyond loopback it needs --api-key (or --allow-unauthenticated). Stop
 
     require(SERVE_MODULES, SERVE_EXTRA, "rlbench serve")  # before the model loads or anything listens
     given = overrides(serve, {name: value for name, value in locals().items() if name != "debug"})
-    if "load_format" not in given and "model_path" in given:
-        given["load_format"] = "auto"  # a model directory given means its weights; random weights only when asked
     config = ServeConfig(**given)
     host = config.host
 

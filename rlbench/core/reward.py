@@ -34,8 +34,8 @@ def parity(sample: RewardInput) -> float:
     """1.0 when the first 'even' or 'odd' in the response is the label, else 0.0.
 
     Deliberately lenient, as math verifiers that extract a final answer are: the answer is the
-    first occurrence, wherever it stands. The default task is learnable from random weights in a
-    minute because of this; the strict variant below gives a random policy no signal at all.
+    first occurrence, wherever it stands. A random policy gets signal from it (the default run from
+    random weights learned the task this way); the strict variant below gives a random policy no signal at all.
     """
     found = _PARITY.search(sample.response)
     return 1.0 if found and found.group(0).lower() == sample.label.lower() else 0.0

@@ -490,7 +490,7 @@ def as_runs(*paths: Path):
                 )
             made.append(Path(tempfile.mkdtemp(prefix="rlbench-slime-dump-")))
             run = made[-1] / path.name
-            model = ModelConfig(init="random", tokenizer=str(tokenizer.resolve()))
+            model = ModelConfig(tokenizer=str(tokenizer.resolve()))  # the default model and its weights
             import_slime([path.resolve()], run, model, model_given=False)
             runs.append(run)
         yield runs

@@ -39,13 +39,13 @@ class ServeConfig:
     """SGLang's server argument names where SGLang has one (--model-path, --random-seed, ...)."""
 
     model_path: str = setting(
-        str(FIXTURES / "models" / "tiny-qwen3"),
+        str(FIXTURES / "models" / "tiny-qwen3-sft"),  # what `rlbench run` starts from by default
         "Model directory: config.json and its weights (model.safetensors, or the shards of "
         "model.safetensors.index.json).",
     )
     tokenizer_path: str = setting(str(FIXTURES / "tokenizers" / "qwen-tiny"), "Tokenizer directory.")
     load_format: Literal["auto", "dummy"] = setting(
-        "dummy",
+        "auto",
         "SGLang's --load-format: auto loads the model directory's safetensors; dummy starts from seeded random "
         "weights (--random-seed), for a directory without weights.",
     )

@@ -558,7 +558,8 @@ def test_per_token_reducer_counts_a_removed_sample_as_one_token():
 
 
 def test_policy_loss_metric_names_follow_the_options():
-    assert algo.loss_metric_names(_config()) == ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
+    # kl_coef pinned to 0: without the KL term (the default's kl_coef is 0.1), no kl_loss
+    assert algo.loss_metric_names(_config(kl_coef=0.0)) == ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
     assert algo.loss_metric_names(_config(kl_coef=0.1, use_tis=True))[4:] == (
         "kl_loss",
         "ois",

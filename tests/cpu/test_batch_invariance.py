@@ -16,6 +16,7 @@ from rlbench.core.model import build_model, load_tokenizer
 from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import GenerateRequest
 from tests.helpers import ROWS, NaiveEngine, batches, check_property, engine_request, moved
+from tests.conftest import RANDOM_INIT_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def setup():
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])  # a prompt longer than one bucket's width (32)
-    model = build_model(config.model.path, master_seed=5, init="random")
+    model = build_model(RANDOM_INIT_MODEL, master_seed=5, init="random")
     engines = {"batched": HFEngine(model, batch_size=ROWS), "per-sample": HFEngine(model, decode="per-sample")}
     return engines, prompts, tokenizer.eos_token_id, model
 

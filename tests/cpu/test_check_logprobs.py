@@ -18,7 +18,7 @@ from rlbench.checks.logprobs import (
     statistics,
 )
 from rlbench.errors import BadInput
-from tests.conftest import run_cli, word_level_tokenizer
+from tests.conftest import RANDOM_INIT_MODEL, run_cli, word_level_tokenizer
 
 
 def test_statistics_by_hand():
@@ -450,7 +450,10 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
     from rlbench.config import load_config
     from rlbench.core import model as model_module
 
-    config = load_config()
+    # the run's model drawn from the seed (the default reads its weights from a file): the only weights files the
+    # check reads are then the run's checkpoints
+    seeded = {"path": str(RANDOM_INIT_MODEL), "init": "random"}
+    config = load_config(model__path=seeded["path"], model__init="random")
     model = model_module.build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
     sampled_with = _weights(model, 0.05)
     rollout = _sampled_with(model, sampled_with, config.rollout.temperature)
@@ -459,7 +462,7 @@ def test_recompute_with_checkpoint_0_for_every_step_of_a_rollout_only_run(monkey
         [(rollout, rollout)] * 2,
         old_logprobs=False,
         mode="rollout-only",
-        config=_config(rollout={"true_on_policy": True}),
+        config=_config(model=seeded, rollout={"true_on_policy": True}),
     )
     _checkpoint(run, 0, sampled_with)
     _checkpoint(run, 1, _weights(model, 0.1))

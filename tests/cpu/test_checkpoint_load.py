@@ -1,23 +1,24 @@
 """Real checkpoints, loaded as transformers loads them or refused: a sharded safetensors checkpoint
 with its index, the single file, bf16 weights into a float32 model; a missing shard, a shard of the
 wrong shape, pickled weights, weights where random ones were asked for and none where a checkpoint
-was: exit 2 with one line, for `rlbench run` and `rlbench serve`. The default says which weights
-it starts from."""
+was: exit 2 with one line, for `rlbench run` and `rlbench serve`. A run says which weights it starts
+from: the default, the committed warm start; random weights, their seed."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlbench.config import ModelConfig, config_from_dict, load_config
-from rlbench.core.model import build_model, named_weights, weight_files
+from rlbench.core.model import build_model, file_digest, named_weights, weight_files
 from rlbench.errors import BadInput
 from rlbench.rundir.digest import weights_digest
-from tests.conftest import cli, small_toml
+from tests.conftest import cli, small_toml, RANDOM_INIT_MODEL
 
 
 def _checkpoint(tmp_path, shards: int = 2, dtype=torch.float32, seed: int = 99, name: str = "ckpt"):
@@ -25,10 +26,10 @@ def _checkpoint(tmp_path, shards: int = 2, dtype=torch.float32, seed: int = 99, 
     (1: the single model.safetensors) and, for more, an index as transformers writes it."""
     directory = tmp_path / name
     directory.mkdir()
-    shutil.copy(f"{ModelConfig().path}/config.json", directory)
+    shutil.copy(f"{RANDOM_INIT_MODEL}/config.json", directory)
     weights = {
         k: v.to(dtype).contiguous()
-        for k, v in named_weights(build_model(ModelConfig().path, seed, init="random")).items()
+        for k, v in named_weights(build_model(RANDOM_INIT_MODEL, seed, init="random")).items()
     }
     if shards == 1:
         save_file(weights, str(directory / "model.safetensors"))
@@ -103,10 +104,24 @@ def test_a_run_from_a_sharded_checkpoint_starts_from_its_weights_and_says_so(tmp
     assert manifest["hashes"]["initial_weights"] == weights_digest(dict(sorted(weights.items())))
 
 
-def test_the_default_run_says_it_starts_from_random_weights(tmp_path):
+def test_the_default_run_says_it_starts_from_the_committed_warm_start(tmp_path):
+    """The default model is the warm-started fixture policy (issue 52): its one committed file, named with
+    its digest in the report and the manifest."""
     config = tmp_path / "c.toml"
     config.write_text(small_toml(1))
     res = cli("run", "-c", str(config), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    path = ModelConfig().path
+    digest = file_digest(Path(path) / "model.safetensors")
+    assert f"checkpoint {path} (1 file, first sha256 {digest[:12]})" in res.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["weights"] == {"init": "checkpoint", "path": path, "files": {"model.safetensors": digest}}
+    assert manifest["config"]["model"]["init"] == "checkpoint"
+
+
+def test_a_run_from_random_weights_says_so_with_its_seed(tmp_path):
+    # the seed pinned: the line names the seed the weights were drawn from, whatever the default seed is
+    res = _run(tmp_path, RANDOM_INIT_MODEL, "--seed", "19", init="random")
     assert res.returncode == 0, res.stderr
     assert "random weights, seed 19" in res.stdout
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
@@ -152,7 +167,7 @@ def test_a_broken_index_is_bad_input(tmp_path, index):
 def test_pickled_weights_are_refused_unread(tmp_path, name):
     directory = tmp_path / "pickled"
     directory.mkdir()
-    shutil.copy(f"{ModelConfig().path}/config.json", directory)
+    shutil.copy(f"{RANDOM_INIT_MODEL}/config.json", directory)
     (directory / name).write_bytes(b"\x80\x04 not to be unpickled")
     _one_line(_run(tmp_path, directory), "rlbench loads no pickle", str(directory))
 
@@ -160,7 +175,7 @@ def test_pickled_weights_are_refused_unread(tmp_path, name):
 def test_a_model_without_weights_needs_random_asked_for(tmp_path):
     directory = tmp_path / "bare"
     directory.mkdir()
-    shutil.copy(f"{ModelConfig().path}/config.json", directory)
+    shutil.copy(f"{RANDOM_INIT_MODEL}/config.json", directory)
     _one_line(_run(tmp_path, directory), "no weights here", 'model.init = "random"')
     assert _run(tmp_path, directory, init="random").returncode == 0
 
@@ -186,10 +201,13 @@ def test_a_tied_alias_is_taken_only_equal_to_what_it_is_tied_to(tmp_path):
 
 
 def test_a_model_path_given_means_its_checkpoint_unless_init_says_otherwise(tmp_path):
-    assert load_config().model.init == "random"  # the fixture
-    assert load_config(model__path=str(tmp_path)).model.init == "checkpoint"
-    assert load_config(model__path=str(tmp_path), model__init="random").model.init == "random"
+    assert load_config().model.init == "checkpoint"  # the default: the warm-started fixture's weights
+    # a config that asks for random weights, so that a path given after it has an init to override
     toml = tmp_path / "c.toml"
+    toml.write_text(f"[model]\npath = '{RANDOM_INIT_MODEL}'\ninit = 'random'\n")
+    assert load_config(toml).model.init == "random"
+    assert load_config(toml, model__path=str(tmp_path)).model.init == "checkpoint"
+    assert load_config(toml, model__path=str(tmp_path), model__init="random").model.init == "random"
     toml.write_text("[model]\npath = 'm'\n")
     assert load_config(toml).model.init == "checkpoint"
     toml.write_text("[model]\ninit = 'sometimes'\n")
@@ -201,6 +219,8 @@ def test_a_manifest_from_before_model_init_reads_back_as_what_the_run_did(tmp_pa
     """Such a run loaded model.safetensors where there was one, else drew random weights."""
     table = load_config().to_dict()
     del table["model"]["init"]
+    # the model such a default run had: the fixture directory without weights
+    table["model"]["path"] = str(RANDOM_INIT_MODEL)
     assert config_from_dict(table, "m.json").model.init == "random"
     directory, _ = _checkpoint(tmp_path, 1)
     table["model"]["path"] = str(directory)
@@ -215,7 +235,7 @@ def test_rlbench_serve_refuses_a_broken_checkpoint_before_it_listens(tmp_path):
     assert "listening" not in res.stdout, line
     bare = tmp_path / "bare"
     bare.mkdir()
-    shutil.copy(f"{ModelConfig().path}/config.json", bare)
+    shutil.copy(f"{RANDOM_INIT_MODEL}/config.json", bare)
     _one_line(cli("serve", "--model-path", str(bare), "--port", "0"), "no weights here")
     _one_line(cli("serve", "--model-path", str(directory.parent / "nowhere"), "--port", "0"), "no config.json")
 

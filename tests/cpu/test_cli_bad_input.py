@@ -427,7 +427,10 @@ def test_a_missing_extra_is_one_line_with_its_pip_line_before_anything_starts(tm
         args[args.index("RUN")] = str(tmp_path / "run")
     else:
         args += ["--out", str(tmp_path / "out")] if args[0] == "run" else []
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "hide"), "RLBENCH_TEST_HIDE": hidden}
+    # the hider first, then the caller's path: the child runs the rlbench under test (a PYTHONPATH checkout, not
+    # only an installed one)
+    path = os.pathsep.join([str(tmp_path / "hide"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "RLBENCH_TEST_HIDE": hidden}
     res = subprocess.run(
         [sys.executable, "-m", "rlbench.cli", *args],
         capture_output=True,

@@ -109,7 +109,11 @@ def test_corruption_is_bad_input(original, tmp_path, case, command):
     if command == "replay":
         proc = run_cli("replay", str(broken), "--out", str(out))
     else:
-        proc = run_cli("run", "--mode", "train-only", "--rollouts", str(broken), "--out", str(out))
+        # the trainer settings are the command's: minibatches pinned to the recording's 1, a divisor of its 4 samples
+        # a step (the default's 8 is not), so that the corruption is what is refused
+        config = tmp_path / "c.toml"
+        config.write_text("[train]\nminibatches = 1\n")
+        proc = run_cli("run", "-c", str(config), "--mode", "train-only", "--rollouts", str(broken), "--out", str(out))
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlbench: error:"), proc.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, cli, small_toml
+from tests.conftest import REPO, cli, small_toml, RANDOM_INIT_MODEL
 from tests.cpu.recordings import copy_run, edit_step
 
 
@@ -325,7 +325,9 @@ def test_prompts_no_model_can_take_are_bad_input(tmp_path, prompt, needle, trans
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": prompt, "label": "even"}) + "\n")
     config = tmp_path / "c.toml"
-    config.write_text(f"[data]\npath = '{data}'\nprompts_per_step = 1\n")
+    # one row, so one prompt a step, and its samples one minibatch: a step the config accepts, whatever the default
+    # sample count and minibatches, so that the prompt is what is refused
+    config.write_text(f"[data]\npath = '{data}'\nprompts_per_step = 1\n[train]\nminibatches = 1\n")
     _one_line(cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")), str(data), needle)
     assert [r.getMessage() for r in transformers_warnings] == []  # no second line (the tokenizer's own warning)
 
@@ -342,7 +344,7 @@ def test_a_broken_tokenizer_or_weights_file_is_bad_input(tmp_path):
     config.write_text(f"[model]\ntokenizer = '{tok}'\n")
     _one_line(cli("run", "-c", str(config), "--steps", "1", "--out", str(tmp_path / "o")), "cannot load tokenizer")
     model = tmp_path / "model"
-    shutil.copytree(ModelConfig().path, model)
+    shutil.copytree(RANDOM_INIT_MODEL, model)
     from safetensors.torch import save_file
 
     from rlbench.core.model import build_model, named_weights
@@ -568,10 +570,8 @@ def test_a_second_line_for_one_step_is_bad_input(tmp_path, done, log, conflictin
 def test_a_model_config_with_a_negative_size_is_bad_input(tmp_path, transformers_warnings):
     import shutil
 
-    from rlbench.config import ModelConfig
-
     model = tmp_path / "model"
-    shutil.copytree(ModelConfig().path, model)
+    shutil.copytree(RANDOM_INIT_MODEL, model)
     doc = json.loads((model / "config.json").read_text())
     config = tmp_path / "c.toml"
     config.write_text(f"[model]\npath = '{model}'\ninit = 'random'\n")

@@ -16,14 +16,21 @@ from rlbench.session import run
 from rlbench.errors import BadInput, WeightMismatch
 from rlbench.rundir.directory import read_run
 from rlbench.rundir.recording import read_step
-from tests.conftest import run_cli, small_toml
+from tests.conftest import RANDOM_INIT_MODEL, run_cli, small_toml
 
 SEED = 7  # step 0 of the small config has a reward signal at this seed (a non-zero loss)
 
 
 def _config(out: Path, **overrides):
+    # The fixture model from random weights, lr 1e-3 and no KL term, the defaults before issue 52: the agreement with
+    # the torch trainer was measured on them (from the warm-started default policy both trainers' step-0 log-probs
+    # are the same bits, and the first stage where they part is the loss, not old_logprobs).
     base = load_config(
         seed=SEED,
+        model__path=str(RANDOM_INIT_MODEL),
+        model__init="random",
+        algo__kl_coef=0.0,
+        train__lr=1e-3,
         steps=3,
         checkpoint_every=2,
         data__prompts_per_step=2,

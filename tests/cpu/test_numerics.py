@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.conftest import RANDOM_INIT_MODEL
 
 PROBE = (
     "import json, rlbench, os; from rlbench import numerics; "
@@ -78,7 +79,7 @@ def test_the_torch_trainers_adamw_is_fused(small_config):
     from rlbench.backends.torch_trainer import TorchTrainer
     from rlbench.core.model import build_model
 
-    model = build_model(small_config.model.path, 0, init="random")
+    model = build_model(RANDOM_INIT_MODEL, 0, init="random")
     trainer = TorchTrainer(model, small_config.train, small_config.algo, 1.0, 0)
     assert isinstance(trainer.optimizer, torch.optim.AdamW) and trainer.optimizer.defaults["fused"] is True
 

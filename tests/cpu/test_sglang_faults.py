@@ -171,7 +171,9 @@ class SGLangShaped(ThreadedApp):
             ServeConfig(
                 model_path=config.model.path,
                 tokenizer_path=config.model.tokenizer,
-                load_format="dummy",
+                # the run's initial weights, as its own fleet starts a server (backends/sglang/fleet.py): the
+                # model's checkpoint, or random weights from its seed
+                load_format="auto" if config.model.init == "checkpoint" else "dummy",
                 port=0,
                 random_seed=config.seed,
                 dtype=config.model.dtype,

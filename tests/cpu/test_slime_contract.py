@@ -293,6 +293,7 @@ def test_a_plugin_sees_slimes_argument_names_with_the_runs_values_else_slimes_de
         rollout__stop_token_ids=(5, 6),
         rollout__n_samples_per_prompt=3,
         data__prompts_per_step=4,
+        train__minibatches=4,  # a divisor of the step's 12 samples (the default 8 is not); no plugin argument
         data__apply_chat_template=True,
         data__chat_template_kwargs={"enable_thinking": False},
         rollout__custom_generate_function_path=generate,

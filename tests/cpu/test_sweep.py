@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rlbench.errors import BadInput
-from tests.conftest import REPO, cli, record_sweep
+from tests.conftest import REPO, cli, record_sweep, RANDOM_INIT_MODEL
 
 # Examples per target: the CPU suite's budget by default; RLBENCH_SWEEP_EXAMPLES=300 for a long sweep. Derandomized,
 # so CI meets the same inputs every time (a failure is a finding to fix, never a flaky rerun).
@@ -486,11 +486,10 @@ MODEL_KEYS = (
     ),
 )
 def test_run_with_a_model_config_of_hostile_sizes(base, tmp_path_factory, key, value):
-    from rlbench.config import ModelConfig
 
     work = tmp_path_factory.mktemp("model")
     model = work / "model"
-    shutil.copytree(ModelConfig().path, model)
+    shutil.copytree(RANDOM_INIT_MODEL, model)
     doc = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**doc, key: value}))
     config = work / "c.toml"

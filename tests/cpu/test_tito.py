@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlbench.checks import tito
+from rlbench.checks.compare import first_divergence
 from rlbench.core.model import load_tokenizer
 from tests.conftest import REPO, word_level_tokenizer
 
@@ -53,6 +54,19 @@ def test_same_text_other_ids_is_reencode(tok):
         "reencode",
         True,
     )
+
+
+def test_against_a_rendering_that_goes_on_the_same_text_other_ids_is_reencode_only_when_told_so(tok):
+    """The next turn's prompt holds the turn re-encoded and then more: its text starts with the turn's. Told that
+    the rendering extends the buffer, that is reencode; not told, the texts differ (position); other text is
+    position either way."""
+    got, rest = enc(tok, "Is 7 ") + chars(tok, "odd"), enc(tok, " Is 9")
+    extended = enc(tok, "Is 7 odd") + rest
+    index = first_divergence(got, extended)
+    assert tito.classify(tok, got, extended, index, [], [], extends=True) == ("reencode", True)
+    assert tito.classify(tok, got, extended, index, [], []) == ("position", True)
+    other = enc(tok, "Is 7 even") + rest
+    assert tito.classify(tok, got, other, first_divergence(got, other), [], [], extends=True)[0] == "position"
 
 
 def test_a_lone_byte_decoded_to_a_replacement_character_is_reencode(tok):

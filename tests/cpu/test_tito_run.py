@@ -1,6 +1,6 @@
 """`check tito RUN|JSONL`, lens by lens, each verdict both ways: a default run trains on exactly what its
-engine sampled (no drift, however non-canonical the sampled ids); an edit between engine and trainer is
-caught where it is; an imported dump with no engine ids is judged by its evidence; a JSONL is held to
+engine sampled (no drift, however non-canonical the sampled ids: a random policy's are); an edit between engine
+and trainer is caught where it is; an imported dump with no engine ids is judged by its evidence; a JSONL is held to
 the template's re-render without calling its closing whitespace or a truncated reply drift."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import torch
 
 from rlbench.checks import tito
 from rlbench.checks.tito_run import EVIDENCE_NATS, check_run
-from rlbench.config import ModelConfig
 from rlbench.core.model import load_tokenizer
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, RANDOM_INIT_MODEL
 from tests.cpu.recordings import bump_response_token, copy_run
 from tests.cpu.test_import_slime import slime_sample
 
@@ -33,6 +32,27 @@ def default_run(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def random_policy_run(tmp_path_factory):
+    """The default run's task and size from random weights: a random policy samples non-canonical ids all the time
+    (the default's warm-started policy answers in its trained format, whose ids are canonical)."""
+    from rlbench.config import load_config
+    from rlbench.session import run
+
+    out = tmp_path_factory.mktemp("tito-random") / "run"
+    run(
+        load_config(
+            out=str(out),
+            steps=3,
+            data__prompts_per_step=4,
+            rollout__n_samples_per_prompt=8,
+            model__path=str(RANDOM_INIT_MODEL),
+            model__init="random",
+        )
+    )
+    return out
+
+
 # --------------------------------------------------------------------------- trained vs sampled
 
 
@@ -42,8 +62,16 @@ def test_a_default_run_trains_on_what_its_engine_sampled(default_run):
     res = run_cli("check", "tito", str(default_run))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "no drift: the trained ids of all 96 samples are the ids the engine sampled" in res.stdout
-    # a random policy samples non-canonical ids all the time: reported apart, never a finding
-    assert report.non_canonical > 0 and "canonical re-tokenisation" in res.stdout
+
+
+def test_a_random_policys_non_canonical_ids_are_reported_apart_never_a_finding(random_policy_run):
+    report = check_run(random_policy_run)
+    assert report.lens == "sampled" and report.findings == [] and report.compared == report.samples == 96
+    assert report.non_canonical > 0
+    res = run_cli("check", "tito", str(random_policy_run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no drift: the trained ids of all 96 samples are the ids the engine sampled" in res.stdout
+    assert "canonical re-tokenisation" in res.stdout
     ex = report.example
     assert tito.canonical(TOK, ex["sampled"]) == ex["canonical"] != ex["sampled"]
 
@@ -90,14 +118,14 @@ def peaky_model(tmp_path_factory):
 
     from rlbench.core.model import build_model, named_weights
 
-    model = build_model(ModelConfig().path, 7, init="random")
+    model = build_model(RANDOM_INIT_MODEL, 7, init="random")
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(40)
     out = tmp_path_factory.mktemp("peaky") / "model"
     out.mkdir()
-    shutil.copy(REPO / ModelConfig().path / "config.json", out / "config.json")
+    shutil.copy(RANDOM_INIT_MODEL / "config.json", out / "config.json")
     save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(out / "model.safetensors"))
     return out, model
 
@@ -205,7 +233,7 @@ def test_import_without_a_model_holds_ids_to_the_tokenizers_vocabulary(tmp_path)
         "--tokenizer",
         str(big),
         "--model",
-        str(REPO / ModelConfig().path),
+        str(RANDOM_INIT_MODEL),
     )
     assert res.returncode == 2 and "outside the model's vocabulary" in res.stderr
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, RANDOM_INIT_MODEL
 from tests.cpu.recordings import copy_run, edit_step, small_run
 
 STEPS = 4
@@ -288,10 +288,9 @@ def test_checks_refuse_another_tokenizer_than_the_recorded_one(runs, tmp_path):
 
 
 def test_recompute_refuses_another_model_than_the_recorded_one(runs, tmp_path):
-    from rlbench.config import ModelConfig
 
     a, _ = runs
-    other = _edited_copy(ModelConfig().path, tmp_path / "model", "config.json")
+    other = _edited_copy(RANDOM_INIT_MODEL, tmp_path / "model", "config.json")
     moved = copy_run(a, tmp_path / "moved")
     manifest = json.loads((moved / "manifest.json").read_text())
     manifest["config"]["model"]["path"] = str(other)

@@ -20,7 +20,7 @@ def _setup():
     configure_determinism(config.threads, config.device)
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
-    model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
+    model = build_model(RANDOM_INIT_MODEL, master_seed=5, device="cuda", init="random")
     eos = tokenizer.eos_token_id
     requests = [
         GenerateRequest(prompts[i % 12], 100 + i, 4, [1.0, 0.7, 0.0][i % 3], (eos,), [-1, 5][i % 2], [1.0, 0.9][i % 2])
@@ -57,6 +57,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from tests.helpers import ROWS, NaiveEngine, batches, check_property, engine_request, moved  # noqa: E402
+from tests.conftest import RANDOM_INIT_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def setup():
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:12]).values())
     prompts.append(prompts[0] + prompts[1])
-    model = build_model(config.model.path, master_seed=5, device="cuda", init="random")
+    model = build_model(RANDOM_INIT_MODEL, master_seed=5, device="cuda", init="random")
     engines = {
         "batched": HFEngine(model, device="cuda", batch_size=ROWS),
         "per-sample": HFEngine(model, device="cuda", decode="per-sample"),

@@ -12,6 +12,7 @@ import torch
 from rlbench.config import load_config
 from rlbench.session import run
 from tests.helpers import cuda_bf16
+from tests.conftest import RANDOM_INIT_MODEL
 
 
 def _bf16(out, **overrides):
@@ -28,8 +29,7 @@ def test_the_offloaded_engine_moves_its_weights_off_the_card_and_answers_the_sam
     from rlbench.core.model import build_model
     from rlbench.core.types import GenerateRequest
 
-    config = load_config()
-    model = build_model(config.model.path, master_seed=1, dtype="bfloat16", init="random")
+    model = build_model(RANDOM_INIT_MODEL, master_seed=1, dtype="bfloat16", init="random")
     plain = HFEngine(model, device="cuda", batch_size=8)
     requests = [GenerateRequest((5, 6, 7 + i), 40 + i, 6, 1.0, (2,)) for i in range(5)]
     want = plain.generate(requests)
@@ -75,7 +75,7 @@ def test_the_optimizer_offload_repeats_and_trains_as_the_gpu_update_does(tmp_pat
     config = load_config()
     stats, masters, held = [], [], []
     for offload in (False, True):
-        model = build_model(config.model.path, master_seed=1, dtype="bfloat16", init="random")
+        model = build_model(RANDOM_INIT_MODEL, master_seed=1, dtype="bfloat16", init="random")
         train = dataclasses.replace(config.train, minibatches=1, micro_batch_size=8, optimizer_cpu_offload=offload)
         trainer = TorchTrainer(model, train, config.algo, 1.0, seed=0, device="cuda")
         stats.append(trainer.train_step(with_old_logprobs(trainer, train_batch(0)), 0))

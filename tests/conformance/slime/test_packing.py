@@ -13,13 +13,14 @@ import pytest
 from rlbench.backends.torch_trainer import TorchTrainer
 from rlbench.config import load_config
 from rlbench.core.model import build_model
+from tests.conftest import RANDOM_INIT_MODEL
 
 EXPECTED = json.loads((Path(__file__).parent / "expected_packing.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(load_config().model.path, master_seed=1, init="random")
+    return build_model(RANDOM_INIT_MODEL, master_seed=1, init="random")
 
 
 @pytest.mark.parametrize("case", EXPECTED["cases"], ids=lambda c: f"{len(c['lengths'])}x{c['max_tokens']}")
