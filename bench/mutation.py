@@ -314,6 +314,43 @@ PLANTED = [
         "    if False:  # no verdict speaks for nothing",
         ["tests/cpu/test_integrity.py", "tests/cpu/test_tito_run.py"],
     ),
+    # diff.py's async part (what decides that another weights version is the first difference), planted by hand:
+    # its tests run the loop, too slow for a mutmut worker per mutant (docs/benchmarks.md, "Issue 50")
+    (
+        "issue 50: diff: the weights versions compared not counted",
+        "rlbench/replay/diff.py",
+        "        versions += compared",
+        "        versions = compared",
+        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+    ),
+    (
+        "issue 50: diff: another weights version not looked for",
+        "rlbench/replay/diff.py",
+        "        found, compared = version_difference(*metas, step) if metas else (None, 0)",
+        "        found, compared = (None, 0)",
+        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+    ),
+    (
+        "issue 50: diff: another weights version not named before the tokens it changed",
+        "rlbench/replay/diff.py",
+        '            if version is not None and stage == "rollout_tokens":  # another weights version sampled it',
+        '            if version is not None and stage == "rollout_logprobs":  # another weights version sampled it',
+        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+    ),
+    (
+        "issue 50: diff: the weights versions looked at only where they agree",
+        "rlbench/replay/diff.py",
+        '            if version is not None and stage == "rollout_tokens":  # another weights version sampled it',
+        '            if version is None and stage == "rollout_tokens":  # another weights version sampled it',
+        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+    ),
+    (
+        "issue 50: diff: another weights version not named where the runs share no rollout stage",
+        "rlbench/replay/diff.py",
+        "        if first is None and version is not None:  # no stage after it recorded (a run without its rollout)",
+        "        if False:  # no stage after it recorded (a run without its rollout)",
+        ["tests/cpu/test_async.py", "-k", "share_no_rollout"],
+    ),
     (
         "`rlbench --help` no longer lists `run`",
         "rlbench/cli/runs.py",

@@ -7,7 +7,9 @@ module's, scripted by their prompt's metadata; the Sample is Miles' (slime's con
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
+import shutil
 import signal
 import threading
 import time
@@ -65,12 +67,20 @@ def slime_sync_generate(args, sample, sampling_params):
     """slime's parameter names, not async."""
 
 
+def slime_generate_evaluating(args, sample, sampling_params, evaluation=False):
+    """slime's parameter names and one more after them (slime's evaluation flag), not async."""
+
+
 async def async_other_names(prompt, params):
     """Async, parameters of no one's contract."""
 
 
 def miles_generate(input):
     """Miles' newer shape."""
+
+
+def miles_generate_evaluating(input, evaluation=False):
+    """Miles' newer shape with one more parameter after `input`, not async."""
 
 
 def rlbench_generate(sample, engine):
@@ -111,10 +121,11 @@ def tokenizer():
 
 
 class FakeServer:
-    """What `serve_in_thread` hands back, as far as the runner reads it; records the ServeConfig it was given."""
+    """What `serve_in_thread` hands back, as far as the runner reads it; records the ServeConfig, engine and
+    tokenizer it was given."""
 
-    def __init__(self, serve=None):
-        self.serve = serve
+    def __init__(self, serve=None, engine=None, tokenizer=None):
+        self.serve, self.engine, self.tokenizer = serve, engine, tokenizer
         self.state = SimpleNamespace(port=4321, worker=SimpleNamespace(request_log=None), weight_version=None)
         self.closed = False
 
@@ -142,7 +153,7 @@ def started(miles, tokenizer, monkeypatch):
     made = []
 
     def fake_serve(serve, engine, tok):
-        SERVER[0] = FakeServer(serve)
+        SERVER[0] = FakeServer(serve, engine, tok)
         return SERVER[0]
 
     monkeypatch.setattr(server, "serve_in_thread", fake_serve)
@@ -173,7 +184,9 @@ def _prompts(*metadata: dict, first: int = 10) -> tuple[list[Prompt], dict]:
     [
         ("answers", True),
         ("slime_sync_generate", True),  # slime's names: load_generate then says it must be async
+        ("slime_generate_evaluating", True),  # slime's names first, whatever follows them
         ("miles_generate", True),  # Miles' shape: load_generate refuses it by name
+        ("miles_generate_evaluating", True),  # Miles' first name, whatever follows it
         ("async_other_names", True),  # async: load_generate names the parameters slime expects
         ("rlbench_generate", False),
     ],
@@ -271,6 +284,37 @@ def test_ctrl_c_handed_to_the_loops_thread_stops_the_wait_and_cancels_the_corout
         timer.cancel()
     assert time.monotonic() - started < 4
     assert cancelled.wait(10)
+
+
+def test_the_loop_counts_the_coroutines_of_run_still_on_it():
+    """None on a new loop; two while one waits on the loop and another thread runs a second; one when the second
+    has returned, none when both have (close reads the count: a coroutine still on the loop keeps the client)."""
+    loop = sr._LoopThread()
+    gate: list[asyncio.Event] = []  # what the first coroutine waits on, made on the loop
+    waiting = threading.Event()
+
+    async def held():
+        gate.append(asyncio.Event())
+        waiting.set()
+        await gate[0].wait()
+        return loop.running
+
+    async def count():
+        return loop.running
+
+    try:
+        assert loop.running == 0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(loop.run, held())
+            assert waiting.wait(10)
+            try:
+                assert loop.run(count()) == 2
+            finally:
+                loop.loop.call_soon_threadsafe(gate[0].set)
+            assert first.result(timeout=10) == 1
+        assert loop.running == 0
+    finally:
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
 
 
 # ---- the plugin side's HTTP client, args.hf_checkpoint ---------------------------------------------------------
@@ -396,17 +440,35 @@ def test_slime_plugins_picks_the_runner_or_says_what_is_missing(miles, tokenizer
     assert str(err.value) == "reward.group_rm: --group-rm needs a slime generate and reward function"
 
 
-def test_start_serves_the_embedded_engine_and_points_args_at_it(started):
-    rollout = started(rollout__sglang_server_concurrency=3, rollout__stop_token_ids=(7, 9), seed=11)
+def test_start_serves_the_embedded_engine_and_points_args_at_it(started, tmp_path):
+    """The run's model, tokenizer, device and threads (none of them the server's defaults) reach the server, which
+    serves the run's own engine with the run's tokenizer; a group reward reaches the plugins' args."""
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    defaults = load_config().model
+    shutil.copytree(defaults.path, model)
+    shutil.copytree(defaults.tokenizer, tokenizer)
+    rollout = started(
+        rollout__sglang_server_concurrency=3,
+        rollout__stop_token_ids=(7, 9),
+        seed=11,
+        model__path=str(model),
+        model__tokenizer=str(tokenizer),
+        model__init="random",
+        device="cuda:1",
+        threads=3,
+        reward__custom_rm_path=f"{HERE}.slime_group_reward",
+        reward__group_rm=True,
+    )
     config = rollout.config
     serve = rollout.server.serve
-    assert (serve.model_path, serve.tokenizer_path) == (config.model.path, config.model.tokenizer)
+    assert (serve.model_path, serve.tokenizer_path) == (str(model), str(tokenizer))
     assert (serve.load_format, serve.port, serve.random_seed) == ("dummy", 0, 11)
-    assert (serve.device, serve.threads, serve.served_model_name) == (config.device, config.threads, config.model.path)
+    assert (serve.device, serve.threads, serve.served_model_name) == ("cuda:1", 3, str(model))
+    assert rollout.server.engine is rollout.engine and rollout.server.tokenizer is rollout.tokenizer
     assert rollout.server.state.worker.request_log == [] and rollout.engine.weight_version == 3
     args = rollout.args
     assert (args.sglang_router_ip, args.sglang_router_port, args.rollout_num_engines) == ("127.0.0.1", 4321, 1)
-    assert args.rollout_seed == 11 and args.group_rm is False and args.sglang_server_concurrency == 3
+    assert args.rollout_seed == 11 and args.group_rm is True and args.sglang_server_concurrency == 3
     assert rollout.concurrency == 3 and rollout.loop is sr._LoopThread.get()
     assert args.hf_checkpoint == str(rollout.scratch / "hf_checkpoint") and rollout.scratch.name.startswith(
         "rlbench-slime-"
@@ -438,7 +500,7 @@ def test_start_against_sglang_points_args_at_the_router_else_the_first_server(mi
     try:
         args = rollout.args
         assert (args.sglang_router_ip, args.sglang_router_port, args.rollout_num_engines) == where
-        assert rollout.server is None and rollout.concurrency == 4 * where[2]
+        assert rollout.server is None and rollout.concurrency == 4 * where[2] and args.group_rm is False
     finally:
         rollout.close()
 
@@ -815,6 +877,50 @@ def test_close_closes_the_client_on_the_loop_stops_the_server_and_removes_the_sc
     real._http_client = None
 
 
+def test_close_while_a_coroutine_holds_the_loop_leaves_the_loop_and_its_client_to_it(started):
+    """A step stopped by Ctrl-C whose coroutine still holds the loop (a plugin blocking it): close neither closes
+    the client on the loop (it would wait on it) nor keeps it, the server and the scratch go, and the process's
+    next run gets a new loop."""
+    rollout = started()
+    loop, server, scratch = rollout.loop, rollout.server, rollout.scratch
+    client = FakeClient()
+    real, rollout.http = rollout.http, SimpleNamespace(_http_client=client)
+    blocking, release = threading.Event(), threading.Event()
+
+    async def blocks():
+        blocking.set()
+        release.wait(10)  # synchronous: the loop runs nothing else until it returns (10 s: a broken close ends)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = pool.submit(loop.run, blocks())
+        try:
+            assert blocking.wait(10)
+            rollout.close()
+        finally:
+            release.set()
+        step.result(timeout=10)
+    assert not client.closed and rollout.http._http_client is None
+    assert server.closed and rollout.server is None and not scratch.exists()
+    fresh = sr._LoopThread.get()
+    assert isinstance(fresh, sr._LoopThread) and fresh is not loop
+    loop.run(real._http_client.aclose())  # the real client, bound to the abandoned loop, closed there
+    real._http_client = None
+    loop.loop.call_soon_threadsafe(loop.loop.stop)
+
+
+def test_close_with_http_utils_that_keep_no_client_stops_the_rest(started):
+    """slime's http_utils before 2025-09 (2a3a2b67) have no `_http_client`: close stops the server and removes the
+    scratch all the same."""
+    rollout = started()
+    server, scratch = rollout.server, rollout.scratch
+    real, rollout.http = rollout.http, SimpleNamespace()
+    try:
+        rollout.close()
+        assert server.closed and rollout.server is None and not scratch.exists()
+    finally:
+        rollout.http = real  # the fixture closes the real client
+
+
 def test_close_of_a_runner_never_started_leaves_the_client_alone(miles, tokenizer):
     rollout = sr.SlimeRollout(_config(), tokenizer)
     client = FakeClient()
@@ -824,8 +930,6 @@ def test_close_of_a_runner_never_started_leaves_the_client_alone(miles, tokenize
 
 
 def test_close_after_the_scratch_directory_is_gone_raises_nothing(started):
-    import shutil
-
     rollout = started()
     shutil.rmtree(rollout.scratch)
     rollout.close()
