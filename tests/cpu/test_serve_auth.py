@@ -48,7 +48,16 @@ def _call(url: str, path: str, body=None, key: str | None = None) -> tuple[int, 
 @pytest.fixture(scope="module")
 def keyed():
     serving = serve_in_thread(
-        ServeConfig(port=0, api_key=KEY, decode_batch_size=4, batch_wait_ms=1.0, weights_dir=MODEL)
+        # the weightless fixture with seeded weights: a weight update from its directory loads those again
+        ServeConfig(
+            model_path=MODEL,
+            load_format="dummy",
+            port=0,
+            api_key=KEY,
+            decode_batch_size=4,
+            batch_wait_ms=1.0,
+            weights_dir=MODEL,
+        )
     )
     try:
         yield serving

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import RANDOM_INIT_MODEL
+
 from rlbench import slime_rollout as sr
 from rlbench.config import load_config
 from rlbench.core import slime_contract as contract
@@ -140,6 +142,7 @@ def _config(generate: str = "answers", **overrides):
             "data__prompts_per_step": 2,
             "rollout__n_samples_per_prompt": 2,
             "rollout__max_new_tokens": 2,
+            "train__minibatches": 1,  # 4 samples a step: the default's 8 minibatches do not divide them
             **overrides,
         }
     )
@@ -445,7 +448,7 @@ def test_start_serves_the_embedded_engine_and_points_args_at_it(started, tmp_pat
     serves the run's own engine with the run's tokenizer; a group reward reaches the plugins' args."""
     model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
     defaults = load_config().model
-    shutil.copytree(defaults.path, model)
+    shutil.copytree(RANDOM_INIT_MODEL, model)  # started from seeded random weights: a directory without any
     shutil.copytree(defaults.tokenizer, tokenizer)
     rollout = started(
         rollout__sglang_server_concurrency=3,

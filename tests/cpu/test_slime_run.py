@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 
 from rlbench.rundir import recording
-from tests.conftest import MILES, REPO, cli
+from tests.conftest import MILES, RANDOM_INIT_MODEL, REPO, cli
 
 PLUGINS = "tests.slime_plugins.examples"
+# Seeded random weights (not the default's warm start, which answers in 3 tokens and then stops): every turn
+# samples its 6 tokens, bytes that re-tokenise otherwise among them, which the plugins' tests count on.
 TOML = (
     "steps = {steps}\ncheckpoint_every = 1\n[data]\nprompts_per_step = 2\n[rollout]\nn_samples_per_prompt = 4\n"
     "max_new_tokens = 6\nsglang_server_concurrency = {concurrency}\n[train]\nminibatches = 2\nmicro_batch_size = 4\n"
+    f"[model]\npath = '{RANDOM_INIT_MODEL}'\ninit = 'random'\n"
 )
 
 
