@@ -64,7 +64,14 @@ MODULES = {
     "rlbench/rundir/recording.py": ["tests/cpu/test_recording.py", "tests/cpu/test_rundir.py"],
     "rlbench/checks/compare.py": ["tests/cpu/test_compare.py"],
     "rlbench/checks/golden_compare.py": ["tests/cpu/test_golden_compare.py"],
-    "rlbench/checks/tito.py": ["tests/cpu/test_tito.py", "tests/cpu/test_tito_render.py"],
+    # the block findings, stop and reasoning tests are driven by the audit, the reasoning probe and Miles' comparator
+    "rlbench/checks/tito.py": [
+        "tests/cpu/test_tito.py",
+        "tests/cpu/test_tito_render.py",
+        "tests/cpu/test_tito_audit.py",
+        "tests/cpu/test_tito_reasoning.py",
+        "tests/conformance/miles",
+    ],
     "rlbench/checks/tito_audit.py": ["tests/cpu/test_tito_audit.py"],
     "rlbench/checks/tito_reasoning.py": ["tests/cpu/test_tito_reasoning.py", "tests/cpu/test_tito_audit.py"],
     # issue 50: the modules last round added or grew, and the integrity check every reader goes through
