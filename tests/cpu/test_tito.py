@@ -69,6 +69,14 @@ def test_against_a_rendering_that_goes_on_the_same_text_other_ids_is_reencode_on
     assert tito.classify(tok, got, other, first_divergence(got, other), [], [], extends=True)[0] == "position"
 
 
+def test_a_finding_against_a_rendering_that_goes_on_is_classified_as_told(tok):
+    """finding() passes `extends` on to the classification, and a finding is not told so unless it says it."""
+    got, extended = enc(tok, "Is 7 ") + chars(tok, "odd"), enc(tok, "Is 7 odd") + enc(tok, " Is 9")
+    index = first_divergence(got, extended)
+    assert tito.finding(tok, "s", "w", got, extended, index, [], [], extends=True).mode == "reencode"
+    assert tito.finding(tok, "s", "w", got, extended, index, [], []).mode == "position"
+
+
 def test_a_lone_byte_decoded_to_a_replacement_character_is_reencode(tok):
     got = enc(tok, "x") + [byte_id(tok, 0xE2)] + enc(tok, "y")  # 0xE2 starts a 3-byte character: no text alone
     assert "\ufffd" in tito.decode(tok, got)
