@@ -241,6 +241,9 @@ def load_equivalent() -> dict[str, dict]:
 # ---------------------------------------------------------------- the planted bugs of issues 14 and 50
 
 # (bug, file, the original text, the planted text, the tests that should catch it)
+# the diff test that names another weights version before the rollout it changed (diff.py's planted bugs)
+DIFF_VERSION_TEST = ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"]
+
 PLANTED = [
     (
         "PPO clip bounds swapped",
@@ -328,28 +331,28 @@ PLANTED = [
         "rlbench/replay/diff.py",
         "        versions += compared",
         "        versions = compared",
-        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+        DIFF_VERSION_TEST,
     ),
     (
         "issue 50: diff: another weights version not looked for",
         "rlbench/replay/diff.py",
         "        found, compared = version_difference(*metas, step) if metas else (None, 0)",
         "        found, compared = (None, 0)",
-        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+        DIFF_VERSION_TEST,
     ),
     (
         "issue 50: diff: another weights version not named before the tokens it changed",
         "rlbench/replay/diff.py",
         '            if version is not None and stage == "rollout_tokens":  # another weights version sampled it',
         '            if version is not None and stage == "rollout_logprobs":  # another weights version sampled it',
-        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+        DIFF_VERSION_TEST,
     ),
     (
         "issue 50: diff: the weights versions looked at only where they agree",
         "rlbench/replay/diff.py",
         '            if version is not None and stage == "rollout_tokens":  # another weights version sampled it',
         '            if version is None and stage == "rollout_tokens":  # another weights version sampled it',
-        ["tests/cpu/test_async.py", "-k", "diff_names_the_weights_version"],
+        DIFF_VERSION_TEST,
     ),
     (
         "issue 50: diff: another weights version not named where the runs share no rollout stage",

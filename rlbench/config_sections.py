@@ -59,12 +59,10 @@ def setting(default: Any, help: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Where the model (config.json and its weights) and the tokenizer live, and which weights a run
-    starts from: `init = "checkpoint"` the directory's safetensors (one file, or the shards of its
-    index), `"random"` seeded random weights (a directory without weights). The default is the
-    warm-started fixture policy (models/tiny-qwen3-sft, built by rlbench/fixtures/warm_start.py: it answers in
-    the task's format, either word at random); models/tiny-qwen3 with `init = "random"` is the same shape drawn
-    from the seed."""
+    """Where the model (config.json and its weights) and the tokenizer live, and which weights a run starts from:
+    `init = "checkpoint"` the directory's safetensors (one file, or its index's shards), `"random"` seeded random
+    weights (a directory without any). Default: the warm-started fixture policy (models/tiny-qwen3-sft, built by
+    rlbench/fixtures/warm_start.py); models/tiny-qwen3 with `init = "random"` is its shape drawn from the seed."""
 
     path: str = str(FIXTURES / "models" / "tiny-qwen3-sft")
     tokenizer: str = str(FIXTURES / "tokenizers" / "qwen-tiny")
@@ -375,9 +373,8 @@ class AlgoConfig:
     )
     kl_coef: float = setting(
         0.1,
-        "Weight of the KL-to-reference term in the loss (slime --kl-loss-coef with --use-kl-loss; not slime's "
-        "--kl-coef, KL reward shaping, which rlbench does not offer). 0: no reference model, no kl_loss metric. "
-        "rlbench's default 0.1 holds the warm-started policy near its start while RL learns (slime's is 0).",
+        "KL-to-reference loss weight (slime --kl-loss-coef with --use-kl-loss; its --kl-coef reward shaping: not "
+        "offered). 0: no reference model, no kl_loss metric. 0.1 (slime's: 0) keeps RL near the warm start.",
     )
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = setting(
         "k3",
