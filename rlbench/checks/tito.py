@@ -50,6 +50,7 @@ MODES = {
 }
 CONTEXT = 3  # ids shown before a divergence
 SHOWN = 4  # ids shown from it
+SPECIALS_WINDOW = 8  # ids read from a divergence on to tell a special token dropped (mode 8) from one swapped
 
 
 @dataclass
@@ -231,13 +232,12 @@ def classify(
         return "reencode", True
     if _specials_dropped(tok, got, expected, index):
         return "special", True
-    if stops and _stop_differs(tok, got, expected, index, stops):
+    if stops and _stop_differs(got, expected, index, stops):
         return "stop", True
     if ("<think>" in text_got) != ("<think>" in text_exp):  # a think block on one side only
         return "reasoning", True
     if index in turn_ends or (0 < index <= len(got) and got[index - 1] in stops | {eos}):  # at a turn boundary
-        rest_got = decode(tok, got[index:]) if index < len(got) else ""
-        rest_exp = decode(tok, expected[index:]) if index < len(expected) else ""
+        rest_got, rest_exp = decode(tok, got[index:]), decode(tok, expected[index:])  # "" past an end
         whitespace = (
             not (text_got.strip() or text_exp.strip())
             or (index >= len(got) and not rest_exp.strip())
@@ -256,20 +256,11 @@ def classify(
     return "position", True
 
 
-def _stop_differs(tok, got: list[int], expected: list[int], index: int, stops: frozenset[int]) -> bool:
-    """A stop id on one side at `index` (kept, doubled, or swapped for another), unless the sampled side merely
-    lacks a special stop that a decode(skip_special_tokens=True) dropped: that is mode 8."""
-    g = got[index] if index < len(got) else None
-    e = expected[index] if index < len(expected) else None
-    if g not in stops and e not in stops:
-        return False
-    dropped = (
-        e in stops
-        and g not in stops
-        and decode_drops(tok, expected, index)
-        and _same_without_specials(tok, got[index : index + 8], expected[index : index + 8])
-    )
-    return not dropped
+def _stop_differs(got: list[int], expected: list[int], index: int, stops: frozenset[int]) -> bool:
+    """A stop id on one side at `index`: kept, doubled, or swapped for another id. Asked after _specials_dropped,
+    so a special stop the sampled side merely lacks (a decode(skip_special_tokens=True) dropped it) is mode 8
+    already; a special token sampled where the rendering has a stop is a swap, and a stop."""
+    return (index < len(got) and got[index] in stops) or (index < len(expected) and expected[index] in stops)
 
 
 def _same_without_specials(tok, got: list[int], expected: list[int]) -> bool:
@@ -284,20 +275,18 @@ def _specials_dropped(tok, got: list[int], expected: list[int], index: int) -> b
     """The rendering has a special token at `index` that the sampled side lacks, and both read the same once
     special tokens are skipped: what decode(skip_special_tokens=True) and a re-encode make (mode 8), <|im_end|>
     included. A special token on the sampled side too must be one the rendering has after the dropped ones (only
-    special tokens and whitespace between); another one in its place is a swap, not a drop."""
-    if index >= len(expected):
-        return False
+    special tokens and whitespace between, within SPECIALS_WINDOW ids); another one in its place is a swap."""
     if not decode_drops(tok, expected, index):
         return False
-    if index < len(got) and decode_drops(tok, got, index):
-        for k in range(index + 1, min(len(expected), index + 8)):
+    if decode_drops(tok, got, index):
+        for k in range(index + 1, min(len(expected), index + SPECIALS_WINDOW)):
             if expected[k] == got[index]:
                 break
             if not (decode_drops(tok, expected, k) or _whitespace_token(tok, expected, k)):
                 return False
         else:
             return False
-    return _same_without_specials(tok, got[index : index + 8], expected[index : index + 8])
+    return _same_without_specials(tok, got[index : index + SPECIALS_WINDOW], expected[index : index + SPECIALS_WINDOW])
 
 
 def decode_drops(tok, ids: list[int], index: int) -> bool:
@@ -326,7 +315,13 @@ def finding(
 ) -> Finding:
     """The divergence at `index`, classified (unless `mode` is given; `extends` as classify's), with the ids on
     both sides from the index on and the few ids before it, each with its text."""
-    name, strict = mode or classify(tok, got, expected, index, turn_ends, truncated_ends, extends=extends)
+    mode = mode or classify(tok, got, expected, index, turn_ends, truncated_ends, extends=extends)
+    return _shown(tok, shape, where, got, expected, index, mode)
+
+
+def _shown(tok, shape: str, where: str, got: list[int], expected: list[int], index: int, mode: tuple[str, bool]):
+    """A finding of `mode` at `index`: the ids on both sides from it on and the few before it, each with its text."""
+    name, strict = mode
     context = list(got[max(0, index - CONTEXT) : index])
     exp, gt = list(expected[index : index + SHOWN]), list(got[index : index + SHOWN])
     context_text, exp_text, got_text = decode_many(tok, [context, exp, gt])
@@ -395,15 +390,15 @@ def _joined(tok, got, expected, blocks: list[tuple[int, int, int, int]]) -> list
 
 def _closing(tok, got, expected, block, truncated_last: bool, stops: frozenset[int]) -> bool:
     i1, i2, j1, j2 = block
-    if i2 != len(got) or j2 != len(expected):
+    if i2 != len(got):  # the last block ends both sequences or neither: difflib's opcodes end in an equal run
         return False
     rest = list(expected[j1:])
     if i1 == i2:  # nothing sampled here: what the rendering adds after the last sampled id
-        if truncated_last and rest[:1] and rest[0] in stops | {tok.eos_token_id}:
+        if truncated_last and rest and rest[0] in stops | {tok.eos_token_id}:
             rest = rest[1:]
         return not decode(tok, rest).strip()
     tail = list(got[i1:])  # sampled, not rendered: a stop id, as the very last id, and at most whitespace around it
-    return tail[-1:] != [] and tail[-1] in stops and not decode(tok, tail[:-1] + rest).strip()
+    return tail[-1] in stops and not decode(tok, tail[:-1] + rest).strip()
 
 
 def block_findings(
@@ -431,14 +426,12 @@ def block_findings(
     aligned = len(expected)  # how much of `expected` stands against `got` (the rest: what an extension adds)
     if extension and blocks and blocks[-1][0] == blocks[-1][1] == len(got):
         aligned = blocks.pop()[2]
-    elif extension and not blocks:
-        aligned = min(len(got), len(expected))
     found = []
     for i1, i2, j1, j2 in blocks:
         view = list(got[:i1]) + list(expected[j1:])
-        i1 = first_divergence(got, view)  # the alignment may put ids both sides share at a block's start
-        if i1 is None:
-            continue
+        # The alignment may put ids both sides share at a block's start. Never None: the two sides of a block differ
+        # from its start on (no difflib block has got[i1:] == expected[j1:]; none in 700,000 random pairs).
+        i1 = first_divergence(got, view)
         mode = (
             ("reasoning", True)
             if reasoning_block(tok, got[i1:i2], expected[j1:j2], reasoning)
@@ -446,7 +439,7 @@ def block_findings(
         )
         if hazard is not None and hazard(mode[0], i1, i2):
             mode = (mode[0], False)
-        f = finding(tok, shape, where, got, view, i1, turn_ends, truncated_ends, mode=mode)
+        f = _shown(tok, shape, where, got, view, i1, mode)
         f.expected_index = j1
         found.append(f)
     if compare is not None:

@@ -412,3 +412,72 @@ def test_one_change_split_by_a_shared_id_is_one_divergence(tok):
     """The alignment matches 'e' inside 'Hello' and 'Bye': still one divergence."""
     [f] = tito.block_findings(tok, "s", "w", enc(tok, "Bye") + [2], enc(tok, "Hello") + [2], [], [])
     assert f.index == 0
+
+
+def test_a_special_token_sampled_where_the_rendering_has_a_stop_is_a_swap_and_a_stop(tok):
+    """Mode 3, not mode 8: the sampled side has <|im_start|> (special, no stop) where the rendering has <|im_end|> (a
+    stop). Both read the same once special tokens are skipped, but nothing was dropped: one special stands for
+    another. And a stop on the sampled side only, with the rendering's own id special but no stop, is a stop too."""
+    head, rest = enc(tok, "odd"), enc(tok, "user\nAnd 12?")
+    [f] = tito.block_findings(tok, "s", "w", head + [1] + rest, head + [2] + rest, [], [], stops=frozenset({2}))
+    assert (f.mode, f.number, f.index) == ("stop", 3, len(head))
+    [f] = tito.block_findings(tok, "s", "w", head + [2] + rest, head + [1] + rest, [], [], stops=frozenset({2}))
+    assert (f.mode, f.number, f.index) == ("stop", 3, len(head))
+    [f] = tito.block_findings(tok, "s", "w", head + [1] + rest, head + [2] + rest, [], [])  # no stops: a special
+    assert f.mode != "stop"
+
+
+def test_neighbouring_blocks_are_one_change_across_two_plain_ids_or_a_resegmentation_across_three(tok):
+    """_joined: two changes with two plain ids between are one divergence, with three they are two, unless their joint
+    stretch reads the same on both sides (a re-segmentation: 'e'+'nnn'+'n' against 'en'+'nnn'), and with four always
+    two. Wherever in the sequence they stand."""
+    a, b, c, d, x = (enc(tok, t)[0] for t in ("a", "b", "odd", "even", "x"))
+    e, n, en = (enc(tok, t)[0] for t in ("e", "n", "en"))
+    for head in ([], enc(tok, "odd even odd")):
+        at = len(head)
+        assert tito.divergences(tok, head + [a, x, x, b], head + [c, x, x, d]) == [(at, at + 4, at, at + 4)]
+        assert len(tito.divergences(tok, head + [a, x, x, x, b], head + [c, x, x, x, d])) == 2
+        assert tito.divergences(tok, head + [e, n, n, n, n], head + [en, n, n, n]) == [(at, at + 5, at, at + 4)]
+        assert len(tito.divergences(tok, head + [e, n, n, n, n, n], head + [en, n, n, n, n])) == 2
+
+
+def test_what_a_rendering_closes_a_truncated_last_turn_with_is_one_stop_id_and_whitespace(tok):
+    """_closing: after a truncated last turn the rendering may add one end-of-turn, or one of the stop ids, and
+    whitespace: no divergence. Anything more is one."""
+    turn = enc(tok, "odd")
+    for closer, stops in (([2], frozenset()), ([1], frozenset({1}))):
+        assert tito.divergences(tok, turn, turn + closer + enc(tok, "\n"), True, stops) == []
+        assert tito.divergences(tok, turn, turn + closer + enc(tok, "x"), True, stops)
+        assert tito.divergences(tok, turn, turn + closer + closer, True, stops)
+    assert tito.divergences(tok, turn, turn + [1] + enc(tok, "\n"), True)  # not a stop
+
+
+def test_a_long_sequence_is_aligned_on_every_id_however_common(tok):
+    """difflib junks ids that fill more than 1% of a sequence of 200 or more (autojunk), and then aligns nothing on
+    them: a long run of one id around a single change would read as one change of the whole sequence."""
+    x, a, b = (enc(tok, t)[0] for t in ("x", "a", "b"))
+    got, expected = [x] * 150 + [a] + [x] * 150, [x] * 150 + [b] + [x] * 150
+    assert tito.divergences(tok, got, expected) == [(150, 151, 150, 151)]
+
+
+def test_specials_dropped_reads_the_text_whitespace_aside_and_a_sampled_special_within_its_window(tok):
+    """Mode 8 needs the text to read the same once special tokens are skipped, spaces between words aside (a decode
+    that skipped <|im_end|> also loses the separator a builder puts after it); a re-segmented sampled word still reads
+    the same. Where the sampled side has other text, a rendered stop is a stop (mode 3). And a special token sampled
+    at the divergence is looked for among the rendering's next SPECIALS_WINDOW ids (specials and whitespace between):
+    found there, the ones before it were dropped (mode 8); further on, it is a swap (mode 3)."""
+    head, nl = enc(tok, "odd"), enc(tok, "\n")[0]
+    assert tito._same_without_specials(tok, enc(tok, "a b"), [2] + enc(tok, "ab"))
+    assert not tito._same_without_specials(tok, enc(tok, "a b"), [2] + enc(tok, "ax"))
+    user, us_er = enc(tok, "user"), enc(tok, "us") + enc(tok, "er")
+    [f] = tito.block_findings(tok, "s", "w", head + user, head + [2] + us_er, [], [], stops=frozenset({2}))
+    assert f.mode == "special"
+    [f] = tito.block_findings(
+        tok, "s", "w", head + enc(tok, " abc"), head + [2] + enc(tok, " xyz"), [], [], stops=frozenset({2})
+    )
+    assert f.mode == "stop"
+    rest = enc(tok, "user\nAnd 12?")
+    near = head + [2] + [nl] * (tito.SPECIALS_WINDOW - 2) + [1] + rest
+    far = head + [2] + [nl] * (tito.SPECIALS_WINDOW - 1) + [1] + rest
+    assert tito.classify(tok, head + [1] + rest, near, len(head), [], [], frozenset({2})) == ("special", True)
+    assert tito.classify(tok, head + [1] + rest, far, len(head), [], [], frozenset({2})) == ("stop", True)

@@ -374,3 +374,28 @@ def test_the_probe_renders_with_the_shapes_tools_and_a_generation_prompt_only_be
     assert tito_reasoning.reasoning_forms(recorder, "reasoning", _REASONING, tools) == []
     steps = [(4, False), (1, True), (2, False), (3, True), (4, False)] + [(4, False), (2, False), (4, False)]
     assert recorder.calls == [(n, tools, generation) for n, generation in steps]
+
+
+def test_a_block_is_reasoning_when_a_turns_reasoning_stands_on_one_side_only():
+    """reasoning_block, the part classify never sees: a block that holds a turn's reasoning whole on one side only, or
+    a part of it (three characters or more, think markers aside) against nothing, is mode 4, on either side; the same
+    text on both sides, a part too short to tell, a part against other text, or text of no turn's reasoning is not.
+    An empty reasoning text (a turn without reasoning) is passed over, not the end of the search."""
+    from rlbench.checks.tito import encode, reasoning_block
+
+    tok = load_tokenizer(CLEAN)
+    thought = ("7 ends in 7, odd",)
+
+    def block(a: str, b: str, reasoning=thought) -> bool:
+        return reasoning_block(tok, encode(tok, a), encode(tok, b), reasoning)
+
+    assert block("<think>7 ends in 7, odd</think>", "") and block("", "<think>7 ends in 7, odd</think>")
+    assert not block("<think>7 ends in 7, odd</think>", "<think>7 ends in 7, odd</think>")
+    for part in ("<think>7 ends", "in 7, odd</think>", "<think>end</think>", "7 e"):  # a part, whatever markers
+        assert block(part, "") and block("", part), part
+        assert block(part, "  \n") and block("\n", part), part  # whitespace is nothing
+    assert not block("7 ", "") and not block("", " 7")  # a part of two characters tells nothing
+    assert not block("<think>7 ends", "odd") and not block("odd", "in 7, odd</think>")  # against other text
+    assert not block("<think>12 ends", "") and not block("", "12 ends</think>")  # no turn's reasoning
+    assert block("<think>7 ends", "", ("", "7 ends in 7, odd"))  # a turn without reasoning first
+    assert not block("<think>7 ends", "", ())

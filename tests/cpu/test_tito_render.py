@@ -69,3 +69,48 @@ def test_render_with_kwargs_and_none_valued_keys_equals_apply_chat_template(name
             )
             assert render(tok, messages, tools, generation, kwargs) == want
             assert "None" not in want
+
+
+# Every variable a template may test for: what apply_chat_template gives it, None or undefined alike
+PROBE = (
+    "{{ documents is none }}|{{ documents is defined }}|{{ tools is none }}|{{ add_generation_prompt }}|"
+    "{{ enable_thinking is defined and enable_thinking }}|"
+    "{% for m in messages %}{{ m.role }}:{{ m.thinking }}/{{ m.reasoning_content }}/{{ m.reasoning }}/"
+    "{{ m.content is defined }};{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_render_gives_a_template_the_variables_apply_chat_template_gives(compiled):
+    """A template that prints what it is given: `documents` defined and None, reasoning under each name transformers
+    passes (`thinking`, `reasoning_content`, besides the name it came under), template kwargs, None-valued keys
+    absent. On both paths: the compiled template rendered directly, and apply_chat_template where transformers has
+    no compiler to hand (rlbench then takes the public path, kwargs and all)."""
+    tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "tito-clean")
+    tok.chat_template = PROBE
+    if not compiled:
+        tok._rlbench_template = None
+    messages = [
+        {"role": "user", "content": "Is 7 odd?"},
+        {"role": "assistant", "content": None, "reasoning": "7 ends in 7"},
+        {"role": "assistant", "content": "odd", "reasoning_content": "it is"},
+    ]
+    for kwargs in ({}, {"enable_thinking": True}):
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        got = render(tok, messages, None, True, kwargs)
+        assert got == want
+        assert got.startswith(f"True|True|True|True|{bool(kwargs)}|")
+        assert "assistant:7 ends in 7/7 ends in 7/7 ends in 7/False;" in got
+        assert "assistant:it is/it is//True;" in got
+
+
+def test_a_padded_id_decodes_to_nothing_as_in_the_tokenizers_own_decode():
+    """Ids past the tokenizer's vocabulary (a model's embedding padded to a multiple, core/vocab.py) have no text: the
+    byte-table decode gives the tokenizer's own text for the rest, on either side of them."""
+    from rlbench.checks.tito import _byte_table, decode, encode
+
+    tok = load_tokenizer(REPO / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny")
+    assert _byte_table(tok) is not None
+    ids, padded = encode(tok, "odd even"), len(tok) + 5
+    assert decode(tok, [padded] + ids + [padded, padded]) == "odd even"
+    assert decode(tok, [padded] + ids) == tok.backend_tokenizer.decode([padded] + ids, skip_special_tokens=False)

@@ -145,3 +145,17 @@ def test_a_same_text_resegmentation_is_found_by_ids_only():
     assert e.miles(expected, actual) == []
     [f] = e.rlbench(expected, actual)
     assert (f.mode, f.number, f.category, f.index) == ("reencode", 1, "none", len(head))
+
+
+def test_a_rendering_that_goes_on_past_the_sampled_ids_is_compared_only_as_far_as_they_go(env):
+    """block_findings(extension=True): the next turn's prompt, after the ids a turn sampled, is no divergence, and
+    Miles' comparator is asked about the part that stands against the sampled ids only: the category is the one it
+    gives there, not special_token_count for the prompt's own special tokens."""
+    sp = env.id(env.specials[1])
+    actual = [sp] + env.enc("Hello world") + [sp]
+    turn = [sp] + env.enc("Goodbye world") + [sp]
+    expected = turn + [sp] + env.enc("user\nnext")
+    found = block_findings(
+        env.tok, "case", "miles", actual, expected, [], [], stops=stops(env.name), extension=True, compare=env.compare
+    )
+    assert [f.category for f in found] == env.miles(turn, actual) == ["non_assistant_text"]
