@@ -3,11 +3,12 @@ docs/en/get_started/customization.md), runnable under `rlbench run` unchanged: a
 sends the engine the sample's own token ids every turn and appends a tool's output as ids with loss mask 0 (the
 shape of slime's retool example), and a reward function.
 
-    rlbench run --custom-generate-function-path examples.slime_plugin.generate \
-                --custom-rm-path examples.slime_plugin.reward
+    PYTHONPATH=.vendor/miles-rl-0.0.2 rlbench run --custom-generate-function-path examples.slime_plugin.generate \
+        --custom-rm-path examples.slime_plugin.reward
 
 It needs slime's `Sample` and `http_utils`: slime installed from its source, or Miles' `miles/` package on the
-path (`python tests/get_miles.py` unpacks it into .vendor/miles-rl-0.0.2). docs/usage.md, "Your slime plugins".
+path, as above from the repository's root (`python tests/get_miles.py`, in the README's set-up, unpacks it into
+.vendor/miles-rl-0.0.2 without installing Miles' wheel). docs/usage.md, "Your slime plugins".
 """
 
 from __future__ import annotations

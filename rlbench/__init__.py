@@ -6,6 +6,7 @@ Importing it pins the portable CPU numerics before anything imports torch (numer
     config_sections.py  its components, one frozen dataclass each (model, data, rollout, reward, algorithm,
                   trainer), and `setting`, the field with its help
     config_placement.py  its placement component (local or Ray actors) and how a Ray address is read
+    config_tracking.py  where metrics are also logged: W&B and TensorBoard, with slime's arguments
     validate.py   the value checks every config shares: a failing value is BadInput naming its key
     slime_args.py slime's own command-line arguments mapped onto the run config (`rlbench run <slime args>`)
     command.py    a command line to its RunConfig (options, the TOML file, slime's arguments, --sglang-*,
@@ -20,6 +21,10 @@ Importing it pins the portable CPU numerics before anything imports torch (numer
                   the manifest) and `run` (the steps in order); above core/, backends/ and placement/
     slime_rollout.py  slime plugins under `rlbench run`: slime's generate and reward functions against the
                   run's engine behind /generate, their samples held to its request log; beside session.py
+    testing.py    rlbench for a team's own tests: run a config, and each verdict as an assertion whose message is
+                  the command line's text
+    pytest_plugin.py  the pytest plugin the package registers (pytest11): fixtures rlbench_run and golden, and
+                  --rlbench-update-golden; loading it pins the numerics before a test imports torch
     cli/          the `rlbench` command line: the only package that prints; errors -> exit codes
     core/         the loop's stages (one function each) and what they read (Context), the backend
                   protocols, seeding, data, rewards, the RL algorithm

@@ -3,7 +3,8 @@
 defaults for the settings slime defines, where neither the file nor an option says otherwise; an rlbench option
 and a slime argument that set one setting are refused together), `--sglang-*` passed through to the servers,
 and, for a train-only run, the recording's settings (with a note for each one that replaced what was asked).
-The CLI parses, calls this, and renders.
+Relative paths from the command line resolve against the working directory (a TOML file's against its folder:
+rlbench/config.py), recorded absolute. The CLI parses, calls this, and renders.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlbench import slime_args
-from rlbench.config import NULL, RunConfig, apply_overrides, file_keys, load_config
+from rlbench.config import NULL, RunConfig, absolute_paths, apply_overrides, file_keys, load_config
 from rlbench.errors import BadInput
 
 
@@ -55,6 +56,9 @@ def run_config(
         notes = [f"train-only: {note}" for note in recorded_overrides(asked, cfg)]
     if cfg.out is None:
         cfg = cfg.replace(out=default_out())
+    # recorded absolute, so `--resume` and replay read them from anywhere; the run directory stays as given (every
+    # later command is given it, and the summary names it as the user wrote it)
+    cfg = absolute_paths(cfg, keep=("out",))
     return CommandConfig(cfg, notes, explained)
 
 

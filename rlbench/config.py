@@ -5,6 +5,10 @@ A config comes from the defaults, then a TOML file (`--config`), then CLI overri
 Every value is validated once, on construction, and a bad one raises `BadInput` naming the
 file and the key. The resolved config is written whole into the run's manifest.
 
+One rule for relative paths (the fields named in PATH_KEYS): a TOML file's are relative to the file's folder, the
+command line's to the working directory (`absolute_paths`, which rlbench.command applies), and either is recorded
+absolute, so a later command that reads the recorded config finds the same path from any working directory.
+
 TOML layout: one table per component, keys as the dataclass fields:
 
     seed = 1234
@@ -36,6 +40,7 @@ from rlbench.config_sections import (
     setting,
 )
 from rlbench.config_placement import PlacementConfig
+from rlbench.config_tracking import TrackingConfig
 
 Mode = Literal["full", "rollout-only", "train-only"]
 MODES = ("full", "rollout-only", "train-only")
@@ -82,6 +87,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         number(self.seed, "seed", 0, 2**63 - 1, integer=True)
@@ -254,6 +260,8 @@ def setup_from_dict(cls: type, table: Any, source: str | Path):
         raise BadInput(f"setup.{exc}", path=source) from None
 
 
+# The fields that hold a path, in whichever section: resolved against the TOML's folder, or the working directory.
+PATH_KEYS = ("path", "tokenizer", "out", "rollouts", "weights_dir", "local_checkpoint_dir", "wandb_dir")
 _NULLABLE = ("data.label_key",)  # string fields that may be unset (a manifest's null; TOML cannot say it)
 _SECTION_CLASSES = {
     "model": ModelConfig,
@@ -263,6 +271,7 @@ _SECTION_CLASSES = {
     "algo": AlgoConfig,
     "train": TrainConfig,
     "placement": PlacementConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -327,12 +336,28 @@ def _build(cls: type, table: dict, prefix: str, base_dir: Path) -> Any:
             kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{key}.", base_dir)
             continue
         value = _coerce(value, getattr(defaults, key), dotted)
-        if key in ("path", "tokenizer", "out", "rollouts", "weights_dir", "local_checkpoint_dir") and isinstance(
-            value, str
-        ):
+        if key in PATH_KEYS and isinstance(value, str):
             value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def absolute_paths(config: RunConfig, keep: tuple[str, ...] = ()) -> RunConfig:
+    """`config` with each relative path (PATH_KEYS) resolved against the working directory: what the command line
+    gave (a TOML file's are absolute already). `keep`: top-level fields left as given."""
+
+    def resolved(obj, skip=()):
+        changes = {
+            f.name: str(Path(value).resolve())
+            for f in fields(obj)
+            if f.name in PATH_KEYS and f.name not in skip
+            for value in [getattr(obj, f.name)]
+            if isinstance(value, str) and not Path(value).is_absolute()
+        }
+        return dataclasses.replace(obj, **changes) if changes else obj
+
+    sections = {name: resolved(getattr(config, name)) for name in _SECTION_CLASSES}
+    return dataclasses.replace(resolved(config, keep), **sections)
 
 
 def file_keys(path: str | Path) -> set[str]:

@@ -164,7 +164,7 @@ class RolloutConfig:
         None,
         "Custom generate function by dotted path: slime's async generate(args, sample, sampling_params) (run against "
         "the engine behind SGLang's /generate, docs/usage.md \"Your slime plugins\"), or rlbench's "
-        "fn(env, prompt, prompt_ids, seed) -> Trajectory (rlbench/core/generate.py).",
+        "fn(env, prompt, prompt_ids, seed) -> Trajectory.",
     )
     sglang_server_concurrency: int = setting(
         512, "slime's --sglang-server-concurrency: slime plugins generating at once (per engine of one GPU)."
@@ -192,7 +192,7 @@ class RolloutConfig:
     weights_dir: str | None = None  # where weight versions are written for the servers to load (default: a temp dir)
     async_mode: Literal["off", "one-step", "fully"] = setting(
         "off",
-        "Generate ahead of training (core/pipeline.py), deterministic by schedule. one-step: slime's train_async.py "
+        "Generate ahead of training, deterministic by schedule. one-step: as slime's train_async "
         "(the next step generated while this one trains); fully: slime's fully-async worker bounded by max_staleness.",
     )
     max_staleness: int | None = setting(
@@ -200,7 +200,7 @@ class RolloutConfig:
     )
     update_weights_interval: int = setting(1, "slime's --update-weights-interval: sync every N steps (async modes).")
     update_weight_mode: Literal["full", "delta"] = setting(
-        "full", "sglang: each sync a full checkpoint, or slime's delta (core/weight_delta.py) pulled by /pull_weights."
+        "full", "sglang: each sync a full checkpoint, or slime's delta of what changed, pulled by /pull_weights."
     )
     update_weight_delta_encoding: Literal["xor", "overwrite"] = "xor"  # slime's --update-weight-delta-encoding
     update_weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = "xxh3-128"

@@ -54,6 +54,7 @@ from rlbench.core.model import (
 )
 from rlbench.core.protocols import RolloutEngine, Trainer
 from rlbench.core.reward import load_reward_fn
+from rlbench.core import trackers
 from rlbench.core.seeding import configure_determinism
 from rlbench.core.types import Prompt
 from rlbench.core.vocab import Vocab, model_vocab
@@ -108,6 +109,7 @@ def run(
     history = []
     pipe = Pipeline(ctx, config.steps) if config.rollout.async_mode != "off" else None
     try:
+        trackers.attach(config, ctx.writer)  # W&B, TensorBoard: each step once committed (core/trackers.py)
         if ctx.engine is not None and ctx.trainer is not None:
             first_sync(ctx, start)
         if ctx.writer is not None and ctx.trainer is not None and start == 0 and not ctx.writer.has_checkpoint(0):
@@ -193,6 +195,7 @@ def build(
     failure there stops what was started."""
     _check_device(config.device)
     registry.check_installed(config)
+    trackers.check(config)
     registry.check_capacity(config)
     registry.check_trainer(config)
     determinism = configure_determinism(config.threads, config.device, config.deterministic)

@@ -8,6 +8,8 @@ slime's conversion; an argument rlbench computes one way only is accepted at tha
 to the servers, as in slime). When any slime argument is given, the settings slime defines start from
 slime's defaults, not rlbench's (input key "input", no chat template, one sample per prompt, lr 1e-6,
 KL type k1, ...): `SLIME_DEFAULTS`. `rlbench run --print-config` shows what a command line resolves to.
+slime's W&B and TensorBoard arguments (`TRACKING`) only say where the metrics also go: alone, they leave
+rlbench's own settings and defaults as they are.
 """
 
 from __future__ import annotations
@@ -110,6 +112,30 @@ ARGS: dict[str, SlimeArg] = {
     "--update-weight-local-checkpoint-dir": _arg("str", "rollout.local_checkpoint_dir"),
     "--update-weight-delta-encoding": _arg("str", "rollout.update_weight_delta_encoding"),
     "--update-weight-delta-checksum": _arg("str", "rollout.update_weight_delta_checksum"),
+    # slime's add_wandb_arguments and add_tensorboard_arguments: where the metrics also go (core/trackers.py)
+    "--use-wandb": _arg("flag", "tracking.use_wandb"),
+    "--wandb-mode": _arg("str", "tracking.wandb_mode", help="online, offline or disabled"),
+    "--wandb-dir": _arg("str", "tracking.wandb_dir"),
+    "--wandb-project": _arg("str", "tracking.wandb_project"),
+    "--wandb-team": _arg("str", "tracking.wandb_team"),
+    "--wandb-group": _arg("str", "tracking.wandb_group"),
+    "--disable-wandb-random-suffix": _arg("flag", help="tracking.wandb_random_suffix = false"),
+    "--wandb-always-use-train-step": _arg("flag", "tracking.wandb_always_use_train_step"),
+    "--use-tensorboard": _arg("flag", "tracking.use_tensorboard"),
+    "--tb-project-name": _arg("str", "tracking.tb_project_name"),
+    "--tb-experiment-name": _arg("str", "tracking.tb_experiment_name"),
+}
+# Arguments that say only where the metrics go: alone, they leave rlbench's own settings and defaults as they are.
+TRACKING = tuple(name for name, spec in ARGS.items() if spec.fields[:1] and spec.fields[0].startswith("tracking.")) + (
+    "--disable-wandb-random-suffix",
+)
+
+# slime's arguments refused with a reason of their own (any other unknown one: `_refusal`'s general line).
+REFUSED = {
+    "--wandb-key": "a secret is not written into the run's manifest: log in with `wandb login` or WANDB_API_KEY",
+    "--wandb-host": "slime passes it to wandb.login with --wandb-key only: set WANDB_BASE_URL (and log in) instead",
+    "--wandb-run-id": "slime's primary process overwrites it with its new run's id; rlbench derives the id from the "
+    "run directory, so that --resume continues the same W&B run",
 }
 
 # Accepted at the one value rlbench computes; any other value is refused.
@@ -211,9 +237,12 @@ _EXPECTED = {"int": "an integer", "ints": "integers", "float": "a number", "json
 def _refusal(name: str) -> str:
     if not name.startswith("--"):
         return f"unexpected argument {name!r}"
+    if name in REFUSED:
+        return f"{name} is not read: {REFUSED[name]}"
     return (
         f"no such option: {name} (neither rlbench's nor a slime argument rlbench models; slime's data, rollout, "
-        "batch, algorithm and optimizer arguments are read, --sglang-* passes through to the servers; "
+        "batch, algorithm, optimizer, W&B and TensorBoard arguments are read, --sglang-* passes through to the "
+        "servers; "
         "see `rlbench run --help` and docs/usage.md)"
     )
 
@@ -223,7 +252,11 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
     each given argument with its value and the fields it set), with slime's own rules: eps_clip_high
     defaults to eps_clip; one sample per prompt turns GRPO's std normalisation off; the global batch
     size follows from --num-steps-per-rollout or gives the optimizer steps per rollout; the KL loss
-    coefficient counts only under --use-kl-loss."""
+    coefficient counts only under --use-kl-loss. Arguments that only say where metrics go (TRACKING), given alone,
+    set their fields and nothing else: rlbench's own run, logged to W&B or TensorBoard."""
+    if given and set(given) <= set(TRACKING):
+        explained = [(name, value, _tracking(name, value)) for name, value in given.items()]
+        return {path: value for _, _, sets in explained for path, value in sets.items()}, explained
     missing = [name for name in REQUIRED if name not in given]
     if missing:
         raise BadInput(
@@ -246,6 +279,8 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
             sets["model.init"] = "checkpoint"
         if name == "--disable-grpo-std-normalization":
             sets = {"algo.normalize_std": False}
+        if name in TRACKING:
+            sets = _tracking(name, value)
         if name == "--recompute-granularity":
             if value != "full":
                 raise BadInput(f"{name} {value}: rlbench recomputes whole layers only (full)", field=name)
@@ -256,6 +291,12 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
         explained.append((name, value, sets))
     _derived(given, fields, explained)
     return fields, explained
+
+
+def _tracking(name: str, value: Any) -> dict[str, Any]:
+    if name == "--disable-wandb-random-suffix":
+        return {"tracking.wandb_random_suffix": False}
+    return {ARGS[name].fields[0]: value}
 
 
 def _derived(given: dict[str, Any], fields: dict[str, Any], explained: list) -> None:

@@ -97,31 +97,19 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     imported from outside the installed packages (plugins: a module-level
     counter or a same-named module in another test's directory must not carry over). For what needs a
     process of its own (signals, locks, crashes, bits across processes), `run_cli(..., process=True)`."""
-    import contextlib
-    import io
+    from rlbench.testing import rlbench
 
-    from rlbench.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
-    saved_modules = set(sys.modules)
-    sys.argv = ["rlbench", *args]
+    saved_cwd, saved_modules = os.getcwd(), set(sys.modules)
     try:
         if cwd is not None:
             os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        outcome = rlbench(*args)  # argv, sys.path and the working directory it ran in are restored
     finally:
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
         os.chdir(saved_cwd)
         for name in set(sys.modules) - saved_modules:
             if _user_module(sys.modules[name]):
                 del sys.modules[name]
-    return subprocess.CompletedProcess(["rlbench", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(["rlbench", *args], outcome.code, outcome.stdout, outcome.stderr)
 
 
 # Where installed packages live: the interpreter's prefixes and every sys.path entry outside this checkout (a

@@ -21,6 +21,10 @@ copied back to the model.
 
 Weight decay follows Megatron's rule, which slime trains with: biases and 1-D parameters (norms) take
 none, every other parameter takes `train.weight_decay` (`decay_groups`: two AdamW param groups).
+
+Every embedding row trains, the pad id's too, as in megatron-core's embedding (slime's trainer): transformers
+builds the embedding with `padding_idx = pad_token_id`, which withholds the gradient of the pad id's input
+lookups from its row, so a policy that samples its pad id would train differently here (`train_every_row`).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class TorchTrainer:
         device: str = "cpu",
         reference: torch.nn.Module | None = None,
     ):
-        self.model = model.to(device)
+        self.model = train_every_row(model.to(device))
         if train.recompute:
             self.recompute()
         host = train.optimizer_cpu_offload
@@ -409,6 +413,15 @@ class TorchTrainer:
             self.masters.load(tensors, directory)
         named = self.masters.params if self.masters else dict(self.model.named_parameters())
         load_optimizer_state(self.optimizer, named, tensors, scalars, self.optimizer_device, directory)
+
+
+def train_every_row(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with no padding index on its embeddings: the pad id's row takes its lookups' gradient (megatron-core's
+    embedding has none; the forward is the same either way)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            module.padding_idx = None
+    return model
 
 
 def enable_recompute(model: torch.nn.Module) -> None:

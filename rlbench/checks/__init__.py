@@ -15,5 +15,7 @@ golden.py            golden files (rlbench's and Megatron-LM's): format and read
 golden_build.py      golden files written: golden update, golden/regenerate.py
 golden_tolerance.py  tolerance families, their defaults, --tolerance overrides
 golden_compare.py    check golden: tiers, refusals with the reason, per-metric comparison, report
+golden_history.py    history files: the last N trusted runs, the band rule, golden update --tier history
+golden_history_compare.py  check golden --tier history: each value against its band, report
 plot.py              check golden --plot: each metric against its golden band (matplotlib)
 """

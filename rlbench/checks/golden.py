@@ -64,9 +64,10 @@ SCHEMA = "rlbench.golden/1"
 # tier needs them equal, except these, recorded only: rlbench's own changes are what the golden check is
 # there to catch, and the others store or route values without computing them.
 RECORDED_ONLY = ("python", "rlbench", "safetensors", "sglang-router", "ray")
-# Left out of the configuration identity: I/O settings, and placement (device, threads, deterministic),
-# which the exact tier checks as platform and determinism settings and the approx tier compares across.
-IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "device", "threads", "deterministic", "placement")
+# Left out of the configuration identity: I/O settings ([tracking]: where metrics are also logged), and placement
+# (device, threads, deterministic), which the exact tier checks as platform and determinism settings.
+IO_KEYS = ("out", "steps", "record", "checkpoint_every", "rollouts", "tracking", "device", "threads", "deterministic")
+IO_KEYS += ("placement",)
 # How requests reach the SGLang servers and how many there are: a request's result does not depend on
 # them (its seed travels with it), so they are left out too.
 TRANSPORT_KEYS = (

@@ -145,4 +145,8 @@ def write_golden(path: str | Path, doc: dict) -> None:
         raise BadInput("is a directory; give the golden file's path", path=path)
     if not path.parent.is_dir():
         raise BadInput("its directory does not exist", path=path)
-    atomic_write(path, (json.dumps(doc, indent=1) + "\n").encode())
+    try:
+        atomic_write(path, (json.dumps(doc, indent=1) + "\n").encode())
+    except BaseException:  # the old file stands; leave no half-written temporary (atomic_write's name) beside it
+        path.with_name(f".{path.name}.tmp").unlink(missing_ok=True)
+        raise

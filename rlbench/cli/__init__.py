@@ -4,9 +4,9 @@ and renders its result (a rich table, or one JSON document with `--json`). Only 
 prints. Exit codes: 0 done / the check holds, 1 a check found a difference, 2 bad input, 3 an internal
 error, 130 Ctrl-C.
 
-    __init__.py   main(): the one error boundary (errors -> exit codes)
-    app.py        the typer app, the consoles, the options every command shares, --version; tables,
-                  progress and --help as they read without a terminal
+    __init__.py   main(): the one error boundary (errors -> exit codes; Ctrl-C -> what is kept)
+    app.py        the typer app, the consoles, the options every command shares, --version, shell
+                  completion; tables, progress and --help as they read without a terminal; mistyped options
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff
     imports.py    import slime
@@ -14,6 +14,7 @@ error, 130 Ctrl-C.
     golden.py     check golden, golden update
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
     report.py     report: one HTML page of a run, or of where two runs part
+    export.py     export: a run's checkpoint as a Hugging Face model directory
     __main__.py   `python -m rlbench.cli`: the same as the `rlbench` console script
 """
 
@@ -24,8 +25,10 @@ import sys
 import traceback
 
 import typer
+import typer.completion
 
-from rlbench.cli.app import INTERRUPTED, app, stderr, stdout  # noqa: F401 - the app and its consoles, re-exported
+from rlbench.cli.app import app, stderr, stdout  # noqa: F401 - the app and its consoles, re-exported
+from rlbench.cli.app import INTERRUPTED, Interrupted, closest, interrupted
 from rlbench.errors import RlbenchError
 
 
@@ -51,6 +54,7 @@ def _polish(command) -> None:
 def command():
     """The click command of the app, built once a process: typer builds it from every command's signature
     (~30 ms); a process that calls `main` again (a test, a notebook) reuses it. Parsing state is per call."""
+    typer.completion.completion_init()  # typer's completion classes, which the scripts of --show-completion call
     built = typer.main.get_command(app)
     _polish(built)
     return built
@@ -68,12 +72,16 @@ def main() -> None:
         _fail(str(exc), exc.exit_code, "check failed" if exc.exit_code == 1 else "error")
     except typer.Exit as exc:  # --help
         sys.exit(exc.exit_code)
+    except Interrupted as exc:  # Ctrl-C while a run directory was written: what of it is kept
+        _interrupted(interrupted(exc.out))
     except (typer.Abort, KeyboardInterrupt):
         _interrupted()
     except typer.TyperException as exc:  # typer's (vendored click's) usage errors: unknown option, bad value
         if debug:
             traceback.print_exc()
         message = " ".join((exc.format_message() if hasattr(exc, "format_message") else str(exc)).split())
+        if getattr(exc, "possibilities", None):  # an unknown option: the closest name, not click's list of near ones
+            message = f"{exc.message} (did you mean {closest(exc.option_name, exc.possibilities, cutoff=0)}?)"
         if not message:  # a group called without its command: the help is already printed
             sys.exit(2)
         _fail(message)
@@ -92,8 +100,8 @@ def main() -> None:
         sys.exit(code)
 
 
-def _interrupted() -> None:
-    stderr.print(INTERRUPTED, markup=False, highlight=False, soft_wrap=True)
+def _interrupted(message: str = INTERRUPTED) -> None:
+    stderr.print(message, markup=False, highlight=False, soft_wrap=True)
     sys.exit(130)
 
 
@@ -109,3 +117,4 @@ from rlbench.cli import checks  # noqa: E402,F401
 from rlbench.cli import golden  # noqa: E402,F401
 from rlbench.cli import serve  # noqa: E402,F401
 from rlbench.cli import report  # noqa: E402,F401
+from rlbench.cli import export  # noqa: E402,F401

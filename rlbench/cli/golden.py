@@ -20,6 +20,7 @@ from rlbench.errors import BadInput
 class Tier(str, Enum):
     exact = "exact"
     approx = "approx"
+    history = "history"
 
 
 Tolerances = Annotated[
@@ -50,7 +51,8 @@ def check_golden(
         Tier,
         typer.Option(
             help="exact: every value bit for bit (refused, exit 2, across platforms or "
-            "versions). approx: each metric within its tolerance."
+            "versions). approx: each metric within its tolerance. history: each value "
+            "within the band of a history file's trusted runs (rlbench.golden-history/1)."
         ),
     ] = Tier.exact,
     ignore: Annotated[
@@ -83,11 +85,28 @@ configuration; in the exact tier another platform, versions or determinism setti
     A Megatron-LM golden values file (tests/functional_tests/test_cases/.../golden_values_*.json) compares in the \
 approx tier with Megatron-LM's own tolerances (lm loss and memory rtol 0.05, num-zeros rtol 0.2, iteration-time the \
 median of a steady window within 5%), at the steps it holds a value for: its iteration k against the run's step k - 1.
+
+    --tier history holds every value of a history file (`golden update --tier history`) to the band around the mean \
+of its trusted runs' values, max(k x sd, rel x |mean|, atol) wide (the file states k, rel, atol): outside, missing or \
+NaN is exit 1; fewer trusted runs than the file's min_runs is undetermined, exit 2, never a pass.
     """
     from rlbench.checks import golden as g
+    from rlbench.checks import golden_history
     from rlbench.checks.golden_compare import compare
+    from rlbench.checks.golden_history_compare import check_history
     from rlbench.replay.integrity import METRICS_ONLY, open_run
 
+    if tier is Tier.history:
+        for name, given in (("--tolerance", tolerance), ("--rename", rename), ("--plot", plot)):
+            if given:
+                raise BadInput("applies to the exact and approx tiers, not to --tier history", field=name)
+        report = check_history(open_run(run_dir, **METRICS_ONLY).run, golden, ignore or [])
+        _render_history(report, as_json)
+        return
+    if golden_history.is_history_file(golden):
+        raise BadInput(
+            f"is a history file ({golden_history.SCHEMA}); check it with --tier history", path=golden, field="schema"
+        )
     renames = parse_renames(rename)
     overrides = [g.parse_override(spec) for spec in tolerance or []]
     if plot is not None:
@@ -108,6 +127,73 @@ median of a steady window within 5%), at the steps it holds a value for: its ite
         _render_golden(report, plot)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _render_history(report, as_json: bool) -> None:
+    """The history tier's verdict: passed (exit 0), failed (exit 1: each failing value with its band, the mean
+    and spread it came from), undetermined (exit 2, one line: too few trusted runs, never a pass)."""
+    verdict = report.verdict
+    if as_json:
+        stdout.print_json(json.dumps(report.to_json()))
+    else:
+        for note in report.notes:
+            stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        metrics = len({v.metric for v in report.values})
+        counted = f"{report.compared} values of {metrics} metrics held to the band of {report.runs} trusted runs"
+        if verdict == "passed":
+            stdout.print(
+                f"golden check passed (history tier): {counted}; {report.run} within {report.golden}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        if verdict == "failed":
+            table = Table(title=f"golden check, history tier: {len(report.failures)} values failed ({counted})")
+            for col in ("metric", "step", "got", "band", "mean", "sd", "runs", "what failed"):
+                table.add_column(col, justify="left" if col in ("metric", "what failed") else "right", overflow="fold")
+            for v in report.failures[:40]:
+                b = v.band
+                why = {"fail": "outside the band", "missing": "not logged by the run", "nonfinite": "not finite"}
+                table.add_row(
+                    v.metric,
+                    str(v.step),
+                    _fmt(v.got),
+                    f"[{b.lo!r}, {b.hi!r}]",
+                    repr(b.mean),
+                    f"{b.sd:.4g}",
+                    str(b.n),
+                    why[v.status],
+                    style="bold red",
+                )
+            render_table(table)
+            if len(report.failures) > 40:
+                stdout.print(f"... and {len(report.failures) - 40} more failing values (--json lists all)")
+            if report.undetermined:
+                stdout.print(
+                    f"undetermined (fewer trusted runs than min_runs {report.rule['min_runs']}, not judged): "
+                    f"{len(report.undetermined)} values",
+                    markup=False,
+                    highlight=False,
+                )
+        for label, names in (
+            ("ignored", report.ignored),
+            ("not in the history file (not compared)", report.not_in_golden),
+        ):
+            if names and not as_json:
+                stdout.print(f"{label}: {', '.join(names)}", markup=False, highlight=False, soft_wrap=True)
+    if verdict == "failed":
+        raise typer.Exit(1)
+    if verdict == "undetermined":
+        few = report.undetermined
+        what = (
+            f"{len(few)} of {len(report.values)} values have fewer trusted runs than min_runs "
+            f"{report.rule['min_runs']} (first: {few[0].metric} at step {few[0].step}, {few[0].band.n})"
+            if few
+            else "no value left to compare"
+        )
+        raise BadInput(
+            f"undetermined: {what}; append trusted runs with `rlbench golden update --tier history`", path=report.golden
+        )
 
 
 def _fmt(value) -> str:
@@ -186,6 +272,17 @@ def golden_update(
     reason: Annotated[str, typer.Option("--reason", help="Why the golden values change (kept in the file's history).")],
     tolerance: Tolerances = None,
     step_interval: Annotated[int, typer.Option(help="Keep every Nth step (Megatron-LM keeps every 5th).", min=1)] = 1,
+    tier: Annotated[
+        Tier,
+        typer.Option(
+            help="exact or approx: write the golden file both tiers check. history: append the run to a history "
+            "file as a trusted run (created where absent), the oldest dropped beyond --keep."
+        ),
+    ] = Tier.exact,
+    keep: Annotated[
+        Optional[int],
+        typer.Option(help="--tier history: how many trusted runs the file keeps (a new file: 20).", min=1),
+    ] = None,
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -194,9 +291,23 @@ metric-family defaults (losses, rewards, grad norms, lengths, perf/*), with earl
 new ones applied. The reason is appended to the file's history. The file is replaced atomically; an existing file that \
 is not a valid golden file is refused and left as it is."""
     from rlbench.checks import golden as g
-    from rlbench.checks import golden_build
+    from rlbench.checks import golden_build, golden_history
     from rlbench.replay.integrity import METRICS_ONLY, open_run
 
+    if tier is Tier.history:
+        for name, given in (("--tolerance", tolerance), ("--step-interval", step_interval != 1)):
+            if given:
+                raise BadInput("applies to the exact and approx golden file, not to --tier history", field=name)
+        _append_history(open_run(run_dir, **METRICS_ONLY).run, golden, reason, keep, as_json)
+        return
+    if keep is not None:
+        raise BadInput("applies to --tier history", field="--keep")
+    if golden.exists() and golden_history.is_history_file(golden):
+        raise BadInput(
+            f"is a history file ({golden_history.SCHEMA}); append to it with --tier history",
+            path=golden,
+            field="schema",
+        )
     overrides = [g.parse_override(spec) for spec in tolerance or []]
     run = open_run(run_dir, **METRICS_ONLY).run
     previous = g.load_golden(golden) if golden.exists() else None
@@ -252,6 +363,30 @@ is not a valid golden file is refused and left as it is."""
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _append_history(run, golden: Path, reason: str, keep: int | None, as_json: bool) -> None:
+    from rlbench.checks import golden_history
+
+    command = shlex.join(["rlbench", *sys.argv[1:]])
+    done = golden_history.append_history(run, golden, reason, keep, command)
+    for note in run.notes:
+        stderr.print(f"note: {run.root}: {note}", markup=False, highlight=False, soft_wrap=True)
+    if as_json:
+        stdout.print_json(json.dumps(done.to_json()))
+        return
+    rule = done.rule
+    lines = [
+        f"{'wrote' if done.created else 'appended to'} {golden}: {done.runs} trusted run{'s' * (done.runs != 1)} "
+        f"(keeps {done.keep}); this one {done.metrics} metrics, {done.values} values; band mean +- "
+        f"max({rule['k']:g} x sd, {rule['rel']:g} x |mean|, {rule['atol']:g}), judged from {rule['min_runs']} runs"
+    ]
+    if done.dropped:
+        lines.append(f"dropped the oldest: {'; '.join(done.dropped)}")
+    if done.added_metrics:
+        lines.append(f"metrics no earlier run holds: {', '.join(done.added_metrics)}")
+    for line in lines:
+        stdout.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def parse_renames(items: list[str] | None) -> dict[str, str]:

@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from rlbench.cli.app import AsJson, Debug, app, progress, render_table, stderr, stdout
+from rlbench import slime_args
+from rlbench.cli.app import AsJson, Debug, app, progress, refuse_misspelt, render_table, stderr, stdout
 from rlbench.cli.options import AsyncMode, WeightMode, config_option, option_fields, overrides
 from rlbench.config import RunConfig
 from rlbench.errors import BadInput
@@ -100,8 +101,8 @@ def _render_summary(summary: dict) -> None:
         ("initial weights", summary["weights"]),
         *([("generate function", summary["plugins"])] if summary.get("plugins") else []),
         ("steps", str(summary["steps"])),
-        ("reward, first 10 steps", f"{summary['reward_first10']:.3f}"),
-        ("reward, last 10 steps", f"{summary['reward_last10']:.3f}"),
+        (f"reward, first {min(10, summary['steps'])} steps", f"{summary['reward_first10']:.3f}"),
+        (f"reward, last {min(10, summary['steps'])} steps", f"{summary['reward_last10']:.3f}"),
     ]
     if summary["final_loss"] is not None:
         rows.append(("final train/loss", f"{summary['final_loss']:.5f}"))
@@ -117,7 +118,10 @@ def run(
     config: Annotated[
         Optional[Path],
         typer.Option(
-            "--config", "-c", help="TOML file of settings (see rlbench/config_sections.py); CLI options override it."
+            "--config",
+            "-c",
+            help="TOML file of settings; a relative path in it is relative to the file's folder. CLI options "
+            "override it.",
         ),
     ] = None,
     seed: Annotated[Optional[int], config_option("seed", min=0)] = None,
@@ -128,7 +132,7 @@ def run(
     resume: Annotated[
         Optional[Path],
         typer.Option(
-            help="Continue a killed run from its last checkpoint and committed step, with its recorded config."
+            help="Continue a killed run from its last checkpoint, with its recorded config; --steps N extends it to N."
         ),
     ] = None,
     rollout_backend: Annotated[
@@ -199,13 +203,14 @@ slime's defaults apply to the settings slime defines. An argument rlbench does n
     """
     from rlbench.command import run_config, split_extra
 
+    refuse_misspelt(ctx, (*slime_args.ARGS, *slime_args.ONLY, *slime_args.REFUSED), passed="--sglang-")
     sglang_args, slime_given = split_extra(ctx.args)
     given = overrides(run, ctx.params)
     if resume is not None:
         names = {option.path: option.label(name) for name, option in RUN_FIELDS.items()}
         refused = (
             (["--config"] if config is not None else [])
-            + [names[key.replace("__", ".")] for key in given]
+            + [names[key.replace("__", ".")] for key in given if key != "steps"]  # --steps N: extend to N steps
             + (["--sglang-*"] if sglang_args else [])
             + list(slime_given)
         )
@@ -213,7 +218,7 @@ slime's defaults apply to the settings slime defines. An argument rlbench does n
             raise BadInput(
                 f"--resume continues a run with its recorded config; drop {', '.join(refused)}", field="--resume"
             )
-        _resume(resume, as_json)
+        _resume(resume, as_json, steps)
         return
     if (mode == Mode.train_only) != (rollouts is not None):
         raise BadInput(
@@ -227,12 +232,11 @@ slime's defaults apply to the settings slime defines. An argument rlbench does n
     from rlbench.session import run as run_loop  # torch loads here, after the config is known good
 
     command = shlex.join(["rlbench", *sys.argv[1:]])
+    with progress(cfg.steps, out=cfg.out, quiet=as_json) as on_step:
+        result = run_loop(cfg, on_step=on_step, command=command)
     if as_json:
-        result = run_loop(cfg, command=command)
         stdout.print_json(json.dumps({**_summary(result), "notes": notes}))
         return
-    with progress(cfg.steps) as on_step:
-        result = run_loop(cfg, on_step=on_step, command=command)
     for note in notes:  # after the run: bad input stays one line
         stderr.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     _render_summary(_summary(result))
@@ -261,24 +265,21 @@ def _print_config(cfg: RunConfig, slime_fields: list, as_json: bool) -> None:
     stdout.print_json(json.dumps(cfg.to_dict(), default=list))
 
 
-def _resume(run_dir: Path, as_json: bool) -> None:
+def _resume(run_dir: Path, as_json: bool, steps: int | None) -> None:
     from rlbench.replay.resume import resume as resume_run
     from rlbench.rundir.directory import read_run
-
     from rlbench.replay.replay import source_config
 
-    total = source_config(read_run(run_dir)).steps
-    if as_json:
-        res = resume_run(run_dir)
-    else:
-        with progress(total) as on_step:
-            res = resume_run(run_dir, on_step=on_step)
+    total = steps or source_config(read_run(run_dir)).steps
+    with progress(total, out=run_dir, quiet=as_json) as on_step:
+        res = resume_run(run_dir, on_step=on_step, steps=steps)
     doc = {
         "run_dir": res.run_dir,
         "committed_before": res.committed,
         "restarted_from_checkpoint": res.checkpoint,
         "recomputed_and_verified": max(res.committed - res.checkpoint, 0),
         "discarded": res.discarded,
+        "extended_from": res.extended_from,  # the steps the run was started with, where --steps extended it
         "complete": True,
         "summary": _summary(res.result, read_run(run_dir).metrics) if res.result else None,
     }
@@ -290,8 +291,9 @@ def _resume(run_dir: Path, as_json: bool) -> None:
         return
     for item in res.discarded:
         stderr.print(f"discarded (uncommitted): {item}", markup=False, highlight=False)
+    extending = f"extending {run_dir} from {res.extended_from} to {total} steps\n" if res.extended_from else ""
     stdout.print(
-        f"resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
+        f"{extending}resumed {run_dir} from checkpoint {res.checkpoint}: {doc['recomputed_and_verified']} committed "
         f"step(s) recomputed and verified, {len(res.result.history) - doc['recomputed_and_verified']} new"
     )
     _render_summary(doc["summary"])
@@ -362,7 +364,7 @@ def _render_replay(res) -> None:
             f"reproduced {res.reproduced} steps ({first}..{last - 1}) of {res.source}, bit for bit: "
             f"{res.comparisons} checksums compared, {len(res.compared_stages)} stages at every step "
             f"({', '.join(res.compared_stages)}); checkpoints verified: "
-            f"{counted(len(res.checkpoints_verified))}",
+            f"{counted(len(res.checkpoints_verified))}; the replay is in {res.out}",
             markup=False,
             highlight=False,
             soft_wrap=True,

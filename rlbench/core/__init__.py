@@ -16,6 +16,7 @@ generate.py      the custom generate function contract (multi-turn, agentic): Tr
 slime_contract.py  slime's plugin contract: its generate and reward functions loaded, checked, called as slime does
 plugins.py       load a function by dotted path
 metrics.py       step metrics under slime's names (train/*, rollout/*, perf/*)
+trackers.py      each committed step's metrics also to W&B and TensorBoard (slime's --use-wandb, --use-tensorboard)
 vocab.py         a run's valid token ids (the model's logits) and padded ids past the tokenizer
 weight_check.py  the weight-update check: the engine holds the trainer's export, bit for bit
 weight_delta.py  slime's delta weight sync: versions published and read, a chain checked

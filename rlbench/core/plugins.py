@@ -1,6 +1,7 @@
 """Loading user functions (reward, generate) by dotted path: `package.module.function`
 or `package.module:function`. One loader, so every plugin fails the same clear way. The working
-directory is searched last, as `python -m` would, so a plugin module beside the run needs no install."""
+directory is searched last, as `python -m` would, so a plugin module beside the run needs no install. A module
+that cannot import slime (or Miles, its fork) gets, in its one error line, what to run to have it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ import sys
 from collections.abc import Callable
 
 from rlbench.errors import BadInput
+
+# What a slime plugin needs and how to get it, in every error that finds slime missing: slime installs from its
+# source; Miles' miles/ package is unpacked beside the checkout, never installed (its wheel overwrites megatron-core).
+SLIME_MISSING = (
+    "install slime from its source (pip install -e <slime checkout> --no-deps), or unpack Miles' package with "
+    "`python tests/get_miles.py` and put it on the path: PYTHONPATH=.vendor/miles-rl-0.0.2 rlbench run ..."
+)
+# A top-level module a plugin imports -> what to do when it is missing.
+_MISSING_HINTS = {
+    "slime": f"a slime plugin imports slime or Miles: {SLIME_MISSING}",
+    "miles": f"a slime plugin imports slime or Miles: {SLIME_MISSING}",
+    "httpx": 'slime\'s http_utils needs httpx: pip install -e ".[slime]"',
+}
 
 
 def load_function(path: str, option: str) -> Callable:
@@ -22,7 +36,9 @@ def load_function(path: str, option: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BadInput(f"cannot import module '{module_name}' ({exc})", field=option) from None
+        missing = (exc.name or "").partition(".")[0] if isinstance(exc, ModuleNotFoundError) else ""
+        hint = f"; {_MISSING_HINTS[missing]}" if missing in _MISSING_HINTS else ""
+        raise BadInput(f"cannot import module '{module_name}' ({exc}){hint}", field=option) from None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - the plugin's module failed while importing (SyntaxError, SystemExit)

@@ -1,7 +1,8 @@
 """Features built on the loop and the run directory: replay, diff, resume, slime import.
 
 replay.py   replay a recording with no engine, verifying each stage; the train-only config
-resume.py   cut a killed run back to its committed steps and continue it
+resume.py   cut a killed run back to its committed steps and continue it, or extend a finished one
+export.py   a checkpoint as a Hugging Face model directory (config, tokenizer, weights) for from_pretrained
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
 diff_extra.py  what diff compares beside the stages: sample weights versions; slime imports' schedules, fields
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)

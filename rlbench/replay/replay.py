@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbench.config import RunConfig, config_from_dict
+from rlbench.config_tracking import TrackingConfig
 from rlbench.core.loop import Diverged, StepState
 from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
@@ -96,6 +97,7 @@ def replay(
         steps=last,
         record=True,
         rollout=without_async(recorded.rollout),
+        tracking=TrackingConfig(),  # a replay logs nowhere but its own directory: not into the run's W&B or TensorBoard
     )
     expect = {row["step"]: row for row in source.checksums}
     done, compared = [], []

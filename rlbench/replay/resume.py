@@ -6,14 +6,26 @@ then restarts from the newest checkpoint at or before the last committed step; t
 steps after that checkpoint are recomputed and verified against their recorded checksums (a
 free determinism check) but not rewritten, and the run goes on from there. The result is the
 same bytes as a run that was never interrupted (`perf/*` aside).
+
+Extending (`steps`, the CLI's `--resume RUN --steps N`): a run of M recorded steps goes on to N > M, and ends the
+same bytes as a run of N steps from the start (checksums.jsonl byte for byte; the manifest's config says N). That
+holds because nothing a step computes reads the total: the learning rate is constant (no warmup or decay over
+`steps`), the data cursor is a pure function of (seed, step), every seed is derived from (seed, purpose, step,
+sample), and the async schedule (core/pipeline.py) plans each step's groups alike, stopping only at the total. The
+one file the total changes is the checkpoint after the last step, which the shorter run wrote and the longer one
+keeps (the extension restarts from it). The manifest's `steps` is rewritten first, so an extension that is killed
+resumes to N with a plain `--resume`; one refused before any new step commits puts the old manifest back. A run is
+never shortened: N below the recorded steps is refused.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlbench.config import RunConfig
 from rlbench.core.loop import StepState
 from rlbench.session import RunResult, run
 from rlbench.errors import BadInput
@@ -32,12 +44,11 @@ class ResumeResult:
     checkpoint: int  # steps done by the checkpoint it restarted from
     discarded: list[str] = field(default_factory=list)
     result: RunResult | None = None  # None: the run was already complete
+    extended_from: int | None = None  # the steps the run was started with, where `steps` extended it
 
 
 def _committed_prefix(path: Path, steps: set[int]) -> bytes:
     """The bytes of the log's complete lines whose step is committed, unchanged."""
-    import json
-
     keep = []
     for line in path.read_bytes().split(b"\n")[:-1]:
         if json.loads(line)["step"] in steps:
@@ -72,13 +83,29 @@ def cut_back(root: Path, committed: int) -> list[str]:
     return removed
 
 
-def resume(run_dir: str | Path, on_step: Callable[[StepState], None] | None = None) -> ResumeResult:
-    """Continue the run at `run_dir`, holding its lock from the first look to the last write."""
+def resume(
+    run_dir: str | Path, on_step: Callable[[StepState], None] | None = None, steps: int | None = None
+) -> ResumeResult:
+    """Continue the run at `run_dir`, holding its lock from the first look to the last write; with `steps`, to
+    that many steps (module docstring: extending)."""
     with RunLock(run_dir):
-        return _resume(Path(run_dir), on_step)
+        return _resume(Path(run_dir), on_step, steps)
 
 
-def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> ResumeResult:
+def _extend(root: Path, config: RunConfig, steps: int) -> RunConfig:
+    """The run's config with `steps` steps, written into its manifest: a run is extended, never shortened."""
+    if steps < config.steps:
+        raise BadInput(
+            f"{steps} is fewer than the run's {config.steps} steps; --resume --steps extends a run, never shortens it",
+            field="--steps",
+        )
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["config"]["steps"] = steps
+    atomic_write(root / "manifest.json", (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    return config.replace(steps=steps)
+
+
+def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None, steps: int | None) -> ResumeResult:
     if not (run_dir / "manifest.json").is_file():
         read_run(run_dir)  # the reader's own error
     foreign = foreign_entries(run_dir)
@@ -99,6 +126,9 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
     config = source_config(source)
     if config.out is None or Path(config.out).resolve() != root.resolve():
         config = config.replace(out=str(root))
+    before, recorded = (root / "manifest.json").read_bytes(), config.steps
+    if steps is not None and steps != recorded:
+        config = _extend(root, config, steps)
     if committed >= config.steps:
         return ResumeResult(str(root), committed, committed)
     discarded = cut_back(root, committed)
@@ -109,5 +139,13 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None) -> Resum
         start = 0  # than it holds: an async run is recomputed from its start (verified), then goes on
     init = root / "checkpoints" / step_name(start) if start > 0 and config.mode != "rollout-only" else None
     expect = {row["step"]: row for row in source.checksums}
-    result = run(config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True)
-    return ResumeResult(str(root), committed, start, discarded, result)
+    try:
+        result = run(
+            config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True
+        )
+    except BaseException:
+        if config.steps != recorded and len(read_run(root).steps) == committed:  # refused before it added a step
+            atomic_write(root / "manifest.json", before)
+        raise
+    extended = recorded if config.steps != recorded else None
+    return ResumeResult(str(root), committed, start, discarded, result, extended)

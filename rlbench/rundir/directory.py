@@ -110,6 +110,9 @@ class RunWriter:
         else:
             self.lock = self._claim(manifest)
         self._writer = OrderedWriter()
+        # What else follows the commits (core/trackers.py): `committed(line)` with each metrics line once it is on
+        # disk, on the writer's thread and in order; `close()` after the last write landed.
+        self.on_commit = None
 
     def _claim(self, manifest: dict) -> RunLock:
         """Refuse an --out that holds anything, then make the run directory whole beside it and rename it
@@ -200,6 +203,8 @@ class RunWriter:
             hit("checksums.appended")
             append_line(self.root / "metrics.jsonl", metrics_line)
             hit("metrics.appended")
+            if self.on_commit is not None:  # after the commit point: a step is logged elsewhere once committed
+                self.on_commit.committed(metrics_line)
 
         self._writer.submit(job)
 
@@ -235,11 +240,17 @@ class RunWriter:
         self._writer.flush()
 
     def close(self) -> None:
-        """Wait for every queued write to land (and raise if one failed); then let the directory go."""
+        """Wait for every queued write to land (and raise if one failed), close what follows the commits; then let
+        the directory go."""
         try:
             self._writer.close()
         finally:
-            self.lock.release()
+            follower, self.on_commit = self.on_commit, None
+            try:
+                if follower is not None:
+                    follower.close()
+            finally:
+                self.lock.release()
 
     def discard(self) -> None:
         """A run that failed before committing any step: remove the directory this writer made (back to the

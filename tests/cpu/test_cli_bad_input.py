@@ -134,6 +134,28 @@ def test_unknown_option(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "args, line",
+    [
+        (("run", "--step", "5"), "rlbench run: no such option: --step (did you mean --steps?)"),
+        (("run", "--sede=3"), "rlbench run: no such option: --sede (did you mean --seed?)"),
+        (("run", "--rollout-batch-sise", "4"), "option: --rollout-batch-sise (did you mean --rollout-batch-size?)"),
+        (("replay", "--stepz", "5", "x"), "No such option: --stepz (did you mean --steps?)"),
+        (("--verison",), "No such option: --verison (did you mean --version?)"),
+        (("run", "--eval-interval", "5"), "--eval-interval (neither rlbench's nor a slime argument rlbench models;"),
+        (("run", "--wandb-key", "k"), "--wandb-key is not read: a secret is not written into the run's manifest"),
+    ],
+)
+def test_a_mistyped_option_gets_the_closest_name(tmp_path, args, line):
+    """`rlbench run` takes slime's arguments through, so click's own suggestion never saw its typos; the closest
+    of its options and slime's is named, where it is a letter or two away (a slime argument rlbench does not
+    model is refused as that). Elsewhere click's list of near names is one, the closest."""
+    res = run_cli(*args, "--out", str(tmp_path / "out"), cwd=tmp_path) if args[0] == "run" else run_cli(*args)
+    assert line in res.stderr and res.stderr.count("did you mean") == ("did you mean" in line), res.stderr
+    assert_bad_input(res)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     "args, option",
     [
         pytest.param(("--steps", "0"), "--steps", id="steps-0"),

@@ -162,17 +162,21 @@ def test_on_a_terminal_progress_is_rich_bar_and_no_lines(monkeypatch):
 
 def test_a_run_and_its_replay_print_progress_lines_and_the_runs_files_do_not_change(tmp_path, monkeypatch, reference):
     """`rlbench run ... 2>log`: progress lines on stderr (here every 2nd step, and the last), and the run's
-    checksums.jsonl byte for byte the in-process run's (no callback, no wall clock); `replay` prints its
-    own; `--json` prints none."""
+    checksums.jsonl byte for byte the in-process run's (no callback, no wall clock); its summary's rewards
+    over the steps there are (3, not "10"); `replay` prints its own, and where it wrote without --out;
+    `--json` prints none."""
     monkeypatch.setattr(app, "PROGRESS_EVERY", 2)
     (tmp_path / "s.toml").write_text(small_toml(3))
     res = cli("run", "-c", str(tmp_path / "s.toml"), "--out", str(tmp_path / "run"))
     assert res.returncode == 0, res.stderr
     assert [LINE.fullmatch(line).group(1, 2) for line in res.stderr.splitlines()] == [("2", "3"), ("3", "3")]
     assert (tmp_path / "run/checksums.jsonl").read_bytes() == (Path(reference) / "checksums.jsonl").read_bytes()
-    replayed = cli("replay", str(tmp_path / "run"), "--out", str(tmp_path / "replay"))
+    assert "reward, first 3 steps" in res.stdout and "reward, last 3 steps" in res.stdout, res.stdout
+    replayed = cli("replay", str(tmp_path / "run"))
     assert replayed.returncode == 0, replayed.stderr
     assert [LINE.fullmatch(line).group(1, 2) for line in replayed.stderr.splitlines()] == [("2", "3"), ("3", "3")]
+    (written,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replay-")]
+    assert replayed.stdout.strip().endswith(f"; the replay is in {written}"), replayed.stdout
     quiet = cli("run", "-c", str(tmp_path / "s.toml"), "--out", str(tmp_path / "json"), "--json")
     assert quiet.returncode == 0 and not any(LINE.fullmatch(line) for line in quiet.stderr.splitlines())
     assert json.loads(quiet.stdout)["steps"] == 3

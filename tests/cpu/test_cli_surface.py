@@ -15,7 +15,7 @@ import typer
 import rlbench.cli
 from tests.conftest import cli
 
-EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve", "report"}
+EXPECTED_COMMANDS = {"run", "replay", "diff", "import", "check", "golden", "serve", "report", "export"}
 
 EXPECTED_RUN_OPTIONS = {
     "--config",
@@ -83,8 +83,10 @@ EXPECTED_SERVE_OPTIONS = {
 
 EXPECTED_GOLDEN_OPTIONS = {
     ("check", "golden"): {"--tier", "--ignore", "--tolerance", "--rename", "--plot", "--json", "--debug"},
-    ("golden", "update"): {"--reason", "--tolerance", "--step-interval", "--json", "--debug"},
+    ("golden", "update"): {"--reason", "--tolerance", "--step-interval", "--tier", "--keep", "--json", "--debug"},
 }
+
+EXPECTED_ROOT_OPTIONS = {"--version", "--show-completion", "--install-completion"}  # shell completion: typer's
 
 CHANGE_MESSAGE = (
     "the CLI surface changed; if that is deliberate, update the expected set in "
@@ -108,6 +110,10 @@ def test_run_options_are_frozen():
     got = _option_names(_group().commands["run"])
     added, removed = sorted(got - EXPECTED_RUN_OPTIONS), sorted(EXPECTED_RUN_OPTIONS - got)
     assert got == EXPECTED_RUN_OPTIONS, f"{CHANGE_MESSAGE}: added {added}, removed {removed}"
+
+
+def test_root_options_are_frozen():
+    assert _option_names(_group()) == EXPECTED_ROOT_OPTIONS, CHANGE_MESSAGE
 
 
 def test_serve_options_are_frozen():
@@ -282,7 +288,7 @@ def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal,
     res = cli(*argv, "--help")
     assert res.returncode == 0, res.stderr
     assert max(map(len, res.stdout.splitlines())) == 80 and "…" not in res.stdout, res.stdout
-    rows = _rows(_panels(res.stdout)["Options"], lambda line: re.match(r" [* ]{0,4}-", line) is not None, _option_cells)
+    rows = _rows(_panels(res.stdout)["Options"], _row_start, _row_cells)
     shown = {name for cells, _ in rows for cell in cells if cell.startswith("-") for name in cell.split(",")}
     declared = {
         opt
@@ -291,6 +297,45 @@ def test_help_shows_every_option_name_whole_at_80_columns(monkeypatch, terminal,
         for opt in (*p.opts, *p.secondary_opts)
     }
     assert shown == declared | {"--help", "-h"}, res.stdout
+
+
+def _row_cells(cells: list[str]) -> int:
+    """`_option_cells`, and every cell of a row whose help is on the lines under it (names and metavar only)."""
+    return len(cells) if all(cell[:1] in ("*", "-", "<") for cell in cells) else _option_cells(cells)
+
+
+def _row_start(line: str) -> bool:
+    """An option's row: its names, after the required marker's column where a panel has one (" *  --reason");
+    a line indented further is help (a wrapped line of it, or where the help goes under its option)."""
+    return re.match(r" [* ]{0,4}-", line) is not None and not line.startswith(" " * 5)
+
+
+@pytest.mark.parametrize("argv, command", LEAVES + GROUPS, ids=[" ".join(a) or "rlbench" for a, _ in LEAVES + GROUPS])
+def test_help_through_a_pipe_gives_each_help_40_columns_whole_words_and_no_source_file(monkeypatch, argv, command):
+    """`rlbench run --help | cat` once gave each option's help an 18-column column, words cut across lines
+    (`rlbench/config_se ctions.py`). Without a terminal (80 columns): each option's and argument's help starts
+    at least 40 columns from the box's edge (HELP_ROOM; under its option where the names leave less), its
+    words read in the panel as written, none cut; and no help names a source file of rlbench's."""
+    from typer.core import TyperArgument, TyperOption
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", _no_terminal)
+    res = cli(*argv, "--help")
+    assert res.returncode == 0, res.stderr
+    assert re.findall(r"\S*(?:rlbench/|\.py\b)\S*", res.stdout) == [], res.stdout
+    panels = _panels(res.stdout)
+    right = max(map(len, res.stdout.splitlines())) - 3  # the box's right border and its padding
+    for title, kind in (("Options", TyperOption), ("Arguments", TyperArgument)):
+        lines = panels.get(title, [])
+        words = " ".join(" ".join(lines).split())
+        for param in command.params:
+            written = _as_written(param.help or "") if isinstance(param, kind) and not param.hidden else ""
+            if not written:
+                continue
+            assert written in words, (param.name, written, lines)
+            first = " ".join(written.split()[:3])
+            rooms = [right - line.index(first) for line in lines if first in line]
+            assert rooms and min(rooms) >= 40, (param.name, rooms, res.stdout)
 
 
 def test_stream_output_is_sglangs_earlier_name_kept_out_of_help(monkeypatch):

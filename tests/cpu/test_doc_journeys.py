@@ -1,9 +1,13 @@
 """The docs' journeys as a user types them: every block between `<!-- journey:NAME -->` and
-`<!-- /journey -->` in docs/*.md runs here, in order, in a fresh directory laid out like the repository,
-with the exit code its comment gives (`(exit N)`, else 0). A server is its own process, as the user starts
-it; a client line `rlbench ...` runs through the CLI's own entry point in this process (the same parsing,
-errors and exit codes, without an interpreter's start-up: tests/conftest.py `cli`); any other line is
-`bash -c LINE`.
+`<!-- /journey -->` in docs/*.md runs here, in order, in a fresh directory laid out like the repository after the
+README's set-up (its `.vendor/` too), with the exit code its comment gives (`(exit N)`, else 0). A server is its own
+process, as the user starts it; a client line `rlbench ...` runs through the CLI's own entry point in this process
+(the same parsing, errors and exit codes, without an interpreter's start-up: tests/conftest.py `cli`); any other
+line, one with shell syntax or a variable set before the command among them, is `bash -c LINE` in the environment a
+fresh login shell has (`login_env`: where programs are and who the user is, none of this process's settings), so
+what a line needs from its environment, the docs show. The in-process lines need nothing from it: `cli` undoes what
+a run leaves on sys.path, and a line that needs a path set (the slime plugins' PYTHONPATH) sets it, so goes through
+bash; making every line a process would cost the suite an interpreter's start-up each.
 
 A line ending in `&` starts a server in the background, as in a shell, and the next command waits for it
 the way a user does, on an event rather than a clock: `rlbench serve` until it prints where it listens
@@ -38,6 +42,13 @@ BLOCK = re.compile(r"<!-- journey:([\w-]+) -->\n```bash\n(.*?)```\n<!-- /journey
 LISTENING = "rlbench serve: listening on "
 PORT = re.compile(r"\b3000\d\b")
 READY_TIMEOUT_S = 120  # a bound on a wait for an event, not the event itself
+# What a fresh login shell holds after the README's set-up: where programs are, who the user is, the locale. Not
+# this process's own settings (conftest's HF_HUB_OFFLINE and COLUMNS, a PYTHONPATH, pytest's variables).
+LOGIN_KEYS = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TERM", "TMPDIR", "VIRTUAL_ENV")
+
+
+def login_env() -> dict[str, str]:
+    return {key: os.environ[key] for key in LOGIN_KEYS if key in os.environ}
 
 
 def journeys() -> dict[str, tuple[Path, list[tuple[str, int]]]]:
@@ -83,6 +94,7 @@ class Shell:
             res = subprocess.run(
                 ["bash", "-c", self.line(command)],
                 cwd=self.cwd,
+                env=login_env(),
                 capture_output=True,
                 text=True,
                 timeout=600,
@@ -99,6 +111,7 @@ class Shell:
         proc = subprocess.Popen(
             ["bash", "-c", f"exec {command}"],
             cwd=self.cwd,
+            env=login_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -164,10 +177,19 @@ class Shell:
         return codes
 
 
+LAYOUT = ("examples", "configs", "golden", "rlbench", "tests", "pyproject.toml", ".vendor")  # .vendor: get_miles.py's
+
+
+def lay_out(cwd: Path) -> None:
+    """`cwd` laid out like the repository after the README's set-up: its folders linked."""
+    for name in LAYOUT:
+        if (REPO / name).exists():
+            (cwd / name).symlink_to(REPO / name)
+
+
 @pytest.fixture
 def shell(tmp_path):
-    for name in ("examples", "configs", "golden", "rlbench", "tests", "pyproject.toml"):
-        (tmp_path / name).symlink_to(REPO / name)
+    lay_out(tmp_path)
     shell = Shell(tmp_path)
     yield shell
     shell.close()
@@ -179,7 +201,7 @@ def _walk(shell: Shell, name: str) -> list[str]:
 
 
 def test_the_docs_journeys_are_all_tested():
-    assert set(journeys()) == {"served", "routed", "started", "conformance", "regenerate"}
+    assert set(journeys()) == {"served", "routed", "started", "conformance", "regenerate", "slime-plugins", "trackers"}
 
 
 @pytest.mark.slow
@@ -201,6 +223,29 @@ def test_a_run_against_servers_the_user_started_is_the_embedded_run(shell):
 def test_servers_rlbench_starts_need_sglang_here(shell):
     outputs = _walk(shell, "started")
     assert "the sglang package is not installed here" in outputs[0] and len(outputs[0].strip().splitlines()) == 1
+
+
+def test_the_slime_plugins_block_runs_as_typed_in_a_fresh_shell(shell):
+    """docs/usage.md's slime-plugin block after the README's set-up: the run line, which puts Miles' package on
+    PYTHONPATH itself, in a login shell's environment (no `miles` fixture, nothing on this process's path), exit 0;
+    then `check tito runs/sp`, exit 0 and no drift. The check runs in-process (see the docstring above): it reads the
+    run directory alone, neither the plugin nor Miles."""
+    assert (REPO / ".vendor" / "miles-rl-0.0.2" / "miles").is_dir(), "run `python tests/get_miles.py` (README set-up)"
+    doc, lines = journeys()["slime-plugins"]
+    assert lines[0][0].startswith("PYTHONPATH=") and lines[1][0] == "rlbench check tito runs/sp", lines
+    outputs = _walk(shell, "slime-plugins")
+    assert "slime's contract, " in outputs[0] and ".utils.types.Sample" in outputs[0], outputs[0][-2000:]
+    assert "no drift" in outputs[1], outputs[1][-2000:]
+    assert sorted(p.name for p in shell.cwd.iterdir() if not p.is_symlink()) == ["runs"]  # nothing else written
+
+
+def test_metrics_reach_tensorboard_and_wandb_as_the_docs_show(shell):
+    """docs/usage.md's tracker block: TensorBoard's event files under TENSORBOARD_DIR, W&B's offline run directory
+    under --wandb-dir, each run's metrics (TensorBoard's own reader: tests/cpu/test_metric_loggers.py), all in runs/."""
+    _walk(shell, "trackers")
+    assert list((shell.cwd / "runs" / "tb-log").rglob("events.out.tfevents.*"))
+    assert list((shell.cwd / "runs" / "wandb").rglob("*.wandb"))
+    assert sorted(p.name for p in shell.cwd.iterdir() if not p.is_symlink()) == ["runs"]  # nothing else written
 
 
 @pytest.mark.slow

@@ -2,11 +2,13 @@
 engine, either trainer) and refused in one line where it cannot; the megatron GPTModel in float64 computes
 the transformers model's float64 logits; the manifest and the golden identity name the dtype; and diff's
 advice to rerun in float64, shown for float32 runs of different layouts that part by a rounding-sized gap
-and for no other pair. The TP/DP invariance runs themselves are in test_megatron_parallel.py."""
+and for no other pair; and (issue 53) the torch and megatron trainers training alike in float64 on a run whose
+samples hold the pad id. The TP/DP invariance runs themselves are in test_megatron_parallel.py."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from rlbench.config import load_config
 from rlbench.config_sections import FIXTURES
 from rlbench.errors import BadInput
 from rlbench.replay.diff import NOISE_GAP, Difference, layout_advice
+from tests.conftest import RANDOM_INIT_MODEL
 
 MODEL = FIXTURES / "models" / "tiny-qwen3"
 
@@ -106,6 +109,66 @@ def test_the_megatron_model_in_float64_computes_the_hf_models_float64_logits(one
         assert 1e-9 < float((got - hf(input_ids=ids).logits).abs().max()) < 1e-6
         monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm_in_the_inputs_dtype)
         assert float((got - hf(input_ids=ids).logits).abs().max()) < 1e-13
+
+
+def _pad_run(out: Path, backend: str):
+    """Two float64 steps from random weights, whose samples hold the pad id 0 at seed 27 (a random policy samples
+    any of the 314 ids: 1 of 200 tokens at step 0, 2 at step 1), under a dense reward so every sample trains."""
+    from rlbench.session import run
+
+    return run(
+        load_config(
+            seed=27,
+            model__path=str(RANDOM_INIT_MODEL),
+            model__init="random",
+            model__dtype="float64",
+            algo__kl_coef=0.0,
+            train__lr=1e-3,
+            steps=2,
+            checkpoint_every=2,
+            data__prompts_per_step=2,
+            rollout__n_samples_per_prompt=4,
+            rollout__max_new_tokens=8,
+            train__minibatches=1,
+            reward__custom_rm_path="tests.cpu.plugins.rewards.response_length",
+            train__backend=backend,
+            out=str(out),
+        )
+    )
+
+
+def _weight_gap(a: Path, b: Path) -> float:
+    from rlbench.core.model import load_safetensors
+
+    wa, wb = (load_safetensors(run / "checkpoints" / "000002" / "model.safetensors") for run in (a, b))
+    assert sorted(wa) == sorted(wb)
+    return max(float((wa[name] - wb[name]).abs().max()) for name in wa)
+
+
+def test_both_trainers_train_the_pad_ids_embedding_row_alike_in_float64(tmp_path, monkeypatch):
+    """megatron-core's embedding has no padding index, so the pad id's row takes the gradient of its lookups; the
+    torch trainer drops transformers' `padding_idx` to do the same (torch_trainer.train_every_row). With the pad id
+    sampled mid-response, the two trainers' weights after two steps agree to float64 rounding (1.7e-15 measured,
+    with transformers' RMSNorm computing in float64 as megatron's does: see the test above); with the padding index
+    left in place (the control below: this test fails without the fix) they part by 4e-3, the pad row first."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from rlbench.backends import torch_trainer
+    from rlbench.rundir.recording import read_step
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm_in_the_inputs_dtype)
+    _pad_run(tmp_path / "torch", "torch")
+    _pad_run(tmp_path / "megatron", "megatron")
+    for step in (0, 1):
+        ours, theirs = read_step(tmp_path / "torch", step)[0], read_step(tmp_path / "megatron", step)[0]
+        assert torch.equal(ours["tokens"], theirs["tokens"])
+        ends = set(ours["offsets"][1:].tolist())  # a sample's last token is no input to a loss-bearing position
+        pads = [i for i in (ours["tokens"] == 0).nonzero().flatten().tolist() if i + 1 not in ends]
+        assert pads and all(bool(ours["loss_mask"][i]) for i in pads), step  # sampled, then read as an input
+    assert _weight_gap(tmp_path / "torch", tmp_path / "megatron") < 1e-12
+    monkeypatch.setattr(torch_trainer, "train_every_row", lambda model: model)  # transformers' padding_idx kept
+    _pad_run(tmp_path / "padding-idx", "torch")
+    assert _weight_gap(tmp_path / "padding-idx", tmp_path / "megatron") > 1e-4
 
 
 def _manifest(tp: int, dp: int, dtype: str) -> dict:

@@ -2,8 +2,10 @@
 copy of the repository's layout, in order, each with the exit code docs/usage.md gives it.
 
 Commands run in-process through the CLI's own entry point (`rlbench.cli.main`), not as subprocesses:
-the same parsing, error mapping and exit codes, without paying the interpreter's start-up each time.
-The one change: the bare `rlbench run` (the full default run) runs 3 steps here."""
+the same parsing, error mapping and exit codes, without paying the interpreter's start-up each time; none needs
+anything from its environment (the one that does, the slime plugins' run, is a journey block of its own, run in a
+fresh shell by tests/cpu/test_doc_journeys.py). The one change: the bare `rlbench run` (the full default run) runs
+3 steps here. Each test also holds that the commands write nothing beside `runs/`."""
 
 from __future__ import annotations
 
@@ -41,9 +43,12 @@ def test_the_block_names_every_command():
     assert len(commands()) >= 20
 
 
-def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch, miles):
-    """`miles`: slime's Sample and http_utils for the slime plugin example (Miles' package on the path, as the
-    "Your slime plugins" section says)."""
+def _written(cwd) -> list[str]:
+    """What the commands made in the repository's root: everything but the linked layout."""
+    return sorted(p.name for p in cwd.iterdir() if not p.is_symlink())
+
+
+def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch):
     for name in ("examples", "configs", "golden", "rlbench"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)
@@ -53,6 +58,7 @@ def test_every_usage_example_runs_with_its_exit_code(tmp_path, monkeypatch, mile
         assert code == expected, f"`{command}` exited {code}, docs/usage.md says {expected}:\n{output[-3000:]}"
         assert "Traceback" not in output, f"`{command}`:\n{output[-3000:]}"
     assert (tmp_path / "runs" / "mine.json").is_file() and (tmp_path / "runs" / "d.png").is_file()
+    assert _written(tmp_path) == ["runs"]
 
 
 def test_the_readme_tour_runs_with_exit_0(tmp_path, monkeypatch):
@@ -87,7 +93,9 @@ def test_the_readme_tour_runs_with_exit_0(tmp_path, monkeypatch):
             assert code == 0 and "Traceback" not in output, f"`{command}` exited {code}:\n{output[-3000:]}"
     finally:
         assert shell.close() == [130]  # Ctrl-C
-    assert (tmp_path / "d.html").is_file() and (tmp_path / "runs" / "s" / "metrics.jsonl").is_file()
+    runs = tmp_path / "runs"
+    assert (runs / "tour.html").is_file() and (runs / "tour-slime" / "metrics.jsonl").is_file()
+    assert _written(tmp_path) == ["runs"]
 
 
 def test_the_example_dumps_are_what_examples_build_py_makes(tmp_path):

@@ -425,6 +425,9 @@ def test_a_special_token_sampled_where_the_rendering_has_a_stop_is_a_swap_and_a_
     assert (f.mode, f.number, f.index) == ("stop", 3, len(head))
     [f] = tito.block_findings(tok, "s", "w", head + [1] + rest, head + [2] + rest, [], [])  # no stops: a special
     assert f.mode != "stop"
+    for extra in (rest, [2]):  # sampled past the rendering's end: a stop only where the id sampled there is one
+        mode = tito.classify(tok, head + extra, head, len(head), [], [], frozenset({2}))
+        assert (mode[0] == "stop") == (extra == [2]), (extra, mode)
 
 
 def test_neighbouring_blocks_are_one_change_across_two_plain_ids_or_a_resegmentation_across_three(tok):

@@ -76,7 +76,9 @@ def test_the_wheel_holds_the_fixtures_the_defaults_name(wheel):
     assert not any(name.endswith("build.py") for name in names if "fixtures" in name)
 
 
-def test_a_plain_install_runs_the_default_outside_the_checkout(wheel, tmp_path):
+def fresh_venv(wheel: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A new virtual environment in tmp_path/venv with the wheel installed (not editable) and the dependencies read
+    from this environment's site-packages: (its bin folder, its site-packages, the environment to run it with)."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -92,6 +94,12 @@ def test_a_plain_install_runs_the_default_outside_the_checkout(wheel, tmp_path):
     env.update(HF_HUB_OFFLINE="1", PATH=f"{env_dir / 'bin'}:{env.get('PATH', '')}")
     where = _run(str(python), "-c", "import rlbench; print(rlbench.__file__)", cwd=tmp_path, env=env)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel's, not the checkout's
+    return env_dir / "bin", site, env
+
+
+def test_a_plain_install_runs_the_default_outside_the_checkout(wheel, tmp_path):
+    bin_dir, site, env = fresh_venv(wheel, tmp_path)
+    env_dir = bin_dir.parent
     res = _run(str(env_dir / "bin" / "rlbench"), "run", "--steps", "5", "--out", "r", "--json", cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout)["steps"] == 5

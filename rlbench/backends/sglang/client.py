@@ -20,6 +20,8 @@ variable RLBENCH_SGLANG_API_KEY, sent as `Authorization: Bearer KEY` on every re
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -63,17 +65,47 @@ class Client:
         self._slots: asyncio.Semaphore | None = None
 
     def run(self, work: Coroutine) -> Any:
-        """Run a coroutine of this client to completion (from synchronous code). Interrupted (Ctrl-C),
-        it cancels what is still in flight and waits for that before the interruption goes on."""
+        """Run a coroutine of this client to completion (from synchronous code). A Ctrl-C while it runs
+        cancels it, and KeyboardInterrupt is raised here once every task of the loop has ended (each
+        one's exception retrieved), as asyncio.run does: Python's own handler would raise it inside the
+        loop, in whichever callback ran, and a callback of aiohttp's (a transport's, a request body
+        writer's) logs it as a traceback of its own ("Task exception was never retrieved"). A second
+        Ctrl-C raises at once."""
+        task = self._loop.create_task(work)
+        interrupted = False
+
+        def on_sigint(signum, frame) -> None:
+            nonlocal interrupted
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted = True
+            self._loop.call_soon_threadsafe(task.cancel)
+
+        ours = threading.current_thread() is threading.main_thread()
+        ours = ours and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if ours:
+            signal.signal(signal.SIGINT, on_sigint)
         try:
-            return self._loop.run_until_complete(work)
+            result = self._loop.run_until_complete(task)
         except BaseException:
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._settle()
+            if interrupted:
+                raise KeyboardInterrupt from None
             raise
+        finally:
+            if ours:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted:  # the work ended before it saw its cancel
+            raise KeyboardInterrupt
+        return result
+
+    def _settle(self) -> None:
+        """Cancel every task still on the loop and wait for each to end, retrieving its exception."""
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
     def limit(self, timeout_s: float | None) -> float:
         """The seconds a call may take: `timeout_s` where the call gives one, never more than the configured

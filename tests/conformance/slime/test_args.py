@@ -137,6 +137,8 @@ def test_the_cases_cover_every_mapped_argument():
             "--update-weight-delta-encoding",
             "--update-weight-delta-checksum",
         }
+        # where the metrics also go, never what a run computes (tests/cpu/test_metric_loggers.py)
+        - set(slime_args.TRACKING)
     )
     assert untested == []
 
@@ -158,6 +160,8 @@ def test_the_cases_cover_every_mapped_argument():
         (["--rollout-batch-size", "5"], "--rollout-batch-size is given twice"),
         (["--lr", "fast"], "--lr: expected a number, got 'fast'"),
         (["--use-tis=1"], "--use-tis is a flag: it takes no value"),
+        (["--log-passrate"], "no such option: --log-passrate"),
+        (["--wandb-group", "g"], "tracking.wandb_group: expected unset without use_wandb"),
     ],
 )
 def test_what_slime_refuses_or_rlbench_does_not_model_is_refused_by_name(tmp_path, extra, says):
