@@ -112,8 +112,12 @@ MODULES = {
         "is_exactly_zero or on_a_rollout_only_run or on_a_full_run_uses or through_the_cli)",
     ],
     # issue 54: the history tier of golden files (the band, undetermined, the trusted runs kept)
-    "rlbench/checks/golden_history.py": ["tests/cpu/test_golden_history.py"],
-    "rlbench/checks/golden_history_compare.py": ["tests/cpu/test_golden_history.py"],
+    "rlbench/checks/golden_history.py": ["tests/cpu/test_golden_history.py", "tests/cpu/test_golden_history_units.py"],
+    "rlbench/checks/golden_history_compare.py": [
+        "tests/cpu/test_golden_history.py",
+        "tests/cpu/test_golden_history_units.py",
+        "tests/cpu/test_golden_history_report.py",
+    ],
 }
 LINKED = ("rlbench", "tests", "golden", "configs", "examples", ".vendor")  # .vendor: Miles (tests/get_miles.py)
 KILLED = {"killed", "timeout"}  # a mutant that makes the tests hang is caught too

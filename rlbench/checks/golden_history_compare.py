@@ -19,13 +19,13 @@ from rlbench.rundir.directory import RunDir
 @dataclass
 class ValueVerdict:
     """One (metric, step) the file holds, as judged: pass, fail (outside the band), missing, nonfinite, or
-    undetermined (fewer trusted values than min_runs); the band where there is one."""
+    undetermined (fewer trusted values than min_runs); the band the trusted values there give."""
 
     metric: str
     step: int
     status: str
     got: float | None
-    band: Band | None
+    band: Band
 
     def to_json(self) -> dict:
         band = self.band if self.status != "undetermined" else None  # too few values: no band was drawn
@@ -37,7 +37,7 @@ class ValueVerdict:
             "band": None if band is None else [band.lo, band.hi],
             "mean": None if band is None else band.mean,
             "sd": None if band is None else band.sd,
-            "n": self.band.n if self.band is not None else 0,
+            "n": self.band.n,
             "message": self.message,
         }
 
@@ -47,7 +47,7 @@ class ValueVerdict:
         if self.status == "missing":
             return "not logged by the run"
         if self.status == "undetermined":
-            return f"{b.n if b else 0} trusted value(s), fewer than min_runs: not judged"
+            return f"{b.n} trusted value(s), fewer than min_runs: not judged"
         got = repr(self.got) if self.status != "nonfinite" else num_out(self.got)
         where = "inside" if self.status == "pass" else "outside"
         note = " (a non-finite value fails)" if self.status == "nonfinite" else ""
