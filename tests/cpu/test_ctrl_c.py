@@ -152,3 +152,65 @@ def test_ctrl_c_of_an_sglang_run_stops_its_servers_and_keeps_its_committed_step(
     )
     _no_traceback(res.stderr)
     assert PER_STEP < len(generated) <= 2 * PER_STEP and tagged_processes(tag) == []  # step 1's, none after
+
+
+# ---------------------------------------------------------------- runs of several processes, as a terminal stops them
+
+
+def _ctrl_c_at_step_1(tmp_path, monkeypatch, *args: str) -> None:
+    """`rlbench run ... --steps 3` in a session of its own, as a terminal's foreground job: stopped by its own
+    failpoint as step 1 starts (its second hit; step 0 committed: an event the parent waits on, waitid, no clock),
+    then SIGINT to the whole process group, as Ctrl-C in a terminal sends it (the rank processes and the Ray driver's
+    children with it), and the run continued: exit 130, the one line naming the committed step and its --resume, no
+    traceback, nothing left running that the run started."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.cpu.test_hardening import _wait_stopped
+
+    tag = uuid.uuid4().hex
+    (tmp_path / "s.toml").write_text(small_toml(3))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLBENCH_FAILPOINT": "step.start@2:stop", "RLBENCH_TEST_TAG": tag}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbench.cli", "run", "-c", str(tmp_path / "s.toml"), *args, "--out", str(out)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _wait_stopped(proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert f"rlbench: interrupted; 1 committed step kept in {out} (rlbench run --resume {out} continues it)" in err
+    assert err.count("rlbench:") == 1, err[-3000:]
+    _no_traceback(err)
+    assert tagged_processes(tag) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_megatron_tp2_run_stops_its_ranks_in_one_line(tmp_path, monkeypatch):
+    _ctrl_c_at_step_1(tmp_path, monkeypatch, "--trainer", "megatron", "--tp", "2")
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_ray_placed_run_stops_in_one_line(tmp_path, monkeypatch):
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="rlray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("TMPDIR", tmp)
+    monkeypatch.setenv("RAY_TMPDIR", tmp)
+    try:
+        _ctrl_c_at_step_1(tmp_path, monkeypatch, "--placement", "ray")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

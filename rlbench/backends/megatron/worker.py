@@ -69,7 +69,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def rank_main() -> None:
-    """A worker rank as a process (launch.Processes): its place from the environment rank 0 gave it."""
+    """A worker rank as a process (launch.Processes): its place from the environment rank 0 gave it. Ctrl-C in a
+    terminal signals every process of the run: it is rank 0's to answer (its one line; the ranks stop with it), so a
+    rank ignores SIGINT rather than print a KeyboardInterrupt of its own."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(int(os.environ["RLBENCH_MEGATRON_PARENT"]))
     host, port = os.environ[launch.STORE_ENV].rsplit(":", 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
