@@ -9,10 +9,13 @@
 - wait_running: waiting on an SGLang-API server's /v1/loads (the conformance tests act on that event, not a clock).
 - cuda_bf16: a small deterministic bf16 run on the GPU (tests/gpu).
 - fixture_requests: sampled requests over the fixture's prompts (rlbench serve's weight loads, CPU and CUDA).
+- history_run_dir, history_file: run directories written by hand and a history file of them (the history tier of
+  golden files: test_golden_history*.py).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -195,3 +198,40 @@ def fixture_requests(n: int = 6, new: int = 6) -> list[GenerateRequest]:
     tokenizer = load_tokenizer(config.model.tokenizer)
     prompts = list(encode_prompts(tokenizer, load_dataset(config.data.path)[:n]).values())
     return [engine_request(prompts, tokenizer.eos_token_id, (i, 40 + i, 1.0, -1, 1.0, new)) for i in range(n)]
+
+
+# ---------------------------------------------------------------- the history tier's runs and files
+
+
+def history_run_dir(root: Path, series: dict[str, dict[int, float]], seed: int = 1, **manifest) -> Path:
+    """A rollout-only run directory made without recording, committing steps 0..2 with these metrics (a metric
+    absent at a step: not logged there); `manifest` adds or replaces manifest fields."""
+    root.mkdir(parents=True)
+    doc = {
+        "schema": "rlbench.run/1",
+        "checksum": "wordsum/1",
+        "config": {"record": False, "seed": seed},
+        "stages": [],
+        "mode": "rollout-only",
+        "device": "cpu",
+        "platform": {"machine": "x86_64"},
+        "versions": {"torch": "2.13.0"},
+        **manifest,
+    }
+    (root / "manifest.json").write_text(json.dumps(doc))
+    steps = sorted({s for by_step in series.values() for s in by_step} | {0, 1, 2})
+    rows = [{"step": s, **{m: v[s] for m, v in series.items() if s in v}} for s in steps]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (root / "checksums.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+    return root
+
+
+def history_file(directory: Path, runs: list[dict], keep: int | None = None) -> Path:
+    """directory/history.json holding these runs' series, appended in order (reasons 'trusted 0', ...) from run
+    directories directory/trusted0, ..."""
+    from rlbench.checks.golden_history import append_history
+
+    path = directory / "history.json"
+    for i, series in enumerate(runs):
+        append_history(history_run_dir(directory / f"trusted{i}", series), path, f"trusted {i}", keep)
+    return path

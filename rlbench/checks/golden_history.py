@@ -306,7 +306,7 @@ def append_history(
         }
     )
     history = History(golden, rule, identity, config_hash(identity), runs, updates)
-    write_golden(golden, history.to_json())
+    write_golden(history.path, history.to_json())
     return Appended(
         str(golden),
         str(run.root),

@@ -7,7 +7,8 @@
 - the SGLang rollout client, whose event loop Python's own SIGINT handler would interrupt inside a callback of
   aiohttp's (a transport's data_received, a request body writer: "Fatal error on transport", "Task exception
   was never retrieved ... KeyboardInterrupt"): the client alone, with the signal raised in such a callback, and a
-  `--rollout sglang --sglang-server rlbench` run signalled at its second step's first request.
+  `--rollout sglang --sglang-server rlbench` run signalled at its second step's first request;
+- a megatron TP=2 run and a Ray-placed run, whose whole process group gets SIGINT as a terminal sends it.
 
 Each waits on what the run does (its requests, its steps), never on a clock.
 """

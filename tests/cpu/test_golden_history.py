@@ -21,6 +21,7 @@ from rlbench.checks.golden_history_compare import check_history, compare_history
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 from tests.conftest import run_cli
+from tests.helpers import history_file, history_run_dir
 
 # Five trusted runs of two metrics over steps 0..2: at step 1, train/loss is 1.0 +- a spread of sd 0.0816...
 TRUSTED = [
@@ -33,33 +34,11 @@ SD = statistics.stdev([1.0, 1.1, 0.9, 1.0])
 HI = 1.0 + 3 * SD  # the band at train/loss step 1: mean 1.0 +- 3 sd (3 sd is above 5 % of 1.0)
 
 
-def _run_dir(root: Path, series: dict[str, dict[int, float]], seed: int = 1) -> Path:
-    """A rollout-only run directory made without recording, committing steps 0..2 with these metrics (a metric
-    absent at a step: not logged there)."""
-    root.mkdir(parents=True)
-    manifest = {
-        "schema": "rlbench.run/1",
-        "checksum": "wordsum/1",
-        "config": {"record": False, "seed": seed},
-        "stages": [],
-        "mode": "rollout-only",
-        "device": "cpu",
-        "platform": {"machine": "x86_64"},
-        "versions": {"torch": "2.13.0"},
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    steps = sorted({s for by_step in series.values() for s in by_step} | {0, 1, 2})
-    rows = [{"step": s, **{m: v[s] for m, v in series.items() if s in v}} for s in steps]
-    (root / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (root / "checksums.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
-    return root
+_run_dir = history_run_dir  # the name test_golden_history_report.py imports (until it imports tests.helpers)
 
 
 def _history(tmp_path: Path, runs=TRUSTED, keep: int | None = None) -> Path:
-    path = tmp_path / "history.json"
-    for i, series in enumerate(runs):
-        gh.append_history(_run_dir(tmp_path / f"trusted{i}", series), path, f"trusted {i}", keep)
-    return path
+    return history_file(tmp_path, runs, keep)
 
 
 def _new_run(tmp_path: Path, **moves) -> Path:
