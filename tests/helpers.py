@@ -9,6 +9,7 @@
 - wait_running: waiting on an SGLang-API server's /v1/loads (the conformance tests act on that event, not a clock).
 - cuda_bf16: a small deterministic bf16 run on the GPU (tests/gpu).
 - fixture_requests: sampled requests over the fixture's prompts (rlbench serve's weight loads, CPU and CUDA).
+- wait_stopped: until a process has stopped itself at its failpoint (waitid: an event, not a clock).
 - history_run_dir, history_file: run directories written by hand and a history file of them (the history tier of
   golden files: test_golden_history*.py).
 """
@@ -235,3 +236,13 @@ def history_file(directory: Path, runs: list[dict], keep: int | None = None) -> 
     for i, series in enumerate(runs):
         append_history(history_run_dir(directory / f"trusted{i}", series), path, f"trusted {i}", keep)
     return path
+
+
+def wait_stopped(proc) -> None:
+    """Until the process has stopped itself at its failpoint: the kernel reports the stop to its parent
+    (waitid, an event; no polling against a clock), left reportable (WNOWAIT) for Popen to reap the exit
+    later. An exit instead of the stop fails the test."""
+    import os
+
+    info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+    assert info.si_code == os.CLD_STOPPED, proc.stderr.read()

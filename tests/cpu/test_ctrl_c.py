@@ -169,7 +169,7 @@ def _ctrl_c_at_step_1(tmp_path, monkeypatch, *args: str) -> None:
     import sys
 
     from tests.conftest import REPO
-    from tests.cpu.test_hardening import _wait_stopped
+    from tests.helpers import wait_stopped
 
     tag = uuid.uuid4().hex
     (tmp_path / "s.toml").write_text(small_toml(3))
@@ -184,7 +184,7 @@ def _ctrl_c_at_step_1(tmp_path, monkeypatch, *args: str) -> None:
         start_new_session=True,
     )
     try:
-        _wait_stopped(proc)
+        wait_stopped(proc)
         os.killpg(proc.pid, signal.SIGINT)
         proc.send_signal(signal.SIGCONT)
         _, err = proc.communicate(timeout=300)

@@ -34,9 +34,6 @@ SD = statistics.stdev([1.0, 1.1, 0.9, 1.0])
 HI = 1.0 + 3 * SD  # the band at train/loss step 1: mean 1.0 +- 3 sd (3 sd is above 5 % of 1.0)
 
 
-_run_dir = history_run_dir  # the name test_golden_history_report.py imports (until it imports tests.helpers)
-
-
 def _history(tmp_path: Path, runs=TRUSTED, keep: int | None = None) -> Path:
     return history_file(tmp_path, runs, keep)
 
@@ -51,7 +48,7 @@ def _new_run(tmp_path: Path, **moves) -> Path:
                 series[metric].pop(step)
             else:
                 series[metric][step] = value
-    return _run_dir(tmp_path / "new", series)
+    return history_run_dir(tmp_path / "new", series)
 
 
 def _check(run: Path, golden: Path, *args: str):
@@ -115,7 +112,7 @@ def test_a_nan_or_a_missing_value_fails_by_name_never_skipped(tmp_path, moves, s
 
 def test_a_metric_the_run_does_not_log_fails_at_every_step(tmp_path):
     golden = _history(tmp_path)
-    run = _run_dir(tmp_path / "new", {"train/loss": {0: 2.0, 1: 1.0, 2: 0.5}})
+    run = history_run_dir(tmp_path / "new", {"train/loss": {0: 2.0, 1: 1.0, 2: 0.5}})
     report = check_history(run, golden)
     assert report.verdict == "failed"
     assert [(v.metric, v.step, v.status) for v in report.failures] == [
@@ -145,7 +142,7 @@ def test_too_few_trusted_runs_is_undetermined_never_a_pass(tmp_path):
 def test_n_runs_are_kept_the_oldest_dropped_in_order(tmp_path):
     golden = tmp_path / "history.json"
     for i in range(5):
-        run = _run_dir(tmp_path / f"r{i}", {"train/loss": {0: 1.0 + i / 100, 1: 1.0, 2: 1.0}})
+        run = history_run_dir(tmp_path / f"r{i}", {"train/loss": {0: 1.0 + i / 100, 1: 1.0, 2: 1.0}})
         res = run_cli(
             "golden", "update", str(run), str(golden), "--tier", "history", "--reason", f"run {i}", "--keep", "3"
         )
@@ -157,12 +154,16 @@ def test_n_runs_are_kept_the_oldest_dropped_in_order(tmp_path):
     assert [r["series"]["train/loss"]["0"] for r in doc["runs"]] == [1.02, 1.03, 1.04]
     assert [d["reason"] for u in doc["updates"] for d in u["dropped"]] == ["run 0", "run 1"]
     # the file keeps its N; a later --keep is deliberate, and drops down to it
-    done = gh.append_history(_run_dir(tmp_path / "r5", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r5")
+    done = gh.append_history(history_run_dir(tmp_path / "r5", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r5")
     assert (done.runs, done.keep, done.dropped) == (3, 3, ["run 2"])
-    done = gh.append_history(_run_dir(tmp_path / "r6", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r6", keep=2)
+    done = gh.append_history(
+        history_run_dir(tmp_path / "r6", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r6", keep=2
+    )
     assert (done.runs, done.keep, done.dropped) == (2, 2, ["run 3", "run 4"])
     with pytest.raises(BadInput, match="fewer than the 2 runs the band is judged from"):
-        gh.append_history(_run_dir(tmp_path / "r7", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r7", keep=1)
+        gh.append_history(
+            history_run_dir(tmp_path / "r7", {"train/loss": {0: 1.0, 1: 1.0, 2: 1.0}}), golden, "r7", keep=1
+        )
 
 
 def test_the_file_states_the_rule_and_each_run_its_reason_and_identity(tmp_path):
@@ -185,7 +186,7 @@ def test_the_file_states_the_rule_and_each_run_its_reason_and_identity(tmp_path)
 def test_the_write_is_atomic(tmp_path, monkeypatch):
     golden = _history(tmp_path)
     before = golden.read_bytes()
-    run = _run_dir(tmp_path / "next", TRUSTED[0])
+    run = history_run_dir(tmp_path / "next", TRUSTED[0])
 
     def refused(src, dst):
         raise OSError(28, "No space left on device")
@@ -200,7 +201,7 @@ def test_the_write_is_atomic(tmp_path, monkeypatch):
 def test_a_trusted_run_with_a_nan_is_refused_by_name(tmp_path):
     golden = _history(tmp_path)
     before = golden.read_bytes()
-    run = _run_dir(tmp_path / "nan", {"train/loss": {0: 2.0, 1: math.nan, 2: 0.5}})
+    run = history_run_dir(tmp_path / "nan", {"train/loss": {0: 2.0, 1: math.nan, 2: 0.5}})
     res = run_cli("golden", "update", str(run), str(golden), "--tier", "history", "--reason", "nan")
     assert res.returncode == 2 and "train/loss at step 1" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert golden.read_bytes() == before
@@ -209,7 +210,7 @@ def test_a_trusted_run_with_a_nan_is_refused_by_name(tmp_path):
 def test_another_configuration_is_refused_on_update_and_on_check(tmp_path):
     golden = _history(tmp_path)
     before = golden.read_bytes()
-    other = _run_dir(tmp_path / "other", TRUSTED[0], seed=2)
+    other = history_run_dir(tmp_path / "other", TRUSTED[0], seed=2)
     res = run_cli("golden", "update", str(other), str(golden), "--tier", "history", "--reason", "seed 2")
     assert res.returncode == 2 and "seed (golden 1, run 2)" in res.stderr, res.stderr
     assert golden.read_bytes() == before

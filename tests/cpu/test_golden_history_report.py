@@ -14,11 +14,12 @@ import pytest
 from rlbench.checks import golden_history as gh
 from rlbench.checks.golden_history_compare import check_history
 from rlbench.errors import BadInput
-from tests.cpu.test_golden_history import SD, TRUSTED, _history, _run_dir
+from tests.cpu.test_golden_history import SD, TRUSTED
+from tests.helpers import history_file, history_run_dir
 
 
 def test_the_report_holds_every_value_judged_and_everything_left_out(tmp_path):
-    golden = _history(tmp_path)
+    golden = history_file(tmp_path, TRUSTED)
     series = {m: dict(v) for m, v in TRUSTED[0].items()}
     series["train/loss"][1] = 1.0 + 4 * SD  # outside
     series["train/loss"].pop(2)  # missing
@@ -26,7 +27,7 @@ def test_the_report_holds_every_value_judged_and_everything_left_out(tmp_path):
     series["rollout/raw_reward"][3] = 0.4  # a step no trusted run holds
     series["train/grad_norm"] = {0: 1.0}  # a metric the history lacks
     series["perf/step_time"] = {0: 0.5}  # left out by the rule
-    run = _run_dir(tmp_path / "new", series)
+    run = history_run_dir(tmp_path / "new", series)
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["platform"] = {"machine": "aarch64"}
     (run / "manifest.json").write_text(json.dumps(manifest))
@@ -96,8 +97,8 @@ def test_the_report_holds_every_value_judged_and_everything_left_out(tmp_path):
 def test_min_runs_trusted_values_are_judged_and_fewer_are_not(tmp_path, runs, verdict):
     """min_runs (2) trusted values at a metric and step are enough to judge; one is not: undetermined, every value
     listed with its count, none compared."""
-    golden = _history(tmp_path, TRUSTED[:runs])
-    report = check_history(_run_dir(tmp_path / "new", TRUSTED[0]), golden)
+    golden = history_file(tmp_path, TRUSTED[:runs])
+    report = check_history(history_run_dir(tmp_path / "new", TRUSTED[0]), golden)
     doc = report.to_json()
     assert (doc["verdict"], doc["ok"], doc["compared"]) == (verdict, verdict == "passed", 6 if runs == 2 else 0)
     if runs == 1:
@@ -116,8 +117,8 @@ def test_min_runs_trusted_values_are_judged_and_fewer_are_not(tmp_path, runs, ve
 
 
 def test_a_run_of_another_configuration_is_refused_naming_the_file_and_the_field(tmp_path):
-    golden = _history(tmp_path)
-    other = _run_dir(tmp_path / "other", TRUSTED[0], seed=2)
+    golden = history_file(tmp_path, TRUSTED)
+    other = history_run_dir(tmp_path / "other", TRUSTED[0], seed=2)
     with pytest.raises(BadInput) as refused:
         check_history(other, golden)
     assert (refused.value.path, refused.value.field) == (str(golden), "config")
@@ -132,14 +133,14 @@ def test_each_value_the_report_holds_says_how_it_was_judged(tmp_path):
     too (inside its band); and the trusted runs' platforms named, each, where the run's is none of them."""
     path = tmp_path / "history.json"
     for i, machine in enumerate(("x86_64", "aarch64")):
-        run = _run_dir(tmp_path / f"trusted{i}", TRUSTED[i])
+        run = history_run_dir(tmp_path / f"trusted{i}", TRUSTED[i])
         manifest = json.loads((run / "manifest.json").read_text())
         manifest["platform"] = {"machine": machine}
         (run / "manifest.json").write_text(json.dumps(manifest))
         gh.append_history(run, path, f"trusted {i}")
     series = {m: dict(v) for m, v in TRUSTED[0].items()}
     series["train/loss"][2] = 9.0
-    run = _run_dir(tmp_path / "new", series)
+    run = history_run_dir(tmp_path / "new", series)
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["platform"] = {"machine": "riscv64"}
     (run / "manifest.json").write_text(json.dumps(manifest))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import wait_stopped
 from tests.conftest import REPO, cli, small_toml, RANDOM_INIT_MODEL
 from tests.cpu.recordings import copy_run, edit_step
 
@@ -73,14 +74,6 @@ def _process(*args: str, failpoint: str | None = None) -> subprocess.Popen:
     )
 
 
-def _wait_stopped(proc: subprocess.Popen) -> None:
-    """Until the process has stopped itself at its failpoint: the kernel reports the stop to its parent
-    (waitid, an event; no polling against a clock), left reportable (WNOWAIT) for Popen to reap the exit
-    later. An exit instead of the stop fails the test."""
-    info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
-    assert info.si_code == os.CLD_STOPPED, proc.stderr.read()
-
-
 # --------------------------------------------------------------------------- 1. one writer
 
 
@@ -89,7 +82,7 @@ def _second_writer_refused(holder: subprocess.Popen, out: Path) -> None:
     is held per process) is refused with the holder's pid and changes nothing; the holder then finishes the
     run, steps 0..2."""
     try:
-        _wait_stopped(holder)
+        wait_stopped(holder)
         before = _snapshot(out)
         _one_line(cli("run", "--resume", str(out)), f"pid {holder.pid} is writing this run directory")
         assert _snapshot(out) == before
@@ -387,7 +380,7 @@ def test_a_plugin_cannot_end_the_run_as_a_success(tmp_path, toml, plugin, needle
 def test_ctrl_c_says_the_committed_steps_are_kept(tmp_path, toml):
     out = tmp_path / "run"
     proc = _process("run", "-c", str(toml), "--out", str(out), failpoint="step.start@2:stop")
-    _wait_stopped(proc)
+    wait_stopped(proc)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
