@@ -59,7 +59,8 @@ def sample_class() -> type:
     raise BadInput(
         "a slime plugin needs slime's Sample class, and neither slime nor Miles is importable here: install slime "
         "from its source (pip install -e <slime checkout> --no-deps), or put Miles' miles/ package on the path "
-        "(python tests/get_miles.py unpacks it from the miles-rl wheel without installing the wheel)",
+        "(python tests/get_miles.py unpacks it from the miles-rl wheel without installing the wheel; then "
+        "PYTHONPATH=.vendor/miles-rl-0.0.2 rlbench run ...)",
         field=GENERATE_FIELD,
     )
 

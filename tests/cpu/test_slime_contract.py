@@ -43,7 +43,7 @@ def test_without_slime_or_miles_one_line_says_what_to_install(monkeypatch):
         f"{GENERATE_OPTION}: a slime plugin needs slime's Sample class, and neither slime nor Miles is importable "
         "here: install slime from its source (pip install -e <slime checkout> --no-deps), or put Miles' miles/ "
         "package on the path (python tests/get_miles.py unpacks it from the miles-rl wheel without installing the "
-        "wheel)"
+        "wheel; then PYTHONPATH=.vendor/miles-rl-0.0.2 rlbench run ...)"
     )
 
 
