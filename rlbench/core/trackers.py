@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import socket
 import os
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def attach(config: RunConfig, writer: RunWriter | None) -> None:
         return
     manifest = json.loads(read_bytes(writer.root / "manifest.json"))
     created = manifest.get("created")
-    run_id = run_key(manifest)
+    run_id = run_key(manifest, writer.root)
     tracking = config.tracking
     wandb_run = _wandb(config, writer.root, run_id) if tracking.use_wandb else None
     try:
@@ -93,12 +94,14 @@ def attach(config: RunConfig, writer: RunWriter | None) -> None:
     writer.on_commit = Trackers(config.train.minibatches, tracking.wandb_always_use_train_step, wandb_run, tensorboard)
 
 
-def run_key(manifest: dict) -> str:
+def run_key(manifest: dict, root: Path | None = None) -> str:
     """The run directory's own id, 16 hex digits: from what its manifest fixes when the directory is made (its
     start time, its --out, the machine), which neither --resume nor extending a run (a new `steps`) rewrites; two
-    runs started at once differ by their --out."""
+    runs started at once differ by their --out. With `root`, the directory itself stands for --out (which is kept
+    as typed: `runs/a` in two working directories, or on two hosts, is two runs), with the host's name."""
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-    fixed = [manifest.get("created"), config.get("out"), manifest.get("platform")]
+    out = config.get("out") if root is None else [str(Path(root).resolve()), socket.gethostname()]
+    fixed = [manifest.get("created"), out, manifest.get("platform")]
     return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -183,12 +186,13 @@ def _tensorboard_env(tracking) -> str | None:
 
 def tensorboard_dir(config: RunConfig, created: str | None) -> str:
     """slime's _TensorboardAdapter directory: TENSORBOARD_DIR, else tensorboard_log/PROJECT/EXPERIMENT, the
-    experiment named after the run's start time (`created`, the manifest's) unless --tb-experiment-name says."""
+    experiment named after the run's start time (`created`, the manifest's, in UTC: slime names it by local time,
+    but a run resumed under another time zone must find its own directory) unless --tb-experiment-name says."""
     tracking = config.tracking
     experiment = tracking.tb_experiment_name
     if experiment is None:
         start = datetime.datetime.fromisoformat(created) if created else datetime.datetime.now(datetime.UTC)
-        experiment = start.astimezone().strftime("%Y%m%d_%H%M%S")
+        experiment = start.astimezone(datetime.UTC).strftime("%Y%m%d_%H%M%S")
     return os.environ.get("TENSORBOARD_DIR", f"tensorboard_log/{tracking.tb_project_name}/{experiment}")
 
 

@@ -27,7 +27,7 @@ from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 from rlbench.rundir.jsonio import read_json
 
-_NAME = re.compile(r"\d{6}")
+CHECKPOINT_NAME = re.compile(r"\d{6}")
 _UNFINISHED = re.compile(r"\.\d{6}\.tmp")  # the writer's temporary name until the rename
 DAMAGED = "the checkpoint was changed or damaged after it was written"
 
@@ -43,15 +43,13 @@ class Verified:
 def verify_checkpoints(run: RunDir) -> Verified:
     """Verify every committed checkpoint of `run` against what the run recorded (its checksums.jsonl rows as
     read, before any narrowing to a step range); a mismatch is BadInput naming the file."""
-    rows = {row["step"]: row for row in run.checksums}
-    hashes = run.manifest.get("hashes") if isinstance(run.manifest.get("hashes"), dict) else {}
     found = Verified()
     folder = run.root / "checkpoints"
     if not folder.is_dir():
         return found
     last = max(run.steps, default=-1)  # a run replayed from a checkpoint commits steps A.. only
     for path in sorted(folder.iterdir()):
-        if not _NAME.fullmatch(path.name):
+        if not CHECKPOINT_NAME.fullmatch(path.name):
             what = "an unfinished checkpoint" if _UNFINISHED.fullmatch(path.name) else "not a checkpoint"
             found.notes.append(f"{path}: ignored ({what})")
             continue
@@ -59,8 +57,8 @@ def verify_checkpoints(run: RunDir) -> Verified:
         if done - 1 > last:
             found.notes.append(f"{path}: ignored (after {done} steps, past the last committed step {last})")
             continue
-        expected = hashes.get("initial_weights") if done == 0 else rows.get(done - 1, {}).get("weights")
-        if not isinstance(expected, str):
+        expected = recorded_weights(run, done)
+        if expected is None:
             found.notes.append(f"{path}: not verified (the run recorded no weights checksum for it)")
             continue
         _verify(path, done, expected)
@@ -68,7 +66,30 @@ def verify_checkpoints(run: RunDir) -> Verified:
     return found
 
 
+def recorded_weights(run: RunDir, done: int) -> str | None:
+    """The weights checksum the run recorded for its checkpoint after `done` steps (manifest.json's
+    hashes.initial_weights for 0, else checksums.jsonl's weights at step done - 1), or None."""
+    if done == 0:
+        hashes = run.manifest.get("hashes")
+        expected = hashes.get("initial_weights") if isinstance(hashes, dict) else None
+    else:
+        expected = next((row.get("weights") for row in run.checksums if row["step"] == done - 1), None)
+    return expected if isinstance(expected, str) else None
+
+
 def _verify(path: Path, done: int, weights: str) -> None:
+    hf = verify_weights(path, done, weights)
+    if (path / "layout.json").is_file():
+        _verify_megatron(path, hf)
+    elif (path / "optimizer.json").is_file():
+        _verify_torch(path)
+    else:
+        raise BadInput("expected optimizer.json (torch trainer) or layout.json (megatron trainer)", path=path)
+
+
+def verify_weights(path: Path, done: int, weights: str) -> dict:
+    """The checkpoint folder `path` (after `done` steps) whole, and its Hugging Face weights held to the run's
+    checksum `weights`: returns them; anything else is BadInput naming the file."""
     from rlbench.core.model import load_safetensors
     from rlbench.rundir.digest import weights_digest
 
@@ -89,12 +110,7 @@ def _verify(path: Path, done: int, weights: str) -> None:
             "manifest.json's hashes.initial_weights" if done == 0 else f"checksums.jsonl's weights at step {done - 1}"
         )
         raise BadInput(f"the weights do not match {where}: {DAMAGED}", path=model)
-    if (path / "layout.json").is_file():
-        _verify_megatron(path, hf)
-    elif (path / "optimizer.json").is_file():
-        _verify_torch(path)
-    else:
-        raise BadInput("expected optimizer.json (torch trainer) or layout.json (megatron trainer)", path=path)
+    return hf
 
 
 def _verify_torch(path: Path) -> None:

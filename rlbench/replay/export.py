@@ -18,15 +18,15 @@ directory is written under a temporary name beside DIR and renamed into place: D
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlbench.errors import BadInput
-from rlbench.replay.checkpoints import DAMAGED
-from rlbench.replay.integrity import open_run
+from rlbench.replay.checkpoints import CHECKPOINT_NAME, recorded_weights, verify_weights
+from rlbench.replay.integrity import METRICS_ONLY, open_run
 from rlbench.replay.replay import source_config
 from rlbench.rundir.directory import RunDir, step_name
 
@@ -47,29 +47,35 @@ def export(run_dir: str | Path, out: str | Path, steps_done: int | None = None) 
     from safetensors.torch import save_file
 
     from rlbench.core.context import check_made_with
-    from rlbench.core.model import load_model_config, load_tokenizer
+    from rlbench.core.model import load_tokenizer
+    from rlbench.rundir.jsonio import read_json
 
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise BadInput("exists: give a new directory (an export never overwrites one)", path=out)
-    run = open_run(run_dir, recordings="present", checkpoints="present", need_steps=True, need_recordings=False).run
+    run = open_run(run_dir, **METRICS_ONLY).run
     config = source_config(run)
     if config.mode == "rollout-only":
         raise BadInput("a rollout-only run trains nothing: it has no checkpoint to export", path=run.root)
     done = _chosen(run, steps_done)
-    weights = _verified_weights(run, done)
+    expected = recorded_weights(run, done)
+    if expected is None:
+        raise BadInput(
+            "the run recorded no checksum for these weights: they cannot be verified", path=_folder(run, done)
+        )
+    weights = verify_weights(_folder(run, done), done, expected)
     check_made_with(run, tokenizer=config.model.tokenizer, model=config.model.path)
-    model_config = load_model_config(config.model.path)
+    model_config = read_json(Path(config.model.path) / "config.json")  # the bytes check_made_with verified
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})
     if len(dtypes) != 1:
         raise BadInput(f"the weights are of several dtypes ({', '.join(dtypes)})", path=_folder(run, done))
-    model_config.dtype = dtypes[0]
+    model_config["dtype"] = dtypes[0]  # what transformers' save_pretrained writes (modeling_utils.py, 5.23)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        model_config.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
         load_tokenizer(config.model.tokenizer).save_pretrained(tmp)
         if (Path(config.model.path) / GENERATION).is_file():
             shutil.copyfile(Path(config.model.path) / GENERATION, tmp / GENERATION)
@@ -92,7 +98,7 @@ def _chosen(run: RunDir, steps_done: int | None) -> int:
     found = sorted(
         int(p.name)
         for p in (folder.iterdir() if folder.is_dir() else [])
-        if re.fullmatch(r"\d{6}", p.name) and int(p.name) <= last and (p / "state.json").is_file()
+        if CHECKPOINT_NAME.fullmatch(p.name) and int(p.name) <= last and (p / "state.json").is_file()
     )
     if not found:
         raise BadInput("holds no checkpoint to export", path=folder)
@@ -104,22 +110,3 @@ def _chosen(run: RunDir, steps_done: int | None) -> int:
             field="--step",
         )
     return steps_done
-
-
-def _verified_weights(run: RunDir, done: int) -> dict:
-    """The checkpoint's Hugging Face weights, held to the checksum the run recorded for them."""
-    from rlbench.core.model import load_safetensors
-    from rlbench.rundir.digest import weights_digest
-
-    path = _folder(run, done) / "model.safetensors"
-    if not path.is_file():
-        raise BadInput("missing: the checkpoint's weights under Hugging Face names", path=path)
-    rows = {row["step"]: row for row in run.checksums}
-    hashes = run.manifest.get("hashes") if isinstance(run.manifest.get("hashes"), dict) else {}
-    expected = hashes.get("initial_weights") if done == 0 else rows.get(done - 1, {}).get("weights")
-    if not isinstance(expected, str):
-        raise BadInput("the run recorded no checksum for these weights: they cannot be verified", path=path)
-    weights = load_safetensors(path)
-    if weights_digest(weights) != expected:
-        raise BadInput(f"the weights do not match the checksum the run recorded for them: {DAMAGED}", path=path)
-    return weights

@@ -32,7 +32,7 @@ from rlbench.errors import BadInput
 from rlbench.rundir.failpoints import hit
 from rlbench.replay.integrity import open_run
 from rlbench.replay.replay import source_config
-from rlbench.rundir.directory import foreign_entries, read_run, step_name
+from rlbench.rundir.directory import RunDir, foreign_entries, read_run, step_name
 from rlbench.rundir.writes import atomic_write
 from rlbench.rundir.lock import RunLock
 
@@ -131,6 +131,20 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None, steps: i
         config = _extend(root, config, steps)
     if committed >= config.steps:
         return ResumeResult(str(root), committed, committed)
+    try:  # from the manifest's rewrite on: an extension refused before it adds a step puts the old one back
+        start, discarded, result = _go_on(source, config, committed, on_step)
+    except BaseException:
+        if config.steps != recorded and len(read_run(root).steps) == committed:
+            atomic_write(root / "manifest.json", before)
+        raise
+    extended = recorded if config.steps != recorded else None
+    return ResumeResult(str(root), committed, start, discarded, result, extended)
+
+
+def _go_on(source: RunDir, config: RunConfig, committed: int, on_step) -> tuple[int, list[str], RunResult]:
+    """Cut the run back to its committed steps and run on from the newest checkpoint at or before them:
+    (the step it restarted from, what was cut, the run's result)."""
+    root = source.root
     discarded = cut_back(root, committed)
     hit("resume.cut_back")
     checkpoints = [int(p.name) for p in (root / "checkpoints").iterdir() if p.name.isdigit()]
@@ -139,13 +153,5 @@ def _resume(run_dir: Path, on_step: Callable[[StepState], None] | None, steps: i
         start = 0  # than it holds: an async run is recomputed from its start (verified), then goes on
     init = root / "checkpoints" / step_name(start) if start > 0 and config.mode != "rollout-only" else None
     expect = {row["step"]: row for row in source.checksums}
-    try:
-        result = run(
-            config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True
-        )
-    except BaseException:
-        if config.steps != recorded and len(read_run(root).steps) == committed:  # refused before it added a step
-            atomic_write(root / "manifest.json", before)
-        raise
-    extended = recorded if config.steps != recorded else None
-    return ResumeResult(str(root), committed, start, discarded, result, extended)
+    result = run(config, on_step, start=start, init_checkpoint=init, expect=expect, write_from=committed, resume=True)
+    return start, discarded, result
