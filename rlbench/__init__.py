@@ -3,8 +3,9 @@
 Importing it pins the portable CPU numerics before anything imports torch (numerics.py).
 
     config.py     the run configuration: RunConfig, read from TOML and overrides, validated
-    config_sections.py  its components, one frozen dataclass each (model, data, rollout, reward, algorithm,
-                  trainer), and `setting`, the field with its help
+    config_sections.py  its components, one frozen dataclass each (model, data, reward, algorithm, trainer), and
+                  `setting`, the field with its help
+    config_rollout.py  its rollout component: the engine, sampling, its numerics, the SGLang servers, the sync
     config_placement.py  its placement component (local or Ray actors) and how a Ray address is read
     config_tracking.py  where metrics are also logged: W&B and TensorBoard, with slime's arguments
     validate.py   the value checks every config shares: a failing value is BadInput naming its key

@@ -30,15 +30,8 @@ from typing import Any, Literal
 
 from rlbench.errors import BadInput
 from rlbench.validate import check, check_async, check_memory, check_weight_sync, number, text
-from rlbench.config_sections import (
-    AlgoConfig,
-    DataConfig,
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainConfig,
-    setting,
-)
+from rlbench.config_sections import AlgoConfig, DataConfig, ModelConfig, RewardConfig, TrainConfig, setting
+from rlbench.config_rollout import RolloutConfig
 from rlbench.config_placement import PlacementConfig
 from rlbench.config_tracking import TrackingConfig
 

@@ -17,8 +17,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,3 +252,60 @@ def wait_stopped(proc) -> None:
 
     info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
     assert info.si_code == os.CLD_STOPPED, proc.stderr.read()
+
+
+SERVE_LISTENING = "rlbench serve: listening on "
+
+
+def start_serve(*flags: str) -> tuple[subprocess.Popen, threading.Event, list[str]]:
+    """`rlbench serve --port 0 FLAGS` as a process of its own, as a user starts it; the event is set once it prints
+    where it listens (or exits), every line it prints kept (a thread reads them all: a full pipe never stalls it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbench.cli", "serve", "--port", "0", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    ready, lines = threading.Event(), []
+
+    def drain():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(SERVE_LISTENING):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, ready, lines
+
+
+def serve_url(started: tuple[subprocess.Popen, threading.Event, list[str]], timeout: float = 120.0) -> str:
+    """The URL a `start_serve` process listens on, once it says (a failure with what it printed if it exits)."""
+    proc, ready, lines = started
+    ready.wait(timeout)
+    listening = [line for line in lines if line.startswith(SERVE_LISTENING)]
+    assert listening, f"rlbench serve did not listen (exit {proc.poll()}):\n{''.join(lines)[-3000:]}"
+    return listening[0][len(SERVE_LISTENING) :].split()[0]
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """Stop a `start_serve` process by its PID with Ctrl-C's signal (killed if it outlives 30 s)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def serve_process(*flags: str):
+    """`start_serve` as a context: yields the URL, stops the process at the end."""
+    started = start_serve(*flags)
+    try:
+        yield serve_url(started)
+    finally:
+        stop_serve(started[0])

@@ -1,9 +1,11 @@
 """Backends behind the Protocols of rlbench/core/protocols.py, imported only when chosen.
 
 hf_engine.py      embedded rollout engine: fixed-shape batched decoding (or per-sample), with a KV cache
+engine_numerics.py  the engine's dtype and fp8 weights (slime's block-wise e4m3) where they differ from the trainer's
 engine_memory.py  `rollout.offload`: the engine's GPU memory let go of between rollouts (slime's --offload-rollout)
 batched_forward.py  the engine's decode forwards: its own KV store, eager or replayed as CUDA graphs
 prompt_cache.py   prompt prefills kept between generations (`rlbench serve`'s prefix cache)
+batch_variant.py  a fault planted on purpose: the batched decode's logits split by the batch's size (--batch-variant)
 sampling.py       its token choice: Gumbel-max over counter-based noise, top-k / top-p (SGLang's semantics)
 sampling_triton.py  that choice as one Triton kernel on a GPU (rows that are not top-k/top-p filtered)
 torch_trainer.py  embedded trainer: the transformers model, AdamW, minibatches, micro-batches, checkpoints

@@ -1,7 +1,8 @@
 """The embedded rollout engine (`hf`): a transformers model with a KV cache, in-process.
 
 Batch invariance by construction: a request's tokens and log-probs are the same bytes whatever
-else is in the batch and in whichever row it sits. Two decode paths hold it:
+else is in the batch and in whichever row it sits (unless `batch_variant`, a fault planted on
+purpose: batch_variant.py). Two decode paths hold it:
 
 - `batched` (the default): requests are bucketed by (prompt length rounded up to 32, max new
   tokens), both the request's own. A bucket decodes in chunks of a fixed `batch_size` rows with
@@ -40,9 +41,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from rlbench.backends.batch_variant import SplitKDecode
 from rlbench.backends.batched_forward import GROUPED, EagerDecode, GraphDecode, KVStore, fusable_norms, register_grouped
 from rlbench.backends.prompt_cache import PromptCache
-from rlbench.backends.sampling import SamplingRows, sample
+from rlbench.backends.engine_numerics import Numerics
+from rlbench.backends.sampling import SamplingRows, biased, probed, sample, top
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.types import GenerateRequest, GenerateResult
 from rlbench.errors import BadInput
@@ -111,9 +114,9 @@ class Decoding:
     def note(self, index: int, logits: torch.Tensor, rows: SamplingRows, row: int) -> None:
         """Keep request `index`'s top log-probs and probed ids' log-probs of this token, where it asked."""
         if index in self.top_n:
-            self.top[index].append(_top(logits, rows, row, self.top_n[index]))
+            self.top[index].append(top(logits, rows, row, self.top_n[index]))
         if index in self.probe:
-            self.probed[index].append(_probed(logits, rows, row, self.probe[index]))
+            self.probed[index].append(probed(logits, rows, row, self.probe[index]))
 
 
 def _run(steps: Generator) -> list:
@@ -123,32 +126,6 @@ def _run(steps: Generator) -> list:
             next(steps)
         except StopIteration as done:
             return done.value
-
-
-def _logp(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """The log-softmax `choose` reports its log-probs from (the same expression over the same rows: the
-    same bits)."""
-    greedy = rows.temperature == 0
-    return torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
-
-
-def _top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
-    """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob."""
-    logp = _logp(logits, rows)
-    values, ids = torch.topk(logp[row], min(n, logp.shape[-1]))
-    return list(zip(values.tolist(), ids.tolist()))
-
-
-def _probed(logits: torch.Tensor, rows: SamplingRows, row: int, ids: tuple[int, ...]) -> list[tuple[float, int]]:
-    """Row `row`'s log-probs of the tokens `ids`, (log-prob, id) in their order."""
-    return list(zip(_logp(logits, rows)[row, list(ids)].tolist(), ids))
-
-
-def _biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Logits plus the rows' logit biases; a row without one keeps its logits untouched (the same bits)."""
-    if bias is None:
-        return logits
-    return torch.where((bias != 0).any(-1, keepdim=True), logits + bias, logits)
 
 
 class HFEngine:
@@ -174,8 +151,9 @@ class HFEngine:
             )
         self.model = copy.deepcopy(model).to(device).eval()
         self.model.requires_grad_(False)
-        self.device = device
-        self.true_on_policy = true_on_policy
+        self.device, self.true_on_policy = device, true_on_policy
+        self.numerics = Numerics()  # where the engine's numbers differ from the trainer's on purpose (set by registry)
+        self.batch_variant = False  # a fault planted on purpose (batch_variant.py; rlbench serve --batch-variant)
         self.decode, self.batch_size = decode, batch_size
         self.engine_id = engine_id
         self.weight_version = 0
@@ -274,11 +252,11 @@ class HFEngine:
             prefills[req.prompt_ids] = found
         decoding.cached[index] = len(req.prompt_ids) - 1 if reused else 0  # SGLang's count (it redoes the last)
         prefill, logits = prefills[req.prompt_ids]
-        kv, rows = prefill.extended(), SamplingRows([req], 1, self.device)
+        kv, rows = prefill.extended(), SamplingRows([req], 1, self.device, self.numerics)
         bias = decoding.biases([index], 1, self.vocab, self.device)
         output, logprobs, finish = decoding.outputs[index], decoding.logprobs[index], "length"
         for step in range(req.max_new_tokens):
-            logits = _biased(logits[None], bias)[0]
+            logits = biased(logits[None], bias)[0]
             token, logprob = sample(logits[None], rows, step)
             output.append(int(token[0]))
             logprobs.append(float(logprob[0]))
@@ -296,13 +274,14 @@ class HFEngine:
         decoding.finished[index] = finish
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
-    def _decoder(self, rows: int, length: int) -> EagerDecode:
+    def _decoder(self, rows: int, length: int, live: int) -> EagerDecode:
         """The decode for a chunk: a free captured graph of that shape (captured on first use) on a GPU with
         `cuda_graphs`, else eager. Captured graphs are kept, each with its cache buffers: a run has few shapes
         (its buckets), a server may see many (every max_new_tokens its clients ask for), so past KEPT_GRAPHS the
-        free graphs of the shapes used longest ago are let go (captured again if they come back)."""
-        if not self.cuda_graphs:
-            return EagerDecode(self, rows, length)
+        free graphs of the shapes used longest ago are let go (captured again if they come back). `live`: the
+        chunk's requests, the split of a `batch_variant` engine's decode (always eager)."""
+        if self.batch_variant or not self.cuda_graphs:
+            return SplitKDecode(self, rows, length, live) if self.batch_variant else EagerDecode(self, rows, length)
         kept = self.graphs.pop((rows, length), [])
         self.graphs[(rows, length)] = kept  # the most recently used shape last
         free = next((graph for graph in kept if not graph.taken), None)
@@ -419,7 +398,7 @@ class HFEngine:
         logits = torch.zeros(rows, self.vocab, device=self.device)
         logits[:count] = first_logits[which.to(self.device)]
         decoder = visible = starts = None  # the decode and its store, made once a second token is needed
-        sampling = SamplingRows(reqs, rows, self.device)
+        sampling = SamplingRows(reqs, rows, self.device, self.numerics)
         bias = decoding.biases(indices, rows, self.vocab, self.device)
         outputs = [decoding.outputs[i] for i in indices]
         logprobs = [decoding.logprobs[i] for i in indices]
@@ -427,7 +406,7 @@ class HFEngine:
         done = [False] * count
         try:  # a generation abandoned at a yield (its driver closed it) frees its graph too
             for step in range(new):
-                logits = _biased(logits, bias)
+                logits = biased(logits, bias)
                 tokens, chosen = sample(logits, sampling, step)
                 # one copy to the host a step: ids and float32 log-probs are both exact in float64
                 picked = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
@@ -453,7 +432,7 @@ class HFEngine:
                 if all(done):
                     break
                 if decoder is None:
-                    decoder = self._decoder(rows, width + new)
+                    decoder = self._decoder(rows, width + new, count)
                     decoder.kv.put(slice(0, count), which.to(self.device), prefill)
                     visible = torch.zeros(rows, width + new, dtype=torch.bool)
                     visible[:count, :width] = prompt_visible[which]
@@ -485,7 +464,7 @@ class HFEngine:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.forget_prompts()
-        load_named_(self.model, dict(weights), source=f"engine {self.engine_id} weight update")
+        load_named_(self.model, self.numerics.held(weights), source=f"engine {self.engine_id} weight update")
         self.weight_version = version
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:

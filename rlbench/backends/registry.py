@@ -183,6 +183,16 @@ def make_hf_engine(
         cuda_graphs=rollout.cuda_graphs,
     )
     engine.weight_version = start
+    if rollout.dtype is not None or rollout.quantization != "none" or rollout.logprobs != "full":
+        from rlbench.backends.engine_numerics import DTYPES, Numerics
+        from rlbench.core.model import named_weights
+
+        dtype = DTYPES[rollout.dtype] if rollout.dtype is not None else None
+        engine.numerics = Numerics(dtype, rollout.quantization, rollout.logprobs)
+        if dtype is not None:
+            engine.model.to(dtype)
+        engine.update_weights(named_weights(model), start)  # the engine's copy as it loads it: cast, quantized
+    engine.batch_variant = not rollout.batch_invariant
     if rollout.offload:  # slime's --offload-rollout: the GPU memory let go of between rollouts
         from rlbench.backends.engine_memory import OffloadedEngine
 

@@ -22,7 +22,9 @@ and top_p 1.0 switch a filter off, per row: a row's own switches decide whether 
 Temperature 0 is greedy (argmax of the logits; filters cannot remove the argmax).
 
 The log-prob reported is log_softmax(logits / T) at the chosen token, whatever the filters did:
-it is what the trainer computes for that token.
+it is what the trainer computes for that token. With rollout.logprobs "filtered" a filtered row reports it
+renormalised over the tokens the filters kept (`renormalised`), as an engine does that reports its sampling
+distribution's log-probs.
 """
 
 from __future__ import annotations
@@ -111,9 +113,16 @@ class SamplingRows:
     (greedy, unfiltered), so a fixed-size batch is the same arithmetic whatever fills it."""
 
     def __init__(
-        self, requests: Sequence[GenerateRequest], rows: int, device: str | torch.device = "cpu", fused: bool = True
+        self,
+        requests: Sequence[GenerateRequest],
+        rows: int,
+        device: str | torch.device = "cpu",
+        numerics=None,
+        fused: bool = True,
     ):
         pad = rows - len(requests)
+        # rollout.logprobs "filtered": a filtered row reports its log-prob renormalised over the tokens it kept
+        self.renormalise = numerics is not None and numerics.logprobs == "filtered"
         # known on the host once per batch, so no decode step asks the device
         each = [r.temperature != 0 and (r.top_k > 0 or r.top_p < 1.0) for r in requests] + [False] * pad
         self.filtered = any(each)
@@ -165,18 +174,69 @@ def choose(logits: torch.Tensor, uniform: torch.Tensor, rows: SamplingRows) -> t
     logp = torch.log_softmax(scaled, dim=-1)
     gumbel = -torch.log(-torch.log(uniform.to(logp.device)))  # u in (0, 1): finite
     scores = torch.where(greedy[:, None], logp, logp + gumbel)
-    if rows.filtered:  # rows that are not filtered pass through torch.where untouched
-        filtered = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0))
-        scores = torch.where(filtered[:, None] & ~_kept(logp, rows), float("-inf"), scores)
-    tokens = torch.argmax(scores, dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if not rows.filtered:
+        tokens = torch.argmax(scores, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    # rows that are not filtered pass through torch.where untouched
+    filtered = ~greedy & ((rows.top_k > 0) | (rows.top_p < 1.0))
+    keep = _kept(logp, rows)
+    tokens = torch.argmax(torch.where(filtered[:, None] & ~keep, float("-inf"), scores), dim=-1)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if rows.renormalise:
+        chosen = torch.where(filtered, renormalised(logp, keep, tokens), chosen)
+    return tokens, chosen
 
 
 def _kept(logp: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """[B, V] bool: the tokens top-k and top-p keep, in SGLang's joint order."""
+    return kept(logp, rows.top_k, rows.top_p)
+
+
+def kept(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] bool: the tokens top-k and top-p keep, in SGLang's joint order (`top_k`, `top_p`: [B] per row)."""
     probs, order = torch.sort(logp.exp(), dim=-1, descending=True, stable=True)
     before = torch.cumsum(probs, dim=-1) - probs
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    k = torch.where(rows.top_k > 0, rows.top_k, probs.shape[-1])
-    keep_sorted = (rank < k[:, None]) & (before <= rows.top_p[:, None])
+    k = torch.where(top_k > 0, top_k, probs.shape[-1])
+    keep_sorted = (rank < k[:, None]) & (before <= top_p[:, None])
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def renormalised(logp: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The targets' log-probs in the distribution renormalised over the kept tokens (rollout.logprobs "filtered":
+    what an engine reports that returns its sampling distribution's log-probs): logp - logsumexp(logp[kept])."""
+    norm = torch.logsumexp(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1) - norm
+
+
+def filtered_logprobs(logp: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """`renormalised` for rows [n, V] of one request's top-k and top-p (a target they do not keep: -inf)."""
+    n = logp.shape[0]
+    keep = kept(logp, torch.full((n,), top_k, device=logp.device), torch.full((n,), top_p, device=logp.device))
+    picked = renormalised(logp, keep, targets)
+    return torch.where(keep.gather(-1, targets[:, None]).squeeze(-1), picked, float("-inf"))
+
+
+def row_logp(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The log-softmax `choose` reports its log-probs from (the same expression over the same rows: the
+    same bits)."""
+    greedy = rows.temperature == 0
+    return torch.log_softmax(logits.float() / torch.where(greedy, 1.0, rows.temperature)[:, None], dim=-1)
+
+
+def top(logits: torch.Tensor, rows: SamplingRows, row: int, n: int) -> list[tuple[float, int]]:
+    """Row `row`'s n most likely tokens, (log-prob, id) by descending log-prob."""
+    logp = row_logp(logits, rows)
+    values, ids = torch.topk(logp[row], min(n, logp.shape[-1]))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
+def probed(logits: torch.Tensor, rows: SamplingRows, row: int, ids: tuple[int, ...]) -> list[tuple[float, int]]:
+    """Row `row`'s log-probs of the tokens `ids`, (log-prob, id) in their order."""
+    return list(zip(row_logp(logits, rows)[row, list(ids)].tolist(), ids))
+
+
+def biased(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Logits plus the rows' logit biases; a row without one keeps its logits untouched (the same bits)."""
+    if bias is None:
+        return logits
+    return torch.where((bias != 0).any(-1, keepdim=True), logits + bias, logits)

@@ -112,6 +112,11 @@ LATER_KEYS = {
     # memory settings (issue 34): recompute keeps the bits; the offloaded optimizer's update is the CPU's
     ("train", "recompute"): False,
     ("train", "optimizer_cpu_offload"): False,
+    # the embedded engine's numerics set apart from the trainer's on purpose (issue 55)
+    ("rollout", "dtype"): None,
+    ("rollout", "quantization"): "none",
+    ("rollout", "logprobs"): "full",
+    ("rollout", "batch_invariant"): True,
 }
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 TIERS = ("exact", "approx")

@@ -152,28 +152,35 @@ def sequence_nucleus_logprobs(
     return out
 
 
+def verified_model(run, config) -> torch.nn.Module:
+    """The run's model as it was built (on the CPU), held to the initial weights' digest the run recorded."""
+    from rlbench.core.model import build_model
+
+    model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
+    recorded = (run.manifest.get("hashes") or {}).get("initial_weights")
+    if recorded is not None:
+        from rlbench.core.model import named_weights
+        from rlbench.rundir.digest import weights_digest
+
+        here = weights_digest(named_weights(model))
+        if here != recorded:
+            raise BadInput(
+                f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
+                f"({recorded[:12]}): another model or seed",
+                path=config.model.path,
+            )
+    return model
+
+
 class _Recomputer:
     """Trainer log-probs with the exact weights a step sampled with, where those are known."""
 
     def __init__(self, run, config):
-        from rlbench.core.model import build_model
         from rlbench.backends.torch_trainer import TorchTrainer
 
         self.run = run
         self.rollout_only = run.manifest.get("mode") == "rollout-only"
-        model = build_model(config.model.path, config.seed, config.model.dtype, "cpu", init=config.model.init)
-        recorded = (run.manifest.get("hashes") or {}).get("initial_weights")
-        if recorded is not None:
-            from rlbench.core.model import named_weights
-            from rlbench.rundir.digest import weights_digest
-
-            here = weights_digest(named_weights(model))
-            if here != recorded:
-                raise BadInput(
-                    f"the model's initial weights ({here[:12]}) are not the ones the run recorded "
-                    f"({recorded[:12]}): another model or seed",
-                    path=config.model.path,
-                )
+        model = verified_model(run, config)
         self.trainer = TorchTrainer(model, config.train, config.algo, config.rollout.temperature, config.seed)
         self.temperature = config.rollout.temperature
         self.true_on_policy = config.rollout.true_on_policy

@@ -10,8 +10,10 @@ error, 130 Ctrl-C.
     options.py    CLI options declared from the config fields they set, so an option cannot drift from its field
     runs.py       run, replay, diff
     imports.py    import slime
-    checks.py     check logprobs / tito (the check group)
+    checks.py     check tito / weights (the check group)
+    logprobs.py   check logprobs, and its --attribute split of the mismatch by cause
     golden.py     check golden, golden update
+    engine_check.py  check engine: the determinism certificate of an SGLang server or router
     serve.py      serve: the embedded engine behind SGLang's native HTTP API
     report.py     report: one HTML page of a run, or of where two runs part
     export.py     export: a run's checkpoint as a Hugging Face model directory
@@ -114,7 +116,9 @@ def _fail(message: str, code: int = 2, kind: str = "error") -> None:
 from rlbench.cli import runs  # noqa: E402,F401
 from rlbench.cli import imports  # noqa: E402,F401
 from rlbench.cli import checks  # noqa: E402,F401
+from rlbench.cli import logprobs  # noqa: E402,F401
 from rlbench.cli import golden  # noqa: E402,F401
+from rlbench.cli import engine_check  # noqa: E402,F401
 from rlbench.cli import serve  # noqa: E402,F401
 from rlbench.cli import report  # noqa: E402,F401
 from rlbench.cli import export  # noqa: E402,F401

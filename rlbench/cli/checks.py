@@ -1,4 +1,5 @@
-"""`rlbench check logprobs|tito|weights` (`check golden` and `golden update`: golden.py), and the `check` group."""
+"""`rlbench check tito|weights` (`check logprobs`: logprobs.py; `check golden` and `golden update`: golden.py;
+`check engine`: engine_check.py), and the `check` group."""
 
 from __future__ import annotations
 
@@ -15,123 +16,11 @@ from rlbench.errors import BadInput
 
 check_app = typer.Typer(
     help="Checks over runs: tito (token drift), logprobs (train-inference mismatch), golden "
-    "(metrics against a golden log), weights (a chain of slime's delta weight versions).",
+    "(metrics against a golden log), weights (a chain of slime's delta weight versions), engine (an SGLang "
+    "server's determinism).",
     no_args_is_help=True,
 )
 app.add_typer(check_app, name="check")
-
-
-@check_app.command("logprobs")
-def check_logprobs(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory, or a slime --dump-details directory.")],
-    recompute: Annotated[
-        bool,
-        typer.Option(
-            "--recompute",
-            help="Recompute trainer log-probs with the exact weights each step "
-            "sampled with (rollout-only runs; steps with a checkpoint) "
-            "instead of reading the recorded ones.",
-        ),
-    ] = False,
-    top: Annotated[int, typer.Option(help="How many of the worst tokens to show.", min=0)] = 10,
-    max_mean: Annotated[
-        Optional[float],
-        typer.Option(
-            help="Gate: train_rollout_logprob_abs_diff at most "
-            "this: slime's metric, the per-sample mean "
-            "|delta| (each sample's mean over its tokens, "
-            "then over samples; its CI uses 0.1)."
-        ),
-    ] = None,
-    max_token_mean: Annotated[
-        Optional[float],
-        typer.Option(
-            help="Gate: token_mean_abs at most this: the mean |delta| over all tokens (longer samples weigh more)."
-        ),
-    ] = None,
-    max_p99: Annotated[Optional[float], typer.Option(help="Gate: p99 |delta| at most this.")] = None,
-    max_abs: Annotated[Optional[float], typer.Option(help="Gate: max |delta| at most this.")] = None,
-    max_k3: Annotated[Optional[float], typer.Option(help="Gate: K3 KL at most this.")] = None,
-    max_exp: Annotated[
-        Optional[float], typer.Option(help="Gate: mean exp(|delta|) at most this (NeMo-RL: 1.05).")
-    ] = None,
-    as_json: AsJson = False,
-    debug: Debug = False,
-) -> None:
-    """Report the train-inference log-prob mismatch: |trainer - rollout| as slime's per-sample mean \
-(train_rollout_logprob_abs_diff) and as a token mean, p99 and max, K3 KL, mean exp(|delta|), and the worst tokens with \
-context. Samples slime removed and samples without engine log-probs are not judged, and counted. An async run's \
-(--async) mismatch is also given by policy lag, so what staleness costs shows. Exit 1 when a gate is exceeded."""
-    from dataclasses import asdict
-
-    from rlbench.checks.logprobs import check_logprobs as run_check
-    from rlbench.replay.slime import as_runs
-
-    with as_runs(run_dir) as (run,):  # a slime --dump-details directory is imported first
-        report = run_check(
-            run,
-            top,
-            {
-                "train_rollout_logprob_abs_diff": max_mean,
-                "token_mean_abs": max_token_mean,
-                "p99_abs": max_p99,
-                "max_abs": max_abs,
-                "k3_kl": max_k3,
-                "mean_exp_abs": max_exp,
-            },
-            recompute,
-        )
-    if as_json:
-        stdout.print_json(json.dumps(asdict(report)))
-    else:
-        for note in report.notes:
-            stderr.print(f"note: {note}", markup=False, highlight=False)
-        table = Table(
-            title=f"log-prob mismatch, {report.tokens} tokens of {report.samples} samples over "
-            f"{len(report.steps)} steps ({report.source} trainer log-probs)"
-        )
-        table.add_column("statistic")
-        table.add_column("value", justify="right")
-        table.add_column("gate", justify="right")
-        for name, value in report.stats.items():
-            limit = report.thresholds.get(name)
-            table.add_row(
-                name,
-                f"{value:.6g}",
-                "" if limit is None else f"<= {limit:g}",
-                style="bold red" if limit is not None and not value <= limit else None,
-            )
-        render_table(table)
-        if report.per_lag:
-            lags = Table(title="by policy lag (weight versions between the sample's generation and its training)")
-            for col in ("lag", "samples", "tokens", "train_rollout_logprob_abs_diff", "token_mean_abs", "max_abs"):
-                lags.add_column(col, justify="right")
-            for row in report.per_lag:
-                lags.add_row(
-                    *(str(row[k]) for k in ("lag", "samples", "tokens")),
-                    *(f"{row[k]:.6g}" for k in ("train_rollout_logprob_abs_diff", "token_mean_abs", "max_abs")),
-                )
-            render_table(lags)
-        if report.worst:
-            worst = Table(title="worst tokens")
-            for col in ("step", "sample", "resp. token", "token", "context", "trainer", "rollout", "delta"):
-                worst.add_column(col)
-            for w in report.worst:
-                worst.add_row(
-                    str(w.step),
-                    str(w.sample),
-                    str(w.response_token),
-                    repr(w.text),
-                    repr(w.context[-30:]),
-                    f"{w.trainer:.6g}",
-                    f"{w.rollout:.6g}",
-                    f"{w.delta:+.3g}",
-                )
-            render_table(worst)
-        for failure in report.failures:
-            stdout.print(f"[bold red]gate failed[/]: {failure}")
-    if report.failures:
-        raise typer.Exit(1)
 
 
 @check_app.command("tito")

@@ -45,6 +45,7 @@ def serve(
     decode: Annotated[Optional[Decode], _option("decode")] = None,
     decode_batch_size: Annotated[Optional[int], _option("decode_batch_size", min=1)] = None,
     batch_wait_ms: Annotated[Optional[float], _option("batch_wait_ms", min=0)] = None,
+    batch_variant: Annotated[bool, _option("batch_variant", "--batch-variant", flag_value=True)] = False,
     weight_version: Annotated[Optional[str], _option("weight_version")] = None,
     log_level: Annotated[Optional[LogLevel], _option("log_level")] = None,
     context_length: Annotated[Optional[int], _option("context_length", min=8)] = None,

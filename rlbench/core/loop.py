@@ -347,11 +347,16 @@ def sync(ctx: Context, state: StepState) -> None:
     ctx.engine.update_weights(weights, version=state.step + 1)
     if getattr(ctx.engine, "wire_bytes", None) is not None:  # the SGLang engine's: what the sync wrote (slime's name)
         state.metrics["perf/update_weights_wire_bytes"] = ctx.engine.wire_bytes
-    # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums.
+    # The train stage checksummed this same export (nothing trains between): the engine is held to those checksums,
+    # or to what it holds of them where it casts or quantizes them (rollout.dtype, rollout.quantization).
+    held = weight_check.held_by(ctx.engine, weights)
     per_tensor = state.extra.get("param_digests", {}).get("weights")
-    ctx.synced = (state.checksums["weights"], per_tensor) if per_tensor is not None else weights_digests(weights)
+    if held is weights and per_tensor is not None:
+        ctx.synced = (state.checksums["weights"], per_tensor)
+    else:
+        ctx.synced = weights_digests(held)
     state.checksums["engine_weights"] = weight_check.check_engine(
-        ctx.engine, weights, f"step {state.step}, sync", ctx.synced
+        ctx.engine, held, f"step {state.step}, sync", ctx.synced
     )
 
 
@@ -364,8 +369,9 @@ def first_sync(ctx: Context, start: int) -> None:
         weight_check.check(ctx.model_weights, weights, "before step 0, first sync", labels=("model", "trainer"))
         ctx.model_weights = None
     ctx.engine.update_weights(weights, version=start)
-    ctx.synced = weights_digests(weights)
-    weight_check.check_engine(ctx.engine, weights, f"before step {start}, first sync", ctx.synced)
+    held = weight_check.held_by(ctx.engine, weights)
+    ctx.synced = weights_digests(held)
+    weight_check.check_engine(ctx.engine, held, f"before step {start}, first sync", ctx.synced)
 
 
 def verify(expected: dict[str, str], state: StepState) -> None:

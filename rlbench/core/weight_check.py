@@ -71,6 +71,15 @@ def check(
         raise WeightMismatch(f"{when}: {labels[1]} weights differ from the {labels[0]}'s at {found}")
 
 
+def held_by(engine, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """What `engine` holds after a sync of `weights`: the embedded engine's own dtype or quantization
+    (engine_numerics.Numerics.held), else the weights themselves."""
+    numerics = getattr(engine, "numerics", None)
+    if numerics is None or (numerics.dtype is None and numerics.quantization == "none"):
+        return weights
+    return numerics.held(weights)
+
+
 def check_engine(
     engine, weights: Mapping[str, torch.Tensor], when: str, digests: tuple[str, dict[str, str]] | None = None
 ) -> str:

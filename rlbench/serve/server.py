@@ -67,6 +67,11 @@ class ServeConfig:
     decode_batch_size: int = setting(
         64, "Rows of every batched decode forward (rollout.decode_batch_size): keep the run's."
     )
+    batch_variant: bool = setting(
+        False,
+        "For testing tools like `rlbench check engine`: make the batched decode's log-probs depend on the batch's "
+        "size, as a batch-variant GPU kernel does. Never for a run.",
+    )
     batch_wait_ms: float = setting(
         2.0, "While requests keep arriving this close together, gather them into one engine batch."
     )
@@ -126,6 +131,13 @@ class ServeConfig:
         check(self.decode in ("batched", "per-sample"), "--decode", "batched or per-sample", self.decode)
         number(self.decode_batch_size, "--decode-batch-size", 1, 100_000, integer=True)
         number(self.batch_wait_ms, "--batch-wait-ms", 0, 10_000)
+        check(isinstance(self.batch_variant, bool), "--batch-variant", "true or false", self.batch_variant)
+        check(
+            not self.batch_variant or self.decode == "batched",
+            "--batch-variant",
+            "the batched decode it plants into (--decode batched)",
+            self.decode,
+        )
         check(
             self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
             "--log-level",
@@ -224,6 +236,7 @@ class ServerState:
                 decode=config.decode,
                 batch_size=config.decode_batch_size,
             )
+            engine.batch_variant = config.batch_variant
             del model
         else:  # the run set up determinism and holds the tokenizer
             self.determinism, self.tokenizer = None, tokenizer

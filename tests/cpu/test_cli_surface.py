@@ -68,6 +68,7 @@ EXPECTED_SERVE_OPTIONS = {
     "--decode",
     "--decode-batch-size",
     "--batch-wait-ms",
+    "--batch-variant",
     "--weight-version",
     "--log-level",
     "--context-length",

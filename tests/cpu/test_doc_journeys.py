@@ -201,7 +201,17 @@ def _walk(shell: Shell, name: str) -> list[str]:
 
 
 def test_the_docs_journeys_are_all_tested():
-    assert set(journeys()) == {"served", "routed", "started", "conformance", "regenerate", "slime-plugins", "trackers"}
+    assert set(journeys()) == {
+        "served",
+        "routed",
+        "started",
+        "conformance",
+        "regenerate",
+        "slime-plugins",
+        "trackers",
+        "engine-check",
+        "attribute",
+    }
 
 
 @pytest.mark.slow
@@ -218,6 +228,28 @@ def test_a_run_against_servers_the_user_started_is_the_embedded_run(shell):
     assert (runs / "served" / "checksums.jsonl").read_bytes() == embedded
     assert (runs / "routed" / "checksums.jsonl").read_bytes() == embedded
     assert shell.close()[:3] == [130, 130, 130]  # Ctrl-C stops each rlbench serve, with Ctrl-C's code
+
+
+def test_check_engine_passes_rlbench_serve_and_names_where_a_batch_variant_one_differs(shell):
+    """docs/usage.md's `check engine` block: two servers the user started, the second `--batch-variant`; the check
+    passes the first with its counts and fails the second (exit 1) naming the first prompt, batch size and position."""
+    outputs = _walk(shell, "engine-check")
+    assert re.search(r": deterministic: \d+ answers held to their prompt's reference", outputs[2]), outputs[2]
+    assert re.search(
+        r"not deterministic: .* the first at mode \w+, prompt \d+, batch size \d+, position \d+", outputs[3]
+    )
+    assert sorted(p.name for p in shell.cwd.iterdir() if not p.is_symlink()) == []  # nothing written
+
+
+def test_the_attribution_asks_a_server_the_user_started_for_the_engines_side(shell):
+    """docs/usage.md's attribution block: a run against `rlbench serve` the user started, then `check logprobs
+    --attribute` asking that server for the engine's state of every sample (its versions loaded first): every link
+    measured on every token, the server's forward equal to the trainer's (kernels 0), the mismatch in `cache`."""
+    outputs = _walk(shell, "attribute")
+    text = " ".join(outputs[2].split())
+    assert "engine: http://127.0.0.1:" in text and "largest: cache" in text, outputs[2]  # the port as the harness gave
+    assert "checked equal, tensor by tensor" in text, outputs[2]
+    assert "not split:" not in text and "not measured:" not in text, outputs[2]
 
 
 def test_servers_rlbench_starts_need_sglang_here(shell):

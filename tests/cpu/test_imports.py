@@ -103,7 +103,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # sit on top with __main__, where nothing in rlbench may import them.
 LAYERS = [
     {"errors", "validate", "extras", "numerics", "keys"},
-    {"config_sections", "config_placement", "config_tracking"},
+    {"config_sections", "config_placement", "config_rollout", "config_tracking"},
     {"config", "slime_args"},
     {"rundir"},
     {"core", "tasks"},

@@ -1,0 +1,296 @@
+"""`check logprobs --attribute` (issue 55): the mismatch split into a chain of links, checks/attribution.py.
+
+The chain's arithmetic on made-up states (links add up, shares, spans not split, links not measured, the all-zero
+verdict with its counts), then each planted cause on a real run, landing in its own link with at least 80% of the
+measured mismatch: the engine's dtype (bf16 against the float32 trainer) and its fp8 weights in `dtype`, a stale
+weight version (--async one-step) in `weights`, a top-p nucleus the engine renormalises over in `definition`, a
+batch-variant engine kernel in `cache`. The seeds are the small config's (seed 1, fixed before any of this was
+written); bench/attribution.py runs every cause over three seeds and docs/benchmarks.md says how many pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlbench.checks.attribution import LINK_NAMES, STATES, StepStates, attribute
+from rlbench.errors import BadInput
+from tests.conftest import cli
+
+
+def _step(values: dict[str, list[float]], step: int = 0, measured: dict[str, list[bool]] | None = None) -> StepStates:
+    n = len(next(iter(values.values())))
+    out = StepStates(step, torch.tensor([[0, k, 5] for k in range(n)]))
+    for state, v in values.items():
+        mask = None if measured is None or state not in measured else torch.tensor(measured[state])
+        out.put(state, torch.tensor(v, dtype=torch.float64), mask)
+    return out
+
+
+def _chain(*per_state: float) -> dict[str, list[float]]:
+    return {state: [value] for state, value in zip(STATES, per_state)}
+
+
+def test_links_add_up_to_the_mismatch_token_by_token_and_shares_to_one():
+    values = _chain(-1.0, -1.25, -1.25, -1.0, -2.0, -2.0, -2.5, -2.5)
+    found = attribute([_step(values)])
+    by_name = {link.name: link for link in found.links}
+    assert [link.name for link in found.links] == list(LINK_NAMES)
+    assert by_name["cache"].mean_abs == 0.25 and by_name["dtype"].mean_abs == 0.25
+    assert by_name["weights"].mean_abs == 1.0 and by_name["definition"].mean_abs == 0.5
+    assert found.total.tokens == 1 and found.total.mean_abs == 1.5
+    assert sum(link.share for link in found.links) == pytest.approx(1.0)
+    assert by_name["weights"].share == pytest.approx(1.0 / 2.0)
+    assert found.largest == "weights" and not found.all_zero
+    assert [(w.before, w.after, w.delta) for w in found.worst] == [(-1.0, -2.0, -1.0)]
+
+
+def test_every_link_zero_is_said_with_the_tokens_each_compared():
+    found = attribute([_step({state: [-0.5, -0.25] for state in STATES}), _step({s: [-1.0] for s in STATES}, 1)])
+    assert found.all_zero and found.largest is None and found.worst == []
+    assert all(link.tokens == 3 and link.mean_abs == 0 and link.share == 0 for link in found.links)
+    assert found.total.tokens == 3 and not found.not_measured
+
+
+def test_a_state_missing_between_two_makes_a_span_not_split_never_folded_into_a_link():
+    values = _chain(-1.0, -1.5, -1.5, -1.5, -1.5, -1.5, -1.5, -1.5)
+    step = _step(values, measured={"engine": [False]})
+    step.reasons["engine"] = "no engine to ask"
+    found = attribute([step])
+    assert [link.name for link in found.links][:1] == ["cache+kernels"]
+    span = found.links[0]
+    assert span.mean_abs == 0.5 and span.share == 1.0 and span.reasons == ["engine: no engine to ask"]
+    assert "cache" not in {link.name for link in found.links} and not found.not_measured
+    assert found.largest == "cache+kernels"
+
+
+def test_a_link_measured_on_some_tokens_only_counts_those_and_the_rest_in_a_span():
+    values = {state: [-1.0, -1.0] for state in STATES}
+    values["decode"] = [-1.25, -2.0]
+    step = _step(values, measured={"engine": [True, False]})
+    found = attribute([step])
+    by_name = {link.name: link for link in found.links}
+    assert by_name["cache"].tokens == 1 and by_name["cache"].mean_abs == 0.25
+    assert by_name["cache+kernels"].tokens == 1 and by_name["cache+kernels"].mean_abs == 1.0
+    assert by_name["kernels"].tokens == 1 and by_name["dtype"].tokens == 2
+
+
+def test_a_state_measured_nowhere_at_the_chain_end_leaves_its_link_not_measured_with_the_reason():
+    values = {state: [-1.0] for state in STATES if state != "recorded"}
+    step = _step(values)
+    step.reasons["recorded"] = "a rollout-only run records no trainer log-probs"
+    found = attribute([step])
+    assert [link.name for link in found.not_measured] == ["residual"]
+    assert found.not_measured[0].reasons == ["recorded: a rollout-only run records no trainer log-probs"]
+    assert found.total.tokens == 0  # no recorded trainer log-prob: no whole mismatch to speak of
+
+
+def test_the_worst_tokens_are_the_largest_links_largest_deltas_earliest_first_among_equals():
+    values = {state: [-1.0, -1.0, -1.0] for state in STATES}
+    values["decode"] = [-1.5, -1.0, -1.5]
+    values["engine"] = values["decode"]
+    values["forward"] = values["decode"]
+    found = attribute([_step(values)], top=2)
+    assert found.largest == "dtype"
+    assert [(w.response_token, w.delta) for w in found.worst] == [(0, 0.5), (2, 0.5)]
+
+
+def _attributed(path) -> dict:
+    done = cli("check", "logprobs", str(path), "--attribute", "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _share(found: dict, name: str) -> float:
+    return next(link["share"] for link in found["links"] if link["names"] == [name])
+
+
+@pytest.mark.parametrize(
+    ("link", "overrides"),
+    [
+        ("dtype", {"rollout__dtype": "bfloat16"}),
+        ("dtype", {"rollout__quantization": "fp8"}),
+        ("weights", {"rollout__async_mode": "one-step"}),
+        ("definition", {"rollout__logprobs": "filtered", "rollout__top_p": 0.9}),
+        ("cache", {"rollout__batch_invariant": False}),
+    ],
+    ids=["engine-bf16", "engine-fp8", "stale-version", "engine-top-p", "batch-variant-kernel"],
+)
+def test_a_planted_cause_gets_at_least_80_percent_of_the_mismatch_in_its_own_link(run_small, tmp_path, link, overrides):
+    run_small("planted", steps=2, checkpoint_every=1, **overrides)
+    found = _attributed(tmp_path / "planted")
+    assert found["largest"] == link and _share(found, link) >= 0.8, found["links"]
+    assert found["total"]["mean_abs"] > 1e-7 and not found["not_measured"]
+    assert all(entry["tokens"] == found["tokens"] for entry in found["links"])  # every link over every token
+
+
+def test_the_batch_variant_kernel_changes_the_engines_decode_and_nothing_after_it(run_small, tmp_path):
+    """The planted batch-variant kernel moves the decode's log-probs (against the same run batch-invariant) while the
+    states after it are the same bits: it is the cache link's doing."""
+    run_small("invariant", steps=1, checkpoint_every=1)
+    run_small("variant", steps=1, checkpoint_every=1, rollout__batch_invariant=False)
+    from rlbench.rundir import recording
+
+    a, b = (recording.read_step(tmp_path / name, 0)[0] for name in ("invariant", "variant"))
+    assert torch.equal(a["tokens"], b["tokens"])
+    assert not torch.equal(a["rollout_logprobs"], b["rollout_logprobs"])
+    assert torch.equal(a["old_logprobs"], b["old_logprobs"])
+
+
+def test_an_async_runs_lag_is_the_weights_link_and_its_step_without_lag_has_none(run_small, tmp_path):
+    run_small("async", steps=2, checkpoint_every=1, rollout__async_mode="one-step")
+    found = _attributed(tmp_path / "async")
+    weights = {row["step"]: row["links"]["weights"]["mean_abs"] for row in found["per_step"]}
+    assert weights[0] == 0 and weights[1] > 1e-3
+    note = next(link["notes"] for link in found["links"] if link["names"] == ["weights"])
+    assert note == ["weights = dtype: the engine sampled with the weights trained (steps [0])"]
+
+
+def test_the_default_run_compares_every_link_on_every_token_and_true_on_policy_makes_every_link_zero(
+    run_small, tmp_path
+):
+    run_small("default", steps=1, checkpoint_every=1)
+    found = _attributed(tmp_path / "default")
+    assert [link["names"] for link in found["links"]] == [[name] for name in LINK_NAMES]
+    assert all(link["tokens"] == found["tokens"] > 0 for link in found["links"])
+    # the engine's cached, batched decode against its one forward: float32 rounding, nowhere else
+    assert found["largest"] == "cache" and _share(found, "cache") == 1.0
+    run_small("on-policy", steps=1, checkpoint_every=1, rollout__true_on_policy=True)
+    done = cli("check", "logprobs", str(tmp_path / "on-policy"), "--attribute")
+    assert done.returncode == 0, done.stderr
+    tokens = _attributed(tmp_path / "on-policy")["tokens"]
+    counts = ", ".join(f"{name} {tokens}" for name in LINK_NAMES)
+    assert f"every link is 0 (tokens compared: {counts})" in " ".join(done.stdout.split())
+
+
+def test_a_step_without_the_checkpoint_of_its_weights_is_named_not_measured(run_small, tmp_path):
+    run_small("sparse", steps=2, checkpoint_every=2)  # checkpoints 0 and 2: step 1's weights are in neither
+    found = _attributed(tmp_path / "sparse")
+    step1 = next(row for row in found["per_step"] if row["step"] == 1)
+    assert set(step1["links"]) == {"cache+kernels+dtype+weights+micro_batch+definition+residual"}
+    span = next(link for link in found["links"] if len(link["names"]) == 7)
+    assert any("no checkpoint of weight version(s) [1]" in reason for reason in span["reasons"])
+
+
+def test_options_of_the_attribution_are_refused_without_it_and_gates_with_it(run_small, tmp_path):
+    run_small("r", steps=1, checkpoint_every=1)
+    for args, field in (
+        (["--steps", "0:1"], "--steps"),
+        (["--engine-url", "http://127.0.0.1:1"], "--engine-url"),
+        (["--attribute", "--max-mean", "0.1"], "--max-mean"),
+        (["--attribute", "--engine-load-weights"], "--engine-load-weights"),
+    ):
+        done = cli("check", "logprobs", str(tmp_path / "r"), *args)
+        assert done.returncode == 2 and field in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_zero_judged_tokens_is_undetermined_not_a_verdict(run_small, tmp_path, monkeypatch):
+    run_small("r", steps=1, checkpoint_every=1)
+    import rlbench.checks.attribution_run as attribution_run
+
+    monkeypatch.setattr(attribution_run, "judged_samples", lambda samples: ([False] * len(samples), 0, 0))
+    with pytest.raises(BadInput, match="undetermined: no judged token"):
+        attribution_run.attribute_run(tmp_path / "r")
+
+
+def _figures(found: dict) -> list:
+    return [(link["names"], link["tokens"], link["mean_abs"]) for link in found["links"]]
+
+
+def test_the_engine_side_through_a_servers_http_api_agrees_with_the_in_process_measurement(run_small, tmp_path):
+    """A run against `rlbench serve` started as a process of its own; its attribution with the engine state asked of
+    that server over SGLang's native API (--engine-url) equals the one that rebuilds the engine in this process,
+    link for link; without --engine-load-weights the samples of a version the server no longer holds are not
+    measured there, and the cache and kernels links are given together, not split, with the reason."""
+    from tests.helpers import serve_process
+
+    with serve_process() as url:
+        address = url.removeprefix("http://")
+        run_small(
+            "ext",
+            steps=2,
+            checkpoint_every=1,
+            rollout__backend="sglang",
+            rollout__external_engine_addrs=(address,),
+            rollout__use_router=False,
+        )
+        here = _attributed(tmp_path / "ext")
+        args = ("check", "logprobs", str(tmp_path / "ext"), "--attribute", "--json", "--engine-url", url)
+        held = cli(*args)
+        loaded = cli(*args, "--engine-load-weights")
+    assert held.returncode == 0 and loaded.returncode == 0, held.stderr + loaded.stderr
+    loaded, held = json.loads(loaded.stdout), json.loads(held.stdout)
+    assert _figures(loaded) == _figures(here) and loaded["per_step"] == here["per_step"]
+    assert loaded["engine"] == url and here["engine"].startswith("embedded hf engine")
+    span = next(link for link in held["links"] if link["names"] == ["cache", "kernels"])
+    assert span["tokens"] == here["tokens"]  # samples of versions 0 and 1; the server holds the run's last, 2
+    assert span["reasons"] == [
+        "engine: the server answered with weight version '2', not the one the samples were drawn with "
+        "(--engine-load-weights loads it)"
+    ]
+
+
+def test_a_slime_dump_directory_gets_the_trainer_side_links_and_names_the_engines_not_measured(tmp_path):
+    """examples/slime-dump-details (slime's own writers; its log-probs are not this model's): no engine to ask, so
+    the cache and kernels links are one span not split, with the reason; the trainer-side links are computed with
+    the import's model in the train dump's micro-batches, and what that forward does not reproduce of slime's
+    recorded log-probs is the residual, never another link."""
+    from tests.conftest import REPO
+
+    found = _attributed(REPO / "examples" / "slime-dump-details")
+    names = [link["names"] for link in found["links"]]
+    assert names[0] == ["cache", "kernels"] and names[1:] == [[n] for n in LINK_NAMES[2:]]
+    assert found["links"][0]["reasons"] == ["engine: a slime dump holds no engine to ask (--engine-url asks a server)"]
+    assert found["engine"] == "none (a slime dump)" and "train dump's micro-batches" in found["trainer"]
+    assert all(link["tokens"] == found["tokens"] == found["total"]["tokens"] > 0 for link in found["links"])
+    assert found["largest"] in ("cache+kernels", "residual")
+    assert sum(link["share"] for link in found["links"]) == pytest.approx(1.0)
+
+
+def test_a_sync_that_leaves_one_tensor_behind_is_the_weights_link(run_small, tmp_path, monkeypatch):
+    """A run against `rlbench serve` (its own process, started from random weights) whose first sync leaves one tensor
+    at the server's old value, as a partial update does, with the weight-update check off (with it on, the run stops
+    there). The server still holds that version (no later sync: --async one-step, an interval of 2), so the
+    attribution asks it: the server's hashes name the tensor, forward and dtype hold it as the server does, and the
+    trainer's weights put it back: the weights link gets the mismatch."""
+    import urllib.request
+
+    from rlbench.backends.sglang.engine import SGLangEngine
+    from tests.helpers import serve_process
+
+    behind = "model.layers.0.mlp.down_proj.weight"
+    from tests.conftest import RANDOM_INIT_MODEL
+
+    with serve_process("--model-path", str(RANDOM_INIT_MODEL), "--load-format", "dummy") as url:
+        request = urllib.request.Request(
+            url + "/get_weights_by_name",
+            data=json.dumps({"name": behind, "truncate_size": 2**31 - 1}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            old = torch.tensor(json.loads(answer.read()), dtype=torch.float32)
+        write = SGLangEngine._write
+
+        def partial(self, weights, version):
+            return write(self, {**weights, behind: old}, version)
+
+        monkeypatch.setattr(SGLangEngine, "_write", partial)
+        run_small(
+            "damaged",
+            steps=1,
+            checkpoint_every=1,
+            rollout__backend="sglang",
+            rollout__external_engine_addrs=(url.removeprefix("http://"),),
+            rollout__use_router=False,
+            rollout__verify_engine_weights=False,
+            rollout__async_mode="one-step",
+            rollout__update_weights_interval=2,
+        )
+        done = cli("check", "logprobs", str(tmp_path / "damaged"), "--attribute", "--json", "--engine-url", url)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["largest"] == "weights" and _share(found, "weights") >= 0.8, found["links"]
+    assert not found["not_measured"] and all(link["tokens"] == found["tokens"] for link in found["links"])
+    assert any(behind in note and "version 0" in note for note in found["notes"]), found["notes"]
