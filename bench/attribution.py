@@ -6,7 +6,9 @@ with), then the attribution (checks/attribution_run.attribute_run, on the run's 
 cause belongs to, its share of the measured mismatch (pass: >= 80%), the largest link, the mismatch itself, and the
 cost: the attribution's seconds over the seconds of the log-prob stage's own pass over the same steps (the trainer's
 `logprobs` with the step's weights, as core/loop.py's logprob stage calls it), both timed in this process, the
-device synchronised, after one untimed warm-up of each.
+device synchronised, after one untimed warm-up (the process's first attribution, the stage's first round); and the
+attribution's forwards alone over the same, the weights' reading and verifying apart (what it reads from disk is the
+checkpoints', what the log-prob stage holds in memory already).
 
     python bench/attribution.py [--shape fixture|0.6B] [--device cpu|cuda] [--seeds 1,2,3] [--causes all]
                                 [--new-tokens N] [--keep DIR]
@@ -42,7 +44,7 @@ CAUSES = {  # name: (the link it belongs to, its overrides)
     "nondeterministic": ("cache", {"deterministic": False}),
     "engine-bf16": ("dtype", {"model__dtype": "float32", "rollout__dtype": "bfloat16"}),
     "engine-fp8": ("dtype", {"rollout__quantization": "fp8"}),
-    "stale-version": ("weights", {"rollout__async_mode": "one-step"}),
+    "stale-version": ("weights", {"rollout__async_mode": "one-step"}),  # + an entropy bonus at 0.6B: `main`
     "engine-top-p": ("definition", {"rollout__logprobs": "filtered", "rollout__top_p": 0.9}),
     "batch-variant": ("cache", {"rollout__batch_invariant": False}),
 }
@@ -129,6 +131,11 @@ def main() -> None:
     parser.add_argument("--causes", default="all")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--keep", type=Path, default=None)
+    parser.add_argument(
+        "--drop-runs",
+        action="store_true",
+        help="remove each run once attributed (a GPU host's disk: 7 GB a checkpoint)",
+    )
     args = parser.parse_args()
     import tempfile
 
@@ -150,13 +157,19 @@ def main() -> None:
                     import shutil
 
                     shutil.rmtree(out)
+                if cause == "stale-version" and args.shape != "fixture":
+                    # random weights score 0 on every sample: GRPO's advantages are 0 and the weights would not move
+                    # between versions; an entropy bonus moves them
+                    overrides = {**overrides, "algo__entropy_coef": 0.01}
                 run(apply_overrides(base, seed=seed, out=str(out), **overrides))
-            attribute_run(out, device=args.device)  # a warm-up, untimed
+            if not rows:
+                attribute_run(out, device=args.device)  # a warm-up (the process's first forwards), untimed
             sync(args.device)
             start = time.perf_counter()
-            found, _ = attribute_run(out, device=args.device)
+            found, context = attribute_run(out, device=args.device)
             sync(args.device)
             seconds = time.perf_counter() - start
+            parts = context["seconds"]
             stage = logprob_stage_seconds(out, args.device)
             share = next((entry.share for entry in found.links if entry.names == (link,)), 0.0)
             ok = share >= 0.8 if cause not in ("default", "nondeterministic") else None
@@ -173,13 +186,21 @@ def main() -> None:
                 "attribution_s": round(seconds, 3),
                 "logprob_stage_s": round(stage, 3),
                 "ratio": round(seconds / stage, 2),
+                "weights_s": round(parts["weights"], 3),  # reading and verifying each version's weights
+                "forwards_s": round(parts["forwards"], 3),
+                "forwards_ratio": round(parts["forwards"] / stage, 2),
                 "pass": ok,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.drop_runs:
+                import shutil
+
+                shutil.rmtree(out)
     print(f"planted causes in their own link with >= 80% of the mismatch: {passed} of {judged}")
-    ratios = [row["ratio"] for row in rows]
-    print(f"attribution over the log-prob stage: min {min(ratios)}x, max {max(ratios)}x over {len(rows)} runs")
+    for key, what in (("ratio", "the whole attribution"), ("forwards_ratio", "its forwards alone")):
+        ratios = [row[key] for row in rows]
+        print(f"{what} over the log-prob stage: min {min(ratios)}x, max {max(ratios)}x over {len(rows)} runs")
 
 
 if __name__ == "__main__":

@@ -209,11 +209,13 @@ def renormalised(logp: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) 
 
 
 def filtered_logprobs(logp: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """`renormalised` for rows [n, V] of one request's top-k and top-p (a target they do not keep: -inf)."""
+    """`renormalised` for rows [n, V] of one request's top-k and top-p, the targets kept too: a sampled token was
+    kept when it was sampled, and logits computed again may leave it just outside (slime's trainer keeps it the same
+    way over a recorded nucleus: `_build_topp_keep_mask`)."""
     n = logp.shape[0]
     keep = kept(logp, torch.full((n,), top_k, device=logp.device), torch.full((n,), top_p, device=logp.device))
-    picked = renormalised(logp, keep, targets)
-    return torch.where(keep.gather(-1, targets[:, None]).squeeze(-1), picked, float("-inf"))
+    keep[torch.arange(n, device=logp.device), targets] = True
+    return renormalised(logp, keep, targets)
 
 
 def row_logp(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -13,6 +13,7 @@ tito_miles.py        Miles' TITO library (miles-tito-tokenizers) as rlbench uses
 logprobs.py          check logprobs: train-inference log-prob mismatch statistics and gates
 attribution.py       check logprobs --attribute: the mismatch split into a chain of links, token by token
 attribution_run.py   the chain's states for an rlbench run: engine, trainer, weights by version
+attribution_weights.py  the weights of each version (verified as read) and the model copies they load into
 attribution_http.py  the engine's state asked of an SGLang server over its native API (--engine-url)
 golden.py            golden files (rlbench's and Megatron-LM's): format and reading
 golden_build.py      golden files written: golden update, golden/regenerate.py

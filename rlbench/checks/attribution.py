@@ -23,7 +23,8 @@ A state that cannot be computed for a token (no engine to ask, no checkpoint of 
 another version) is not measured there, with its reason. A link is measured on the tokens where both its ends are;
 where a state is missing between two measured ones, the links across it are reported together, as one span "not
 split", never folded into a neighbour. A state whose inputs are those of the state before it (the same weights'
-bytes, dtype, code, layout and definition) is that state's values, and says so (`same`).
+bytes, dtype, code, layout and definition) is that state's values, and says so (`same`). A token with a measured
+state that is not a finite number is left out of every figure, counted and the first named in a note.
 
 Figures, per link (and span): the tokens it compared, mean |delta|, and its share: its sum of |delta| over the sum,
 over every link and span, of theirs (shares add up to 1 unless every link is 0: then every share is 0 and the output
@@ -127,12 +128,22 @@ def _segments(measured: list[bool]) -> list[tuple[int, int]]:
     return list(zip(kept, kept[1:]))
 
 
+def _nonfinite(step: StepStates) -> torch.Tensor:
+    """[n] bool: the tokens with a measured state that is not a finite number (left out of every figure)."""
+    bad = torch.zeros(step.tokens(), dtype=torch.bool)
+    for state, values in step.values.items():
+        bad |= step.measured[state] & ~values.isfinite()
+    return bad
+
+
 def _links(step: StepStates) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    """This step's (from, to) segments -> (token indices, to - from there), token by token."""
+    """This step's (from, to) segments -> (token indices, to - from there), token by token, over its tokens whose
+    every measured state is finite."""
     n = step.tokens()
     present = torch.stack(
         [step.measured.get(s, torch.zeros(n, dtype=torch.bool)) for s in STATES], dim=1
     )  # [n, states]
+    present[_nonfinite(step)] = False
     out: dict[tuple[int, int], list] = {}
     for pattern in torch.unique(present, dim=0):
         rows = (present == pattern).all(dim=1).nonzero().squeeze(1)
@@ -153,6 +164,7 @@ def attribute(steps: list[StepStates], top: int = 10) -> Attribution:
     sums: dict[tuple[int, int], list] = {}  # segment -> [tokens, sum |delta|]
     per_step, candidates = [], []
     total_tokens, total_sum = 0, 0.0
+    nonfinite, first_bad = 0, None
     for step in steps:
         segments = _links(step)
         row = {"step": step.step, "tokens": step.tokens(), "links": {}}
@@ -162,9 +174,17 @@ def attribute(steps: list[StepStates], top: int = 10) -> Attribution:
             got[1] += float(delta.abs().sum())
             row["links"]["+".join(_name(seg))] = {"tokens": len(delta), "mean_abs": float(delta.abs().mean())}
             candidates.append((step, seg, rows, delta))
+        bad = _nonfinite(step)
+        if bad.any():
+            row["nonfinite"] = int(bad.sum())
+            if first_bad is None:
+                sample, position, token_id = (int(x) for x in step.where[int(bad.nonzero()[0])])
+                state = next(s for s in STATES if s in step.values and not bool(step.values[s][bad].isfinite().all()))
+                first_bad = f"step {step.step}, sample {sample}, response token {position} (id {token_id}) in {state}"
+            nonfinite += int(bad.sum())
         ends = step.measured.get("decode"), step.measured.get("recorded")
         if ends[0] is not None and ends[1] is not None:
-            both = ends[0] & ends[1]
+            both = ends[0] & ends[1] & ~bad
             whole = (step.values["recorded"] - step.values["decode"])[both].abs()
             total_tokens += int(both.sum())
             total_sum += float(whole.sum())
@@ -186,9 +206,15 @@ def attribute(steps: list[StepStates], top: int = 10) -> Attribution:
         if name not in measured and name not in spanned
     ]
     largest = max(links, key=lambda link: link.sum_abs) if grand > 0 else None
+    notes = list(dict.fromkeys(note for step in steps for note in step.notes))
+    if nonfinite:
+        notes.append(
+            f"{nonfinite} tokens with a state that is not a finite number, left out of every link; the first "
+            f"at {first_bad}"
+        )
     return Attribution(
         sum(s.tokens() for s in steps),
-        list(dict.fromkeys(note for step in steps for note in step.notes)),
+        notes,
         Link(("total",), total_tokens, total_sum),
         links,
         not_measured,

@@ -25,6 +25,7 @@ A megatron-core trainer's forward is not rerun here: the trainer-side states are
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,10 @@ import torch
 
 from rlbench.backends.engine_numerics import DTYPES
 from rlbench.checks.attribution import Attribution, StepStates, attribute
+from rlbench.checks.attribution_weights import Weights, ModelCopy, initial_weights, skeleton
 from rlbench.checks.logprobs import judged_samples, sample_nuclei
 from rlbench.errors import BadInput
 from rlbench.rundir import recording
-from rlbench.rundir.directory import step_name
 
 
 @dataclass(frozen=True)
@@ -82,48 +83,6 @@ def engine_logprobs(logits: torch.Tensor, ids: torch.Tensor, numerics: EngineNum
     return torch.cat([picked.new_zeros(1), picked]).double().cpu()
 
 
-class Weights:
-    """The trainer's weights of each version the attribution needs, read once each (the last few kept)."""
-
-    def __init__(self, run, initial: dict[str, torch.Tensor]):
-        self.run, self.initial = run, initial
-        self.kept: dict[int, dict[str, torch.Tensor]] = {}
-
-    def path(self, version: int) -> Path:
-        return self.run.root / "checkpoints" / step_name(version) / "model.safetensors"
-
-    def has(self, version: int) -> bool:
-        return version == 0 or self.path(version).is_file()
-
-    def get(self, version: int) -> dict[str, torch.Tensor]:
-        if version not in self.kept:
-            from rlbench.core.model import load_safetensors
-
-            if len(self.kept) >= 3:
-                self.kept.pop(next(iter(self.kept)))
-            file = self.path(version)
-            self.kept[version] = load_safetensors(file) if file.is_file() else self.initial
-        return self.kept[version]
-
-
-class _Model:
-    """A copy of the model in one dtype, loaded with one set of weights at a time (by a key)."""
-
-    def __init__(self, model: torch.nn.Module, dtype: str, device: str):
-        self.model = copy.deepcopy(model).to(device=device, dtype=DTYPES[dtype]).eval()
-        self.model.requires_grad_(False)
-        self.key = None
-
-    def load(self, key, weights: Callable[..., dict[str, torch.Tensor]]) -> torch.nn.Module:
-        """The model holding `weights(key)`, loaded unless it holds them already."""
-        if key != self.key:
-            from rlbench.core.model import load_named_
-
-            load_named_(self.model, weights(key), source=str(key))
-            self.key = key
-        return self.model
-
-
 def _alone_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The logits of one sequence at batch size 1, no cache: the call algo.sequence_logprobs makes."""
     with torch.no_grad():
@@ -135,23 +94,23 @@ class RunStates:
 
     def __init__(self, run, config, device: str = "cpu"):
         from rlbench.backends.torch_trainer import TorchTrainer
-        from rlbench.checks.logprobs import verified_model
-        from rlbench.core.model import named_weights
 
         self.run, self.config = run, config
         self.numerics = EngineNumerics.of(config)
         self.trainer_dtype = config.model.dtype
-        model = verified_model(run, config)
-        self.weights = Weights(run, {k: v.detach().clone() for k, v in named_weights(model).items()})
+        model = skeleton(config.model.path)
+        self.weights = Weights(run, lambda: initial_weights(run, config))
         self.megatron = config.train.backend == "megatron"
         self.rollout_only = run.manifest.get("mode") == "rollout-only"
         self.device = device
+        trainer_model = copy.deepcopy(model).to(DTYPES[self.trainer_dtype])
         self.trainer = TorchTrainer(
-            copy.deepcopy(model), config.train, config.algo, config.rollout.temperature, config.seed, device
+            trainer_model, config.train, config.algo, config.rollout.temperature, config.seed, device
         )
+        self.forward_seconds = 0.0  # the forwards' time, the device synchronised (bench/attribution.py reads it)
         self.scorer = None  # an HTTP server's (attribution_http.ServerScorer); None: the embedded engine, here
-        self.engine = _Model(model, self.numerics.dtype, device)
-        self.trainer_alone = _Model(model, self.trainer_dtype, device)
+        self.engine = ModelCopy(model, self.numerics.dtype, device)
+        self.trainer_alone = ModelCopy(model, self.trainer_dtype, device)
         self.cast = self.numerics.dtype != self.trainer_dtype or self.numerics.quantization != "none"
         self.asked: dict[int, tuple] = {}  # version -> what the server holds of it (`_server`)
         self.imported = "imported" in run.manifest  # a slime dump (rlbench import slime): no engine, no checkpoints
@@ -239,7 +198,21 @@ class RunStates:
         out.put(state, out.values[before], out.measured[before])
         out.same[state] = f"{state} = {before}: {why}"
 
-    def _alone(self, holder: _Model, ids, rows, key) -> list[torch.Tensor | None]:
+    def _timed(self, fn, *args):
+        """fn(*args), its time (device synchronised) added to forward_seconds less the weights read within it."""
+        read = self.weights.seconds
+        _sync(self.device)
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            _sync(self.device)
+            self.forward_seconds += time.perf_counter() - start - (self.weights.seconds - read)
+
+    def _alone(self, holder: ModelCopy, ids, rows, key) -> list[torch.Tensor | None]:
+        return self._timed(self._alone_pass, holder, ids, rows, key)
+
+    def _alone_pass(self, holder: ModelCopy, ids, rows, key) -> list[torch.Tensor | None]:
         """Per judged sample whose weights exist, its log-probs read the engine's way at batch size 1 in `holder`,
         loaded with the weights `key(i)` names: ("held", v), the engine's of version v; ("own", v), the trainer's."""
         out: list[torch.Tensor | None] = [None] * len(ids)
@@ -303,6 +276,9 @@ class RunStates:
                 )
 
     def _as_trained(self, tensors, meta, version: int, index, out: StepStates) -> None:
+        self._timed(self._as_trained_pass, tensors, meta, version, index, out)
+
+    def _as_trained_pass(self, tensors, meta, version: int, index, out: StepStates) -> None:
         """micro_batch and definition: the logprob stage's pass, with the trainer's weights of `version`."""
         from rlbench.core import algo
         from rlbench.core.model import load_named_
@@ -345,6 +321,11 @@ class RunStates:
         measured = recording.unpad(torch.tensor(trained)[:, None].expand(tokens.shape), offsets)[index]
         out.put("micro_batch", recording.unpad(engine_way, offsets)[index], measured)
         out.put("definition", recording.unpad(trainer_way, offsets)[index], measured)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def _spans(samples: list[dict], tensors: dict) -> list[tuple[dict, int, int]]:
@@ -394,7 +375,8 @@ def attribute_run(
     from rlbench.replay.integrity import open_run
     from rlbench.replay.replay import source_config
 
-    run = open_run(run_dir, recordings="verify", checkpoints="verify", need_steps=True, need_recordings=True).run
+    # checkpoints seen whole here; each one's weights held to the run's checksum when read (`Weights.get`)
+    run = open_run(run_dir, recordings="verify", checkpoints="present", need_steps=True, need_recordings=True).run
     config = source_config(run)
     check_made_with(run, tokenizer=config.model.tokenizer, model=config.model.path)
     device = device or config.device
@@ -416,7 +398,7 @@ def attribute_run(
             f"undetermined: none of the steps asked for is committed (the run committed {len(run.steps)})",
             field="--steps",
         )
-    computed = []
+    computed, began = [], time.perf_counter()
     try:
         for k, step in enumerate(wanted):
             computed.append(states.step(step))
@@ -440,6 +422,12 @@ def attribute_run(
         or f"embedded hf engine ({numerics.dtype}, quantization {numerics.quantization}, "
         f"log-probs {numerics.logprobs})",
         "device": device,
+        # where the time went: reading each version's weights, the forwards (the rest: reading the recording)
+        "seconds": {
+            "steps": time.perf_counter() - began,
+            "weights": states.weights.seconds,
+            "forwards": states.forward_seconds,
+        },
         "trainer": f"slime's, as recorded; recomputed with the transformers forward of {config.model.path} "
         f"({states.trainer_dtype}) in the train dump's micro-batches"
         if states.imported

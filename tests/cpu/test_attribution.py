@@ -294,3 +294,16 @@ def test_a_sync_that_leaves_one_tensor_behind_is_the_weights_link(run_small, tmp
     assert found["largest"] == "weights" and _share(found, "weights") >= 0.8, found["links"]
     assert not found["not_measured"] and all(link["tokens"] == found["tokens"] for link in found["links"])
     assert any(behind in note and "version 0" in note for note in found["notes"]), found["notes"]
+
+
+def test_a_token_with_a_state_not_a_finite_number_is_left_out_of_every_figure_and_named():
+    values = {state: [-1.0, -1.0] for state in STATES}
+    values["decode"] = [-1.5, -2.0]
+    values["definition"] = [-1.0, float("-inf")]
+    found = attribute([_step(values, step=3)])
+    assert all(link.tokens == 1 for link in found.links) and found.total.tokens == 1
+    assert found.largest == "cache" and found.links[0].mean_abs == 0.5
+    assert found.notes == [
+        "1 tokens with a state that is not a finite number, left out of every link; the first at step 3, sample 0, "
+        "response token 1 (id 5) in definition"
+    ]
