@@ -198,12 +198,11 @@ def attribute(steps: list[StepStates], top: int = 10) -> Attribution:
             link.reasons = _reasons(steps, seg)
         link.notes = _notes(steps, seg)
         links.append(link)
-    measured = {name for link in links for name in link.names if len(link.names) == 1}
-    spanned = {name for link in links for name in link.names if len(link.names) > 1}
+    covered = {name for link in links for name in link.names}  # measured alone or in a span
     not_measured = [
         Link((name,), 0, 0.0, reasons=_reasons(steps, (i, i + 1)))
         for i, name in enumerate(LINK_NAMES)
-        if name not in measured and name not in spanned
+        if name not in covered
     ]
     largest = max(links, key=lambda link: link.sum_abs) if grand > 0 else None
     notes = list(dict.fromkeys(note for step in steps for note in step.notes))

@@ -195,31 +195,40 @@ def test_zero_judged_tokens_is_undetermined_not_a_verdict(run_small, tmp_path, m
         attribution_run.attribute_run(tmp_path / "r")
 
 
+@pytest.fixture(scope="module")
+def server():
+    """`rlbench serve` as a process of its own, as a user starts it: the fixture model's shape from seeded random
+    weights (every run against it pushes its own first); its URL."""
+    from tests.conftest import RANDOM_INIT_MODEL
+    from tests.helpers import serve_process
+
+    with serve_process("--model-path", str(RANDOM_INIT_MODEL), "--load-format", "dummy") as url:
+        yield url
+
+
 def _figures(found: dict) -> list:
     return [(link["names"], link["tokens"], link["mean_abs"]) for link in found["links"]]
 
 
-def test_the_engine_side_through_a_servers_http_api_agrees_with_the_in_process_measurement(run_small, tmp_path):
+def test_the_engine_side_through_a_servers_http_api_agrees_with_the_in_process_measurement(run_small, tmp_path, server):
     """A run against `rlbench serve` started as a process of its own; its attribution with the engine state asked of
     that server over SGLang's native API (--engine-url) equals the one that rebuilds the engine in this process,
     link for link; without --engine-load-weights the samples of a version the server no longer holds are not
     measured there, and the cache and kernels links are given together, not split, with the reason."""
-    from tests.helpers import serve_process
-
-    with serve_process() as url:
-        address = url.removeprefix("http://")
-        run_small(
-            "ext",
-            steps=2,
-            checkpoint_every=1,
-            rollout__backend="sglang",
-            rollout__external_engine_addrs=(address,),
-            rollout__use_router=False,
-        )
-        here = _attributed(tmp_path / "ext")
-        args = ("check", "logprobs", str(tmp_path / "ext"), "--attribute", "--json", "--engine-url", url)
-        held = cli(*args)
-        loaded = cli(*args, "--engine-load-weights")
+    url = server
+    address = url.removeprefix("http://")
+    run_small(
+        "ext",
+        steps=2,
+        checkpoint_every=1,
+        rollout__backend="sglang",
+        rollout__external_engine_addrs=(address,),
+        rollout__use_router=False,
+    )
+    here = _attributed(tmp_path / "ext")
+    args = ("check", "logprobs", str(tmp_path / "ext"), "--attribute", "--json", "--engine-url", url)
+    held = cli(*args)
+    loaded = cli(*args, "--engine-load-weights")
     assert held.returncode == 0 and loaded.returncode == 0, held.stderr + loaded.stderr
     loaded, held = json.loads(loaded.stdout), json.loads(held.stdout)
     assert _figures(loaded) == _figures(here) and loaded["per_step"] == here["per_step"]
@@ -249,46 +258,43 @@ def test_a_slime_dump_directory_gets_the_trainer_side_links_and_names_the_engine
     assert sum(link["share"] for link in found["links"]) == pytest.approx(1.0)
 
 
-def test_a_sync_that_leaves_one_tensor_behind_is_the_weights_link(run_small, tmp_path, monkeypatch):
-    """A run against `rlbench serve` (its own process, started from random weights) whose first sync leaves one tensor
-    at the server's old value, as a partial update does, with the weight-update check off (with it on, the run stops
-    there). The server still holds that version (no later sync: --async one-step, an interval of 2), so the
-    attribution asks it: the server's hashes name the tensor, forward and dtype hold it as the server does, and the
-    trainer's weights put it back: the weights link gets the mismatch."""
+def test_a_sync_that_leaves_one_tensor_behind_is_the_weights_link(run_small, tmp_path, monkeypatch, server):
+    """A run against `rlbench serve` (its own process) whose first sync leaves one tensor at the value the server
+    held before (its seeded random one, or a run's before this one), as a partial update does, with the
+    weight-update check off (with it on, the run stops there). The server still holds that version (no later sync:
+    --async one-step, an interval of 2), so the attribution asks it: the server's hashes name the tensor, forward
+    and dtype hold it as the server does, and the trainer's weights put it back: the weights link gets the
+    mismatch."""
     import urllib.request
 
     from rlbench.backends.sglang.engine import SGLangEngine
-    from tests.helpers import serve_process
 
-    behind = "model.layers.0.mlp.down_proj.weight"
-    from tests.conftest import RANDOM_INIT_MODEL
+    behind, url = "model.layers.0.mlp.down_proj.weight", server
+    request = urllib.request.Request(
+        url + "/get_weights_by_name",
+        data=json.dumps({"name": behind, "truncate_size": 2**31 - 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        old = torch.tensor(json.loads(answer.read()), dtype=torch.float32)
+    write = SGLangEngine._write
 
-    with serve_process("--model-path", str(RANDOM_INIT_MODEL), "--load-format", "dummy") as url:
-        request = urllib.request.Request(
-            url + "/get_weights_by_name",
-            data=json.dumps({"name": behind, "truncate_size": 2**31 - 1}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            old = torch.tensor(json.loads(answer.read()), dtype=torch.float32)
-        write = SGLangEngine._write
+    def partial(self, weights, version):
+        return write(self, {**weights, behind: old}, version)
 
-        def partial(self, weights, version):
-            return write(self, {**weights, behind: old}, version)
-
-        monkeypatch.setattr(SGLangEngine, "_write", partial)
-        run_small(
-            "damaged",
-            steps=1,
-            checkpoint_every=1,
-            rollout__backend="sglang",
-            rollout__external_engine_addrs=(url.removeprefix("http://"),),
-            rollout__use_router=False,
-            rollout__verify_engine_weights=False,
-            rollout__async_mode="one-step",
-            rollout__update_weights_interval=2,
-        )
-        done = cli("check", "logprobs", str(tmp_path / "damaged"), "--attribute", "--json", "--engine-url", url)
+    monkeypatch.setattr(SGLangEngine, "_write", partial)
+    run_small(
+        "damaged",
+        steps=1,
+        checkpoint_every=1,
+        rollout__backend="sglang",
+        rollout__external_engine_addrs=(url.removeprefix("http://"),),
+        rollout__use_router=False,
+        rollout__verify_engine_weights=False,
+        rollout__async_mode="one-step",
+        rollout__update_weights_interval=2,
+    )
+    done = cli("check", "logprobs", str(tmp_path / "damaged"), "--attribute", "--json", "--engine-url", url)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     assert found["largest"] == "weights" and _share(found, "weights") >= 0.8, found["links"]
@@ -307,3 +313,98 @@ def test_a_token_with_a_state_not_a_finite_number_is_left_out_of_every_figure_an
         "1 tokens with a state that is not a finite number, left out of every link; the first at step 3, sample 0, "
         "response token 1 (id 5) in definition"
     ]
+
+
+def test_a_links_mean_is_its_sum_over_its_tokens_and_a_link_of_no_token_has_mean_zero():
+    values = {state: [-1.0, -1.0] for state in STATES}
+    values["decode"] = [-1.25, -1.75]
+    found = attribute([_step(values)])
+    cache = found.links[0]
+    assert (cache.tokens, cache.sum_abs, cache.mean_abs) == (2, 1.0, 0.5)
+    step = _step({state: [-1.0] for state in STATES if state != "recorded"})
+    assert attribute([step]).not_measured[0].mean_abs == 0.0
+
+
+def test_ten_worst_tokens_by_default_the_largest_first_across_steps_each_named_whole():
+    steps = []
+    for k in range(3):
+        values = {state: [-1.0] * 5 for state in STATES}
+        values["decode"] = [-1.0 - (k * 5 + j) / 100 for j in range(5)]
+        step = _step(values, step=k)
+        step.where = torch.tensor([[7 + k, j, 100 + j] for j in range(5)])
+        steps.append(step)
+    found = attribute(steps)
+    assert len(found.worst) == 10
+    assert [(w.step, w.sample, w.response_token, w.token_id) for w in found.worst[:2]] == [
+        (2, 9, 4, 104),
+        (2, 9, 3, 103),
+    ]
+    assert found.worst[0].before == pytest.approx(-1.14, abs=1e-15) and found.worst[0].after == -1.0
+    assert found.worst[0].delta == pytest.approx(0.14)
+
+
+def test_the_worst_token_is_told_apart_in_float64_and_ties_keep_the_earlier_step():
+    a, b, c = ({state: [-1.0] for state in STATES} for _ in range(3))
+    a["decode"], b["decode"], c["decode"] = [-2.0], [-2.0 - 1e-12], [-2.0]
+    found = attribute([_step(a, 0), _step(b, 1), _step(c, 2)], top=3)
+    assert [w.step for w in found.worst] == [1, 0, 2]
+
+
+def test_a_spans_reasons_are_those_of_the_states_inside_it_and_its_ends_only():
+    values = _chain(-1.0, -1.5, -1.5, -1.5, -1.5, -1.5, -1.5, -1.5)
+    step = _step(values, measured={"engine": [False]})
+    step.reasons.update(engine="no engine to ask", dtype="a reason of a state after the span")
+    found = attribute([step])
+    assert found.links[0].names == ("cache", "kernels")
+    assert found.links[0].reasons == ["engine: no engine to ask"]
+
+
+def test_each_steps_row_gives_its_links_and_its_whole_mismatch_with_their_tokens():
+    one = {state: [-1.0, -1.0] for state in STATES}
+    one["decode"] = [-1.5, -1.25]
+    two = {state: [-1.0] for state in STATES}
+    found = attribute([_step(one, 4), _step(two, 5, measured={"recorded": [False]})])
+    first, second = found.per_step
+    assert first == {
+        "step": 4,
+        "tokens": 2,
+        "links": {name: {"tokens": 2, "mean_abs": 0.375 if name == "cache" else 0.0} for name in LINK_NAMES},
+        "total": {"tokens": 2, "mean_abs": 0.375},
+    }
+    assert second["total"] == {"tokens": 0, "mean_abs": 0.0} and "residual" not in second["links"]
+    assert found.total.tokens == 2 and found.total.mean_abs == 0.375
+
+
+def test_links_and_the_whole_sum_over_steps_and_an_unmeasured_end_counts_nowhere():
+    one = {state: [-1.0, -1.0] for state in STATES}
+    one["decode"] = [-1.5, -3.0]
+    two = {state: [-1.0] for state in STATES}
+    two["decode"] = [-1.25]
+    found = attribute([_step(one, 0, measured={"decode": [True, False]}), _step(two, 1)])
+    assert found.links[0].sum_abs == 0.75 and found.links[0].tokens == 2
+    assert found.total.tokens == 2 and found.total.mean_abs == 0.375
+    assert found.per_step[0]["total"] == {"tokens": 1, "mean_abs": 0.5}
+
+
+def test_tokens_not_finite_are_counted_over_steps_and_per_step():
+    rows = []
+    for k in range(2):
+        values = {state: [-1.0, -1.0] for state in STATES}
+        values["engine"] = [float("nan"), -1.0]
+        rows.append(_step(values, k))
+    found = attribute(rows)
+    assert [row["nonfinite"] for row in found.per_step] == [1, 1]
+    assert (
+        found.notes[0].startswith("2 tokens with a state that is not a finite number") and "in engine" in found.notes[0]
+    )
+
+
+def test_a_link_measured_nowhere_is_named_with_the_reasons_of_its_two_ends_only():
+    values = {state: [-1.0] for state in STATES}
+    step = _step(values, measured={"decode": [False]})
+    step.reasons.update(decode="no engine log-prob recorded", forward="a reason past the link")
+    found = attribute([step])
+    (cache,) = found.not_measured
+    assert (cache.names, cache.tokens, cache.sum_abs, cache.mean_abs) == (("cache",), 0, 0.0, 0.0)
+    assert cache.reasons == ["decode: no engine log-prob recorded"]
+    assert all(link.reasons == [] for link in found.links)  # a link measured alone carries no reason
