@@ -408,3 +408,33 @@ def test_a_link_measured_nowhere_is_named_with_the_reasons_of_its_two_ends_only(
     assert (cache.names, cache.tokens, cache.sum_abs, cache.mean_abs) == (("cache",), 0, 0.0, 0.0)
     assert cache.reasons == ["decode: no engine log-prob recorded"]
     assert all(link.reasons == [] for link in found.links)  # a link measured alone carries no reason
+
+
+def test_equal_deltas_keep_their_step_and_token_order_among_the_worst():
+    one = {state: [-1.0] * 20 for state in STATES}
+    one["decode"] = [-1.5] * 20
+    found = attribute([_step(one, 0)], top=20)
+    assert [w.response_token for w in found.worst] == list(range(20))
+    two = {state: [-1.0] * 10 for state in STATES}
+    two["decode"] = [-1.5] * 10
+    found = attribute([_step(two, 0), _step(two, 1)], top=20)
+    assert [(w.step, w.response_token) for w in found.worst] == [(s, t) for s in (0, 1) for t in range(10)]
+
+
+def test_a_note_of_every_step_names_no_step_and_one_of_some_names_them():
+    steps = [_step({state: [-1.0] for state in STATES}, k) for k in range(3)]
+    for step in steps:
+        step.same["forward"] = "forward = engine: one computation"
+    steps[1].same["weights"] = "weights = dtype: the same weights"
+    found = attribute(steps)
+    notes = {link.name: link.notes for link in found.links}
+    assert notes["kernels"] == ["forward = engine: one computation"]
+    assert notes["weights"] == ["weights = dtype: the same weights (steps [1])"]
+    assert found.total.names == ("total",) and found.total.name == "total"
+
+
+def test_a_step_without_the_engines_decode_has_no_whole_mismatch():
+    values = {state: [-1.0] for state in STATES if state != "decode"}
+    found = attribute([_step(values)])
+    assert found.total.tokens == 0 and "total" not in found.per_step[0]
+    assert [link.name for link in found.not_measured] == ["cache"]
