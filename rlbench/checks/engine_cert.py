@@ -216,7 +216,7 @@ def asking(post: Post, path: str, body: dict, what: str) -> Any:
 
 
 def _short(value: Any, limit: int = 200) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = value if isinstance(value, str) else json.dumps(value)  # answers are parsed JSON: they dump
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -308,7 +308,7 @@ class Check:
             }
             what = f"the prefill of prompt {i}'s answer"
             entries = _input_logprobs(asking(self.post, "/generate", body, what), what)
-            scored = entries[-len(out) :] if len(entries) >= len(out) else []
+            scored = entries[-len(out) :]  # fewer entries than output tokens: their ids are not the output's
             if [e[1] for e in scored] != list(out) or any(e[0] is None for e in scored):
                 raise Refused(
                     f"the prefill of prompt {i}'s answer: no log-prob for each output token: {_short(entries)}"
@@ -379,26 +379,22 @@ def decide(cert: Certificate, settings: Settings) -> None:
         )
         cert.verdict = "undetermined"
         return
-    compared = [mode for mode in MODES if cert.counts[mode].answers]
     if cert.first is not None:
         cert.verdict = "not deterministic"
     elif cert.stopped is not None:
         cert.verdict = "undetermined"
-    elif len(compared) < len(MODES) or not sum(t.tokens for t in cert.counts.values()):
-        missing = [mode for mode in MODES if mode not in compared] or ["any output token"]
-        cert.stopped = f"nothing compared in {', '.join(missing)} (every answer empty, or no answer to compare)"
-        cert.verdict = "undetermined"
+    elif not sum(t.tokens for t in cert.counts.values()):  # every mode's plan holds answers: were any not empty?
+        cert.stopped, cert.verdict = "nothing compared in any output token (every answer empty)", "undetermined"
     else:
         cert.verdict = "deterministic"
+    # A deterministic certificate compared output tokens, so the prefill held some; one that is not deterministic
+    # stays so (its difference is the finding), whatever the prefill held.
     gate, figure = settings.max_prefill_delta, cert.prefill
-    if gate is not None and cert.verdict != "undetermined":
-        if not figure.tokens:
-            cert.stopped, cert.verdict = "--max-prefill-delta: no output token to hold to the prefill", "undetermined"
-        elif not figure.max_abs_delta <= gate:  # NaN fails, by name
-            cert.failures.append(
-                f"decode vs prefill: max |delta| {figure.max_abs_delta!r} over {figure.tokens} tokens exceeds "
-                f"--max-prefill-delta {gate!r}"
-            )
+    if gate is not None and cert.verdict != "undetermined" and not figure.max_abs_delta <= gate:  # NaN fails, by name
+        cert.failures.append(
+            f"decode vs prefill: max |delta| {figure.max_abs_delta!r} over {figure.tokens} tokens exceeds "
+            f"--max-prefill-delta {gate!r}"
+        )
 
 
 # ---------------------------------------------------------------- the server, over HTTP
@@ -409,7 +405,7 @@ class Server:
     straight to it (no proxy from the environment). An error answer is Refused; no answer at all, BadInput."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = REQUEST_TIMEOUT_S):
-        if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        if not url.startswith(("http://", "https://")) or not url.partition("://")[2]:
             raise BadInput(f"expected an http:// or https:// address, got {url!r}", field="URL")
         self.url, self.timeout = url.rstrip("/"), timeout
         self.headers = {"Content-Type": "application/json"}
