@@ -405,7 +405,7 @@ class Server:
     straight to it (no proxy from the environment). An error answer is Refused; no answer at all, BadInput."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = REQUEST_TIMEOUT_S):
-        if not url.startswith(("http://", "https://")) or not url.partition("://")[2]:
+        if not url.startswith(("http://", "https://")) or url in ("http://", "https://"):
             raise BadInput(f"expected an http:// or https:// address, got {url!r}", field="URL")
         self.url, self.timeout = url.rstrip("/"), timeout
         self.headers = {"Content-Type": "application/json"}

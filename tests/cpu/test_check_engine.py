@@ -202,8 +202,9 @@ def test_an_address_that_is_not_http_is_refused(url):
     assert str(refused.value) == f"URL: expected an http:// or https:// address, got {url!r}"
 
 
-def test_http_and_https_addresses_are_taken_even_with_a_one_letter_host():
-    assert [Server(url).url for url in ("http://e", "https://e:8443/")] == ["http://e", "https://e:8443"]
+def test_http_and_https_addresses_are_taken_even_with_a_one_letter_host_less_a_trailing_slash():
+    taken = [Server(url).url for url in ("http://e", "http://X/", "https://e:8443/v1/")]
+    assert taken == ["http://e", "http://X", "https://e:8443/v1"]
 
 
 @contextlib.contextmanager
@@ -227,7 +228,7 @@ def _wire(answer):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()  # shutdown() waits a poll
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", seen
     finally:
@@ -328,8 +329,11 @@ def test_a_server_that_does_not_answer_in_time_is_one_line():
         sock.bind(("127.0.0.1", 0))
         sock.listen()  # connections are accepted, never answered
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        hang_up = threading.Timer(3.0, sock.close)  # past the timeout: a request without one ends, reset, at 3 s
+        hang_up.start()
         with pytest.raises(BadInput) as refused:
             Server(url, timeout=0.2)("/generate", {})
+        hang_up.cancel()
     assert str(refused.value) == f"{url}: cannot reach the server (timed out)"
 
 
@@ -763,6 +767,19 @@ def test_a_prompts_file_takes_text_or_ids(tmp_path):
     with pytest.raises(BadInput) as refused:
         read_prompts(one)
     assert str(refused.value) == f"{one}: expected at least 2 prompts (prefix mode joins them), got 1"
+
+
+def test_a_prompts_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    import locale
+
+    accented = tmp_path / "p.jsonl"
+    accented.write_text('{"prompt": "café"}\n{"prompt": "naïve"}\n', encoding="utf-8")
+    saved = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")  # an ASCII locale, as a bare container's
+    try:
+        assert read_prompts(accented) == ["café", "naïve"]
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
 
 
 @pytest.mark.parametrize(
