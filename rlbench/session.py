@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from rlbench import __version__
 from rlbench.backends import registry
-from rlbench.config import RunConfig
+from rlbench.config import RunConfig, absolute_paths
 from rlbench.core.context import Context, check_made_with
 from rlbench.core.data import PromptCursor, encode_prompts, load_dataset
 from rlbench.core.loop import (
@@ -105,6 +105,7 @@ def run(
     but not written (resume recomputes committed steps). `on_step(state)` follows each step; when
     run() returns, every written step is committed to disk."""
     started = time.perf_counter()
+    config = absolute_paths(config, keep=("out",))  # relative paths as the CLI's: against the working directory
     ctx = build(config, init_checkpoint=init_checkpoint, start=start, resume=resume, command=command)
     history = []
     pipe = Pipeline(ctx, config.steps) if config.rollout.async_mode != "off" else None

@@ -158,3 +158,20 @@ def test_the_rule_is_in_the_help_of_every_option_that_reads_a_config():
     assert helps and all("a relative path in it is relative to the file's folder" in h for h in helps), helps
     usage = " ".join((REPO / "docs" / "usage.md").read_text().split())
     assert "A relative path in a `--config` file is relative to that file's folder" in usage
+
+
+def test_a_run_config_through_the_library_records_its_relative_paths_as_the_command_line_does(tmp_path, monkeypatch):
+    """rlbench.testing.run with a RunConfig (the pytest plugin's way): a relative path against the working directory,
+    recorded absolute, so a check run later from elsewhere reads the run's model (it was recorded as given, and read
+    against / by then: the model config "missing")."""
+    from rlbench.config import load_config
+    from rlbench.testing import run
+
+    monkeypatch.chdir(REPO)
+    config = load_config(steps=1, data__prompts_per_step=2, model__path="rlbench/fixtures/models/tiny-qwen3-sft")
+    out = run(config, out=tmp_path / "r")
+    recorded = json.loads((out / "manifest.json").read_text())["config"]
+    assert recorded["model"]["path"] == str(REPO / "rlbench" / "fixtures" / "models" / "tiny-qwen3-sft")
+    assert recorded["out"] == str(tmp_path / "r")  # out as given
+    res = cli("check", "logprobs", str(out), "--recompute", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
