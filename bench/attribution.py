@@ -34,6 +34,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from scale import QWEN3_VOCAB, model_dir, real_tokenizer  # noqa: E402
+from stages import sync_device as sync  # noqa: E402
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
@@ -82,11 +83,6 @@ def base_config(shape: str, device: str, root: Path, new_tokens: int):
         train__minibatches=4,
         train__micro_batch_size=16,
     )
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def logprob_stage_seconds(out: Path, device: str) -> float:

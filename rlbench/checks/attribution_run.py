@@ -335,17 +335,12 @@ def _spans(samples: list[dict], tensors: dict) -> list[tuple[dict, int, int]]:
 
 
 def _nucleus_way(logits: torch.Tensor, ids: torch.Tensor, prompt: int, nuclei, temperature: float) -> torch.Tensor:
-    """Full-length log-probs of one sequence's response renormalised over its recorded nucleus (logprobs.py's
-    `nucleus_logprobs`, as slime's trainer and its engine read them), 0 over the prompt."""
-    from rlbench.checks.logprobs import nucleus_logprobs
+    """Full-length log-probs of one sequence's response renormalised over its recorded nucleus (logprobs.py's, as
+    slime's trainer and its engine read them), 0 over the prompt."""
+    from rlbench.checks.logprobs import response_nucleus_logprobs
 
     out = torch.zeros(len(ids), dtype=torch.float64)
-    first = max(prompt, 1)
-    if first < len(ids):
-        picked = nucleus_logprobs(
-            logits[first - 1 : len(ids) - 1], ids[first:].to(logits.device), nuclei[first - prompt :], temperature
-        )
-        out[first:] = picked.double().cpu()
+    out[prompt:] = response_nucleus_logprobs(logits, ids, prompt, nuclei, temperature).double()
     return out
 
 

@@ -140,15 +140,23 @@ def sequence_nucleus_logprobs(
 ) -> torch.Tensor:
     """The response log-probs of one sequence (ids[prompt:]) at batch size 1, each renormalised over
     its nucleus; a first token with no prefix to predict it gets 0, as `token_logprobs` gives it."""
-    first = max(prompt, 1)
-    out = torch.zeros(len(ids) - prompt, dtype=torch.float32)
-    if first >= len(ids):
-        return out
+    if max(prompt, 1) >= len(ids):
+        return torch.zeros(len(ids) - prompt, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0]
-    out[first - prompt :] = nucleus_logprobs(
-        logits[first - 1 : len(ids) - 1], ids[first:], nuclei[first - prompt :], temperature
-    ).cpu()
+    return response_nucleus_logprobs(logits, ids, prompt, nuclei, temperature)
+
+
+def response_nucleus_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, prompt: int, nuclei: list[list[int]], temperature: float
+) -> torch.Tensor:
+    """`sequence_nucleus_logprobs` from the sequence's logits [L, V] (float32 [L - prompt], on the CPU)."""
+    first = max(prompt, 1)
+    out = torch.zeros(len(ids) - prompt, dtype=torch.float32)
+    if first < len(ids):
+        out[first - prompt :] = nucleus_logprobs(
+            logits[first - 1 : len(ids) - 1], ids[first:].to(logits.device), nuclei[first - prompt :], temperature
+        ).cpu()
     return out
 
 

@@ -438,3 +438,31 @@ def test_a_step_without_the_engines_decode_has_no_whole_mismatch():
     found = attribute([_step(values)])
     assert found.total.tokens == 0 and "total" not in found.per_step[0]
     assert [link.name for link in found.not_measured] == ["cache"]
+
+
+def test_the_servers_scores_are_read_as_slimes_on_policy_distillation_reads_them(server):
+    """slime 624b824a slime/rollout/on_policy_distillation.py asks a server the same way (input_ids, max_new_tokens 0,
+    return_logprob, logprob_start_len 0) and reads meta_info.input_token_logprobs[1:], the last response_length of
+    them: the scorer (logprob_start_len one before the response) gives those values, bit for bit."""
+    import urllib.request
+
+    from rlbench.checks.attribution_http import ServerScorer
+    from rlbench.checks.attribution_run import EngineNumerics
+    from rlbench.config import load_config
+
+    ids, prompt = torch.tensor([1, 275, 201, 273, 223, 24, 276, 277, 2, 24, 278, 2]), 8
+    body = {
+        "input_ids": ids.tolist(),
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    request = urllib.request.Request(
+        server + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        entries = json.loads(answer.read())["meta_info"]["input_token_logprobs"]
+    slimes = [entry[0] for entry in entries[1:]][-(len(ids) - prompt) :]
+    scorer = ServerScorer(server, EngineNumerics.of(load_config()))
+    held, values = scorer._one(ids, prompt)
+    assert values[prompt:].tolist() == slimes and values[:prompt].abs().sum() == 0 and held
