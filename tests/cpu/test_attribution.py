@@ -466,3 +466,14 @@ def test_the_servers_scores_are_read_as_slimes_on_policy_distillation_reads_them
     scorer = ServerScorer(server, EngineNumerics.of(load_config()))
     held, values = scorer._one(ids, prompt)
     assert values[prompt:].tolist() == slimes and values[:prompt].abs().sum() == 0 and held
+
+
+def test_a_checkpoint_whose_weights_are_damaged_is_refused_naming_the_file(run_small, tmp_path):
+    run_small("damaged", steps=2, checkpoint_every=1)
+    weights = tmp_path / "damaged" / "checkpoints" / "000001" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor's values
+    weights.write_bytes(bytes(data))
+    done = cli("check", "logprobs", str(tmp_path / "damaged"), "--attribute")
+    assert done.returncode == 2 and str(weights) in done.stderr and "do not match" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
