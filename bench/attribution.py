@@ -16,7 +16,8 @@ checkpoints', what the log-prob stage holds in memory already).
 The causes (bench's names): default (the unchanged run: no cause; its float32 rounding shows in `cache`),
 nondeterministic (default with deterministic = false, GPU), engine-bf16 (rollout.dtype bfloat16 against a float32
 trainer), engine-fp8 (rollout.quantization fp8), stale-version (--async one-step), engine-top-p (rollout.logprobs
-filtered, top_p 0.9), batch-variant (rollout.batch_invariant false). `--shape 0.6B`: Qwen3-0.6B's shape with its
+filtered, top_p 0.9), batch-variant (rollout.batch_invariant false), prefix-reuse
+(rollout.prefix_invariant false). `--shape 0.6B`: Qwen3-0.6B's shape with its
 vocabulary (151,936 logits; bench/scale.py), random weights. With `--keep DIR` a run already there is attributed
 again, not made again (a GPU host's 10-minute calls carry it on).
 """
@@ -48,6 +49,7 @@ CAUSES = {  # name: (the link it belongs to, its overrides)
     "stale-version": ("weights", {"rollout__async_mode": "one-step"}),  # + an entropy bonus at 0.6B: `main`
     "engine-top-p": ("definition", {"rollout__logprobs": "filtered", "rollout__top_p": 0.9}),
     "batch-variant": ("cache", {"rollout__batch_invariant": False}),
+    "prefix-reuse": ("cache", {"rollout__prefix_invariant": False}),
 }
 
 

@@ -70,6 +70,12 @@ class RolloutConfig:
         "hf: false makes the batched decode's log-probs depend on how many requests share a forward, as a "
         "batch-variant GPU kernel does (for testing checks: `check logprobs --attribute`, `check engine`).",
     )
+    prefix_invariant: bool = setting(
+        True,
+        "hf: false makes the batched decode attend over the prompt it reuses apart from the tokens after it, the two "
+        "merged by their log-sum-exp, as an engine's attention over a prefix-cache hit does without deterministic "
+        "inference: other bits than one forward over the sequence (for testing `check logprobs --attribute`).",
+    )
     custom_generate_function_path: str | None = setting(
         None,
         "Custom generate function by dotted path: slime's async generate(args, sample, sampling_params) (run against "
@@ -157,19 +163,30 @@ class RolloutConfig:
         check(self.quantization in ("none", "fp8"), "rollout.quantization", "none or fp8", self.quantization)
         check(self.logprobs in ("full", "filtered"), "rollout.logprobs", "full or filtered", self.logprobs)
         check(isinstance(self.batch_invariant, bool), "rollout.batch_invariant", "true or false", self.batch_invariant)
-        numerics = self.dtype is not None or self.quantization != "none" or self.logprobs != "full"
         check(
-            self.backend == "hf" or not (numerics or not self.batch_invariant),
+            isinstance(self.prefix_invariant, bool), "rollout.prefix_invariant", "true or false", self.prefix_invariant
+        )
+        numerics = self.dtype is not None or self.quantization != "none" or self.logprobs != "full"
+        numerics = numerics or not (self.batch_invariant and self.prefix_invariant)
+        check(
+            self.backend == "hf" or not numerics,
             "rollout.backend",
-            "hf where rollout.dtype, quantization, logprobs or batch_invariant are set (the embedded engine's)",
+            "hf where rollout.dtype, quantization, logprobs, batch_invariant or prefix_invariant are set (the "
+            "embedded engine's)",
             self.backend,
         )
         check(
-            not (self.true_on_policy and (numerics or not self.batch_invariant)),
+            not (self.true_on_policy and numerics),
             "rollout.true_on_policy",
             "false where the engine's numerics differ from the trainer's on purpose (rollout.dtype, quantization, "
-            "logprobs, batch_invariant)",
+            "logprobs, batch_invariant, prefix_invariant)",
             self.true_on_policy,
+        )
+        check(
+            self.prefix_invariant or self.decode == "batched",
+            "rollout.decode",
+            "batched where rollout.prefix_invariant is false (the batched decode reuses the prompt's prefill)",
+            self.decode,
         )
 
     def _check_sglang(self) -> None:

@@ -154,6 +154,7 @@ class HFEngine:
         self.device, self.true_on_policy = device, true_on_policy
         self.numerics = Numerics()  # where the engine's numbers differ from the trainer's on purpose (set by registry)
         self.batch_variant = False  # a fault planted on purpose (batch_variant.py; rlbench serve --batch-variant)
+        self.prefix_variant = False  # another (batch_variant.py; rollout.prefix_invariant = false)
         self.decode, self.batch_size = decode, batch_size
         self.engine_id = engine_id
         self.weight_version = 0
@@ -192,17 +193,20 @@ class HFEngine:
         return results
 
     def forward_logits(
-        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None
+        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None, attention=None, **extra
     ) -> torch.Tensor:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole
         batch for padding). A None mask is causal for a prefill and all-visible for one token (the
         per-sample path); a mask given is the batched path's, which attends with `grouped_attention` and fused
-        RMSNorms (`fusable_norms`) on a GPU."""
+        RMSNorms (`fusable_norms`) on a GPU. `attention`: another registered attention (a planted fault's), given
+        `extra`."""
         fuse = self.grouped and mask is not None
         if fuse:
             self.model.config._attn_implementation = GROUPED
             self._fused(True)
+        if attention is not None:
+            self.model.config._attn_implementation = attention
         try:
             out = self.model(
                 input_ids=ids.to(self.device),
@@ -211,6 +215,7 @@ class HFEngine:
                 attention_mask={"full_attention": mask},
                 use_cache=True,
                 logits_to_keep=1,
+                **extra,
             )
         finally:
             self.model.config._attn_implementation = self.own_attention
@@ -274,14 +279,18 @@ class HFEngine:
         decoding.finished[index] = finish
         return GenerateResult(tuple(output), tuple(logprobs), finish, self.engine_id, self.weight_version)
 
-    def _decoder(self, rows: int, length: int, live: int) -> EagerDecode:
+    def _decoder(self, rows: int, length: int, live: int, prefix: int) -> EagerDecode:
         """The decode for a chunk: a free captured graph of that shape (captured on first use) on a GPU with
         `cuda_graphs`, else eager. Captured graphs are kept, each with its cache buffers: a run has few shapes
         (its buckets), a server may see many (every max_new_tokens its clients ask for), so past KEPT_GRAPHS the
         free graphs of the shapes used longest ago are let go (captured again if they come back). `live`: the
-        chunk's requests, the split of a `batch_variant` engine's decode (always eager)."""
-        if self.batch_variant or not self.cuda_graphs:
-            return SplitKDecode(self, rows, length, live) if self.batch_variant else EagerDecode(self, rows, length)
+        chunk's requests, the split of a `batch_variant` engine's decode; `prefix`, the prompt's columns, where a
+        `prefix_variant` one's attention splits (planted faults: always eager)."""
+        if self.batch_variant or self.prefix_variant:
+            split = prefix if self.prefix_variant else None
+            return SplitKDecode(self, rows, length, live if self.batch_variant else 1, split)
+        if not self.cuda_graphs:
+            return EagerDecode(self, rows, length)
         kept = self.graphs.pop((rows, length), [])
         self.graphs[(rows, length)] = kept  # the most recently used shape last
         free = next((graph for graph in kept if not graph.taken), None)
@@ -432,7 +441,7 @@ class HFEngine:
                 if all(done):
                     break
                 if decoder is None:
-                    decoder = self._decoder(rows, width + new, count)
+                    decoder = self._decoder(rows, width + new, count, width)
                     decoder.kv.put(slice(0, count), which.to(self.device), prefill)
                     visible = torch.zeros(rows, width + new, dtype=torch.bool)
                     visible[:count, :width] = prompt_visible[which]

@@ -193,6 +193,7 @@ def make_hf_engine(
             engine.model.to(dtype)
         engine.update_weights(named_weights(model), start)  # the engine's copy as it loads it: cast, quantized
     engine.batch_variant = not rollout.batch_invariant
+    engine.prefix_variant = not rollout.prefix_invariant
     if rollout.offload:  # slime's --offload-rollout: the GPU memory let go of between rollouts
         from rlbench.backends.engine_memory import OffloadedEngine
 

@@ -117,6 +117,7 @@ LATER_KEYS = {
     ("rollout", "quantization"): "none",
     ("rollout", "logprobs"): "full",
     ("rollout", "batch_invariant"): True,
+    ("rollout", "prefix_invariant"): True,
 }
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 TIERS = ("exact", "approx")

@@ -4,7 +4,7 @@ The chain's arithmetic on made-up states (links add up, shares, spans not split,
 verdict with its counts), then each planted cause on a real run, landing in its own link with at least 80% of the
 measured mismatch: the engine's dtype (bf16 against the float32 trainer) and its fp8 weights in `dtype`, a stale
 weight version (--async one-step) in `weights`, a top-p nucleus the engine renormalises over in `definition`, a
-batch-variant engine kernel in `cache`. The seeds are the small config's (seed 1, fixed before any of this was
+batch-variant engine kernel and prefix reuse that changes bits (the reused prompt attended apart, merged) in `cache`. The seeds are the small config's (seed 1, fixed before any of this was
 written); bench/attribution.py runs every cause over three seeds and docs/benchmarks.md says how many pass.
 """
 
@@ -115,22 +115,43 @@ def _share(found: dict, name: str) -> float:
         ("weights", {"rollout__async_mode": "one-step"}),
         ("definition", {"rollout__logprobs": "filtered", "rollout__top_p": 0.9}),
         ("cache", {"rollout__batch_invariant": False}),
+        ("cache", {"rollout__prefix_invariant": False}),
     ],
-    ids=["engine-bf16", "engine-fp8", "stale-version", "engine-top-p", "batch-variant-kernel"],
+    ids=["engine-bf16", "engine-fp8", "stale-version", "engine-top-p", "batch-variant-kernel", "prefix-reuse"],
 )
-def test_a_planted_cause_gets_at_least_80_percent_of_the_mismatch_in_its_own_link(run_small, tmp_path, link, overrides):
+def test_a_planted_cause_gets_at_least_80_percent_of_the_mismatch_in_its_own_link(
+    run_small, tmp_path, unchanged, link, overrides
+):
     run_small("planted", steps=2, checkpoint_every=1, **overrides)
     found = _attributed(tmp_path / "planted")
     assert found["largest"] == link and _share(found, link) >= 0.8, found["links"]
-    assert found["total"]["mean_abs"] > 1e-7 and not found["not_measured"]
+    assert not found["not_measured"]
     assert all(entry["tokens"] == found["tokens"] for entry in found["links"])  # every link over every token
+    # the cause made a mismatch, in its link, that the same run without it has not
+    assert _mean(found, link) > _mean(unchanged, link) and found["total"]["mean_abs"] > unchanged["total"]["mean_abs"]
 
 
-def test_the_batch_variant_kernel_changes_the_engines_decode_and_nothing_after_it(run_small, tmp_path):
-    """The planted batch-variant kernel moves the decode's log-probs (against the same run batch-invariant) while the
-    states after it are the same bits: it is the cache link's doing."""
+@pytest.fixture(scope="module")
+def unchanged(small_config, tmp_path_factory) -> dict:
+    """The attribution of the planted runs' config without a cause (2 steps, a checkpoint every step)."""
+    from rlbench.config import apply_overrides
+    from rlbench.session import run
+
+    out = tmp_path_factory.mktemp("unchanged") / "run"
+    run(apply_overrides(small_config, out=str(out), steps=2, checkpoint_every=1))
+    return _attributed(out)
+
+
+def _mean(found: dict, name: str) -> float:
+    return next(link["mean_abs"] for link in found["links"] if link["names"] == [name])
+
+
+@pytest.mark.parametrize("plant", ["batch_invariant", "prefix_invariant"])
+def test_a_planted_engine_kernel_changes_the_engines_decode_and_nothing_after_it(run_small, tmp_path, plant):
+    """The planted batch-variant kernel, or the reused prompt attended apart, moves the decode's log-probs (against the
+    same run without it) while the states after it are the same bits: it is the cache link's doing."""
     run_small("invariant", steps=1, checkpoint_every=1)
-    run_small("variant", steps=1, checkpoint_every=1, rollout__batch_invariant=False)
+    run_small("variant", steps=1, checkpoint_every=1, **{f"rollout__{plant}": False})
     from rlbench.rundir import recording
 
     a, b = (recording.read_step(tmp_path / name, 0)[0] for name in ("invariant", "variant"))
@@ -477,3 +498,70 @@ def test_a_checkpoint_whose_weights_are_damaged_is_refused_naming_the_file(run_s
     done = cli("check", "logprobs", str(tmp_path / "damaged"), "--attribute")
     assert done.returncode == 2 and str(weights) in done.stderr and "do not match" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+def test_the_prefix_plants_merged_attention_is_one_softmax_to_bfloat16s_rounding_with_other_bits():
+    """batch_variant.merged_attention: the attention over the prompt's columns and the rest apart, each part rounded
+    to bfloat16, merged by their log-sum-exp, equals one softmax over all of them to bfloat16's rounding (masked
+    columns and a part with none visible weigh nothing), and its bits differ from one softmax's."""
+    from rlbench.backends.batch_variant import merged_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 1, 8, generator=generator)
+    key, value = torch.randn(3, 2, 12, 8, generator=generator), torch.randn(3, 2, 12, 8, generator=generator)
+    mask = torch.ones(3, 1, 1, 12, dtype=torch.bool)
+    mask[0, ..., :3] = False  # row 0: its prompt left-padded by 3
+    mask[1, ..., 5:] = False  # row 1: nothing visible after the prompt
+    mask[1, ..., 11] = True
+    mask[2, ..., :5] = False  # row 2: nothing visible in the prompt
+    got, _ = merged_attention(None, query, key, value, mask, 0.35, prefix_columns=5)
+    keys, values = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
+    weights = torch.softmax((query @ keys.transpose(-1, -2) * 0.35).masked_fill(~mask, float("-inf")), dim=-1)
+    expected = (weights @ values).transpose(1, 2)
+    assert got.shape == expected.shape == (3, 1, 4, 8)
+    # each part a convex mix of values rounded once to bfloat16 (unit roundoff 2^-9), the mix's weights summing to 1
+    bound = 2**-9 * value.abs().max() + 1e-6
+    assert (got - expected).abs().max() <= bound and not torch.equal(got, expected)
+    assert torch.isfinite(got).all()  # rows 1 and 2: a part that sees nothing weighs 0, not 0/0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "expected"),
+    [
+        ({"rollout__prefix_invariant": "no"}, "rollout.prefix_invariant", "true or false"),
+        ({"rollout__batch_invariant": 0}, "rollout.batch_invariant", "true or false"),
+        (
+            {"rollout__prefix_invariant": False, "rollout__decode": "per-sample"},
+            "rollout.decode",
+            "batched where rollout.prefix_invariant is false",
+        ),
+        (
+            {"rollout__prefix_invariant": False, "rollout__true_on_policy": True},
+            "rollout.true_on_policy",
+            "false where the engine's numerics differ",
+        ),
+        (
+            {"rollout__batch_invariant": False, "rollout__true_on_policy": True},
+            "rollout.true_on_policy",
+            "false where the engine's numerics differ",
+        ),
+        (
+            {"rollout__prefix_invariant": False, "rollout__backend": "sglang"},
+            "rollout.backend",
+            "hf where rollout.dtype, quantization, logprobs, batch_invariant or prefix_invariant",
+        ),
+    ],
+)
+def test_the_engines_planted_faults_are_refused_where_they_cannot_hold(overrides, field, expected):
+    from rlbench.config import load_config
+
+    with pytest.raises(BadInput) as refused:
+        load_config(**overrides)
+    assert refused.value.field == field and expected in str(refused.value)
+
+
+def test_each_planted_fault_alone_is_accepted_on_the_embedded_batched_engine():
+    from rlbench.config import load_config
+
+    for overrides in ({"rollout__prefix_invariant": False}, {"rollout__batch_invariant": False}):
+        assert load_config(**overrides).rollout.backend == "hf"
