@@ -193,7 +193,13 @@ class HFEngine:
         return results
 
     def forward_logits(
-        self, ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None, attention=None, **extra
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVStore,
+        mask: torch.Tensor | None,
+        attention=None,
+        **extra,
     ) -> torch.Tensor:
         """Logits [rows, vocab] at the last position. Positions and the mask are always given, so
         transformers builds nothing that depends on the batch (its default mask checks the whole

@@ -4,7 +4,8 @@ The chain's arithmetic on made-up states (links add up, shares, spans not split,
 verdict with its counts), then each planted cause on a real run, landing in its own link with at least 80% of the
 measured mismatch: the engine's dtype (bf16 against the float32 trainer) and its fp8 weights in `dtype`, a stale
 weight version (--async one-step) in `weights`, a top-p nucleus the engine renormalises over in `definition`, a
-batch-variant engine kernel and prefix reuse that changes bits (the reused prompt attended apart, merged) in `cache`. The seeds are the small config's (seed 1, fixed before any of this was
+batch-variant engine kernel and prefix reuse that changes bits (the reused prompt attended apart, merged) in
+`cache`. The seeds are the small config's (seed 1, fixed before any of this was
 written); bench/attribution.py runs every cause over three seeds and docs/benchmarks.md says how many pass.
 """
 
