@@ -184,9 +184,12 @@ def main() -> None:
                 "attribution_s": round(seconds, 3),
                 "logprob_stage_s": round(stage, 3),
                 "ratio": round(seconds / stage, 2),
-                "weights_s": round(parts["weights"], 3),  # reading and verifying each version's weights
+                "setup_s": round(seconds - parts["steps"], 3),  # opening the run, its models, the summing up
+                "weights_s": round(parts["weights"], 3),  # waiting for each version's weights to be read, verified
                 "forwards_s": round(parts["forwards"], 3),
                 "forwards_ratio": round(parts["forwards"] / stage, 2),
+                "alone_s": round(parts["alone"], 3),  # of the forwards, one sample each
+                "alone_forwards": context["alone_forwards"],
                 "pass": ok,
             }
             rows.append(row)

@@ -103,14 +103,18 @@ class RunStates:
         self.megatron = config.train.backend == "megatron"
         self.rollout_only = run.manifest.get("mode") == "rollout-only"
         self.device = device
-        trainer_model = copy.deepcopy(model).to(DTYPES[self.trainer_dtype])
+        # one model per dtype (a copy of a real size costs seconds): the engine's where it computes in another
+        engine_model = copy.deepcopy(model) if self.numerics.dtype != self.trainer_dtype else None
+        trainer_model = model.to(DTYPES[self.trainer_dtype])
         self.trainer = TorchTrainer(
             trainer_model, config.train, config.algo, config.rollout.temperature, config.seed, device
         )
         self.forward_seconds = 0.0  # the forwards' time, the device synchronised (bench/attribution.py reads it)
+        self.alone = [0.0, 0]  # of which the samples-alone forwards: seconds, forwards
         self.scorer = None  # an HTTP server's (attribution_http.ServerScorer); None: the embedded engine, here
-        self.engine = ModelCopy(model, self.numerics.dtype, device)
-        self.trainer_alone = ModelCopy(model, self.trainer_dtype, device)
+        self.trainer_alone = ModelCopy(self.trainer.model, self.trainer_dtype, device)
+        engine = None if engine_model is None else ModelCopy(engine_model, self.numerics.dtype, device)
+        self.engine = engine or self.trainer_alone
         self.cast = self.numerics.dtype != self.trainer_dtype or self.numerics.quantization != "none"
         self.asked: dict[int, tuple] = {}  # version -> what the server holds of it (`_server`)
         self.imported = "imported" in run.manifest  # a slime dump (rlbench import slime): no engine, no checkpoints
@@ -120,7 +124,8 @@ class RunStates:
         """The engine's weights of `version` as it loads them (engine_numerics.held_form)."""
         from rlbench.backends.engine_numerics import held_form
 
-        return held_form(self.weights.get(version), DTYPES[self.numerics.dtype], self.numerics.quantization)
+        weights = {name: tensor.to(self.device) for name, tensor in self.weights.get(version).items()}
+        return held_form(weights, DTYPES[self.numerics.dtype], self.numerics.quantization)  # cast on the device
 
     def step(self, step: int) -> StepStates:
         tensors, meta = recording.read_step(self.run.root, step)
@@ -199,18 +204,27 @@ class RunStates:
         out.same[state] = f"{state} = {before}: {why}"
 
     def _timed(self, fn, *args):
-        """fn(*args), its time (device synchronised) added to forward_seconds less the weights read within it."""
+        """fn(*args), its time (device synchronised) added to forward_seconds less the weights read within it.
+        Deterministic mode's fill of every new tensor with NaN (a guard against reading memory nothing wrote) is
+        left out: a forward writes every tensor it reads, so the values are the same (as a captured decode's)."""
         read = self.weights.seconds
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
         _sync(self.device)
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
             _sync(self.device)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
             self.forward_seconds += time.perf_counter() - start - (self.weights.seconds - read)
 
     def _alone(self, holder: ModelCopy, ids, rows, key) -> list[torch.Tensor | None]:
-        return self._timed(self._alone_pass, holder, ids, rows, key)
+        before = self.forward_seconds
+        out = self._timed(self._alone_pass, holder, ids, rows, key)
+        self.alone[0] += self.forward_seconds - before
+        self.alone[1] += sum(part is not None for part in out)
+        return out
 
     def _alone_pass(self, holder: ModelCopy, ids, rows, key) -> list[torch.Tensor | None]:
         """Per judged sample whose weights exist, its log-probs read the engine's way at batch size 1 in `holder`,
@@ -281,12 +295,10 @@ class RunStates:
     def _as_trained_pass(self, tensors, meta, version: int, index, out: StepStates) -> None:
         """micro_batch and definition: the logprob stage's pass, with the trainer's weights of `version`."""
         from rlbench.core import algo
-        from rlbench.core.model import load_named_
         from rlbench.core.samples import train_batch
 
         trainer = self.trainer
-        load_named_(trainer.model, self.weights.get(version), source=f"weight version {version}")
-        trainer.model.eval()
+        self.trainer_alone.load(("own", version), self._weights_of)  # the trainer's model: its alone forwards' too
         batch = train_batch({**tensors, "advantages": torch.zeros(tensors["rewards"].shape)})
         tokens, lengths = batch.tokens, batch.lengths
         dp_shards = meta.get("dp_shards") or []
@@ -379,6 +391,9 @@ def attribute_run(
         raise BadInput(
             f"the run ran on {device}, which this machine has not: --device cpu attributes it here", field="--device"
         )
+    from rlbench.core.seeding import configure_determinism
+
+    configure_determinism(config.threads, device, config.deterministic)  # the run's threads and algorithms
     states = RunStates(run, config, device)
     if engine_url is not None:
         from rlbench.checks.attribution_http import ServerScorer
@@ -396,10 +411,13 @@ def attribute_run(
     computed, began = [], time.perf_counter()
     try:
         for k, step in enumerate(wanted):
+            if k + 1 < len(wanted) and not states.rollout_only:  # the next step's weights read while this one runs
+                states.weights.prefetch(wanted[k + 1])
             computed.append(states.step(step))
             if progress is not None:
                 progress(k + 1, len(wanted))
     finally:
+        states.weights.close()
         if states.scorer is not None:
             states.scorer.close()
     if not sum(step.tokens() for step in computed):
@@ -422,7 +440,9 @@ def attribute_run(
             "steps": time.perf_counter() - began,
             "weights": states.weights.seconds,
             "forwards": states.forward_seconds,
+            "alone": states.alone[0],  # of the forwards, those of one sample each (`alone_forwards` of them)
         },
+        "alone_forwards": states.alone[1],
         "trainer": f"slime's, as recorded; recomputed with the transformers forward of {config.model.path} "
         f"({states.trainer_dtype}) in the train dump's micro-batches"
         if states.imported
