@@ -70,7 +70,8 @@ class EngineNumerics:
 def engine_logprobs(logits: torch.Tensor, ids: torch.Tensor, numerics: EngineNumerics) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1 from logits [L, V] of positions 0..L-1, read the engine's way: the
     log-softmax of logits.float() / T (T 0: greedy, read at 1), renormalised over the tokens top-k and top-p keep
-    where rollout.logprobs is "filtered" (sampling.filtered_logprobs). [L] float64, position 0 gets 0."""
+    where rollout.logprobs is "filtered" (sampling.filtered_logprobs). [L] float64 on the logits' device (no wait for
+    the device here: a pass's forwards queue up), position 0 gets 0."""
     from rlbench.backends.sampling import filtered_logprobs
 
     t = numerics.temperature if numerics.temperature > 0 else 1.0
@@ -80,7 +81,7 @@ def engine_logprobs(logits: torch.Tensor, ids: torch.Tensor, numerics: EngineNum
         picked = filtered_logprobs(logp, targets, numerics.top_k, numerics.top_p)
     else:
         picked = logp.gather(-1, targets[:, None]).squeeze(-1)
-    return torch.cat([picked.new_zeros(1), picked]).double().cpu()
+    return torch.cat([picked.new_zeros(1), picked]).double()
 
 
 def _alone_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,7 @@ class RunStates:
         for i in sorted(wanted, key=lambda i: key(i)[1]):  # each weight set loaded once
             model = holder.load(key(i), self._weights_of)
             out[i] = self._engine_way(_alone_logits(model, ids[i]), ids[i], i)
-        return out
+        return [None if part is None else part.cpu() for part in out]  # one wait, after the pass's last forward
 
     def _engine_way(self, logits: torch.Tensor, ids: torch.Tensor, i: int) -> torch.Tensor:
         """Sample i's log-probs read the engine's way: over its recorded top-p nucleus where it has one (an imported
