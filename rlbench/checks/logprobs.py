@@ -140,8 +140,6 @@ def sequence_nucleus_logprobs(
 ) -> torch.Tensor:
     """The response log-probs of one sequence (ids[prompt:]) at batch size 1, each renormalised over
     its nucleus; a first token with no prefix to predict it gets 0, as `token_logprobs` gives it."""
-    if max(prompt, 1) >= len(ids):
-        return torch.zeros(len(ids) - prompt, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0]
     return response_nucleus_logprobs(logits, ids, prompt, nuclei, temperature)

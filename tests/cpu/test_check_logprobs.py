@@ -96,6 +96,28 @@ def test_recompute_on_a_rollout_only_run(run_small, tmp_path):
     assert check_logprobs(tmp_path / "rot", recompute=True).stats["max_abs"] == 0.0
 
 
+def test_recompute_of_a_true_on_policy_run_scores_each_sample_alone_as_its_trainer_did(
+    run_small, tmp_path, monkeypatch
+):
+    """On the CPU a sample alone and in a micro-batch give the same bits here, so the values cannot tell: the call
+    can. The recomputer asks the trainer for the run's own batch composition."""
+    from rlbench.backends.torch_trainer import TorchTrainer
+
+    asked = []
+    real = TorchTrainer.logprobs
+
+    def spy(self, tokens, *args, **kwargs):
+        asked.append(kwargs.get("per_sample"))
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TorchTrainer, "logprobs", spy)
+    for name, on_policy in (("alone", True), ("batched", False)):
+        run_small(name, steps=1, mode="rollout-only", rollout__true_on_policy=on_policy)
+        asked.clear()
+        check_logprobs(tmp_path / name, recompute=True)
+        assert asked == [on_policy]
+
+
 def test_recompute_on_a_full_run_uses_exact_checkpoints(run_small, tmp_path):
     run_small("a", steps=3)  # checkpoints after 0 and 2 steps (and 3, the end)
     report = check_logprobs(tmp_path / "a", recompute=True)
