@@ -52,8 +52,6 @@ def test_a_teams_suite_passes_fails_on_a_planted_change_and_passes_after_an_upda
     assert "rollout/raw_reward" in moved.stdout, moved.stdout[-3000:]
     assert "9 of 12 metrics regressed (36 values compared, steps 0..2)" in moved.stdout  # docs/ci.md says so
 
-    refused = _pytest(bin_dir, project, env, "--rlbench-update-golden", "-k", "loop_did_not_move")
-    assert refused.returncode == 4 and "--rlbench-update-golden needs --rlbench-reason" in refused.stderr
     reason = "reward: an answer that says odd scores 0.5"
     updated = _pytest(bin_dir, project, env, "--rlbench-update-golden", "--rlbench-reason", reason, "-k", "loop_did")
     assert updated.returncode == 0, updated.stdout[-3000:]
@@ -77,7 +75,7 @@ def test_a_teams_suite_passes_fails_on_a_planted_change_and_passes_after_an_upda
     assert "token-in-token-out drift" in template.stdout
 
 
-def test_a_missing_golden_file_fails_and_says_how_to_write_it(pytester):
+def test_a_missing_golden_file_fails_and_says_how_to_write_it_and_an_update_needs_a_reason(pytester):
     pytester.makepyfile(
         """
         def test_curve(golden, tmp_path):
@@ -89,6 +87,9 @@ def test_a_missing_golden_file_fails_and_says_how_to_write_it(pytester):
     result.stdout.fnmatch_lines(
         ["*golden/test_curve.json: no golden file; write it with pytest --rlbench-update-golden*"]
     )
+    assert not (pytester.path / "golden").exists()
+    refused = pytester.runpytest("-p", "no:cacheprovider", "--rlbench-update-golden")  # an update needs its reason
+    assert refused.ret == 4 and "--rlbench-update-golden needs --rlbench-reason" in refused.stderr.str()
     assert not (pytester.path / "golden").exists()
 
 
