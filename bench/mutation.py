@@ -54,6 +54,7 @@ MODULES = {
     "rlbench/core/algo.py": ["tests/cpu/test_algo.py"],
     "rlbench/core/ppo.py": ["tests/conformance/slime/test_ppo.py"],
     "rlbench/core/critic.py": ["tests/cpu/test_critic.py"],
+    "rlbench/backends/critic_trainer.py": ["tests/cpu/test_critic.py"],
     "rlbench/core/seeding.py": ["tests/cpu/test_seeding.py"],
     "rlbench/core/reward.py": ["tests/cpu/test_reward_plugin.py", "-k", "not drives_the_loop"],
     "rlbench/rundir/digest.py": [

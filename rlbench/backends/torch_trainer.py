@@ -279,7 +279,7 @@ class TorchTrainer:
         grads = digest.Digests([None, *self.param_names()])  # None: all of them, in order; a name: its own
         # Metric sums and losses stay on the device until the step's end: no wait for the GPU mid-step.
         # float64 sums: the same arithmetic as adding Python floats, in the same order.
-        sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in algo.loss_metric_names(acfg)}
+        sums = {name: torch.zeros((), dtype=torch.float64, device=self.device) for name in self._metric_names()}
         losses, grad_norms = [], []
         lengths = _lengths(batch.tokens, batch.lengths)
         # a minibatch's loss adds up in float32, or in float64 in a float64 run (then recorded rounded to float32)
@@ -319,6 +319,10 @@ class TorchTrainer:
         return algo.TrainStats(
             metrics=metrics, losses=losses.float(), grads_digest=param_grads.pop(None), param_grads=param_grads
         )
+
+    def _metric_names(self) -> tuple[str, ...]:
+        """The train/* metrics `_loss` adds its shares of (the critic's trainer reports others)."""
+        return algo.loss_metric_names(self.algo_config)
 
     def _loss(
         self,

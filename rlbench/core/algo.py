@@ -59,6 +59,10 @@ class TrainBatch:
     # [n] int64: the rollout each sample belongs to, where a slime plugin's fan-out gave one rollout several samples
     # (None: one sample, one rollout). Minibatches then hold whole rollouts, and the loss is a mean over rollouts.
     rollouts: torch.Tensor | None = None
+    # PPO's critic (issue 56): its values before the update and the returns, [n, L] aligned with tokens (the value
+    # of token t at t), for the value loss (backends/critic_trainer.py); None for the policy
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
 
 @dataclass

@@ -72,3 +72,95 @@ def test_a_bf16_policy_gives_a_bf16_critic_whose_values_are_float32(policy):
     assert torch.equal(critic.head.weight.float(), expected.to(torch.bfloat16).float())
     with torch.no_grad():
         assert token_values(critic, torch.tensor([[5, 9, 14]])).dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- the critic's trainer
+
+
+def _batch(n: int = 6, width: int = 9, seed: int = 0):
+    from rlbench.core.algo import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 60, (n, width), generator=g)
+    lengths = torch.tensor([width - (i % 3) for i in range(n)])
+    mask = torch.zeros(n, width)
+    for i, length in enumerate(lengths.tolist()):
+        tokens[i, length:] = 0
+        mask[i, 3:length] = 1.0  # the response: positions 3.. of each sequence
+    mask[1, 5] = 0.0  # a tool token
+    returns = torch.randn(n, width, generator=g) * mask
+    return TrainBatch(tokens, mask, torch.zeros(n), torch.zeros(n, width), None, lengths=lengths, returns=returns)
+
+
+def _trainer(policy, seed: int = 5, algo=None, **train):
+    from rlbench.backends.critic_trainer import CriticTrainer
+    from rlbench.config import AlgoConfig, TrainConfig
+
+    config = TrainConfig(**{"minibatches": 2, "micro_batch_size": 2, "lr": 1e-3, **train})
+    # the actor's options as a run gives them: KL and TIS are the actor's, the critic has neither
+    options = AlgoConfig(kl_coef=0.1, use_tis=True) if algo is None else algo
+    return CriticTrainer(ValueModel(policy, seed=seed), config, options, 0.2, seed)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_critic_trains_on_the_clipped_value_loss_under_slimes_names(policy, per_token):
+    """One minibatch of three micro-batches: every micro-batch at the weights before the update, so the step's
+    loss and clip fraction are the value loss of the whole batch, reduced per sample or per token."""
+    from rlbench.config import AlgoConfig
+    from rlbench.core import algo, ppo
+
+    trainer = _trainer(policy, minibatches=1, algo=AlgoConfig(kl_coef=0.1, use_tis=True, per_token_loss=per_token))
+    assert trainer.reference is None  # slime's critic role has no KL term
+    batch = _batch()
+    now = trainer.values(batch.tokens, batch.lengths)
+    batch.values = now + torch.tensor([0.5, -0.1, 0.3, 0.0, -0.4, 0.05])[:, None]  # some past the clip
+    terms, clipped = ppo.value_loss_terms(now, batch.values, batch.returns, 0.2)
+    reduce = algo.reducer(batch.loss_mask, batch.loss_mask.sum() if per_token else None)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    stats = trainer.train_step(batch, step=0)
+    assert set(stats.metrics) == {"train/critic-value_loss", "train/critic-value_clipfrac", "train/critic-grad_norm"}
+    for key, want in (("value_loss", reduce(terms)), ("value_clipfrac", reduce(clipped))):
+        assert abs(stats.metrics[f"train/critic-{key}"] - float(want)) <= 1e-6 * max(1.0, float(want)), key
+    assert 0 < stats.metrics["train/critic-value_clipfrac"] < 1 and stats.metrics["train/critic-grad_norm"] > 0
+    assert abs(float(stats.losses[0]) - float(reduce(terms))) <= 1e-6 * max(1.0, float(reduce(terms)))
+    assert all(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+
+
+def test_the_critics_minibatches_are_the_actors_and_its_step_the_same_bits_twice(policy):
+    from rlbench.core import algo, ppo
+
+    runs = []
+    for _ in range(2):
+        trainer = _trainer(policy)
+        batch = _batch()
+        batch.values = trainer.values(batch.tokens, batch.lengths)
+        first = torch.randperm(6, generator=generator(5, "minibatch", 0))[:3]  # the actor's first minibatch
+        terms, _ = ppo.value_loss_terms(batch.values[first], batch.values[first], batch.returns[first], 0.2)
+        runs.append((trainer.train_step(batch, step=0), float(algo.reducer(batch.loss_mask[first])(terms))))
+    (stats, expected), (again, _) = runs
+    assert abs(float(stats.losses[0]) - expected) <= 1e-6 * max(1.0, expected)
+    assert again.grads_digest == stats.grads_digest and torch.equal(again.losses, stats.losses)
+
+
+def test_the_critic_refuses_samples_that_share_rollouts(policy):
+    from rlbench.errors import BadInput
+
+    trainer = _trainer(policy)
+    batch = _batch()
+    batch.values, batch.rollouts = torch.zeros_like(batch.returns), torch.arange(6) // 2
+    with pytest.raises(BadInput, match="share rollouts"):
+        trainer.train_step(batch, step=0)
+
+
+def test_the_critic_learns_the_returns_and_refuses_a_batch_without_values(policy):
+    from rlbench.errors import BadInput
+
+    trainer = _trainer(policy, minibatches=1, micro_batch_size=6, lr=3e-3)
+    batch = _batch()
+    with pytest.raises(BadInput, match="the critic trains on values and returns"):
+        trainer.train_step(batch, step=0)
+    losses = []
+    for step in range(8):
+        batch.values = trainer.values(batch.tokens, batch.lengths)
+        losses.append(trainer.train_step(batch, step=step).metrics["train/critic-value_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
