@@ -358,7 +358,9 @@ class TorchTrainer:
         loss, terms = algo.policy_loss(
             logp,
             given["old_logprobs"],
-            batch.advantages[index].to(self.device),
+            (batch.advantages[index, :width] if batch.advantages.dim() == 2 else batch.advantages[index]).to(
+                self.device
+            ),
             mask,
             entropy,
             acfg,

@@ -51,7 +51,7 @@ class TrainBatch:
 
     tokens: torch.Tensor  # [n, L] int64, right-padded
     loss_mask: torch.Tensor  # [n, L] float32; 1 on sampled response tokens (position t predicts token t)
-    advantages: torch.Tensor  # [n] float32
+    advantages: torch.Tensor  # [n] float32, or [n, L] per token (PPO with a critic, aligned with tokens)
     old_logprobs: torch.Tensor  # [n, L] float32, aligned with tokens (0 where mask is 0)
     ref_logprobs: torch.Tensor | None  # [n, L] or None when KL is off
     lengths: torch.Tensor | None = None  # [n] real length of each row (the rest is padding)
@@ -290,7 +290,7 @@ def policy_terms(
     if estimator == "gspo":
         log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(logp)
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # PPO's per token, the others' per sample
     if estimator == "cispo":
         truncated = ratio.clamp(1 - eps_low, 1 + eps_high)
         return -truncated.detach() * adv * logp, (truncated != ratio).float(), -log_ratio, ratio

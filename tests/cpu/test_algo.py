@@ -726,3 +726,21 @@ def test_logprob_stage_leaves_out_samples_without_rollout_logprobs_and_tis_refus
     assert _logprob_stage([{}, {}], use_tis=True).batch.rollout_logprobs is not None
     with pytest.raises(BadInput, match="algo.use_tis: step 3: sample 1 has no rollout log-probs"):
         _logprob_stage([{}, {"has_rollout_logprobs": False}], use_tis=True)
+
+
+def test_per_token_advantages_are_each_tokens_own_and_a_constant_row_is_the_per_sample_advantage():
+    """PPO with a critic (issue 56) gives every token its own advantage ([n, L]); the other estimators one per sample
+    ([n]), which is the same as that value on every token of its row, bit for bit."""
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.9, -1.1]])
+    old = torch.tensor([[-1.2, -0.4, -1.0], [-0.3, -1.5, -1.1]])
+    mask = torch.ones(2, 3)
+    per_sample = torch.tensor([0.7, -1.3])
+    one = algo.policy_terms(logp, old, per_sample, mask, "grpo", 0.2, 0.28)
+    rows = algo.policy_terms(logp, old, per_sample[:, None].expand(2, 3), mask, "grpo", 0.2, 0.28)
+    assert all(torch.equal(a, b) for a, b in zip(one, rows))
+    per_token = torch.tensor([[0.5, -1.0, 2.0], [0.0, 1.5, -0.25]])
+    loss, clipped, _, ratio = algo.policy_terms(logp, old, per_token, mask, "grpo", 0.2, 0.28)
+    unclipped, bounded = -per_token * ratio, -per_token * ratio.clamp(0.8, 1.28)
+    assert torch.equal(loss, torch.maximum(unclipped, bounded))
+    assert torch.equal(clipped, (bounded > unclipped).float())
+    assert clipped.sum() > 0 and loss[1, 0] == 0  # some token clipped; an advantage of 0 gives no loss

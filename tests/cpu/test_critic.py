@@ -164,3 +164,27 @@ def test_the_critic_learns_the_returns_and_refuses_a_batch_without_values(policy
         batch.values = trainer.values(batch.tokens, batch.lengths)
         losses.append(trainer.train_step(batch, step=step).metrics["train/critic-value_loss"])
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_the_actor_trains_on_per_token_advantages_and_a_constant_row_is_its_samples_advantage(policy):
+    """The policy's trainer with PPO's [n, L] advantages: a row holding one value on every token trains to the
+    same bits as that sample's [n] advantage; other per-token values train otherwise."""
+    import copy
+
+    from rlbench.backends.torch_trainer import TorchTrainer
+    from rlbench.config import AlgoConfig, TrainConfig
+
+    def step(advantages):
+        trainer = TorchTrainer(
+            copy.deepcopy(policy), TrainConfig(minibatches=2, micro_batch_size=2), AlgoConfig(kl_coef=0.0), 1.0, 5
+        )
+        batch = _batch()
+        batch.advantages = advantages
+        batch.old_logprobs = trainer.logprobs(batch.tokens, lengths=batch.lengths) * batch.loss_mask
+        return trainer.train_step(batch, step=0)
+
+    per_sample = torch.tensor([0.5, -1.0, 0.25, 2.0, -0.5, 1.0])
+    one, rows = step(per_sample), step(per_sample[:, None].expand(6, 9).clone())
+    assert one.grads_digest == rows.grads_digest and torch.equal(one.losses, rows.losses)
+    varied = per_sample[:, None] * torch.linspace(0.5, 1.5, 9)[None, :]
+    assert step(varied).grads_digest != one.grads_digest
