@@ -51,7 +51,7 @@ EQUIVALENT = REPO / "bench" / "mutation_equivalent.toml"
 # selected tests that call the mutated function). Fast unit tests only: a forked worker reruns its
 # tests' fixtures for every mutant.
 MODULES = {
-    "rlbench/core/algo.py": ["tests/cpu/test_algo.py"],
+    "rlbench/core/algo.py": ["tests/cpu/test_algo.py", "tests/conformance/slime/test_algo.py"],
     "rlbench/core/ppo.py": ["tests/conformance/slime/test_ppo.py"],
     "rlbench/core/critic.py": ["tests/cpu/test_critic.py"],
     "rlbench/backends/critic_trainer.py": ["tests/cpu/test_critic.py"],
