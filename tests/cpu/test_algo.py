@@ -744,3 +744,51 @@ def test_per_token_advantages_are_each_tokens_own_and_a_constant_row_is_the_per_
     assert torch.equal(loss, torch.maximum(unclipped, bounded))
     assert torch.equal(clipped, (bounded > unclipped).float())
     assert clipped.sum() > 0 and loss[1, 0] == 0  # some token clipped; an advantage of 0 gives no loss
+
+
+def test_the_position_chunks_cover_every_position_once_each_at_most_chunk_logits(monkeypatch):
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", 13)
+    logits = torch.zeros(2, 7, 3)  # 6 logits a position: 2 positions a chunk
+    assert algo._position_chunks(logits) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", 5)  # less than one position: one position a chunk
+    assert algo._position_chunks(logits) == [slice(k, k + 1) for k in range(7)]
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", 42)
+    assert algo._position_chunks(logits) == [slice(0, 7)]
+    assert algo._position_chunks(torch.zeros(2, 0, 3)) == []
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", 2)  # one logit a position: two positions a chunk
+    assert algo._position_chunks(torch.zeros(1, 5, 1)) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+
+
+@pytest.mark.parametrize("limit", [6, 13, 1 << 26])
+def test_chunked_log_probs_and_entropy_are_the_whole_tensors_bits_and_so_are_their_gradients(monkeypatch, limit):
+    """Chunks of positions (checkpointed under autograd, one call a chunk) give the values and gradients of one pass
+    over the whole, bit for bit: the log-softmax is computed row by row."""
+    import torch.utils.checkpoint as checkpointing
+
+    generator_ = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 7, 3, generator=generator_)
+    tokens = torch.randint(0, 3, (2, 7), generator=generator_)
+
+    def run():
+        logits = base.clone().requires_grad_(True)
+        logp = algo.token_logprobs(logits, tokens, 0.7)
+        entropy = algo.token_entropy(logits, 0.7)
+        (logp.sum() + entropy.sum()).backward()
+        return logp.detach(), entropy.detach(), logits.grad
+
+    whole = run()
+    calls = []
+    real = checkpointing.checkpoint
+    # non-reentrant: the reentrant form's backward runs outside autograd's graph (and warns when not asked)
+    monkeypatch.setattr(
+        checkpointing, "checkpoint", lambda *a, **k: calls.append(k.get("use_reentrant")) or real(*a, **k)
+    )
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", limit)
+    chunked = run()
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    chunks = len(algo._position_chunks(base[:, :-1]))
+    assert calls == [False] * (2 * chunks if chunks > 1 else 0)  # log-probs and entropy, each chunk checkpointed
+    calls.clear()
+    with torch.no_grad():
+        assert torch.equal(algo.token_logprobs(base, tokens, 0.7), whole[0]) and not calls  # nothing to keep
+    assert torch.equal(algo.token_logprobs(base, tokens, 0.7), whole[0]) and not calls  # logits needing no grad
