@@ -792,3 +792,34 @@ def test_chunked_log_probs_and_entropy_are_the_whole_tensors_bits_and_so_are_the
     with torch.no_grad():
         assert torch.equal(algo.token_logprobs(base, tokens, 0.7), whole[0]) and not calls  # nothing to keep
     assert torch.equal(algo.token_logprobs(base, tokens, 0.7), whole[0]) and not calls  # logits needing no grad
+
+
+def test_a_fan_outs_denominators_are_each_rollouts_token_total_and_its_loss_a_mean_over_rollouts():
+    """slime's rollout_mask_sums and its per-rollout reducer: samples of one rollout share its token total; each
+    sample's masked sum over it, summed, over the minibatch's rollout count."""
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    rollouts = torch.tensor([7, 7, 2, 9, 4])
+    denominators = algo.rollout_denominators(mask, rollouts)
+    assert denominators.dtype == mask.dtype and denominators.tolist() == [5.0, 5.0, 0.0, 4.0, 1.0]
+    values = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    got = algo.rollout_reducer(mask, denominators, 4)(values)
+    sums = (values * mask).sum(-1)  # 1, 15, 0, 54, 16
+    expected = (sums / denominators.clamp(min=1)).sum() / 4  # a rollout of no trained token counts as one token
+    assert torch.equal(got, expected) and abs(float(got) - (16 / 5 + 0 + 54 / 4 + 16 / 1) / 4) < 1e-6
+
+
+def test_whitening_two_tokens_takes_bessels_correction():
+    out = algo.whiten(torch.tensor([1.0, 3.0]), torch.tensor([1, 1]))
+    # mean 2; variance 1 over the two, 2 with Bessel's correction
+    assert torch.allclose(out, torch.tensor([-1.0, 1.0]) / (2 + 1e-8) ** 0.5, rtol=0, atol=1e-7)
+
+
+def test_bf16_logits_are_read_in_float32_and_a_gspo_sample_of_one_token_is_its_own_ratio():
+    logits = torch.randn(1, 4, 9, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    tokens = torch.tensor([[1, 5, 2, 7]])
+    got = algo.token_logprobs(logits, tokens, 1.0)
+    assert got.dtype == torch.float32 and torch.equal(got, algo.token_logprobs(logits.float(), tokens, 1.0))
+    logp, old = torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[0.0, -1.5, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 0.0]])  # one trained token: the mean log-ratio is its own, 0.5
+    _, _, kl, ratio = algo.policy_terms(logp, old, torch.tensor([1.0]), mask, "gspo", 0.2, 0.28)
+    assert torch.allclose(ratio, torch.full((1, 3), math.exp(0.5))) and torch.allclose(kl, torch.full((1, 3), -0.5))
