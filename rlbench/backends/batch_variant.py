@@ -16,9 +16,11 @@ graph would keep the k of its capture).
 
 Prefix variance (`rollout.prefix_invariant = false`): an engine that reuses a cached prefix (SGLang's radix cache, a
 GRPO group's shared prompt) attends over it apart from the tokens after it and merges the two partial softmaxes by
-their log-sum-exp (FlashInfer's cascade attention and merge_state, SGLang's extend kernel over a prefix-cache hit).
-merge_state takes the partial outputs as the kernels wrote them, in the model's half precision (bfloat16), with
-float32 log-sum-exps; one softmax over the whole sequence, as a forward over it computes, rounds its output once.
+their log-sum-exp (FlashInfer's cascade attention, SGLang's python/sglang/srt/layers/attention/merge_state.py).
+SGLang's merge_state takes the prefix's and the suffix's outputs as the kernels wrote them, in the model's dtype
+(bfloat16 on a GPU), with float32 log-sum-exps, and weighs each by exp(lse - max) over their sum; here each weighs
+exp(lse - logaddexp(both)), the same to rounding (this is a plant, not SGLang's kernel). One softmax over the whole
+sequence, as a forward over it computes, rounds its output once.
 With it on, the batched decode's every step attends that way, the split at the prompt's columns (the prefill each
 row reuses), the partial outputs rounded to bfloat16 whatever the model's dtype (a float32 model's rounding alone
 would hide in the 1e-7 a token its batched decode already differs by): the same attention to bfloat16's rounding,

@@ -6,7 +6,6 @@ forwards take on a GPU: grouped attention (each key/value head read once) and fu
 from __future__ import annotations
 
 import contextlib
-
 from typing import Protocol
 
 import torch
@@ -105,6 +104,19 @@ class EagerDecode:
         return self.engine.forward_logits(tokens, positions, self.kv, mask.to(self.engine.device))
 
 
+@contextlib.contextmanager
+def without_nan_fill():
+    """Deterministic mode fills every new tensor with NaN first (a guard against reading memory nothing wrote): a
+    few hundred fill kernels a forward. Within this, for forwards that write every tensor they read (the values are
+    the same), it does not."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 _WARM_UP: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -138,16 +150,10 @@ class GraphDecode(EagerDecode):
                 engine.forward_logits(self.tokens, self.positions, self.kv, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # Deterministic mode fills every new tensor with NaN first (a guard against reading memory nothing wrote):
-        # a few hundred fill kernels a step. The graph's forward writes every tensor it reads, as the eager forward
-        # does (tests/gpu/test_engine_cuda.py holds their bits equal), so its capture leaves the fills out.
-        fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        try:
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.logits = engine.forward_logits(self.tokens, self.positions, self.kv, self.mask)
-        finally:
-            torch.utils.deterministic.fill_uninitialized_memory = fill
+        # The graph's forward writes every tensor it reads, as the eager forward does (tests/gpu/test_engine_cuda.py
+        # holds their bits equal), so its capture leaves deterministic mode's fills out.
+        with without_nan_fill(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.logits = engine.forward_logits(self.tokens, self.positions, self.kv, self.mask)
         self.taken = False
 
     def claim(self) -> GraphDecode:

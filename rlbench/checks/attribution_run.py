@@ -117,6 +117,8 @@ class RunStates:
         engine = None if engine_model is None else ModelCopy(engine_model, self.numerics.dtype, device)
         self.engine = engine or self.trainer_alone
         self.cast = self.numerics.dtype != self.trainer_dtype or self.numerics.quantization != "none"
+        # uncast, the engine holds the trainer's weights as they are (one model): named so, they are not loaded again
+        self.held_kind = "held" if self.cast else "own"
         self.asked: dict[int, tuple] = {}  # version -> what the server holds of it (`_server`)
         self.imported = "imported" in run.manifest  # a slime dump (rlbench import slime): no engine, no checkpoints
         self.nuclei: list = []
@@ -160,7 +162,7 @@ class RunStates:
         elif self.imported:
             out.reasons["engine"] = "a slime dump holds no engine to ask (--engine-url asks a server)"
         else:
-            out.put("engine", *flat(self._alone(self.engine, ids, rows, lambda i: ("held", versions[i]))))
+            out.put("engine", *flat(self._alone(self.engine, ids, rows, lambda i: (self.held_kind, versions[i]))))
             if missing:
                 out.reasons["engine"] = no_weights
         if self.megatron:
@@ -171,7 +173,7 @@ class RunStates:
             self._same(out, "forward", "engine", "the embedded engine runs the trainer's model code: one computation")
             damaged = set()
         else:
-            held = "held" if self.scorer is None else "server"
+            held = self.held_kind if self.scorer is None else "server"
             out.put("forward", *flat(self._alone(self.engine, ids, rows, lambda i: (held, versions[i]))))
             damaged = {versions[i] for i in rows if self.weights.has(versions[i]) and self._server(versions[i])[1]}
             self._server_notes(sorted({versions[i] for i in rows if self.weights.has(versions[i])}), out)
@@ -205,19 +207,18 @@ class RunStates:
         out.same[state] = f"{state} = {before}: {why}"
 
     def _timed(self, fn, *args):
-        """fn(*args), its time (device synchronised) added to forward_seconds less the weights read within it.
-        Deterministic mode's fill of every new tensor with NaN (a guard against reading memory nothing wrote) is
-        left out: a forward writes every tensor it reads, so the values are the same (as a captured decode's)."""
+        """fn(*args), its time (device synchronised) added to forward_seconds less the weights read within it; without
+        deterministic mode's NaN fills (batched_forward.without_nan_fill: forwards write every tensor they read)."""
+        from rlbench.backends.batched_forward import without_nan_fill
+
         read = self.weights.seconds
-        fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
         _sync(self.device)
         start = time.perf_counter()
         try:
-            return fn(*args)
+            with without_nan_fill():
+                return fn(*args)
         finally:
             _sync(self.device)
-            torch.utils.deterministic.fill_uninitialized_memory = fill
             self.forward_seconds += time.perf_counter() - start - (self.weights.seconds - read)
 
     def _alone(self, holder: ModelCopy, ids, rows, key) -> list[torch.Tensor | None]:

@@ -529,19 +529,33 @@ def slime_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> int:
-    parser = slime_parser(__doc__.splitlines()[0])
+def shimmed_slime(description: str) -> tuple[argparse.Namespace, str]:
+    """A generator's start: its command line (--slime, --commit, --out), slime's commit, the shims installed, one
+    thread. Returns the arguments and the commit."""
+    parser = slime_parser(description)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     commit = commit_of(args.slime, args.commit)
     install_shims(args.slime.resolve())
     torch.set_num_threads(1)
+    return args, commit
+
+
+def header(schema: str, commit: str, read: tuple[str, ...], generator: str) -> dict:
+    """What an expected-values document says of where it came from."""
+    return {
+        "schema": schema,
+        "slime": {"repository": "THUDM/slime", "commit": commit, "read": list(read)},
+        "generator": generator,
+        "torch": torch.__version__,
+    }
+
+
+def main() -> int:
+    args, commit = shimmed_slime(__doc__.splitlines()[0])
     inputs = make_inputs()
     document = {
-        "schema": SCHEMA,
-        "slime": {"repository": "THUDM/slime", "commit": commit, "read": list(READ)},
-        "generator": "tests/conformance/slime/build_expected.py",
-        "torch": torch.__version__,
+        **header(SCHEMA, commit, READ, "tests/conformance/slime/build_expected.py"),
         "inputs": inputs,
         "reward_layouts": {k: {"rewards": r, "groups": g} for k, (r, g) in REWARD_LAYOUTS.items()},
         "reward_cases": [reward_case(*case) for case in REWARD_CASES],

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests.conformance.slime.build_expected import commit_of, install_shims, slime_args, slime_parser  # noqa: E402
+from tests.conformance.slime.build_expected import header, shimmed_slime, slime_args  # noqa: E402
 
 SCHEMA = "rlbench.conformance.slime-ppo/1"
 READ = (
@@ -177,17 +177,9 @@ def value_loss_cases() -> list[dict]:
 
 
 def main() -> int:
-    parser = slime_parser(__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    commit = commit_of(args.slime, args.commit)
-    install_shims(args.slime.resolve())
-    torch.set_num_threads(1)
+    args, commit = shimmed_slime(__doc__.splitlines()[0])
     document = {
-        "schema": SCHEMA,
-        "slime": {"repository": "THUDM/slime", "commit": commit, "read": list(READ)},
-        "generator": "tests/conformance/slime/build_expected_ppo.py",
-        "torch": torch.__version__,
+        **header(SCHEMA, commit, READ, "tests/conformance/slime/build_expected_ppo.py"),
         "batch": {
             "response_lengths": RESPONSE_LENGTHS,
             "prompt_lengths": PROMPT_LENGTHS,
