@@ -60,6 +60,9 @@ SETTINGS: dict[str, dict] = {
     "no KL": {"algo__kl_coef": 0.0},
     "KL 0.05": {"algo__kl_coef": 0.05},
     "minibatches 4": {"train__minibatches": 4},
+    # PPO with a critic (issue 56) as slime's PPO test runs it: whitened advantages, one critic-only step first;
+    # examples/ppo.toml
+    "ppo": {"algo__advantage": "ppo", "algo__normalize_advantages": True, "algo__num_critic_only_steps": 1},
     "random init": dict(RANDOM),  # the same settings from random weights: the format to learn as well
     "random init, 4x16 mb4 lr 1e-3 no KL": {  # issue 52's starting point: the old default's settings
         **RANDOM,

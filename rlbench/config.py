@@ -146,6 +146,7 @@ class RunConfig:
                 "cuda (rank r takes cuda:r) when the megatron trainer spans ranks",
                 self.device,
             )
+        check_ppo(self)
         batch = self.data.prompts_per_step * self.rollout.n_samples_per_prompt
         check(
             batch % self.train.minibatches == 0,
@@ -184,6 +185,37 @@ class RunConfig:
         return EngineSetup(
             model=self.model, rollout=self.rollout, seed=self.seed, device=self.device, threads=self.threads
         )
+
+
+def check_ppo(config: RunConfig) -> None:
+    """PPO with a critic where it is built: the torch trainer in this process, steps one after another."""
+    ppo = config.algo.advantage == "ppo"
+    check(
+        config.train.critic_lr is None or ppo,
+        "train.critic_lr",
+        "unset unless algo.advantage is ppo (only a critic reads it)",
+        config.train.critic_lr,
+    )
+    if not ppo:
+        return
+    check(
+        config.train.backend == "torch",
+        "algo.advantage",
+        "not ppo with the megatron trainer (its critic is not built yet: train.backend torch)",
+        config.algo.advantage,
+    )
+    check(
+        config.placement.backend == "local",
+        "algo.advantage",
+        f"not ppo with placement {config.placement.backend} (the critic trains in this process: placement local)",
+        config.algo.advantage,
+    )
+    check(
+        config.rollout.async_mode == "off",
+        "algo.advantage",
+        "not ppo with an async rollout (not built yet: rollout.async_mode off)",
+        config.algo.advantage,
+    )
 
 
 def check_run_wide(config) -> None:
@@ -300,7 +332,7 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         check(isinstance(value, dict), key, "a table", value)
     elif default is None and value is None:  # unset (a manifest's JSON null; TOML has no null)
         pass
-    elif default is None and key == "algo.eps_clip_c":  # a number or unset
+    elif default is None and key in ("algo.eps_clip_c", "train.critic_lr"):  # a number or unset
         check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
         value = float(value)
     elif default is None and (

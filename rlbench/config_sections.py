@@ -145,13 +145,15 @@ class AlgoConfig:
     """The estimator, the policy loss and its options, with slime's arithmetic (rlbench/core/algo.py);
     each field names the slime argument it is. Held to slime in tests/conformance/slime/."""
 
-    advantage: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = setting(
+    advantage: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"] = setting(
         "grpo",
         "Advantage estimator (slime --advantage-estimator). grpo: group-normalised rewards, PPO-clip loss. "
         "gspo: the same advantages, the sequence's mean log-ratio as every token's ratio. cispo: the same "
         "advantages, loss -sg(clip(ratio)) * A * logp. reinforce_plus_plus: the reward; "
         "reinforce_plus_plus_baseline: the reward minus its group's mean (both need normalize_advantages, as in "
-        "slime). PPO with a critic is not offered.",
+        "slime). ppo: a critic (the policy's trunk under a one-output head) gives every response token a value; the "
+        "advantages and returns are GAE's over the raw reward at the last response token (core/ppo.py), the critic "
+        "trains first on the clipped value loss (torch trainer, in this process).",
     )
     normalize_std: bool = setting(
         True,
@@ -201,11 +203,21 @@ class AlgoConfig:
         "Truncated importance sampling (slime --use-tis): each token's policy loss times clamp(exp(old log-prob - "
         "rollout log-prob), tis_clip_low, tis_clip); adds the metrics ois, tis, tis_clipfrac, tis_abs.",
     )
+    gamma: float = setting(1.0, "ppo: GAE's discount (slime --gamma).")
+    lambd: float = setting(1.0, "ppo: GAE's lambda (slime --lambd).")
+    value_clip: float = setting(
+        0.2, "ppo: the value loss's clip, absolute, of the new values around the step's old ones (slime --value-clip)."
+    )
+    num_critic_only_steps: int = setting(
+        0,
+        "ppo: the first steps train the critic alone; the actor neither scores nor trains, the engine keeps its "
+        "weights (slime --num-critic-only-steps).",
+    )
     tis_clip: float = setting(2.0, "TIS: the weight's upper bound (slime --tis-clip).")
     tis_clip_low: float = setting(0.0, "TIS: the weight's lower bound (slime --tis-clip-low).")
 
     def __post_init__(self) -> None:
-        estimators = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        estimators = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
         check(self.advantage in estimators, "algo.advantage", f"one of: {', '.join(estimators)}", self.advantage)
         for key in ("normalize_std", "normalize_advantages", "per_token_loss", "use_tis"):
             check(isinstance(getattr(self, key), bool), f"algo.{key}", "true or false", getattr(self, key))
@@ -235,6 +247,21 @@ class AlgoConfig:
         )
         number(self.tis_clip, "algo.tis_clip", 0, 1e6, open_low=True)
         number(self.tis_clip_low, "algo.tis_clip_low", 0, self.tis_clip)
+        number(self.gamma, "algo.gamma", 0, 1)
+        number(self.lambd, "algo.lambd", 0, 1)
+        number(self.value_clip, "algo.value_clip", 0, 1e6, open_low=True)
+        number(self.num_critic_only_steps, "algo.num_critic_only_steps", 0, 10_000_000, integer=True)
+        if self.advantage != "ppo":  # read by the critic's path only: set elsewhere, they would change nothing
+            defaults = {"gamma": 1.0, "lambd": 1.0, "value_clip": 0.2, "num_critic_only_steps": 0}
+            for key, default in defaults.items():
+                check(
+                    getattr(self, key) == default,
+                    f"algo.{key}",
+                    f"{default} unless algo.advantage is ppo (only the critic's path reads it; rlbench's "
+                    "reinforce_plus_plus "
+                    "takes gamma 1)",
+                    getattr(self, key),
+                )
 
 
 @dataclass(frozen=True)
@@ -261,6 +288,11 @@ class TrainConfig:
         "log-prob pass. None: micro_batch_size samples each.",
     )
     grad_clip: float = 1.0
+    critic_lr: float | None = setting(
+        None,
+        "ppo: the critic's learning rate (slime: `lr` in a --megatron-config-path role critic's overrides); unset: "
+        "train.lr, as slime's critic copies the actor's arguments. Its other optimizer settings are train's.",
+    )
     recompute: bool = setting(
         False,
         "Each decoder layer's activations recomputed in the backward instead of kept (slime's --recompute-granularity "
@@ -298,3 +330,5 @@ class TrainConfig:
         if self.max_tokens_per_micro_batch is not None:
             number(self.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch", 1, 2**31 - 1, integer=True)
         number(self.grad_clip, "train.grad_clip", 0, 1e6, open_low=True)
+        if self.critic_lr is not None:
+            number(self.critic_lr, "train.critic_lr", 0, 10, open_low=True)

@@ -27,11 +27,9 @@ from rlbench.core.context import Context, check_made_with
 from rlbench.core.data import PromptCursor, encode_prompts, load_dataset
 from rlbench.core.loop import (
     StepState,
-    advantage,
     checkpoint,
     data,
     first_sync,
-    logprob,
     record,
     recorded,
     reward,
@@ -39,7 +37,7 @@ from rlbench.core.loop import (
     rollout_async,
     sync,
     timed,
-    train,
+    train_stages,
     verify,
 )
 from rlbench.core.pipeline import Pipeline
@@ -62,7 +60,7 @@ from rlbench.errors import BadInput
 from rlbench.rundir.digest import weights_digest
 from rlbench.rundir.directory import RunDir, RunWriter, read_run
 from rlbench.rundir.failpoints import hit
-from rlbench.rundir.manifest import manifest
+from rlbench.rundir.manifest import device_name, manifest
 from rlbench.rundir.recording import finish_reasons, read_step
 from rlbench.slime_rollout import slime_plugins
 
@@ -73,6 +71,8 @@ if TYPE_CHECKING:
     from rlbench.core.generate import GenerateEnv
 
 STAGES = ("data", "rollout", "reward", "advantage", "logprob", "train", "sync")
+# PPO with a critic: the critic's values before the advantage, its step after it (core/critic_stages.py)
+PPO_STAGES = ("data", "rollout", "reward", "values", "advantage", "critic_train", "logprob", "train", "sync")
 # The packages whose versions a run records: those it used. Every run uses these; a backend adds its own
 # (registry.packages).
 _PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
@@ -133,9 +133,7 @@ def run(
                     with timed(state, "perf/train_time"):
                         if pipe is not None:
                             pipe.start(step)  # the next groups generate on a thread while this step trains
-                        advantage(ctx, state)
-                        logprob(ctx, state)
-                        train(ctx, state)
+                        train_stages(ctx, state)
                         if ctx.engine is not None:
                             if pipe is not None:
                                 pipe.wait()  # as slime's sync waits for the generation in flight
@@ -161,6 +159,8 @@ def run(
             ctx.engine.close()
         if ctx.trainer is not None:
             ctx.trainer.close()
+        if ctx.critic is not None:
+            ctx.critic.close()
     return RunResult(config, ctx.manifest, history, time.perf_counter() - started, start)
 
 
@@ -213,8 +213,11 @@ def build(
     model, weights = _model(config, tokenizer, source, recorded_ids)
     initial_digest = weights_digest(named_weights(model))
     model_weights = _first_sync_reference(config, model, start)
+    critic = registry.make_critic(config, model, init_checkpoint)  # before the trainer trains the model
     trainer, engine = _local_backends(config, model, start, init_checkpoint)
     made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
+    if critic is not None:  # what checkpoint 0's critic/ is held to (replay/checkpoints.py)
+        made["hashes"]["initial_critic"] = weights_digest(critic.export_hf_weights())
     if plugin is not None:
         made["plugins"] = plugin.describe()
     elif generate_fn is not None:
@@ -247,6 +250,7 @@ def build(
         generate_env=generate_env,
         model_weights=model_weights,
         plugin_rollout=plugin,
+        critic=critic,
     )
 
 
@@ -370,7 +374,8 @@ def _manifest(
 ) -> dict:
     """The run's manifest (rundir/manifest.py lays it out), less the engines' server info, which `_start`
     adds once they are up. Its vocabulary: the model's and the tokenizer's sizes (core/vocab.py)."""
-    stages = {"full": STAGES, "rollout-only": STAGES[:3], "train-only": ("recorded",) + STAGES[3:6]}[config.mode]
+    line = PPO_STAGES if config.algo.advantage == "ppo" else STAGES
+    stages = {"full": line, "rollout-only": line[:3], "train-only": ("recorded",) + line[3:-1]}[config.mode]
     hashes = {
         "model_config": file_digest(Path(config.model.path) / "config.json"),
         "initial_weights": initial_digest,
@@ -383,7 +388,7 @@ def _manifest(
         stages=stages,
         reward_fn=reward_name,
         versions=versions(config),
-        device_name=_device_name(config.device),
+        device_name=device_name(config.device),
         determinism=determinism,
         weights=weights,
         hashes=hashes,
@@ -455,15 +460,6 @@ def _generate_env(
     return GenerateEnv(
         engine, tokenizer, rollout.max_new_tokens, rollout.temperature, stop_token_ids, rollout.top_k, rollout.top_p
     )
-
-
-def _device_name(device: str) -> str | None:
-    """The accelerator's model (results differ across GPU models); None on the CPU."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    return torch.cuda.get_device_name(torch.device(device))
 
 
 def _stop_token_ids(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
@@ -86,6 +87,14 @@ ARGS: dict[str, SlimeArg] = {
     "--disable-grpo-std-normalization": _arg("flag", "algo.normalize_std"),
     "--calculate-per-token-loss": _arg("flag", "algo.per_token_loss"),
     "--use-tis": _arg("flag", "algo.use_tis"),
+    "--value-clip": _arg("float", "algo.value_clip"),
+    "--gamma": _arg("float", "algo.gamma"),
+    "--lambd": _arg("float", "algo.lambd"),
+    "--num-critic-only-steps": _arg("int", "algo.num_critic_only_steps"),
+    "--megatron-config-path": _arg(
+        "str",
+        help="a YAML of per-role overrides (slime's): role critic's lr -> train.critic_lr, role actor's -> train.lr",
+    ),
     "--tis-clip": _arg("float", "algo.tis_clip"),
     "--tis-clip-low": _arg("float", "algo.tis_clip_low"),
     "--rm-type": _arg("str", "reward.verifier", help="one of rlbench's built-in verifiers"),
@@ -134,6 +143,8 @@ TRACKING = tuple(name for name, spec in ARGS.items() if spec.fields[:1] and spec
 REFUSED = {
     "--wandb-key": "a secret is not written into the run's manifest: log in with `wandb login` or WANDB_API_KEY",
     "--wandb-host": "slime passes it to wandb.login with --wandb-key only: set WANDB_BASE_URL (and log in) instead",
+    "--use-critic": "slime 624b824a has no such argument (its docs show one): --advantage-estimator ppo turns the "
+    "critic on",
     "--wandb-run-id": "slime's primary process overwrites it with its new run's id; rlbench derives the id from the "
     "run directory, so that --resume continues the same W&B run",
 }
@@ -175,6 +186,10 @@ SLIME_DEFAULTS: dict[str, Any] = {
     "algo.kl_coef": 0.0,
     "algo.kl_type": "k1",
     "algo.entropy_coef": 0.0,
+    "algo.gamma": 1.0,
+    "algo.lambd": 1.0,
+    "algo.value_clip": 0.2,
+    "algo.num_critic_only_steps": 0,
 }
 
 # Without a value in slime, these have no default rlbench could stand in for: the command line must give them.
@@ -270,7 +285,8 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
         )
     fields = dict(SLIME_DEFAULTS)
     explained: list[tuple[str, Any, dict[str, Any]]] = []
-    for name, value in given.items():
+    # a role's overrides win over the command line's (slime applies them to a copy of its parsed arguments)
+    for name, value in sorted(given.items(), key=lambda item: item[0] == "--megatron-config-path"):
         spec = ARGS.get(name)
         sets = {}
         if spec is not None and spec.fields:
@@ -285,6 +301,8 @@ def resolve(given: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any,
             if value != "full":
                 raise BadInput(f"{name} {value}: rlbench recomputes whole layers only (full)", field=name)
             sets = {"train.recompute": True}
+        if name == "--megatron-config-path":
+            sets = role_overrides(value)
         if name == "--tensor-model-parallel-size":
             sets["train.backend"] = "megatron" if value > 1 else fields.get("train.backend", "torch")
         fields.update(sets)
@@ -379,5 +397,66 @@ def _slime_rules(given: dict[str, Any], fields: dict[str, Any]) -> None:
             "asserts the same)",
             field="--recompute-granularity",
         )
+    if "train.critic_lr" in fields and fields["algo.advantage"] != "ppo":
+        raise BadInput(
+            "its role critic's overrides set PPO's critic, which only --advantage-estimator ppo has",
+            field="--megatron-config-path",
+        )
     if "--save-interval" in given and "--save" not in given:
         raise BadInput("--save-interval needs --save (slime asserts the same)", field="--save-interval")
+
+
+# What rlbench reads of a --megatron-config-path role's overrides: the learning rate (slime's PPO test sets the
+# critic's); slime ignores the GPU counts (placement follows the command line). Any other key is refused by name.
+ROLE_FIELDS = {"actor": {"lr": "train.lr"}, "critic": {"lr": "train.critic_lr"}}
+ROLE_IGNORED = ("num_nodes", "num_gpus_per_node")
+
+
+def role_overrides(path: str) -> dict[str, Any]:
+    """The fields a slime --megatron-config-path YAML sets, read as slime's parse_megatron_role_args reads it: a
+    top-level `megatron` list, at most one entry per role (actor, critic), its `overrides` (or `args`); a string
+    value coerced to the number it stands for (YAML's safe_load reads 1e-5 as a string)."""
+    import yaml
+
+    file = Path(path)
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except OSError as exc:
+        raise BadInput(f"cannot read it ({exc.strerror})", path=file, field="--megatron-config-path") from None
+    except yaml.YAMLError as exc:
+        raise BadInput(f"not YAML ({str(exc).splitlines()[0]})", path=file, field="--megatron-config-path") from None
+    entries = raw.get("megatron") if isinstance(raw, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise BadInput(
+            "expected a top-level 'megatron' list, e.g. megatron: [{name: default, role: actor, overrides: {...}}] "
+            "(slime asserts the same)",
+            path=file,
+            field="megatron",
+        )
+    fields: dict[str, Any] = {}
+    for role, known in ROLE_FIELDS.items():
+        found = [entry for entry in entries if entry.get("role") == role]
+        if len(found) > 1:
+            raise BadInput(f"at most one entry with role {role} (slime asserts the same)", path=file, field="megatron")
+        overrides = (found[0].get("overrides") or found[0].get("args") or {}) if found else {}
+        if not isinstance(overrides, dict):
+            raise BadInput("expected a mapping of argument names", path=file, field=f"megatron[role={role}].overrides")
+        for key, value in overrides.items():
+            if key in ROLE_IGNORED:
+                continue
+            if key not in known:
+                raise BadInput(
+                    f"{key} is not read (rlbench reads {', '.join(known)} of a role's overrides; the {role}'s other "
+                    "settings are the command line's, as slime's role inherits them)",
+                    path=file,
+                    field=f"megatron[role={role}].overrides.{key}",
+                )
+            try:
+                if isinstance(value, bool):
+                    raise ValueError
+                fields[known[key]] = float(value)
+            except (TypeError, ValueError):
+                raise BadInput(
+                    f"expected a number, got {value!r}", path=file, field=f"megatron[role={role}].overrides.{key}"
+                ) from None
+    return fields

@@ -13,6 +13,7 @@ never imports megatron-core, SGLang or Ray unless its config names them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlbench.errors import BadInput
@@ -162,6 +163,29 @@ def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Tra
 
     setup = config.trainer_setup()
     return TorchTrainer(model, setup.train, setup.algo, setup.temperature, setup.seed, setup.device)
+
+
+def make_critic(config: RunConfig, model: torch.nn.Module, init_checkpoint: Path | None = None):
+    """PPO's critic (backends/critic_trainer.py) where the run trains with one: the policy's trunk copied from
+    `model` as built (slime's critic loads the policy's checkpoint) under a seeded value head, trained with
+    train.critic_lr (unset: train.lr) and the actor's other optimizer settings, restored from `init_checkpoint`'s
+    critic/ where given; None otherwise."""
+    if config.algo.advantage != "ppo" or not trains(config):
+        return None
+    import dataclasses
+
+    from rlbench.backends.critic_trainer import CriticTrainer
+    from rlbench.core.critic import ValueModel
+
+    setup = config.trainer_setup()
+    lr = setup.train.lr if setup.train.critic_lr is None else setup.train.critic_lr
+    train = dataclasses.replace(setup.train, lr=lr)
+    critic = CriticTrainer(
+        ValueModel(model, setup.seed), train, setup.algo, setup.algo.value_clip, setup.seed, setup.device
+    )
+    if init_checkpoint is not None:
+        critic.load_checkpoint(Path(init_checkpoint) / "critic")
+    return critic
 
 
 def make_hf_engine(

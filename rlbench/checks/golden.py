@@ -118,6 +118,12 @@ LATER_KEYS = {
     ("rollout", "logprobs"): "full",
     ("rollout", "batch_invariant"): True,
     ("rollout", "prefix_invariant"): True,
+    # PPO with a critic (issue 56): read by the critic's path only
+    ("algo", "gamma"): 1.0,
+    ("algo", "lambd"): 1.0,
+    ("algo", "value_clip"): 0.2,
+    ("algo", "num_critic_only_steps"): 0,
+    ("train", "critic_lr"): None,
 }
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}
 TIERS = ("exact", "approx")

@@ -441,7 +441,13 @@ def _render_diff(res) -> None:
         checkpoints = describe({side: len(done) for side, done in res.checkpoints_verified.items()})
         stdout.print(
             f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
-            f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}); "
+            f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}"
+            + (
+                f"; {skipped} not computed by either run: the actor's stages on PPO's critic-only steps"
+                if (skipped := len(res.steps_compared) * len(res.stages_compared) - res.comparisons)
+                else ""
+            )
+            + "); "
             + (
                 f"the training schedules (DP shards, micro-batches) of {res.schedules_compared} steps and "
                 f"{res.train_fields_compared} values of the train dumps' other fields compared; "

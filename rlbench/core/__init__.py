@@ -11,8 +11,9 @@ data.py          JSONL dataset validation, the seeded, resumable prompt cursor, 
 model.py         offline tokenizer and model loading, per-parameter seeded init
 tensor_file.py   safetensors files made in one copy from where the tensors live
 algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
-ppo.py           PPO with a critic (issue 56, under way): GAE and returns, token whitening, the value loss
-critic.py        PPO's critic (issue 56, under way): the value model (the policy's decoder, a one-output head)
+ppo.py           PPO with a critic (issue 56): GAE and returns, token whitening, the value loss
+critic.py        PPO's critic (issue 56): the value model (the policy's decoder, a one-output head)
+critic_stages.py PPO's stages in the loop: the critic's values, GAE's advantages and returns, the critic's step
 reward.py        verifiers (parity, exact_match) and the --custom-rm-path contract
 generate.py      the custom generate function contract (multi-turn, agentic): Trajectory, GenerateEnv
 slime_contract.py  slime's plugin contract: its generate and reward functions loaded, checked, called as slime does

@@ -52,6 +52,8 @@ class Context:
     model_weights: dict[str, torch.Tensor] | None = None
     # The digests (whole, per tensor) of the weights last synced: what the engine holds until the next sync.
     synced: tuple[str, dict[str, str]] | None = None
+    # PPO's critic (backends/critic_trainer.py), trained before the actor each step; None without one
+    critic: Any = None
 
 
 def check_made_with(run: RunDir, tokenizer: str | Path | None = None, model: str | Path | None = None) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlbench.core import algo, metrics, samples, weight_check
+from rlbench.core import algo, critic_stages, metrics, samples, weight_check
 from rlbench.core.context import Context
 from rlbench.core.plugins import call_plugin
 from rlbench.core.reward import RewardInput, score
@@ -193,14 +193,18 @@ def _finite(state: StepState, stage: str, name: str, values: torch.Tensor, sourc
     if not bool(bad.any()):
         return
     first = int(bad.reshape(-1).nonzero()[0])
-    if name.endswith("logprobs"):  # token-aligned: name the sample and the token in it
+    if name.endswith("logprobs") or name in ("values", "token_advantages", "returns"):  # token-aligned
         offsets = state.tensors["offsets"]
         sample = int(torch.searchsorted(offsets, torch.tensor(first), right=True)) - 1
         place = f"sample {sample}, token {first - int(offsets[sample])}"
     else:
-        place = {"losses": f"minibatch {first}", "train/grad_norm": "the mean over minibatches"}.get(
-            name, f"sample {first}"
-        )
+        mean = "the mean over minibatches"
+        place = {
+            "losses": f"minibatch {first}",
+            "critic_losses": f"minibatch {first}",
+            "train/grad_norm": mean,
+            "train/critic-grad_norm": mean,
+        }.get(name, f"sample {first}")
     raise NonFinite(
         f"step {state.step}, stage {stage}: {name} is {values.reshape(-1)[first].item()} at {place}"
         f"{f' ({source})' if source else ''}; the step was not committed, the committed steps are kept"
@@ -212,7 +216,9 @@ RECORDED_DIGESTS = {
     "rollout_tokens": ("tokens", "offsets", "loss_mask"),
     "rollout_logprobs": ("rollout_logprobs",),
     "rewards": ("rewards",),
-    "advantages": ("advantages",),
+    "values": ("values",),
+    "advantages": ("advantages", "token_advantages", "returns"),
+    "critic_loss": ("critic_losses",),
     "old_logprobs": ("old_logprobs", "ref_logprobs"),
     "loss": ("losses",),
 }
@@ -226,7 +232,9 @@ def recorded_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The checksums a step's recorded tensors determine (data..rewards always; advantages,
     old_logprobs and loss where the recording holds them): what a reader verifies a recording by."""
     out = {"data": tensors_digest(samples.recorded_prompt_tensors(tensors))}
-    out.update({key: _digest(tensors, key) for key, names in RECORDED_DIGESTS.items() if names[0] in tensors})
+    out.update(
+        {key: _digest(tensors, key) for key, names in RECORDED_DIGESTS.items() if any(n in tensors for n in names)}
+    )
     return out
 
 
@@ -247,12 +255,40 @@ def _checksum_rewards(state: StepState) -> None:
     state.metrics.update(metrics.rollout_metrics(state.tensors, [m["finish_reason"] for m in state.sample_meta]))
 
 
+def train_stages(ctx: Context, state: StepState) -> None:
+    """advantage, logprob, train; with PPO's critic (core/critic_stages.py) its values before the advantage and its
+    step after it, and no logprob or train on the critic-only steps (slime's order)."""
+    if ctx.critic is not None:
+        values(ctx, state)
+    advantage(ctx, state)
+    if ctx.critic is not None:
+        critic_train(ctx, state)
+    if critic_stages.actor_trains(ctx, state.step):
+        logprob(ctx, state)
+        train(ctx, state)
+        if ctx.critic is not None:
+            state.metrics.update(critic_stages.rollout_metrics(state))
+
+
+def values(ctx: Context, state: StepState) -> None:
+    """PPO: the critic's values before its update (core/critic_stages.py)."""
+    critic_stages.values(ctx, state, _finite)
+
+
 def advantage(ctx: Context, state: StepState) -> None:
-    state.tensors["advantages"] = algo.advantages(
-        state.tensors["rewards"], groups(ctx, state), samples.token_counts(state.tensors), ctx.config.algo
-    )
-    _finite(state, "advantage", "advantages", state.tensors["advantages"])
+    if ctx.critic is not None:  # GAE's per-token advantages and returns from the critic's values
+        critic_stages.advantage(ctx, state, _finite)
+    else:
+        state.tensors["advantages"] = algo.advantages(
+            state.tensors["rewards"], groups(ctx, state), samples.token_counts(state.tensors), ctx.config.algo
+        )
+        _finite(state, "advantage", "advantages", state.tensors["advantages"])
     state.checksums["advantages"] = _digest(state.tensors, "advantages")
+
+
+def critic_train(ctx: Context, state: StepState) -> None:
+    """PPO: the critic's step, before the actor's (core/critic_stages.py)."""
+    critic_stages.critic_train(ctx, state, _finite)
 
 
 def rollouts(sample_meta: list[dict]) -> torch.Tensor | None:
@@ -397,9 +433,12 @@ def record(ctx: Context, state: StepState, commit: bool = True) -> None:
 
 
 def checkpoint(ctx: Context, steps_done: int) -> None:
+    files = ctx.trainer.save_checkpoint()
+    if ctx.critic is not None:  # the critic's weights and optimizer state beside the actor's
+        files.update({f"critic/{name}": data for name, data in ctx.critic.save_checkpoint().items()})
     ctx.writer.write_checkpoint(
         steps_done,
-        ctx.trainer.save_checkpoint(),
+        files,
         {
             "steps_done": steps_done,
             "cursor": ctx.cursor.state(steps_done) if ctx.cursor is not None else None,

@@ -107,8 +107,18 @@ def train_batch(tensors: dict[str, torch.Tensor]) -> algo.TrainBatch:
     return algo.TrainBatch(
         tokens=recording.padded(tensors["tokens"], offsets, width),
         loss_mask=recording.padded(tensors["loss_mask"], offsets, width).float(),
-        advantages=tensors["advantages"],
+        advantages=_advantages(tensors, width),
         old_logprobs=torch.zeros(0),
         ref_logprobs=None,
         lengths=offsets[1:] - offsets[:-1],
     )
+
+
+def _advantages(tensors: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    """[n] per sample, or [n, width] per token (PPO's `token_advantages`); empty before PPO's advantage stage (the
+    critic's values and step read no advantages)."""
+    if "advantages" in tensors:
+        return tensors["advantages"]
+    if "token_advantages" in tensors:
+        return recording.padded(tensors["token_advantages"], tensors["offsets"], width)
+    return torch.zeros(0)

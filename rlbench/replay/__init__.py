@@ -4,6 +4,7 @@ replay.py   replay a recording with no engine, verifying each stage; the train-o
 resume.py   cut a killed run back to its committed steps and continue it, or extend a finished one
 export.py   a checkpoint as a Hugging Face model directory (config, tokenizer, weights) for from_pretrained
 diff.py     the first differing (step, stage) and where inside it; tolerance mode
+diff_layout.py  diff's advice where runs of different TP/DP layouts part by rounding: rerun both in float64
 diff_extra.py  what diff compares beside the stages: sample weights versions; slime imports' schedules, fields
 checkpoints.py  a run's checkpoints held to the checksums it recorded for them (diff, replay)
 integrity.py  one integrity check of a run directory, for every command that reads one (open_run)

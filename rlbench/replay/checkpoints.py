@@ -8,7 +8,10 @@ RUN/checkpoints/NNNNNN/ is the state after NNNNNN steps. What each file must hol
 - the megatron trainer's optimizer-tpRR.safetensors: layout.json's `optimizer.shard_checksums`, and its
   model-tpRR.safetensors: rank RR's part of the verified model.safetensors (convert.to_megatron; replicated
   tensors as rank 0 holds them);
-- state.json: its `steps_done` is the directory's number.
+- state.json: its `steps_done` is the directory's number;
+- a PPO run's critic/ (model.safetensors, optimizer.*): its weights held to checksums.jsonl's `critic_weights` at
+  step NNNNNN - 1, and for 000000 the manifest's `hashes.initial_critic`; its optimizer as the torch trainer's. The
+  actor's weights after a critic-only step are the initial ones (the actor did not train).
 
 A file that does not hold what was recorded is bad input naming it (exit 2), never a verdict: it is one run's
 damaged input, which its own checksums expose, not a difference between two runs (design.md: a corrupt or edited
@@ -62,19 +65,47 @@ def verify_checkpoints(run: RunDir) -> Verified:
             found.notes.append(f"{path}: not verified (the run recorded no weights checksum for it)")
             continue
         _verify(path, done, expected)
+        if run.manifest.get("config", {}).get("algo", {}).get("advantage") == "ppo":
+            _verify_critic(path, done, recorded_weights(run, done, critic=True))
         found.steps_done.append(done)
     return found
 
 
-def recorded_weights(run: RunDir, done: int) -> str | None:
+def recorded_weights(run: RunDir, done: int, critic: bool = False) -> str | None:
     """The weights checksum the run recorded for its checkpoint after `done` steps (manifest.json's
-    hashes.initial_weights for 0, else checksums.jsonl's weights at step done - 1), or None."""
-    if done == 0:
+    hashes.initial_weights for 0 and after PPO's critic-only steps, else checksums.jsonl's weights at step
+    done - 1), or None; `critic`: a PPO run's critic's (hashes.initial_critic, critic_weights)."""
+    key, initial = ("critic_weights", "initial_critic") if critic else ("weights", "initial_weights")
+    algo = run.manifest.get("config", {}).get("algo", {})
+    untrained = 0 if critic or algo.get("advantage") != "ppo" else algo.get("num_critic_only_steps", 0)
+    if done <= untrained:
         hashes = run.manifest.get("hashes")
-        expected = hashes.get("initial_weights") if isinstance(hashes, dict) else None
+        expected = hashes.get(initial) if isinstance(hashes, dict) else None
     else:
-        expected = next((row.get("weights") for row in run.checksums if row["step"] == done - 1), None)
+        expected = next((row.get(key) for row in run.checksums if row["step"] == done - 1), None)
     return expected if isinstance(expected, str) else None
+
+
+def _verify_critic(path: Path, done: int, weights: str | None) -> None:
+    """A PPO checkpoint's critic/: its weights held to the run's checksum, its optimizer state to its own."""
+    from rlbench.core.model import load_safetensors
+    from rlbench.rundir.digest import weights_digest
+
+    folder = path / "critic"
+    if not (folder / "model.safetensors").is_file():
+        raise BadInput(
+            f"expected critic/model.safetensors (a PPO run's checkpoint holds its critic): {DAMAGED}", path=path
+        )
+    if weights is None:
+        raise BadInput("the run recorded no checksum of its critic's weights for this checkpoint", path=folder)
+    if weights_digest(load_safetensors(folder / "model.safetensors")) != weights:
+        where = (
+            "manifest.json's hashes.initial_critic"
+            if done == 0
+            else f"checksums.jsonl's critic_weights at step {done - 1}"
+        )
+        raise BadInput(f"the critic's weights do not match {where}: {DAMAGED}", path=folder / "model.safetensors")
+    _verify_torch(folder)
 
 
 def _verify(path: Path, done: int, weights: str) -> None:

@@ -33,14 +33,26 @@ from rlbench.replay.diff_extra import (
     version_difference,
 )
 from rlbench.rundir import recording
+from rlbench.replay.diff_layout import NOISE_GAP, ROUNDED_STAGES, layout_advice  # noqa: F401 (diff's names)
 from rlbench.rundir.directory import CHECKSUM_KEYS, RunDir, step_name
 
-TOKEN_STAGES = {"rollout_tokens": "tokens", "rollout_logprobs": "rollout_logprobs", "old_logprobs": "old_logprobs"}
+TOKEN_STAGES = {
+    "rollout_tokens": "tokens",
+    "rollout_logprobs": "rollout_logprobs",
+    "values": "values",  # PPO's critic
+    "old_logprobs": "old_logprobs",
+}
+TOKEN_KEYS = (*TOKEN_STAGES.values(), "token_advantages", "returns")  # token-aligned: placed by sample and token
 SAMPLE_STAGES = {"rewards": "rewards", "advantages": "advantages"}
 # Stages with no recorded values: in tolerance mode their metric speaks for them. Stages with recorded
 # values are compared on those values only: their metric is a mean of them, and a mean of signed
 # values (the per-minibatch PPO losses) can cancel to near 0, where a relative tolerance means nothing.
-METRIC_OF_STAGE = {"grads": "train/grad_norm", "weights": "train/grad_norm"}
+METRIC_OF_STAGE = {
+    "grads": "train/grad_norm",
+    "weights": "train/grad_norm",
+    "critic_grads": "train/critic-grad_norm",
+    "critic_weights": "train/critic-grad_norm",
+}
 
 
 @dataclass
@@ -138,7 +150,7 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
     first = int((~same).nonzero()[0])
     delta = (a.double() - b.double()).abs()
     worst = int(delta.argmax())
-    where = _token_place(ta, first) if key in TOKEN_STAGES.values() else f"sample {first}"
+    where = _token_place(ta, first) if key in TOKEN_KEYS else f"sample {first}"
     diff = Difference(
         step,
         stage,
@@ -150,15 +162,17 @@ def _compare_flat(step: int, stage: str, key: str, ta: dict, tb: dict, tol) -> D
         _max_rel(a[~same], b[~same]) if a.is_floating_point() else None,
     )
     if worst != first:
-        place = _token_place(ta, worst) if key in TOKEN_STAGES.values() else f"sample {worst}"
+        place = _token_place(ta, worst) if key in TOKEN_KEYS else f"sample {worst}"
         diff.notes.append(f"largest difference at {place}: {a[worst].item()!r} vs {b[worst].item()!r}")
     return diff
 
 
 def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dict, mb: dict) -> Difference:
-    kind = "grads" if stage == "grads" else "weights"
-    da = ma.get("param_digests", {}).get(kind, {})
-    db = mb.get("param_digests", {}).get(kind, {})
+    critic = stage.startswith("critic_")  # PPO's critic: its own digests and checkpoint files
+    kind = "grads" if stage.endswith("grads") else "weights"
+    record = "critic_param_digests" if critic else "param_digests"
+    da = ma.get(record, {}).get(kind, {})
+    db = mb.get(record, {}).get(kind, {})
     differing = [name for name in da if da.get(name) != db.get(name)]
     if not da or not db:
         return Difference(step, stage, "no per-parameter digests recorded")
@@ -169,8 +183,9 @@ def _compare_params(run_a: RunDir, run_b: RunDir, step: int, stage: str, ma: dic
         result.notes.append(
             f"{len(differing)} parameters differ: {', '.join(differing[:5])}{', ...' if len(differing) > 5 else ''}"
         )
-    ca = run_a.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
-    cb = run_b.root / "checkpoints" / step_name(step + 1) / "model.safetensors"
+    file = "critic/model.safetensors" if critic else "model.safetensors"
+    ca = run_a.root / "checkpoints" / step_name(step + 1) / file
+    cb = run_b.root / "checkpoints" / step_name(step + 1) / file
     if differing and ca.is_file() and cb.is_file():
         from rlbench.core.model import load_safetensors
 
@@ -201,14 +216,18 @@ def _stage_difference(run_a: RunDir, run_b: RunDir, step: int, stage: str, tol) 
         if found is None and stage == "rollout_tokens":
             found = _compare_flat(step, stage, "loss_mask", ta, tb, None)
         return found
+    if stage == "advantages" and "token_advantages" in ta:  # PPO: per token, then the returns
+        found = _compare_flat(step, stage, "token_advantages", ta, tb, tol)
+        return found if found is not None else _compare_flat(step, stage, "returns", ta, tb, tol)
     if stage in SAMPLE_STAGES:
         return _compare_flat(step, stage, SAMPLE_STAGES[stage], ta, tb, tol)
-    if stage == "loss":
-        found = _compare_flat(step, stage, "losses", ta, tb, tol)
+    if stage in ("loss", "critic_loss"):
+        found = _compare_flat(step, stage, VALUE_STAGES[stage], ta, tb, tol)
         if found is not None:
             found.where = found.where.replace("sample", "minibatch")
+            found.notes = [note.replace("at sample", "at minibatch") for note in found.notes]
         return found
-    if stage in ("grads", "weights"):
+    if stage in ("grads", "weights", "critic_grads", "critic_weights"):
         return _compare_params(run_a, run_b, step, stage, ma, mb) if tol is None else None
     if stage == "engine_weights":  # no values recorded: only the checksum speaks
         return (
@@ -260,7 +279,7 @@ def _span(text: str, run_a: RunDir, run_b: RunDir) -> range:
 
 
 # The stages a training schedule (DP layout, micro-batches) can change: where a different one is named first.
-TRAIN_SIDE = ("advantages", "old_logprobs", "loss", "grads", "weights", "engine_weights")
+TRAIN_SIDE = CHECKSUM_KEYS[CHECKSUM_KEYS.index("values") :]  # values .. engine_weights
 
 
 def diff(
@@ -327,6 +346,14 @@ def diff(
             if version is not None and stage == "rollout_tokens":  # another weights version sampled it
                 first = version
                 break
+            if stage not in sums_a[step] or stage not in sums_b[step]:  # a PPO critic-only step: no actor stages
+                if stage in sums_a[step] or stage in sums_b[step]:
+                    side, other = ("A", "B") if stage in sums_a[step] else ("B", "A")
+                    first = Difference(
+                        step, stage, f"computed by {side} only ({other}'s actor did not train: a critic-only step)"
+                    )
+                    break
+                continue
             comparisons += 1
             if sums_a[step][stage] == sums_b[step][stage]:
                 continue  # equal bits: equal within any tolerance
@@ -383,7 +410,12 @@ def diff(
     )
 
 
-VALUE_STAGES = {**{k: v for k, v in TOKEN_STAGES.items() if k != "rollout_tokens"}, **SAMPLE_STAGES, "loss": "losses"}
+VALUE_STAGES = {
+    **{k: v for k, v in TOKEN_STAGES.items() if k != "rollout_tokens"},
+    **SAMPLE_STAGES,
+    "loss": "losses",
+    "critic_loss": "critic_losses",
+}
 
 
 def _largest(run_a: RunDir, run_b: RunDir, steps: list[int], stages: list[str], sums_a: dict, sums_b: dict) -> dict:
@@ -396,7 +428,7 @@ def _largest(run_a: RunDir, run_b: RunDir, steps: list[int], stages: list[str], 
             continue
         (ta, _), (tb, _) = _load(run_a, step), _load(run_b, step)
         for stage in differing:
-            key = VALUE_STAGES[stage]
+            key = "token_advantages" if stage == "advantages" and "token_advantages" in ta else VALUE_STAGES[stage]
             a, b = ta.get(key), tb.get(key)
             if a is None or b is None or a.shape != b.shape or not a.is_floating_point():
                 continue
@@ -404,8 +436,8 @@ def _largest(run_a: RunDir, run_b: RunDir, steps: list[int], stages: list[str], 
             worst = int(delta.argmax())
             size = float(delta[worst])
             if stage not in found or size > found[stage]["max_abs"]:
-                where = _token_place(ta, worst) if key in TOKEN_STAGES.values() else f"sample {worst}"
-                if stage == "loss":
+                where = _token_place(ta, worst) if key in TOKEN_KEYS else f"sample {worst}"
+                if stage in ("loss", "critic_loss"):
                     where = f"minibatch {worst}"
                 scale = max(abs(float(a[worst])), abs(float(b[worst])))
                 found[stage] = {
@@ -443,39 +475,3 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
     rel = (a - b).abs() / torch.maximum(a.abs(), b.abs())
     rel = rel[rel.isfinite()]
     return float(rel.max()) if len(rel) else None
-
-
-# Rounding reaches these stages when only the reduction order differs (the engine's log-probs through the
-# weights the trainer synced); tokens, rewards and advantages part only by a discrete change.
-ROUNDED_STAGES = ("rollout_logprobs", "old_logprobs", "loss", "grads", "weights")
-# TP/DP reduction-order noise, TP=2 against TP=1. float32: 2.4e-6 relative in a minibatch loss at step 1 of the
-# default run, 2.5e-6 by step 9, and more as runs train apart; the q/k-norm all-reduce bug parts them by 3.0e-6 (a
-# small config, docs/benchmarks.md) to 2.0e-4 (the default run). bf16: 1.2e-2 (Qwen3-1.7B shape) and 1.4e-2 (4B)
-# in step 0's old log-probs on four GPUs. Up to the coarser dtype's gap, a difference between layouts can be either.
-NOISE_GAP = {"float32": 1e-3, "bfloat16": 5e-2}
-
-
-def layout_advice(manifest_a: dict, manifest_b: dict, first: Difference | None) -> str | None:
-    """Advice where two runs of different parallel layouts (tp, dp) part by a gap float32 or bf16 rounding can
-    make: rerun both in float64, where that noise is ~1e-16 and a bug stays. None otherwise: no difference, the
-    same layout (or one the manifests do not say), both runs float64, a discrete stage, a gap larger than the
-    coarser dtype's noise, or a gap that is not known (a checksum alone)."""
-    if first is None or first.stage not in ROUNDED_STAGES or first.max_rel is None:
-        return None
-    configs = [m.get("config") if isinstance(m.get("config"), dict) else {} for m in (manifest_a, manifest_b)]
-    layouts = [(c.get("tp"), c.get("dp")) for c in configs]
-    dtypes = [c["model"].get("dtype") if isinstance(c.get("model"), dict) else None for c in configs]
-    if None in layouts[0] + layouts[1] or layouts[0] == layouts[1] or None in dtypes or dtypes == ["float64"] * 2:
-        return None
-    coarse = "bfloat16" if "bfloat16" in dtypes else "float32"
-    if first.max_rel > NOISE_GAP[coarse]:
-        return None
-    shown = "; ".join(f"{side}: tp {tp}, dp {dp}, {dtype}" for side, (tp, dp), dtype in zip("AB", layouts, dtypes))
-    return (
-        f"the runs differ in parallel layout ({shown}) and part by {first.max_rel:.2g} relative, a gap {coarse} "
-        "rounding can make: TP/DP reduction order alone moves float32 values by ~1e-6 relative at the first "
-        "update (bf16's by ~1e-2 at real sizes), and more as the runs train apart, while a real bug such as an "
-        'unreduced q/k-norm gradient parts them by as little as 3e-6. To tell which, rerun both with dtype = "float64" '
-        "in the [model] table of --config (the CPU and the embedded engine only), where that noise is ~1e-16 and a "
-        "bug stays as large, and compare them with --rtol 1e-12"
-    )

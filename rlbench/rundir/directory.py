@@ -49,7 +49,9 @@ STAGE_CHECKSUMS = {
     "rollout": ("rollout_tokens", "rollout_logprobs"),
     "reward": ("rewards",),
     "recorded": ("data", "rollout_tokens", "rollout_logprobs", "rewards"),
+    "values": ("values",),
     "advantage": ("advantages",),
+    "critic_train": ("critic_loss", "critic_grads", "critic_weights"),
     "logprob": ("old_logprobs",),
     "train": ("loss", "grads", "weights"),
     "sync": ("engine_weights",),
@@ -59,7 +61,11 @@ CHECKSUM_KEYS = (
     "rollout_tokens",
     "rollout_logprobs",
     "rewards",
+    "values",
     "advantages",
+    "critic_loss",
+    "critic_grads",
+    "critic_weights",
     "old_logprobs",
     "loss",
     "grads",
@@ -292,6 +298,16 @@ class RunDir:
         keys = {k for stage in stages for k in STAGE_CHECKSUMS[stage]}
         return [k for k in CHECKSUM_KEYS if k in keys]
 
+    def keys_at(self, step: int) -> list[str]:
+        """The checksums step `step` must have: `checksum_keys`, less the actor's (logprob, train) on a PPO run's
+        critic-only steps, where slime's actor computes nothing."""
+        algo = (self.manifest.get("config") or {}).get("algo") or {}
+        critic_only = algo.get("num_critic_only_steps", 0) if algo.get("advantage") == "ppo" else 0
+        if isinstance(critic_only, int) and step < critic_only:
+            actor = STAGE_CHECKSUMS["logprob"] + STAGE_CHECKSUMS["train"]
+            return [k for k in self.checksum_keys if k not in actor]
+        return self.checksum_keys
+
     def require_checksums(self) -> None:
         """Verification data or nothing: every committed step has its checksums line, holding a checksum for
         every stage the run records. Anything less is bad input, never a verdict over what is there."""
@@ -305,12 +321,11 @@ class RunDir:
                 f"no checksums for committed step(s) {_steps_text(missing)} of {len(self.steps)} (truncated or edited)",
                 path=path,
             )
-        keys = self.checksum_keys
         for step in self.steps:
             row = rows[step]
             bad = [
                 k
-                for k in keys
+                for k in self.keys_at(step)
                 if not (
                     isinstance(row.get(k), str) and len(row[k]) == 64 and all(c in "0123456789abcdef" for c in row[k])
                 )

@@ -74,3 +74,12 @@ def manifest(
             "created": source.manifest.get("created"),
         }
     return made
+
+
+def device_name(device: str) -> str | None:
+    """The accelerator's model (results differ across GPU models); None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))

@@ -9,7 +9,11 @@ Layout, all token-aligned arrays indexed by `offsets` (sample i is tokens[offset
     loss_mask         uint8  [T]    1 on tokens the policy sampled and is trained on
     rollout_logprobs  float32[T]    the engine's log-prob of each sampled token (0 elsewhere)
     rewards           float32[n]
-    advantages        float32[n]    (full mode)
+    advantages        float32[n]    (full mode; PPO with a critic records token_advantages instead)
+    values            float32[T]    PPO: the critic's value of each response token before its update (0 on prompts)
+    token_advantages  float32[T]    PPO: GAE's advantage of each response token (whitened when asked)
+    returns           float32[T]    PPO: GAE's returns, advantage + value
+    critic_losses     float32[m]    PPO: each of the critic's optimizer steps' value loss
     old_logprobs      float32[T]    the trainer's log-probs before the update (full mode)
     ref_logprobs      float32[T]    the reference policy's (when KL is on)
     losses            float32[m]    each optimizer step's loss (full mode)
@@ -221,6 +225,10 @@ DTYPES = {
     "rollout_logprobs": torch.float32,
     "rewards": torch.float32,
     "advantages": torch.float32,
+    "values": torch.float32,
+    "token_advantages": torch.float32,
+    "returns": torch.float32,
+    "critic_losses": torch.float32,
     "old_logprobs": torch.float32,
     "ref_logprobs": torch.float32,
     "losses": torch.float32,
@@ -257,6 +265,9 @@ def _check_shapes(t: dict[str, torch.Tensor], n: int, path: Path) -> None:
         "loss_mask": total,
         "rollout_logprobs": total,
         "advantages": n,
+        "values": total,
+        "token_advantages": total,
+        "returns": total,
         "old_logprobs": total,
         "ref_logprobs": total,
     }

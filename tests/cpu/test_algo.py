@@ -575,7 +575,7 @@ def test_policy_loss_metric_names_follow_the_options():
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("advantage", "ppo"),
+        ("advantage", "vanilla_pg"),
         ("normalize_std", 1),
         ("eps_clip", 0),
         ("eps_clip_high", -0.1),

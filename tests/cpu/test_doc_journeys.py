@@ -211,6 +211,7 @@ def test_the_docs_journeys_are_all_tested():
         "trackers",
         "engine-check",
         "attribute",
+        "ppo",
     }
 
 
@@ -250,6 +251,17 @@ def test_the_attribution_asks_a_server_the_user_started_for_the_engines_side(she
     assert "engine: http://127.0.0.1:" in text and "largest: cache" in text, outputs[2]  # the port as the harness gave
     assert "checked equal, tensor by tensor" in text, outputs[2]
     assert "not split:" not in text and "not measured:" not in text, outputs[2]
+
+
+def test_the_ppo_block_replays_and_diffs_the_critics_stages(shell):
+    """docs/usage.md's PPO block: a PPO run, its replay reproduced with the critic's stages counted (step 0 the
+    critic's alone), a run with the critic's learning rate x1.01 parting first at a critic stage, the report."""
+    outputs = _walk(shell, "ppo")
+    replayed = " ".join(outputs[1].split())
+    assert "reproduced 3 steps (0..2)" in replayed and "35 checksums compared" in replayed, outputs[1]
+    assert "critic_loss, critic_grads, critic_weights" in replayed, outputs[1]
+    assert "first difference: step 0, stage critic_loss" in outputs[3] and "minibatch 1" in outputs[3], outputs[3]
+    assert (shell.cwd / "runs" / "ppo.html").is_file()
 
 
 def test_servers_rlbench_starts_need_sglang_here(shell):

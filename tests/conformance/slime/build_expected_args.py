@@ -28,6 +28,7 @@ from pathlib import Path
 from build_expected import commit_of, slime_parser  # a sibling script (these run as scripts)
 
 OUT = Path(__file__).resolve().parent / "expected_args.json"
+ROLES = Path(__file__).resolve().parent / "ppo_roles.yaml"  # relative in the JSON: the repository's file
 
 BASE = [
     "--rollout-batch-size",
@@ -147,6 +148,36 @@ CASES = {
         "--adam-eps",
         "1e-6",
     ],
+    "ppo": BASE
+    + [
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--advantage-estimator",
+        "ppo",
+        "--value-clip",
+        "0.3",
+        "--gamma",
+        "0.99",
+        "--lambd",
+        "0.95",
+        "--num-critic-only-steps",
+        "1",
+        "--normalize-advantages",
+    ],
+    # slime's PPO test's layout: the critic's learning rate in a role's overrides (tests/test_qwen3_4B_ppo.py)
+    "ppo_roles": BASE
+    + [
+        "--global-batch-size",
+        "4",
+        "--advantage-estimator",
+        "ppo",
+        "--lr",
+        "1e-6",
+        "--megatron-config-path",
+        str(ROLES),
+    ],
     "dynamic_batch_size": BASE
     + ["--global-batch-size", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"],
     "max_tokens_without_dynamic_batch_size": BASE + ["--global-batch-size", "4", "--max-tokens-per-gpu", "4096"],
@@ -214,6 +245,11 @@ KEYS = (
     "optimizer_cpu_offload",
     "offload_rollout",
     "offload_train",
+    "use_critic",
+    "value_clip",
+    "gamma",
+    "lambd",
+    "num_critic_only_steps",
 )
 MEGATRON = {
     "--weight-decay": (float, 0.01),
@@ -274,14 +310,25 @@ def resolve(arguments, argv: list[str]) -> dict:
     args = _Megatron(**vars(parser.parse_args(argv)))
     args.ref_load = tempfile.gettempdir()  # slime checks that a KL run's reference checkpoint exists
     arguments.slime_validate_args(args)
-    return {key: getattr(args, key) for key in KEYS}
+    out = {key: getattr(args, key) for key in KEYS}
+    if args.megatron_config_path is not None:  # each role's arguments, as slime's placement group parses them
+        out["role_lr"] = {
+            role: arguments.parse_megatron_role_args(args, args.megatron_config_path, role=role).lr
+            for role in ("actor", "critic")
+        }
+    return out
+
+
+def _relative(argv: list[str]) -> list[str]:
+    """The command line as committed: the role config by its path in the repository."""
+    return [str(ROLES.relative_to(ROLES.parents[3])) if arg == str(ROLES) else arg for arg in argv]
 
 
 def main() -> None:
     given = slime_parser(__doc__.splitlines()[0]).parse_args()
     commit = commit_of(given.slime, given.commit)
     arguments = _import_arguments(given.slime)
-    cases = {name: {"argv": argv, "slime": resolve(arguments, argv)} for name, argv in CASES.items()}
+    cases = {name: {"argv": _relative(argv), "slime": resolve(arguments, argv)} for name, argv in CASES.items()}
     OUT.write_text(
         json.dumps(
             {"slime_commit": commit, "megatron_defaults": {k: v[1] for k, v in MEGATRON.items()}, "cases": cases},

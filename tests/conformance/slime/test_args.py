@@ -20,7 +20,11 @@ from tests.conftest import cli
 EXPECTED = json.loads((Path(__file__).parent / "expected_args.json").read_text())
 
 
+ROOT = Path(__file__).resolve().parents[3]
+
+
 def _config(argv: list[str]):
+    argv = [str(ROOT / arg) if arg.endswith(".yaml") else arg for arg in argv]  # the repository's role config
     overrides, _ = with_slime(None, {}, slime_args.parse(argv))
     return load_config(**overrides)
 
@@ -74,6 +78,11 @@ def _slime_view(config) -> dict:
         "optimizer_cpu_offload": config.train.optimizer_cpu_offload,
         "offload_rollout": config.rollout.offload,
         "offload_train": False,  # not modelled: --offload-train and --colocate are refused by name
+        "use_critic": config.algo.advantage == "ppo",
+        "value_clip": config.algo.value_clip,
+        "gamma": config.algo.gamma,
+        "lambd": config.algo.lambd,
+        "num_critic_only_steps": config.algo.num_critic_only_steps,
     }
 
 
@@ -88,6 +97,10 @@ def _slime(case: dict) -> dict:
     slime["rollout_stop_token_ids"] = slime["rollout_stop_token_ids"] or []
     for key in ("hf_checkpoint", "num_steps_per_rollout"):  # none in these cases / folded into global_batch_size
         slime.pop(key)
+    if slime["use_critic"]:
+        # slime turns offload_train on with a critic (arguments.py:1961) so that actor and critic take turns on
+        # the GPUs: where weights sleep between stages, not what is computed; rlbench holds both in one process
+        slime["offload_train"] = False
     return slime
 
 
@@ -106,6 +119,8 @@ def test_each_setting_is_slimes(name):
     case = EXPECTED["cases"][name]
     config = _config(case["argv"])
     ours = {**_slime_view(config), "kl_loss_coef_in_loss": config.algo.kl_coef}
+    if "role_lr" in case["slime"]:  # --megatron-config-path: each role's learning rate, as slime's roles hold it
+        ours["role_lr"] = {"actor": config.train.lr, "critic": config.train.critic_lr}
     theirs = _slime(case)
     assert sorted(ours) == sorted(theirs)
     differ = {key: (ours[key], theirs[key]) for key in theirs if ours[key] != theirs[key]}
