@@ -50,7 +50,8 @@ def build_golden(
     interval: int = 1,
 ) -> tuple[dict, dict]:
     """The golden document for `run` (and what changed against `previous`): every metric logged at
-    every committed step, on a grid of `interval` steps; tolerances from the family defaults, with
+    every committed step from its first (the actor's start after PPO's critic-only steps), on a grid of `interval`
+    steps; tolerances from the family defaults, with
     the overrides `previous` carried and the new ones applied. Returns (document, change summary)."""
     if not reason.strip():
         raise BadInput("give the reason for this update (it is kept in the file's history)", field="--reason")
@@ -60,8 +61,9 @@ def build_golden(
     identity = config_identity(manifest)
     metrics = {}
     for name, by_step in sorted(run_series(run).items()):
-        steps = [s for s in run.steps[::interval]]
-        if any(s not in by_step for s in steps):
+        # from the first grid step it is logged at (the actor's metrics after PPO's critic-only steps), every one
+        steps = [s for s in run.steps[::interval] if s >= min(by_step)]
+        if not steps or any(s not in by_step for s in steps):
             continue  # logged at some steps only: no series on a regular grid
         values = {s: by_step[s] for s in steps}
         tol = default_tolerance(name, steps, [values[s] for s in steps])

@@ -443,7 +443,7 @@ def _render_diff(res) -> None:
             f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
             f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}"
             + (
-                f"; {skipped} not computed by either run: the actor's stages on PPO's critic-only steps"
+                f"; {skipped} not computed by either run: PPO's critic-only steps"
                 if (skipped := len(res.steps_compared) * len(res.stages_compared) - res.comparisons)
                 else ""
             )

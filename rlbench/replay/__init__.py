@@ -10,6 +10,7 @@ checkpoints.py  a run's checkpoints held to the checksums it recorded for them (
 integrity.py  one integrity check of a run directory, for every command that reads one (open_run)
 slime.py    import slime's debug rollout dumps, or a --dump-details directory (torch.load with weights_only=True)
 slime_train.py  slime's train dumps (format 2) read field by field and joined to their rollout dumps
+slime_joined.py  the joined train side as the recording's tensors (a PPO run's critic too), its critic-only steps
 slime_train_v1.py  format 1 (a file per rank, slime before 2026-08 and Miles): TP, PP and CP ranks put together
 slime_dir.py  a --dump-details directory: its parts, and Miles' sidecars
 slime_sample.py  one sample of such a dump, field by field (used, kept or refused by name)

@@ -330,11 +330,12 @@ def diff(
         )
     first, comparisons = None, 0
     schedules = schedules_recorded(run_a) and schedules_recorded(run_b)
-    train_fields = versions = 0
+    train_fields = versions = scheduled = 0
     for step in steps:
         # the step's JSON, read once for what diff compares beside the stages (runs made without recording: none)
         metas = (_load(run_a, step)[1], _load(run_b, step)[1]) if verified["A"] and verified["B"] else None
         found = schedule_difference(*metas) if schedules and metas else None
+        scheduled += bool(schedules and metas and all(m.get("dp_shards") for m in metas))  # none: critic-only
         schedule = Difference(step, **found) if found else None
         found, compared = version_difference(*metas, step) if metas else (None, 0)
         versions += compared
@@ -403,7 +404,7 @@ def diff(
         verified,
         {side: o.checkpoints for side, o in opened.items()},
         layout_advice(run_a.manifest, run_b.manifest, first),
-        len(steps) if schedules else 0,
+        scheduled,
         train_fields,
         versions,
         _largest(run_a, run_b, steps, stages, sums_a, sums_b) if tol is not None else {},

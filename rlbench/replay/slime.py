@@ -37,6 +37,7 @@ from rlbench.core.vocab import Vocab, model_vocab
 from rlbench.errors import BadInput
 from rlbench.replay.pickled import load_torch_file
 from rlbench.replay.slime_dir import dump_directory, restore_trajectories
+from rlbench.replay.slime_joined import train_side
 from rlbench.replay.slime_sample import FIELDS, NOT_TRAINED, plain_json, read_sample
 
 
@@ -219,7 +220,7 @@ def import_slime(
             f"Miles' rollout-dump metadata ({', '.join(keys)}) of {len(metadata)} rollout ids kept in their steps' "
             "JSON, not used"
         )
-    trained = _train_side(loaded, steps, train_files, notes) if train_files else None
+    trained = train_side(loaded, steps, train_files, notes) if train_files else None
     sizes = [_group_sizes(rows) for _, _, rows in steps]
     _write(steps, sizes, out, model, dumps, Vocab(vocab, min(len(tokenizer), vocab)), trained, metadata)
     flat = sorted({s for step_sizes in sizes for s in step_sizes})
@@ -236,136 +237,6 @@ def import_slime(
     }
 
 
-def _train_side(loaded, steps, train_files: dict[int, list[Path]], notes: list[str]) -> list[dict] | None:
-    """Each step's train-side tensors and layout from its train dump, joined to its rollout dump; None where the
-    train dumps do not cover every sample of every step (then the recording holds the rollout side only, said in
-    a note). Every finding of every join, and each train dump without its rollout dump, is gathered first: a
-    Divergence naming them (nothing written)."""
-    from rlbench.errors import Divergence
-    from rlbench.replay.slime_train import join, read_train_dump
-    from rlbench.replay.slime_train_v1 import read_train_dump_v1
-
-    joined, findings = [], []
-    for (dump, _), (rollout_id, _, rows) in zip(loaded, steps):
-        paths = train_files.get(rollout_id)
-        if not paths:
-            findings.append(f"rollout {rollout_id}: no train dump (train_data/{rollout_id}.pt)")
-            continue
-        if len(paths) == 1 and "_" not in paths[0].stem:
-            train, path = read_train_dump(paths[0]), paths[0]
-        else:
-            train, path = read_train_dump_v1(paths, dump["samples"], findings), paths[0]
-        if train.rollout_id != rollout_id:
-            raise BadInput(f"rollout_id {train.rollout_id}, in the file of rollout {rollout_id}", path=path)
-        result = join(dump["samples"], train)
-        findings += result.findings
-        notes += train.notes + result.notes
-        if train.unknown:
-            notes.append(f"rollout {rollout_id}: train-dump fields kept, not read: {', '.join(train.unknown)}")
-        joined.append((train, result, rows))
-    for rid in sorted(set(train_files) - {rollout_id for rollout_id, _, _ in steps}):  # named, never dropped
-        files = ", ".join(f"train_data/{p.name}" for p in train_files[rid])
-        findings.append(f"rollout {rid}: no rollout dump (rollout_data/{rid}.pt) for {files}")
-    if findings:
-        shown = "; ".join(findings[:3]) + (f"; and {len(findings) - 3} more" if len(findings) > 3 else "")
-        raise Divergence(f"the train dumps do not join their rollout dumps ({len(findings)} findings): {shown}")
-    out = []
-    for train, result, rows in joined:
-        by_position = {p: train.samples[k] for k, p in result.pairs}
-        if len(by_position) != len(rows):
-            notes.append("not every rollout sample was trained: the recording holds the rollout side only")
-            return None
-        out.append(_train_tensors(train, [by_position[r["position"]] for r in rows], rows, notes))
-    return out
-
-
-SHARD_LAYOUT = (
-    "rank",
-    "data_parallel_rank",
-    "partition",
-    "sample_indices",
-    "micro_batch_indices",
-    "num_microbatches",
-    "global_batch_sizes",
-)
-
-
-def _plain(value):
-    """A shard's field as JSON holds it (tensors as lists)."""
-    if torch.is_tensor(value):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str]) -> dict:
-    """One step's train-side tensors in the recording's layout (token-aligned, 0 on prompt and untrained tokens,
-    as rlbench's own old_logprobs are) and what is kept: per-sample advantages where each sample's are one value
-    over its trained tokens (the GRPO family), the DP layout, and the other fields in each sample's metadata."""
-    from rlbench.replay.slime_train import SAMPLE_FIELDS
-
-    def flat(name: str) -> torch.Tensor:
-        values = []
-        for s, r in zip(samples, rows):
-            mask = r["loss_mask"]
-            got = s[name].tolist() if torch.is_tensor(s[name]) else list(s[name])
-            values += [0.0] * r["prompt_length"] + [float(v) if m else 0.0 for v, m in zip(got, mask)]
-        return torch.tensor(values, dtype=torch.float32)
-
-    tensors = {"old_logprobs": flat("log_probs")} if all(s.get("log_probs") is not None for s in samples) else {}
-    if all(s.get("ref_log_probs") is not None for s in samples):
-        tensors["ref_logprobs"] = flat("ref_log_probs")
-    if all(s.get("advantages") is not None for s in samples):
-        per_sample = []
-        for s, r in zip(samples, rows):
-            values = [
-                float(v) for v in (s["advantages"].tolist() if torch.is_tensor(s["advantages"]) else s["advantages"])
-            ]
-            trained = [v for v, m in zip(values, r["loss_mask"]) if m] or values[:1]
-            per_sample.append(trained[0] if len(set(trained)) == 1 else None)
-        if None in per_sample:
-            notes.append(
-                f"rollout {train.rollout_id}: advantages vary within samples (a per-token estimator): kept per "
-                "token in each sample's train fields, not recorded as the advantages stage"
-            )
-        else:
-            tensors["advantages"] = torch.tensor(per_sample, dtype=torch.float32)
-    kept = []
-    for s, r in zip(samples, rows):
-        fields = {
-            k: (v.tolist() if torch.is_tensor(v) else v)
-            for k, v in s.items()
-            if not SAMPLE_FIELDS.get(k, "kept").startswith("used")
-        }
-        if train.raw_reward is not None:  # the whole batch's, in the rollout dump's order (held so by the join)
-            fields["raw_reward"] = _plain(train.raw_reward[r["position"]])
-        if "advantages" in s and "advantages" not in tensors:
-            fields["advantages"] = [float(v) for v in s["advantages"]]
-        # what the trainer computed on tokens outside the loss mask: not in the stages (0 there), kept to compare
-        untrained = [i for i, m in enumerate(r["loss_mask"]) if not m]
-        if untrained:
-            fields["untrained_tokens"] = {"response_tokens": untrained} | {
-                name: [float(s[name][i]) for i in untrained]
-                for name in ("log_probs", "ref_log_probs", "advantages")
-                if s.get(name) is not None
-            }
-        kept.append(fields)
-    layout = [
-        {k: shard.get(k) for k in SHARD_LAYOUT}
-        | {k: _plain(v) for k, v in shard.items() if k not in SHARD_LAYOUT}  # any other field the shard holds
-        for shard in train.shards
-    ]
-    return {
-        "tensors": tensors,
-        "kept": kept,
-        "dp": [s["data_parallel_rank"] for s in samples],
-        "layout": layout,
-        "file": str(train.path),
-        "format": train.format_version,
-    }
-
-
 def _write(
     steps: list[tuple[int, Path, list[dict]]],
     sizes: list[list[int]],
@@ -373,7 +244,7 @@ def _write(
     model: ModelConfig,
     dumps: list[Path],
     vocab: Vocab,
-    trained: list[dict] | None = None,
+    trained: list[dict | None] | None = None,
     metadata: dict | None = None,
 ) -> None:
     """The recording: a rollout-only manifest (its vocabulary: the one the ids were held to, core/vocab.py)
@@ -394,6 +265,11 @@ def _write(
         rollout=config.rollout.__class__(n_samples_per_prompt=max(map(max, sizes))),
         train=config.train.__class__(minibatches=1),
     )
+    sides = [side for side in trained or [] if side is not None]
+    first = sides[0]["tensors"] if sides else {}
+    if "values" in first:  # a PPO run's: its critic-only steps are the leading ones without a train dump
+        critic_only = next(k for k, side in enumerate(trained) if side is not None)
+        config = config.replace(algo=config.algo.__class__(advantage="ppo", num_critic_only_steps=critic_only))
     manifest = json.loads(
         json.dumps(
             {
@@ -406,10 +282,15 @@ def _write(
                 + (
                     [
                         stage
-                        for key, stage in (("advantages", "advantage"), ("old_logprobs", "logprob"))
-                        if key in trained[0]["tensors"]
+                        for key, stage in (
+                            ("values", "values"),
+                            ("advantages", "advantage"),
+                            ("token_advantages", "advantage"),
+                            ("old_logprobs", "logprob"),
+                        )
+                        if key in first
                     ]
-                    if trained
+                    if sides
                     else []
                 ),
                 "reward_fn": "imported",
@@ -421,9 +302,7 @@ def _write(
                     "rollout_ids": [rid for rid, _, _ in steps],
                     "group_sizes": sizes,
                     **(
-                        {"train_files": [t["file"] for t in trained], "train_format": trained[0]["format"]}
-                        if trained
-                        else {}
+                        {"train_files": [t["file"] for t in sides], "train_format": sides[0]["format"]} if sides else {}
                     ),
                 },
                 "hashes": {
@@ -442,8 +321,8 @@ def _write(
             state = StepState(step)
             state.tensors = _step_tensors(rows)
             state.sample_meta = [{**r["meta"], "rollout_id": rollout_id} for r in rows]
-            if trained:
-                side = trained[step]
+            side = trained[step] if trained else None
+            if side is not None:
                 state.tensors.update(side["tensors"])
                 for meta, kept, dp in zip(state.sample_meta, side["kept"], side["dp"]):
                     meta["slime_train"] = kept
@@ -453,7 +332,11 @@ def _write(
                 state.extra["miles_metadata"] = metadata[rollout_id]
             checksum_inputs(state)
             state.checksums.update(
-                {k: v for k, v in recorded_checksums(state.tensors).items() if k in ("advantages", "old_logprobs")}
+                {
+                    k: v
+                    for k, v in recorded_checksums(state.tensors).items()
+                    if k in ("values", "advantages", "old_logprobs")
+                }
             )
             writer.commit_step(step, state.tensors, state.sample_meta, state.checksums, state.metrics, state.extra)
     finally:

@@ -300,11 +300,14 @@ class RunDir:
 
     def keys_at(self, step: int) -> list[str]:
         """The checksums step `step` must have: `checksum_keys`, less the actor's (logprob, train) on a PPO run's
-        critic-only steps, where slime's actor computes nothing."""
+        critic-only steps, where slime's actor computes nothing (and, imported from slime's dumps, the critic's
+        values and the advantages too: no train dump holds them)."""
         algo = (self.manifest.get("config") or {}).get("algo") or {}
         critic_only = algo.get("num_critic_only_steps", 0) if algo.get("advantage") == "ppo" else 0
         if isinstance(critic_only, int) and step < critic_only:
             actor = STAGE_CHECKSUMS["logprob"] + STAGE_CHECKSUMS["train"]
+            if self.manifest.get("imported"):
+                actor += STAGE_CHECKSUMS["values"] + STAGE_CHECKSUMS["advantage"]
             return [k for k in self.checksum_keys if k not in actor]
         return self.checksum_keys
 

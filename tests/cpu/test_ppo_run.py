@@ -133,6 +133,14 @@ def test_critic_only_steps_train_the_critic_alone_and_keep_the_actor(tmp_path):
     assert sums[0]["engine_weights"] == sums[1]["engine_weights"] != sums[2]["engine_weights"]
     replayed = json.loads(run_cli("replay", str(run), "--json").stdout)
     assert replayed["ok"] and replayed["checksums_compared"] == 2 * 9 + 13
+    golden = tmp_path / "golden.json"
+    made = run_cli("golden", "update", str(run), str(golden), "--reason", "PPO, two critic-only steps")
+    assert made.returncode == 0, made.stderr
+    series = json.loads(golden.read_text())["metrics"]
+    assert series["train/critic-value_loss"]["start_step"] == 0 and series["train/loss"]["start_step"] == 2
+    again = _run(tmp_path, "again", toml)
+    checked = run_cli("check", "golden", str(again), str(golden), "--ignore", "perf/*")
+    assert checked.returncode == 0 and "golden check passed" in checked.stdout, checked.stdout + checked.stderr
     one = _run(tmp_path, "one", toml.replace("num_critic_only_steps = 2", "num_critic_only_steps = 1"))
     res = run_cli("diff", str(run), str(one), "--json")
     first = json.loads(res.stdout)["first"]

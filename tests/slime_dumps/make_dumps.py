@@ -63,28 +63,7 @@ def main() -> None:
     out = Path(args.out)
     rng = random.Random(20261127)
     for rollout_id in range(ROLLOUTS):
-        samples = []
-        for g in range(PROMPTS):
-            prompt = [rng.randrange(3, 300) for _ in range(6 + g)]
-            for j in range(PER_PROMPT):
-                n = rng.randrange(3, 8)
-                response = [rng.randrange(3, 300) for _ in range(n)]
-                mask = [1] * n if j != 1 else [1, 1] + [0] * (n - 3) + [1]  # a tool span in one sample a group
-                samples.append(
-                    Sample(
-                        group_index=rollout_id * PROMPTS + g,
-                        index=(rollout_id * PROMPTS + g) * PER_PROMPT + j,  # slime's data source: a run-wide count
-                        prompt=f"prompt {g}",
-                        tokens=prompt + response,
-                        response=f"response {j}",
-                        response_length=n,
-                        label="even",
-                        reward=float(rng.randrange(2)),
-                        loss_mask=mask,
-                        rollout_log_probs=[round(-rng.random() * 3, 4) for _ in range(n)],
-                        status=Sample.Status.COMPLETED,
-                    )
-                )
+        samples = make_samples(rng, rollout_id, Sample)
         template = str(out / "rollout_data" / "{rollout_id}.pt")
         save_debug_rollout_data(template, samples, rollout_id=rollout_id, evaluation=False)
         if rollout_id == 0:
@@ -147,6 +126,34 @@ def main() -> None:
     fixture = Path(__file__).resolve().parents[2] / "rlbench" / "fixtures" / "tokenizers" / "qwen-tiny"
     AutoTokenizer.from_pretrained(fixture).save_pretrained(out / "tokenizer")
     print(f"wrote {out} with slime {COMMIT}'s writers")
+
+
+def make_samples(rng: random.Random, rollout_id: int, sample_class) -> list:
+    """A rollout's slime Samples (`sample_class`: slime.utils.types.Sample): PROMPTS groups of PER_PROMPT, seeded
+    ids, rewards and log-probs, a tool span (loss mask 0) in one sample a group."""
+    samples = []
+    for g in range(PROMPTS):
+        prompt = [rng.randrange(3, 300) for _ in range(6 + g)]
+        for j in range(PER_PROMPT):
+            n = rng.randrange(3, 8)
+            response = [rng.randrange(3, 300) for _ in range(n)]
+            mask = [1] * n if j != 1 else [1, 1] + [0] * (n - 3) + [1]
+            samples.append(
+                sample_class(
+                    group_index=rollout_id * PROMPTS + g,
+                    index=(rollout_id * PROMPTS + g) * PER_PROMPT + j,  # slime's data source: a run-wide count
+                    prompt=f"prompt {g}",
+                    tokens=prompt + response,
+                    response=f"response {j}",
+                    response_length=n,
+                    label="even",
+                    reward=float(rng.randrange(2)),
+                    loss_mask=mask,
+                    rollout_log_probs=[round(-rng.random() * 3, 4) for _ in range(n)],
+                    status=sample_class.Status.COMPLETED,
+                )
+            )
+    return samples
 
 
 def write_v1(writer: str, out: Path, rollout_id: int, shards: list[dict]) -> None:
