@@ -188,7 +188,8 @@ class RunConfig:
 
 
 def check_ppo(config: RunConfig) -> None:
-    """PPO with a critic where it is built: the torch trainer in this process, steps one after another."""
+    """PPO with a critic where it is built: the trainer in this process (torch, or megatron's rank 0 here), steps
+    one after another."""
     ppo = config.algo.advantage == "ppo"
     check(
         config.train.critic_lr is None or ppo,
@@ -198,12 +199,6 @@ def check_ppo(config: RunConfig) -> None:
     )
     if not ppo:
         return
-    check(
-        config.train.backend == "torch",
-        "algo.advantage",
-        "not ppo with the megatron trainer (its critic is not built yet: train.backend torch)",
-        config.algo.advantage,
-    )
     check(
         config.placement.backend == "local",
         "algo.advantage",

@@ -213,8 +213,10 @@ def build(
     model, weights = _model(config, tokenizer, source, recorded_ids)
     initial_digest = weights_digest(named_weights(model))
     model_weights = _first_sync_reference(config, model, start)
-    critic = registry.make_critic(config, model, init_checkpoint)  # before the trainer trains the model
+    critic = registry.make_critic(config, model, init_checkpoint)  # torch: the trunk copied before its trainer's
     trainer, engine = _local_backends(config, model, start, init_checkpoint)
+    if config.train.backend == "megatron":  # held by the trainer's ranks, beside the actor
+        critic = registry.make_critic(config, model, init_checkpoint, trainer)
     made = _manifest(config, command, determinism, reward_name, weights, initial_digest, source, tokenizer)
     if critic is not None:  # what checkpoint 0's critic/ is held to (replay/checkpoints.py)
         made["hashes"]["initial_critic"] = weights_digest(critic.export_hf_weights())

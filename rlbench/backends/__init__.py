@@ -9,7 +9,7 @@ batch_variant.py  faults planted on purpose: the batched decode split by the bat
 sampling.py       its token choice: Gumbel-max over counter-based noise, top-k / top-p (SGLang's semantics)
 sampling_triton.py  that choice as one Triton kernel on a GPU (rows that are not top-k/top-p filtered)
 torch_trainer.py  embedded trainer: the transformers model, AdamW, minibatches, micro-batches, checkpoints
-critic_trainer.py  PPO's critic (issue 56, under way): the torch trainer's machinery on the clipped value loss
+critic_trainer.py  PPO's critic (issue 56): the torch trainer's machinery on the clipped value loss
 master_weights.py  fp32 master weights and their gradients, on the device or in host memory (CPU offload)
 optimizer_state.py  AdamW's groups and state by parameter name (both trainers' checkpoints)
 registry.py       which trainer and engine a run needs (installed extras, Ray bundles), and how to make them

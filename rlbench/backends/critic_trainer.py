@@ -21,14 +21,19 @@ from rlbench.core.critic import ValueModel, token_values
 from rlbench.errors import BadInput
 
 
-class CriticTrainer(TorchTrainer):
-    """Trains a `ValueModel` on a batch's `values` (before the update) and `returns`."""
+def critic_settings(train, algo_config):
+    """The critic's optimizer and algorithm settings: train.critic_lr (unset: train.lr) and the actor's others;
+    slime's critic role: no KL term (kl_coef 0, so no reference model) and no importance weights."""
+    lr = train.lr if train.critic_lr is None else train.critic_lr
+    return dataclasses.replace(train, lr=lr), dataclasses.replace(algo_config, kl_coef=0.0, use_tis=False)
 
-    def __init__(self, model: ValueModel, train, algo_config, value_clip: float, seed: int, device: str = "cpu"):
-        # slime's critic role: no KL term (kl_coef 0, so no reference model) and no importance weights
-        critic_algo = dataclasses.replace(algo_config, kl_coef=0.0, use_tis=False)
-        super().__init__(model, train, critic_algo, 1.0, seed, device)
-        self.value_clip = value_clip
+
+class CriticLoss:
+    """The critic's side of a trainer (mixed into TorchTrainer here, into the megatron rank's trainer in
+    backends/megatron/critic.py): its values and its step on the value loss. `_token_values(ids)` is the one
+    place the two differ."""
+
+    value_clip: float
 
     @torch.no_grad()
     def values(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,8 +46,11 @@ class CriticTrainer(TorchTrainer):
             rows = torch.as_tensor(list(mb))
             trim = self.train_config.max_tokens_per_micro_batch is not None
             width = int(real[rows].max()) if trim else tokens.shape[1]
-            out[rows, :width] = token_values(self.model, tokens[rows, :width].to(self.device)).cpu()
+            out[rows, :width] = self._token_values(tokens[rows, :width].to(self.device)).cpu()
         return out
+
+    def _token_values(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def train_step(self, batch: algo.TrainBatch, step: int) -> algo.TrainStats:
         if batch.values is None or batch.returns is None:
@@ -72,7 +80,7 @@ class CriticTrainer(TorchTrainer):
         rollouts: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         mask = batch.loss_mask[index].to(self.device)
-        values = token_values(self.model, batch.tokens[index].to(self.device))
+        values = self._token_values(batch.tokens[index].to(self.device))
         old, returns = (getattr(batch, name)[index].to(self.device) for name in ("values", "returns"))
         loss, clipped = ppo.value_loss_terms(values, old, returns, self.value_clip)
         reduce = algo.reducer(mask, tokens)
@@ -80,3 +88,15 @@ class CriticTrainer(TorchTrainer):
         sums["value_loss"] += loss.detach().double() * weight
         sums["value_clipfrac"] += clipfrac.detach().double() * weight
         return loss * weight
+
+
+class CriticTrainer(CriticLoss, TorchTrainer):
+    """Trains a `ValueModel` on a batch's `values` (before the update) and `returns`."""
+
+    def __init__(self, model: ValueModel, train, algo_config, value_clip: float, seed: int, device: str = "cpu"):
+        train, critic_algo = critic_settings(train, algo_config)
+        TorchTrainer.__init__(self, model, train, critic_algo, 1.0, seed, device)
+        self.value_clip = value_clip
+
+    def _token_values(self, ids: torch.Tensor) -> torch.Tensor:
+        return token_values(self.model, ids)

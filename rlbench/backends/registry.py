@@ -165,24 +165,28 @@ def make_trainer(config: RunConfig, model: torch.nn.Module, workers=None) -> Tra
     return TorchTrainer(model, setup.train, setup.algo, setup.temperature, setup.seed, setup.device)
 
 
-def make_critic(config: RunConfig, model: torch.nn.Module, init_checkpoint: Path | None = None):
-    """PPO's critic (backends/critic_trainer.py) where the run trains with one: the policy's trunk copied from
-    `model` as built (slime's critic loads the policy's checkpoint) under a seeded value head, trained with
+def make_critic(config: RunConfig, model: torch.nn.Module, init_checkpoint: Path | None = None, trainer=None):
+    """PPO's critic where the run trains with one: the torch trainer's (backends/critic_trainer.py: the policy's
+    trunk copied from `model` as built, as slime's critic loads the policy's checkpoint, under a seeded value head)
+    or the megatron trainer's (its ranks hold it beside the actor: backends/megatron/critic.py), trained with
     train.critic_lr (unset: train.lr) and the actor's other optimizer settings, restored from `init_checkpoint`'s
     critic/ where given; None otherwise."""
     if config.algo.advantage != "ppo" or not trains(config):
         return None
-    import dataclasses
+    if config.train.backend == "megatron":
+        if trainer is None:  # made once its trainer is
+            return None
+        from rlbench.backends.megatron.critic import MegatronCritic
 
-    from rlbench.backends.critic_trainer import CriticTrainer
-    from rlbench.core.critic import ValueModel
+        critic = MegatronCritic(trainer)
+    else:
+        from rlbench.backends.critic_trainer import CriticTrainer
+        from rlbench.core.critic import ValueModel
 
-    setup = config.trainer_setup()
-    lr = setup.train.lr if setup.train.critic_lr is None else setup.train.critic_lr
-    train = dataclasses.replace(setup.train, lr=lr)
-    critic = CriticTrainer(
-        ValueModel(model, setup.seed), train, setup.algo, setup.algo.value_clip, setup.seed, setup.device
-    )
+        setup = config.trainer_setup()
+        critic = CriticTrainer(
+            ValueModel(model, setup.seed), setup.train, setup.algo, setup.algo.value_clip, setup.seed, setup.device
+        )
     if init_checkpoint is not None:
         critic.load_checkpoint(Path(init_checkpoint) / "critic")
     return critic

@@ -36,15 +36,27 @@ class ValueModel(torch.nn.Module):
         dtype = policy.get_output_embeddings().weight.dtype
         device = next(self.trunk.parameters()).device
         self.head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=dtype, device=device)  # with a bias
-        drawn = torch.empty(self.head.weight.shape).normal_(0.0, std, generator=generator(seed, "critic_head"))
         with torch.no_grad():
-            self.head.weight.copy_(drawn)  # drawn in float32 on the CPU, then held in the model's dtype and device
+            self.head.weight.copy_(head_weight(policy.config.hidden_size, seed, std))  # in the model's dtype
             self.head.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The head's output at every position of `input_ids` [n, L], float32 [n, L]."""
         hidden = self.trunk(input_ids=input_ids, use_cache=False).last_hidden_state
         return self.head(hidden)[..., 0].float()
+
+
+def head_weight(hidden: int, seed: int, std: float = HEAD_STD) -> torch.Tensor:
+    """The value head's weight [1, hidden], drawn N(0, std) in float32 on the CPU from the run's seed."""
+    return torch.empty(1, hidden).normal_(0.0, std, generator=generator(seed, "critic_head"))
+
+
+def initial_weights(policy: dict[str, torch.Tensor], hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """A `ValueModel`'s initial weights by name from the policy's Hugging Face weights (its output layer dropped):
+    what the megatron trainer's ranks load their critic from (backends/megatron/critic.py)."""
+    trunk = {f"trunk.{name.removeprefix('model.')}": t for name, t in policy.items() if name.startswith("model.")}
+    dtype = next(iter(trunk.values())).dtype
+    return {**trunk, "head.weight": head_weight(hidden, seed).to(dtype), "head.bias": torch.zeros(1, dtype=dtype)}
 
 
 def token_values(model: ValueModel, tokens: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ def values(ctx, state, finite) -> None:
 
 def advantage(ctx, state, finite) -> None:
     """GAE's advantages and returns per response token (float64, recorded as float32), the advantages whitened over
-    the step's trained tokens when algo.normalize_advantages (returns never)."""
+    the step's trained tokens when algo.normalize_advantages (returns never). Each return is a convex combination
+    of n-step returns, each the reward or a value discounted (gamma <= 1): finite where they are, so the advantages
+    alone are checked (a difference of two large values can pass float32's range)."""
     cfg = ctx.config.algo
     tensors = state.tensors
     offsets, prompts = tensors["offsets"].tolist(), tensors["prompt_lengths"].tolist()
@@ -63,12 +65,14 @@ def advantage(ctx, state, finite) -> None:
             flat[start:end] = row.float()
         tensors[name] = flat
     finite(state, "advantage", "token_advantages", tensors["token_advantages"])
-    finite(state, "advantage", "returns", tensors["returns"])
 
 
 def critic_train(ctx, state, finite) -> None:
     """The critic's step on the step's values (its old values) and returns."""
     batch = samples.train_batch(state.tensors)
+    batch.rollouts = samples.rollouts(
+        state.sample_meta
+    )  # a fan-out's shared rollouts: the critic refuses them (not built)
     offsets = state.tensors["offsets"]
     width = batch.tokens.shape[1]
     batch.values = recording.padded(state.tensors["values"], offsets, width)

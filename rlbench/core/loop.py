@@ -193,7 +193,7 @@ def _finite(state: StepState, stage: str, name: str, values: torch.Tensor, sourc
     if not bool(bad.any()):
         return
     first = int(bad.reshape(-1).nonzero()[0])
-    if name.endswith("logprobs") or name in ("values", "token_advantages", "returns"):  # token-aligned
+    if name.endswith("logprobs") or name in ("values", "token_advantages"):  # token-aligned
         offsets = state.tensors["offsets"]
         sample = int(torch.searchsorted(offsets, torch.tensor(first), right=True)) - 1
         place = f"sample {sample}, token {first - int(offsets[sample])}"
@@ -291,16 +291,6 @@ def critic_train(ctx: Context, state: StepState) -> None:
     critic_stages.critic_train(ctx, state, _finite)
 
 
-def rollouts(sample_meta: list[dict]) -> torch.Tensor | None:
-    """Each sample's rollout where a slime plugin's fan-out gave a rollout several samples (their recorded
-    `rollout`, slime's shared Sample.rollout_id); None where every sample is a rollout of its own (the trainers'
-    per-sample path). An imported slime dump's `rollout_id` is the step's, not this."""
-    ids = [m.get("rollout") for m in sample_meta]
-    if not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids) or len(set(ids)) == len(ids):
-        return None
-    return torch.tensor(ids, dtype=torch.long)
-
-
 def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
     """The step's groups: each sample's "group" from its recorded metadata where every sample has one
     (a slime import, slime's group_index: groups of any size), else consecutive groups of
@@ -329,7 +319,7 @@ def groups(ctx: Context, state: StepState) -> int | torch.Tensor:
 
 def logprob(ctx: Context, state: StepState) -> None:
     state.batch = samples.train_batch(state.tensors)
-    state.batch.rollouts = rollouts(state.sample_meta)
+    state.batch.rollouts = samples.rollouts(state.sample_meta)
     per_sample = ctx.config.rollout.true_on_policy
     state.batch.old_logprobs = (
         ctx.trainer.logprobs(state.batch.tokens, lengths=state.batch.lengths, per_sample=per_sample)

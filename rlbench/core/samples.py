@@ -122,3 +122,13 @@ def _advantages(tensors: dict[str, torch.Tensor], width: int) -> torch.Tensor:
     if "token_advantages" in tensors:
         return recording.padded(tensors["token_advantages"], tensors["offsets"], width)
     return torch.zeros(0)
+
+
+def rollouts(sample_meta: list[dict]) -> torch.Tensor | None:
+    """Each sample's rollout where a slime plugin's fan-out gave a rollout several samples (their recorded
+    `rollout`, slime's shared Sample.rollout_id); None where every sample is a rollout of its own (the trainers'
+    per-sample path). An imported slime dump's `rollout_id` is the step's, not this."""
+    ids = [m.get("rollout") for m in sample_meta]
+    if not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids) or len(set(ids)) == len(ids):
+        return None
+    return torch.tensor(ids, dtype=torch.long)

@@ -98,14 +98,18 @@ def _verify_critic(path: Path, done: int, weights: str | None) -> None:
         )
     if weights is None:
         raise BadInput("the run recorded no checksum of its critic's weights for this checkpoint", path=folder)
-    if weights_digest(load_safetensors(folder / "model.safetensors")) != weights:
+    hf = load_safetensors(folder / "model.safetensors")
+    if weights_digest(hf) != weights:
         where = (
             "manifest.json's hashes.initial_critic"
             if done == 0
             else f"checksums.jsonl's critic_weights at step {done - 1}"
         )
         raise BadInput(f"the critic's weights do not match {where}: {DAMAGED}", path=folder / "model.safetensors")
-    _verify_torch(folder)
+    if (folder / "layout.json").is_file():  # the megatron trainer's critic: its rank shards
+        _verify_megatron(folder, hf)
+    else:
+        _verify_torch(folder)
 
 
 def _verify(path: Path, done: int, weights: str) -> None:
@@ -174,6 +178,7 @@ def _verify_megatron(path: Path, hf: dict) -> None:
     from rlbench.rundir.digest import tensors_digest
 
     layout = read_json(path / "layout.json")
+    critic = isinstance(layout, dict) and layout.get("role") == "critic"  # PPO's critic: its names and head
     try:
         tp, dims = int(layout["tp"]), Dims(**layout["dims"])
         sums = layout["optimizer"]["shard_checksums"]
@@ -191,12 +196,12 @@ def _verify_megatron(path: Path, hf: dict) -> None:
             raise BadInput(f"its tensors do not match layout.json's optimizer.shard_checksums: {DAMAGED}", path=shard)
         shard = path / f"model-tp{r:02d}.safetensors"
         try:
-            expected = to_megatron(hf, dims, tp, r)
+            expected = to_megatron(hf, dims, tp, r, critic)
         except (KeyError, RuntimeError, ValueError):
             raise BadInput(f"the weights do not fit layout.json's dims: {DAMAGED}", path=path / "layout.json") from None
         held = load_safetensors(shard)
         if r > 0:
-            replicated = {p.megatron for p in params(dims) if p.kind == REPLICATED}
+            replicated = {p.megatron for p in params(dims, critic) if p.kind == REPLICATED}
             expected = {k: v for k, v in expected.items() if k not in replicated}
             held = {k: v for k, v in held.items() if k not in replicated}
         if tensors_digest(sorted(held.items())) != tensors_digest(sorted(expected.items())):

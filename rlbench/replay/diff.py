@@ -424,7 +424,7 @@ def _largest(run_a: RunDir, run_b: RunDir, steps: list[int], stages: list[str], 
     every step is 0 there and left out): where it is, and how large, absolute and relative."""
     found: dict[str, dict] = {}
     for step in steps:
-        differing = [k for k in stages if k in VALUE_STAGES and sums_a[step][k] != sums_b[step][k]]
+        differing = [k for k in stages if k in VALUE_STAGES and sums_a[step].get(k) != sums_b[step].get(k)]
         if not differing:
             continue
         (ta, _), (tb, _) = _load(run_a, step), _load(run_b, step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rlbench.core import algo
-from rlbench.core.loop import rollouts
+from rlbench.core.samples import rollouts
 from tests.conftest import RANDOM_INIT_MODEL
 
 

@@ -5,6 +5,7 @@
     convert.py  weights between Hugging Face names and Megatron shards, both ways (fused QKV, gate/up)
     compat.py   the CPU compatibility layer: megatron-core's CUDA-only calls redirected, only on the CPU
     trainer.py  the Trainer (rank 0) and each rank's shard: DDP, finalised grads, checkpoints with a layout
+    critic.py   PPO's critic on each rank beside the actor (a one-output head), and rank 0's handle on it
     launch.py   the worker ranks rlbench starts itself (processes, or Ray actors), and rank 0's commands
     worker.py   a worker rank (ranks 1..): it joins rank 0, then runs rank 0's commands
     faults.py   deliberate faults (and a rank killed at a named command), for the tests that prove the checks can fail

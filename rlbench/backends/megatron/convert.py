@@ -15,6 +15,9 @@ has no converter: so it is written here, by name, from megatron-core's own layou
 - Column-parallel weights (embedding, output layer) split dim 0; row-parallel ones (o_proj,
   down_proj) split dim 1; norms (incl. q/k norm) are replicated.
 - Tied embeddings: the output layer has no weight of its own.
+- PPO's critic (`critic=True`): the policy's trunk under Hugging Face names `trunk.*` (core/critic.py's ValueModel:
+  the decoder's names without `model.`), and its value head `head.weight` [1, hidden] and `head.bias` [1] as the
+  output layer's weight and bias, replicated (slime's LinearForLastLayer is a plain Linear on every TP rank).
 - Transformer Engine's spec fuses the pre-attention and pre-MLP norms into linear_qkv and
   linear_fc1 (`layer_norm_weight`); the local spec keeps them as modules of their own.
 
@@ -59,8 +62,15 @@ class Param:
     kind: str
 
 
-def params(dims: Dims) -> list[Param]:
-    """Every Megatron parameter with its Hugging Face source(s), in Hugging Face's parameter order."""
+def params(dims: Dims, critic: bool = False) -> list[Param]:
+    """Every Megatron parameter with its Hugging Face source(s), in Hugging Face's parameter order; `critic`: PPO's
+    critic's (the trunk as `trunk.*`, the value head as the output layer)."""
+    if critic:
+        trunk = [
+            Param(p.megatron, tuple(f"trunk.{h.removeprefix('model.')}" for h in p.hf), p.kind) for p in params(dims)
+        ]
+        head = [Param(f"output_layer.{x}", (f"head.{x}",), REPLICATED) for x in ("weight", "bias")]
+        return [p for p in trunk if p.megatron != "output_layer.weight"] + head
     out = [Param("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), ROWS)]
     for i in range(dims.layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -82,8 +92,8 @@ def params(dims: Dims) -> list[Param]:
     return out
 
 
-def hf_names(dims: Dims) -> list[str]:
-    return [name for p in params(dims) for name in p.hf]
+def hf_names(dims: Dims, critic: bool = False) -> list[str]:
+    return [name for p in params(dims, critic) for name in p.hf]
 
 
 def _qkv_groups(dims: Dims, qkv: torch.Tensor) -> torch.Tensor:
@@ -116,10 +126,12 @@ def split_qkv(dims: Dims, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, k, v
 
 
-def to_megatron(hf: Mapping[str, torch.Tensor], dims: Dims, tp: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+def to_megatron(
+    hf: Mapping[str, torch.Tensor], dims: Dims, tp: int = 1, rank: int = 0, critic: bool = False
+) -> dict[str, torch.Tensor]:
     """Tensor-parallel rank `rank`'s shard of every Megatron parameter, from full Hugging Face weights."""
     out = {}
-    for p in params(dims):
+    for p in params(dims, critic):
         src = [hf[name] for name in p.hf]
         if p.kind == REPLICATED:
             t = src[0]
@@ -135,10 +147,10 @@ def to_megatron(hf: Mapping[str, torch.Tensor], dims: Dims, tp: int = 1, rank: i
     return out
 
 
-def to_hf(shards: Sequence[Mapping[str, torch.Tensor]], dims: Dims) -> dict[str, torch.Tensor]:
+def to_hf(shards: Sequence[Mapping[str, torch.Tensor]], dims: Dims, critic: bool = False) -> dict[str, torch.Tensor]:
     """Full Hugging Face weights (in Hugging Face's order) from every tensor-parallel rank's shard, rank order."""
     out = {}
-    for p in params(dims):
+    for p in params(dims, critic):
         parts = [s[p.megatron] for s in shards]
         if p.kind == REPLICATED:
             tensors = (parts[0],)

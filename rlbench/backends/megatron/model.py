@@ -203,10 +203,24 @@ def transformer_config(
         ) from None
 
 
-def build(hf_config, dims: Dims, config) -> torch.nn.Module:
+class ValueHead(torch.nn.Module):
+    """PPO's critic's output layer in a GPTModel (slime's LinearForLastLayer): Linear(hidden, 1) with a bias, the
+    same on every TP rank, its output in float32; called as GPTModel calls its output layer."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias).float(), None
+
+
+def build(hf_config, dims: Dims, config, critic: bool = False) -> torch.nn.Module:
     """The GPTModel of this rank (parallel state must be initialised), every parameter of `params_dtype`:
     the local spec's norms (torch.nn.RMSNorm, made without a dtype) come in torch's default, float32, and
-    are cast. RoPE's frequencies are no parameter: they stay float32, as transformers computes them."""
+    are cast. RoPE's frequencies are no parameter: they stay float32, as transformers computes them.
+    `critic`: PPO's critic, its output layer a `ValueHead` (untied, as slime's critic role unties it)."""
     with quiet():
         from megatron.core.models.gpt import GPTModel
 
@@ -217,10 +231,12 @@ def build(hf_config, dims: Dims, config) -> torch.nn.Module:
             vocab_size=dims.vocab,
             max_sequence_length=hf_config.max_position_embeddings,
             parallel_output=False,
-            share_embeddings_and_output_weights=dims.tied,
+            share_embeddings_and_output_weights=dims.tied and not critic,
             position_embedding_type="rope",
             rotary_base=hf_config.rope_parameters["rope_theta"],
         )
+    if critic:
+        gpt.output_layer = ValueHead(dims.hidden, config.params_dtype)
     return gpt.to(dtype=config.params_dtype)
 
 
@@ -232,6 +248,12 @@ def _layer_spec(dims: Dims):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+def token_values(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A critic GPTModel's value of token t (t >= 1) read at position t - 1, float32 [n, L], position 0 gets 0 (as
+    core/critic.py's token_values)."""
+    return torch.nn.functional.pad(logits(model, ids)[..., 0][:, :-1], (1, 0))
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

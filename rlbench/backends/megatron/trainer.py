@@ -68,7 +68,10 @@ def _import_megatron():
 
 
 class RankTrainer(TorchTrainer):
-    """One rank's shard of the megatron trainer (see the module docstring)."""
+    """One rank's shard of the megatron trainer (see the module docstring); with PPO, its `critic` beside it
+    (critic.py)."""
+
+    CRITIC = False  # PPO's critic (critic.py's RankCritic): its names and its output layer
 
     def __init__(self, ranks: launch.Ranks, config: TrainerSetup, initial: dict[str, torch.Tensor]):
         ps = _import_megatron()
@@ -112,10 +115,12 @@ class RankTrainer(TorchTrainer):
         )
         reference = self._shard(initial, device) if config.algo.kl_coef > 0 else None
         super().__init__(ddp, config.train, config.algo, config.temperature, config.seed, device, reference)
+        self.critic = None  # PPO's: critic.attach, right after this on every rank
 
     def _shard(self, initial: dict[str, torch.Tensor], device: str) -> torch.nn.Module:
-        gpt = mmodel.build(self.hf_config, self.dims, self.tconfig).to(device)
-        load_named_(gpt, to_megatron(initial, self.dims, self.tp, self.tp_rank), source="the initial weights")
+        gpt = mmodel.build(self.hf_config, self.dims, self.tconfig, self.CRITIC).to(device)
+        shard = to_megatron(initial, self.dims, self.tp, self.tp_rank, self.CRITIC)
+        load_named_(gpt, shard, source="the initial weights")
         return gpt
 
     # -- where it differs from TorchTrainer --
@@ -155,7 +160,7 @@ class RankTrainer(TorchTrainer):
         return self._full_hf({name: p.main_grad for name, p in self.gpt.named_parameters()}, cpu=False).items()
 
     def param_names(self) -> list[str]:
-        return hf_names(self.dims)
+        return hf_names(self.dims, self.CRITIC)
 
     def clip_grads(self) -> float:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -198,7 +203,7 @@ class RankTrainer(TorchTrainer):
         return {name: p.detach() for name, p in self.gpt.named_parameters()}
 
     def _full_hf(self, tensors: dict[str, torch.Tensor], cpu: bool = True) -> dict[str, torch.Tensor]:
-        return to_hf(self._tp_shards(tensors, cpu), self.dims)
+        return to_hf(self._tp_shards(tensors, cpu), self.dims, self.CRITIC)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """Full Hugging Face weights on this rank's device (a GPU run's checksums run there, and the engine copies
@@ -221,11 +226,13 @@ class RankTrainer(TorchTrainer):
             "tp": self.tp,
             "dp": self.dp,
             "dims": self.dims.to_json(),
-            "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims)},
+            "params": {p.megatron: {"hf": list(p.hf), "kind": p.kind} for p in params(self.dims, self.CRITIC)},
             "optimizer": meta,
         }
+        if self.CRITIC:
+            layout["role"] = "critic"
         files = {
-            "model.safetensors": tensor_file.encode(to_hf(model_shards, self.dims)),
+            "model.safetensors": tensor_file.encode(to_hf(model_shards, self.dims, self.CRITIC)),
             "layout.json": (json.dumps(layout, indent=1, sort_keys=True) + "\n").encode(),
         }
         for r in range(self.tp):
@@ -254,8 +261,9 @@ class RankTrainer(TorchTrainer):
         ps.destroy_model_parallel()
 
 
-def check_layout(directory: Path, tp: int, dims: Dims) -> None:
-    """Refuse (BadInput) a checkpoint this trainer cannot load, before any rank is asked to."""
+def check_layout(directory: Path, tp: int, dims: Dims, critic: bool = False) -> None:
+    """Refuse (BadInput) a checkpoint this trainer (`critic`: its PPO critic) cannot load, before any rank is asked
+    to."""
     path = directory / "layout.json"
     if not path.is_file():
         raise BadInput("not a megatron trainer checkpoint (no layout.json)", path=directory)
@@ -263,7 +271,7 @@ def check_layout(directory: Path, tp: int, dims: Dims) -> None:
         layout = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadInput(f"unreadable ({exc.__class__.__name__})", path=path) from None
-    for key, want in (("format", LAYOUT), ("tp", tp), ("dims", dims.to_json())):
+    for key, want in (("format", LAYOUT), ("tp", tp), ("dims", dims.to_json()), ("role", "critic" if critic else None)):
         if layout.get(key) != want:
             raise BadInput(f"expected {want!r}, got {layout.get(key)!r}", path=path, field=key)
     for r in range(tp):
@@ -340,6 +348,8 @@ def dispatch(trainer: RankTrainer, op: str, meta: dict, tensors: dict[str, torch
         return trainer.checkpoint_files()
     if op == "load":
         return trainer.load_checkpoint(Path(meta["directory"]))
+    if op.startswith("critic_"):  # PPO's critic (critic.py)
+        return trainer.critic.dispatch(op, meta, tensors)
     raise AssertionError(f"unknown command {op!r}")
 
 
@@ -362,6 +372,8 @@ class MegatronTrainer:
         self._pending = launch.spawn(config.tp * config.dp, config.device, workers)
         weakref.finalize(self, launch.kill, self._pending.workers, self._pending.watched)
         self._checkpoint: Path | None = None
+        self._critic_checkpoint: Path | None = None  # PPO's critic's (critic.py), loaded after the actor's
+        self.on_start: list = []  # f(rank 0's RankTrainer, the initial weights), right after it is made
         self._broken = False
         self._ranks: launch.Ranks | None = None
         self._local: RankTrainer | None = None
@@ -393,6 +405,8 @@ class MegatronTrainer:
         try:
             launch.send(self._ranks, "init", {"setup": self.config.to_dict()}, initial)
             self._local = RankTrainer(self._ranks, self.config, initial)
+            for hook in self.on_start:
+                hook(self._local, initial)
         except Exception as exc:
             self._broken = True
             error = self._dead_rank(exc)
@@ -404,6 +418,8 @@ class MegatronTrainer:
             raise
         if self._checkpoint is not None:
             self._call("load", {"directory": str(self._checkpoint)})
+        if self._critic_checkpoint is not None:
+            self._call("critic_load", {"directory": str(self._critic_checkpoint)})
 
     def logprobs(
         self,

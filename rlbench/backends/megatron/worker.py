@@ -33,6 +33,10 @@ def run_commands(ranks: launch.Ranks) -> None:
     config = setup_from_dict(TrainerSetup, meta["setup"], "the init command")
     configure_determinism(config.threads, config.device, config.deterministic)  # as rank 0 has them
     trainer = RankTrainer(ranks, config, tensors)
+    if config.algo.advantage == "ppo":  # PPO's critic beside it, as rank 0 makes its own (critic.MegatronCritic)
+        from rlbench.backends.megatron.critic import attach
+
+        attach(trainer, config, tensors)
     try:
         while True:
             op, meta, tensors = launch.receive(ranks)
