@@ -35,8 +35,7 @@ def _response(samples: list[dict], rows: list[dict], key: str) -> torch.Tensor:
     """A per-response-token field over the step: 0 on each prompt, the dump's values on every response token."""
     values = []
     for s, r in zip(samples, rows):
-        got = s[key].tolist() if torch.is_tensor(s[key]) else list(s[key])
-        values += [0.0] * r["prompt_length"] + [float(v) for v in got]
+        values += [0.0] * r["prompt_length"] + [float(v) for v in s[key]]
     return torch.tensor(values, dtype=torch.float32)
 
 

@@ -152,6 +152,17 @@ def test_the_critic_refuses_samples_that_share_rollouts(policy):
         trainer.train_step(batch, step=0)
 
 
+def test_the_critics_learning_rate_is_train_critic_lr_else_the_actors_with_the_actors_other_settings(policy):
+    unset = _trainer(policy, weight_decay=0.01)
+    own = _trainer(policy, critic_lr=2e-3, weight_decay=0.01, betas=(0.8, 0.9))
+    assert {g["lr"] for g in unset.optimizer.param_groups} == {1e-3} and unset.train_config.lr == 1e-3
+    assert {g["lr"] for g in own.optimizer.param_groups} == {2e-3} and own.train_config.lr == 2e-3
+    assert own.train_config.betas == (0.8, 0.9) and {g["weight_decay"] for g in own.optimizer.param_groups} == {
+        0.0,
+        0.01,
+    }
+
+
 def test_the_critic_learns_the_returns_and_refuses_a_batch_without_values(policy):
     from rlbench.errors import BadInput
 

@@ -14,7 +14,9 @@ import pytest
 from rlbench.config import apply_overrides, load_config
 from rlbench.core.model import load_safetensors
 from rlbench.session import run
-from tests.conftest import RANDOM_INIT_MODEL, run_cli
+from tests.conftest import run_cli
+from tests.cpu.megatron_reference import STEPS as REFERENCE_STEPS
+from tests.cpu.megatron_reference import TOML as REFERENCE_TOML
 from tests.cpu.megatron_reference import made_once
 
 pytestmark = pytest.mark.slow  # rank processes each import torch, transformers and megatron-core
@@ -22,30 +24,12 @@ pytestmark = pytest.mark.slow  # rank processes each import torch, transformers 
 STEPS = 3  # step 0 the critic's alone, then both
 # test_megatron_parallel.py's float64 setting (random weights, an entropy term that keeps the losses away from 0,
 # a dense reward), at PPO's: DP=2 needs two micro-batches per minibatch
-TOML = f"""seed = 7
-checkpoint_every = 1
-[model]
-path = '{RANDOM_INIT_MODEL}'
-init = "random"
-dtype = "float64"
-[data]
-prompts_per_step = 2
-[rollout]
-n_samples_per_prompt = 4
-[reward]
-custom_rm_path = "tests.cpu.plugins.rewards.response_length"
-[algo]
-advantage = "ppo"
-num_critic_only_steps = 1
-entropy_coef = 1.0
-kl_coef = 0.0
-[train]
-backend = "megatron"
-lr = 1e-3
-critic_lr = 2e-3
-minibatches = 2
-micro_batch_size = 2
-"""
+TOML = (
+    REFERENCE_TOML.replace(f"steps = {REFERENCE_STEPS}\ncheckpoint_every = 2\n", "checkpoint_every = 1\n")
+    .replace('init = "random"\n', 'init = "random"\ndtype = "float64"\n')
+    .replace("[algo]\n", '[algo]\nadvantage = "ppo"\nnum_critic_only_steps = 1\n')
+    .replace("micro_batch_size = 3\n", "micro_batch_size = 2\ncritic_lr = 2e-3\n")
+)
 RTOL = "1e-12"  # test_megatron_parallel.py's, measured there
 
 

@@ -29,7 +29,10 @@ def imported(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ppo") / "run"
     done = _import(PPO_DUMPS, out)
     assert done.returncode == 0, done.stderr
-    assert "rollout id(s) 0: no train dump, PPO's critic-only steps (--num-critic-only-steps 1" in done.stdout
+    assert (
+        "note: rollout id(s) 0: no train dump, PPO's critic-only steps (--num-critic-only-steps 1: slime's actor "
+        "neither computes nor dumps there); their steps hold the rollout side only" in " ".join(done.stdout.split())
+    )
     return out
 
 
@@ -51,6 +54,10 @@ def test_the_critics_fields_are_recorded_on_every_response_token_and_step_0_is_c
         tensors, meta = recording.read_step(imported, step)
         dump = torch.load(PPO_DUMPS / "train_data" / f"{step}.pt", weights_only=True)
         by_index = {s["sample_index"]: s for s in dump["samples"]}
+        prompt = torch.ones(tensors["tokens"].numel(), dtype=torch.bool)
+        for start, end in _spans(tensors):
+            prompt[start:end] = False
+        assert all(bool((tensors[name][prompt] == 0).all()) for name in ("values", "token_advantages", "returns"))
         for k, (start, end) in enumerate(_spans(tensors)):
             theirs = by_index[meta["samples"][k]["index"]]
             for ours, key in (("values", "values"), ("token_advantages", "advantages"), ("returns", "returns")):
@@ -98,3 +105,40 @@ def test_a_ppo_dump_without_a_train_dump_after_its_first_trained_rollout_is_a_fi
     res = _import(broken, tmp_path / "out")
     assert res.returncode == 1 and "rollout 2: no train dump (train_data/2.pt)" in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _steps(n: int) -> list[tuple[int, None, list]]:
+    return [(rid, None, []) for rid in range(n)]
+
+
+def test_only_a_leading_block_of_missing_train_dumps_in_a_ppo_run_counts_as_critic_only(tmp_path):
+    from rlbench.replay.slime_joined import critic_only_steps
+
+    ppo = {rid: [PPO_DUMPS / "train_data" / f"{rid}.pt"] for rid in (1, 2)}
+    grpo = {rid: [REPO / "examples" / "slime-dump-details" / "train_data" / f"{rid}.pt"] for rid in (1, 2)}
+    v1 = {
+        rid: [REPO / "tests" / "slime_dumps" / "v1" / "train_data" / f"{rid}_{r}.pt" for r in range(4)]
+        for rid in (1, 2)
+    }
+    assert critic_only_steps(_steps(3), ppo) == 1
+    assert critic_only_steps(_steps(4), {**ppo, 3: ppo[2]}) == 1
+    assert critic_only_steps(_steps(3), {0: ppo[1], **ppo}) == 0  # nothing missing
+    assert critic_only_steps(_steps(3), {0: ppo[1], 2: ppo[2]}) == 0  # rollout 1 missing, not a leading block
+    assert critic_only_steps(_steps(2), {}) == 0  # no train dump at all: no PPO run to tell
+    assert critic_only_steps(_steps(3), grpo) == 0  # no critic's values: each missing one is a finding
+    assert critic_only_steps(_steps(3), v1) == 0  # format 1 (a file per rank): slime before its PPO path
+    single = {1: [tmp_path / "1_0.pt"], 2: ppo[2]}  # one file, named as format 1's
+    shutil.copy(ppo[1][0], single[1][0])
+    assert critic_only_steps(_steps(3), single) == 0
+
+
+def test_two_leading_rollouts_without_train_dumps_are_two_critic_only_steps(tmp_path):
+    two = tmp_path / "two"
+    shutil.copytree(PPO_DUMPS, two)
+    (two / "train_data" / "1.pt").unlink()
+    res = _import(two, tmp_path / "out")
+    assert res.returncode == 0 and "rollout id(s) 0, 1: no train dump" in res.stdout, res.stdout + res.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["config"]["algo"]["num_critic_only_steps"] == 2
+    sums = [json.loads(line) for line in (tmp_path / "out" / "checksums.jsonl").read_text().splitlines()]
+    assert ["values" in row for row in sums] == [False, False, True]
