@@ -145,8 +145,10 @@ class RunStates:
         out.put("decode", tensors["rollout_logprobs"][index])
         if "old_logprobs" in tensors:
             out.put("recorded", tensors["old_logprobs"][index])
-        else:
+        elif self.rollout_only:
             out.reasons["recorded"] = "a rollout-only run records no trainer log-probs"
+        else:  # a full run's step without them: PPO's critic-only steps
+            out.reasons["recorded"] = "a PPO critic-only step: the actor computed no log-probs"
         bounds = offsets.tolist()
         ids = [tensors["tokens"][bounds[i] : bounds[i + 1]] for i in range(len(samples))]
         rows = [i for i, ok in enumerate(judged) if ok]

@@ -285,7 +285,7 @@ def check_logprobs(
     except BadInput:
         tokenizer = None
     vocab = run_vocab(run.manifest, run.root / "manifest.json", tokenizer)
-    deltas, counts, candidates, rows, skipped, nonfinite = [], [], [], [], [], None
+    deltas, counts, candidates, rows, skipped, nonfinite, critic_only = [], [], [], [], [], None, []
     by_lag: dict[int, tuple[list, list]] = {}
     left_out = {"removed": 0, "without_logprobs": 0, "top_p": 0}
     wanted = run.steps if steps is None else [s for s in run.steps if s in set(steps)]
@@ -302,6 +302,9 @@ def check_logprobs(
             trainer = recomputer.logprobs(step, tensors, meta["samples"])
         else:
             trainer = tensors.get("old_logprobs")
+            if trainer is None and "old_logprobs" in run.checksum_keys and "old_logprobs" not in run.keys_at(step):
+                critic_only.append(step)  # PPO's actor computed no log-probs there
+                continue
             if trainer is None:
                 raise BadInput(
                     "the recording holds no trainer log-probs (a rollout-only or imported run); use --recompute",
@@ -336,6 +339,12 @@ def check_logprobs(
                 **(statistics(delta, step_counts) if per_step else {}),
             }
         )
+    if not deltas and critic_only:
+        raise BadInput(
+            f"undetermined: steps {critic_only} are PPO's critic-only steps, where the actor computes no log-probs "
+            "(--recompute computes them)",
+            path=run.root,
+        )
     if not deltas:
         raise BadInput(
             "no step could be recomputed (no checkpoint holds the weights any step sampled with)",
@@ -355,6 +364,8 @@ def check_logprobs(
     notes = (
         [f"recomputed steps {[row['step'] for row in rows]}; no exact weights for steps {skipped}"] if skipped else []
     )
+    if critic_only:
+        notes.append(f"steps {critic_only} not judged: PPO's critic-only steps, where the actor computes no log-probs")
     notes += _left_out_notes(left_out)
     if first_nonfinite:
         notes.append(first_nonfinite)

@@ -119,9 +119,7 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
     def flat(name: str) -> torch.Tensor:
         values = []
         for s, r in zip(samples, rows):
-            mask = r["loss_mask"]
-            got = s[name].tolist() if torch.is_tensor(s[name]) else list(s[name])
-            values += [0.0] * r["prompt_length"] + [float(v) if m else 0.0 for v, m in zip(got, mask)]
+            values += [0.0] * r["prompt_length"] + [float(v) if m else 0.0 for v, m in zip(s[name], r["loss_mask"])]
         return torch.tensor(values, dtype=torch.float32)
 
     tensors = {"old_logprobs": flat("log_probs")} if all(s.get("log_probs") is not None for s in samples) else {}
@@ -133,9 +131,7 @@ def _train_tensors(train, samples: list[dict], rows: list[dict], notes: list[str
     elif all(s.get("advantages") is not None for s in samples):
         per_sample = []
         for s, r in zip(samples, rows):
-            values = [
-                float(v) for v in (s["advantages"].tolist() if torch.is_tensor(s["advantages"]) else s["advantages"])
-            ]
+            values = [float(v) for v in s["advantages"]]
             trained = [v for v, m in zip(values, r["loss_mask"]) if m] or values[:1]
             per_sample.append(trained[0] if len(set(trained)) == 1 else None)
         if None in per_sample:

@@ -143,11 +143,26 @@ def test_critic_only_steps_train_the_critic_alone_and_keep_the_actor(tmp_path):
     assert checked.returncode == 0 and "golden check passed" in checked.stdout, checked.stdout + checked.stderr
     within = run_cli("diff", str(run), str(again), "--rtol", "1e-9")  # tolerance mode over the critic-only steps
     assert within.returncode == 0 and "8 not computed by either run" in within.stdout, within.stdout + within.stderr
+    checked = run_cli("check", "logprobs", str(run), "--json")  # the actor's steps judged, the critic-only ones named
+    doc = json.loads(checked.stdout)
+    assert checked.returncode == 0 and doc["steps"] == [2], checked.stdout + checked.stderr
+    assert "steps [0, 1] not judged: PPO's critic-only steps, where the actor computes no log-probs" in doc["notes"]
+    split = run_cli("check", "logprobs", str(run), "--attribute", "--steps", "0:1", "--json")
+    reasons = json.loads(split.stdout)["not_measured"]
+    assert split.returncode == 0 and "a PPO critic-only step: the actor computed no log-probs" in json.dumps(reasons)
     one = _run(tmp_path, "one", toml.replace("num_critic_only_steps = 2", "num_critic_only_steps = 1"))
     res = run_cli("diff", str(run), str(one), "--json")
     first = json.loads(res.stdout)["first"]
     assert res.returncode == 1 and (first["step"], first["stage"]) == (1, "old_logprobs"), first
     assert "computed by B only" in first["where"]
+
+
+def test_check_logprobs_over_critic_only_steps_alone_is_undetermined(tmp_path):
+    toml = PPO.replace("steps = 3", "steps = 1").replace(
+        'advantage = "ppo"\n', 'advantage = "ppo"\nnum_critic_only_steps = 1\n'
+    )
+    res = run_cli("check", "logprobs", str(_run(tmp_path, "critic", toml)))
+    assert res.returncode == 2 and "undetermined: steps [0] are PPO's critic-only steps" in res.stderr, res.stderr
 
 
 def test_a_damaged_critic_checkpoint_is_bad_input_naming_the_file(ppo_run, tmp_path):

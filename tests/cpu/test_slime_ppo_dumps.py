@@ -142,3 +142,37 @@ def test_two_leading_rollouts_without_train_dumps_are_two_critic_only_steps(tmp_
     assert manifest["config"]["algo"]["num_critic_only_steps"] == 2
     sums = [json.loads(line) for line in (tmp_path / "out" / "checksums.jsonl").read_text().splitlines()]
     assert ["values" in row for row in sums] == [False, False, True]
+
+
+def test_each_train_field_is_a_stage_or_kept_never_both_nor_neither(imported, tmp_path):
+    """GRPO's per-sample advantages are a stage, its per-token returns kept; PPO's values, advantages and returns
+    are stages; what the trainer computed on untrained tokens is kept but for what a stage already holds there."""
+    grpo = tmp_path / "grpo"
+    assert _import(REPO / "examples" / "slime-dump-details", grpo).returncode == 0
+    cases = (
+        (grpo, {"returns", "kl"}, {"advantages", "values"}, ["advantages", "log_probs", "ref_log_probs"]),
+        (imported, {"kl"}, {"advantages", "values", "returns"}, ["log_probs"]),
+    )
+    for run, kept, staged, untrained in cases:
+        _, meta = recording.read_step(run, 1)
+        fields = [s["slime_train"] for s in meta["samples"]]
+        assert all(kept <= set(f) and not staged & set(f) for f in fields), (run.name, fields[0])
+        spans = [f["untrained_tokens"] for f in fields if "untrained_tokens" in f]
+        assert spans and all(sorted(span) == sorted(untrained + ["response_tokens"]) for span in spans), spans[0]
+
+
+def test_the_trainers_log_probs_are_recorded_on_trained_response_tokens_only(tmp_path):
+    """old_logprobs and ref_logprobs from a GRPO run's train dumps: the dump's values on trained tokens, 0 on the
+    prompt and on tokens outside the loss mask (kept apart in the sample's untrained_tokens)."""
+    grpo = tmp_path / "grpo"
+    assert _import(REPO / "examples" / "slime-dump-details", grpo).returncode == 0
+    tensors, meta = recording.read_step(grpo, 1)
+    dump = torch.load(REPO / "examples" / "slime-dump-details" / "train_data" / "1.pt", weights_only=True)
+    by_index = {s["sample_index"]: s for s in dump["samples"]}
+    mask = tensors["loss_mask"].bool()
+    for ours, key in (("old_logprobs", "log_probs"), ("ref_logprobs", "ref_log_probs")):
+        assert bool((tensors[ours][~mask] == 0).all()), ours
+        for k, (start, end) in enumerate(_spans(tensors)):
+            theirs = torch.as_tensor(by_index[meta["samples"][k]["index"]][key]).float()
+            trained = mask[start:end]
+            assert torch.equal(tensors[ours][start:end][trained], theirs[trained]), (ours, k)
