@@ -302,8 +302,10 @@ def check_logprobs(
             trainer = recomputer.logprobs(step, tensors, meta["samples"])
         else:
             trainer = tensors.get("old_logprobs")
-            if trainer is None and "old_logprobs" in run.checksum_keys and "old_logprobs" not in run.keys_at(step):
-                critic_only.append(step)  # PPO's actor computed no log-probs there
+            # a run whose stages record them lacks them only on PPO's critic-only steps (the others are held to
+            # their checksums as they are read: replay/integrity.py)
+            if trainer is None and "old_logprobs" in run.checksum_keys:
+                critic_only.append(step)
                 continue
             if trainer is None:
                 raise BadInput(

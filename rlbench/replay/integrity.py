@@ -100,7 +100,7 @@ def _recordings(found: Integrity, depth: Depth) -> None:
                     raise BadInput(f"missing: the recording of committed step {step} is not there", path=path)
         found.recordings_present = len(run.steps)
         return
-    from rlbench.core.loop import recorded_checksums
+    from rlbench.core.loop import RECORDED_DIGESTS, recorded_checksums
     from rlbench.core.vocab import run_vocab
     from rlbench.rundir.recording import read_step
 
@@ -110,7 +110,15 @@ def _recordings(found: Integrity, depth: Depth) -> None:
         tensors, _ = read_step(root, step)
         if vocab is not None:  # an id the model cannot have sampled is a damaged file, whatever its checksums say
             vocab.check(tensors, root / "rollouts" / f"{step_name(step)}.safetensors")
-        for key, digest in recorded_checksums(tensors).items():
+        recorded = recorded_checksums(tensors)
+        lacking = [key for key in RECORDED_DIGESTS if key in rows[step] and key not in recorded]
+        if lacking:  # checksummed, so written: a recording without it is not the one the run wrote
+            raise BadInput(
+                f"the recording of step {step} lacks what checksums.jsonl records at {', '.join(lacking)} (an "
+                "edited or mixed-up file)",
+                path=root / "rollouts" / f"{step_name(step)}.safetensors",
+            )
+        for key, digest in recorded.items():
             if key in rows[step] and rows[step][key] != digest:
                 raise BadInput(
                     f"the recording of step {step} does not match checksums.jsonl at {key} (an edited or "

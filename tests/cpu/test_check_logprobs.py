@@ -189,13 +189,15 @@ def _recorded(
             "rewards": torch.tensor([1.0, 0.0]),
             "rollout_logprobs": torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(rollout)),
         }
-        if old_logprobs:
+        if old_logprobs is True or (old_logprobs and old_logprobs[step]):  # a tuple: per step
             tensors["old_logprobs"] = torch.zeros(len(mask)).masked_scatter(mask.bool(), torch.tensor(trainer))
         if top_p is not None:
             tensors["top_p_ids"] = torch.tensor([i for ids in top_p for i in ids], dtype=torch.int64)
             tensors["top_p_offsets"] = torch.tensor([0, *itertools.accumulate(len(ids) for ids in top_p)])
-        data = recorded_checksums(tensors)["data"]
-        writer.commit_step(step, tensors, [dict(m) for m in meta], {"data": data}, {"train/loss": 0.0})
+        sums = recorded_checksums(tensors)
+        keys = ("data", "old_logprobs") if "logprob" in manifest["stages"] else ("data",)
+        checksums = {key: sums[key] for key in keys if key in sums}
+        writer.commit_step(step, tensors, [dict(m) for m in meta], checksums, {"train/loss": 0.0})
     writer.close()
     return root
 
@@ -262,6 +264,25 @@ def test_a_recording_without_trainer_logprobs_needs_recompute(tmp_path):
     with pytest.raises(BadInput) as info:
         check_logprobs(empty)
     assert str(info.value) == f"{empty / 'metrics.jsonl'}: no committed step: nothing to judge (undetermined)"
+
+
+def test_a_ppo_runs_critic_only_steps_are_named_and_not_judged(tmp_path):
+    ppo = _config(algo={"advantage": "ppo", "num_critic_only_steps": 1})
+    steps = [([-1.0] * 4, [-1.0] * 4), ([-1.0, -2.0, -0.5, -0.25], [-1.0, -2.5, -0.5, -0.5])]
+    run = _recorded(tmp_path / "r", steps, old_logprobs=(False, True), config=ppo, stages=["data", "logprob"])
+    report = check_logprobs(run)
+    assert report.steps == [1] and report.tokens == 4 and report.stats["max_abs"] == 0.5
+    assert report.notes == ["steps [0] not judged: PPO's critic-only steps, where the actor computes no log-probs"]
+    alone = _recorded(tmp_path / "a", steps[:1], old_logprobs=(False,), config=ppo, stages=["data", "logprob"])
+    with pytest.raises(BadInput) as info:
+        check_logprobs(alone)
+    assert str(info.value) == (
+        f"{alone}: undetermined: steps [0] are PPO's critic-only steps, where the actor computes no log-probs "
+        "(--recompute computes them)"
+    )
+    grpo = _recorded(tmp_path / "g", steps, old_logprobs=(False, True), stages=["data"])  # no logprob stage
+    with pytest.raises(BadInput, match="holds no trainer log-probs"):
+        check_logprobs(grpo)
 
 
 def test_recompute_uses_the_weights_the_engine_sampled_with(tmp_path):

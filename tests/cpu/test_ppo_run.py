@@ -165,6 +165,25 @@ def test_check_logprobs_over_critic_only_steps_alone_is_undetermined(tmp_path):
     assert res.returncode == 2 and "undetermined: steps [0] are PPO's critic-only steps" in res.stderr, res.stderr
 
 
+def test_a_recording_without_a_tensor_its_checksums_record_is_bad_input(ppo_run, tmp_path):
+    """A step's recording rewritten whole (its own checksum valid) without the trainer's log-probs: not the run's,
+    whatever reads it; a PPO critic-only step lacks them by its run's schedule, which no edit can claim."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ppo_run, copy)
+    tensors, meta = recording.read_step(copy, 1)
+    del tensors["old_logprobs"], tensors["ref_logprobs"]  # what the old_logprobs checksum covers
+    tensor_bytes, json_bytes = recording.encode_step(1, tensors, meta["samples"], {})
+    (copy / "rollouts" / "000001.safetensors").write_bytes(tensor_bytes)
+    (copy / "rollouts" / "000001.json").write_bytes(json_bytes)
+    for command in (("check", "logprobs", str(copy)), ("diff", str(ppo_run), str(copy))):
+        res = run_cli(*command)
+        assert res.returncode == 2, (command, res.stdout, res.stderr)
+        assert "the recording of step 1 lacks what checksums.jsonl records at old_logprobs" in res.stderr
+        assert str(copy / "rollouts" / "000001.safetensors") in res.stderr
+
+
 def test_a_damaged_critic_checkpoint_is_bad_input_naming_the_file(ppo_run, tmp_path):
     import shutil
 
