@@ -405,3 +405,19 @@ def test_the_last_checkpoint_is_owed_after_the_last_step_whatever_the_interval_a
     run = copy_run(whole_run, tmp_path / "vocab")
     _manifest(run, vocab={"model": "big", "tokenizer": 3})
     assert _refused(run) == f"{run / 'manifest.json'}: vocab.model: expected an integer in [1, 2**31 - 1], got 'big'"
+
+
+def test_a_recording_without_what_its_checksums_record_is_not_the_runs(whole, tmp_path):
+    """Rewritten whole (its own digests valid) without the trainer's log-probs and losses that step 1's checksums
+    record: refused by file, naming each missing stage; with them, the same run reads whole."""
+    whole_run, _ = whole
+    run = copy_run(whole_run, tmp_path / "run")
+    edit_step(run, 1, lambda t, m: [t.pop(k) for k in ("old_logprobs", "ref_logprobs", "losses") if k in t], False)
+    said = _refused(run)
+    assert said == (
+        f"{run / 'rollouts' / '000001.safetensors'}: the recording of step 1 lacks what checksums.jsonl records at "
+        "old_logprobs, loss (an edited or mixed-up file)"
+    ), said
+    from rlbench.replay.integrity import open_run
+
+    assert open_run(whole_run, **DEEP).recordings == STEPS
