@@ -55,6 +55,8 @@ from rlbench.checks.golden_tolerance import (  # noqa: F401 - re-exported: golde
     parse_override,
     read_tolerance,
 )
+from rlbench.config_rollout import RolloutConfig
+from rlbench.config_sections import AlgoConfig
 from rlbench.errors import BadInput
 from rlbench.rundir.directory import RunDir
 from rlbench.rundir.jsonio import read_json
@@ -112,17 +114,10 @@ LATER_KEYS = {
     # memory settings (issue 34): recompute keeps the bits; the offloaded optimizer's update is the CPU's
     ("train", "recompute"): False,
     ("train", "optimizer_cpu_offload"): False,
-    # the embedded engine's numerics set apart from the trainer's on purpose (issue 55)
-    ("rollout", "dtype"): None,
-    ("rollout", "quantization"): "none",
-    ("rollout", "logprobs"): "full",
-    ("rollout", "batch_invariant"): True,
+    # the embedded engine's numerics set apart from the trainer's on purpose (issue 55); PPO's critic (issue 56)
+    **{("rollout", k): RolloutConfig().__dict__[k] for k in ("dtype", "quantization", "logprobs", "batch_invariant")},
     ("rollout", "prefix_invariant"): True,
-    # PPO with a critic (issue 56): read by the critic's path only
-    ("algo", "gamma"): 1.0,
-    ("algo", "lambd"): 1.0,
-    ("algo", "value_clip"): 0.2,
-    ("algo", "num_critic_only_steps"): 0,
+    **{("algo", key): AlgoConfig().__dict__[key] for key in ("gamma", "lambd", "value_clip", "num_critic_only_steps")},
     ("train", "critic_lr"): None,
 }
 PATH_KEYS = {("model", "path"): "model_config", ("model", "tokenizer"): "tokenizer", ("data", "path"): "dataset"}

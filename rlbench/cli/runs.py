@@ -439,14 +439,11 @@ def _render_diff(res) -> None:
 
         verified = ", ".join(f"{side} {n} steps" for side, n in res.recordings_verified.items())
         checkpoints = describe({side: len(done) for side, done in res.checkpoints_verified.items()})
+        skipped = len(res.steps_compared) * len(res.stages_compared) - res.comparisons  # PPO's critic-only steps
         stdout.print(
             f"no difference ({how}): {len(res.steps_compared)} steps x {len(res.stages_compared)} stages, "
             f"{res.comparisons} checksums compared ({', '.join(res.stages_compared)}"
-            + (
-                f"; {skipped} not computed by either run: PPO's critic-only steps"
-                if (skipped := len(res.steps_compared) * len(res.stages_compared) - res.comparisons)
-                else ""
-            )
+            + (f"; {skipped} not computed by either run: PPO's critic-only steps" if skipped else "")
             + "); "
             + (
                 f"the training schedules (DP shards, micro-batches) of {res.schedules_compared} steps and "
