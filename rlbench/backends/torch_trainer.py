@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from rlbench.config import AlgoConfig, TrainConfig
-from rlbench.core import algo, tensor_file
+from rlbench.core import algo, lm_head, tensor_file
 from rlbench.core.model import load_named_, named_weights
 from rlbench.core.seeding import generator
 from rlbench.errors import BadInput
@@ -69,6 +69,7 @@ class TrainerHooks(Protocol):
     def recompute(self) -> None: ...  # train.recompute: the model's layers recomputed in the backward
     def master_source(self) -> tuple[torch.nn.Module, bool]: ...  # the module whose parameters the fp32 masters copy
     def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor: ...
+    def token_terms(self, model, ids, keep=None, entropy=None): ...  # log-probs (and entropies) of ids
     def train_micro_batches(self, lengths: Sequence[int]): ...  # this rank's micro-batches of a minibatch
     def zero_grads(self) -> None: ...
     def finalize_grads(self) -> None: ...  # after a minibatch's backward: reductions across ranks
@@ -175,12 +176,19 @@ class TorchTrainer:
             width = int(real[rows].max()) if trim else tokens.shape[1]
             ids = tokens[rows, :width].to(self.device)
             # recorded as float32 (a float64 run computes them in float64 and records them rounded)
-            out[rows, :width] = algo.token_logprobs(self.model_logits(model, ids), ids, self.temperature).float().cpu()
+            out[rows, :width] = self.token_terms(model, ids)[0].float().cpu()
         return out
 
     def model_logits(self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """Logits of the last `keep` positions of `ids` (None: all)."""
         return model(input_ids=ids, logits_to_keep=keep or 0, use_cache=False).logits  # a cache nothing reads
+
+    def token_terms(
+        self, model: torch.nn.Module, ids: torch.Tensor, keep: int | None = None, entropy: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, L] log-probs of `ids` from the logits of their last `keep` positions (None: all), and their entropies
+        where asked (lm_head.head_logprobs: the LM head and log-softmax chunked together)."""
+        return lm_head.head_logprobs(model, ids, self.temperature, keep, entropy)
 
     def train_micro_batches(self, lengths: Sequence[int]):
         """The micro-batches (positions in the minibatch) of a minibatch of samples of these lengths that
@@ -344,13 +352,10 @@ class TorchTrainer:
         mask = mask[:, :width].to(self.device)
         # Logits only where a loss token is predicted (positions first-1 .. width-1): the LM head,
         # log-softmax and entropy then run on the response span, not on every prompt position.
-        logits = self.model_logits(self.model, ids, keep=width - first + 1)
-        logp = algo.token_logprobs(logits, ids, self.temperature)
-        if acfg.entropy_coef > 0:
-            entropy = algo.token_entropy(logits, self.temperature, width)
-        else:  # the metric only: no graph, so the backward skips a [n, L, vocab] entropy term times 0
-            with torch.no_grad():
-                entropy = algo.token_entropy(logits, self.temperature, width)
+        # the entropy as a metric only (no bonus): no graph, so the backward skips a [n, L, vocab] term times 0
+        logp, entropy = self.token_terms(
+            self.model, ids, keep=width - first + 1, entropy="loss" if acfg.entropy_coef > 0 else "metric"
+        )
         given = {
             name: getattr(batch, name)[index, :width].to(self.device) if getattr(batch, name) is not None else None
             for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs")

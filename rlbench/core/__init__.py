@@ -11,6 +11,7 @@ data.py          JSONL dataset validation, the seeded, resumable prompt cursor, 
 model.py         offline tokenizer and model loading, per-parameter seeded init
 tensor_file.py   safetensors files made in one copy from where the tensors live
 algo.py          GRPO advantages, PPO-clip loss, k1/k3 KL, entropy
+lm_head.py       the LM head and log-softmax chunked together: a micro-batch's logits never whole
 ppo.py           PPO with a critic (issue 56): GAE and returns, token whitening, the value loss
 critic.py        PPO's critic (issue 56): the value model (the policy's decoder, a one-output head)
 critic_stages.py PPO's stages in the loop: the critic's values, GAE's advantages and returns, the critic's step

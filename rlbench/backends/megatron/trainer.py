@@ -50,7 +50,7 @@ from rlbench.backends.optimizer_state import (
     optimizer_tensors,
 )
 from rlbench.config import TrainerSetup
-from rlbench.core import algo, tensor_file
+from rlbench.core import algo, lm_head, tensor_file
 from rlbench.core.model import load_model_config, load_named_, named_weights
 from rlbench.errors import BadInput
 from rlbench.rundir.digest import tensors_digest
@@ -135,6 +135,10 @@ class RankTrainer(TorchTrainer):
         # GPTModel computes every position's logits; the loss reads the last `keep`.
         logits = mmodel.logits(model, ids)
         return logits if keep is None else logits[:, -keep:]
+
+    def token_terms(self, model, ids, keep=None, entropy=None):
+        # GPTModel's output layer is its own (column-parallel under TP): its logits come whole, then algo's chunks
+        return lm_head.from_logits(self.model_logits(model, ids, keep), ids, self.temperature, entropy)
 
     def train_micro_batches(self, lengths):
         return self._micro_batches(lengths)[self.dp_rank :: self.dp]
