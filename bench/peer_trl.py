@@ -96,12 +96,14 @@ class Rounds(TrainerCallback):  # a round: one generation and its optimizer step
 with tempfile.TemporaryDirectory() as tmp:
     args = GRPOConfig(output_dir=tmp, max_steps=round_steps * (rounds + 1), report_to="none", save_strategy="no",
                       disable_tqdm=True, **settings)
-    GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=parity, args=args,
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # as its users load it: the dtype the checkpoint says
+    GRPOTrainer(model=model, reward_funcs=parity, args=args,
                 train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
                 callbacks=[Rounds()]).train()
 print(json.dumps({"steps": times[1:], "peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
                   "settings": {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
-                               "use_vllm": args.use_vllm, "loss_type": args.loss_type}}))
+                               "use_vllm": args.use_vllm, "loss_type": args.loss_type,
+                               "parameters": str(next(model.parameters()).dtype)}}))
 """
 
 

@@ -9,7 +9,8 @@ and a tokenizer of Qwen3's size (151,669 ids: the fixture tokenizer grown with f
 0. With `--peer trl` (needs trl): the step against TRL's GRPOTrainer, each as its users run it, in processes of
    their own, alternating `--peer-repeats` times: TRL with its own defaults (GRPOConfig's; the batch shape set to
    the same 8 prompts x 8 samples, `--new-tokens` new tokens, 4 optimizer steps of 16, beta 0) on the same
-   weights (saved once as bf16 safetensors), `rlbench run --device cuda` with and without `--deterministic`.
+   weights (saved once as safetensors, bf16 or with `--peer-weights fp32` float32, which TRL loads as saved),
+   `rlbench run --device cuda` with and without `--deterministic`.
    `--peer none`: the rlbench processes only (deterministic mode's cost). `--peer-runs` chooses them (default
    det,free): `det` deterministic, `free` not, `memory` deterministic with slime's memory settings (layers
    recomputed, the optimizer in host memory, the engine's memory let go of between rollouts: docs/usage.md
@@ -504,6 +505,9 @@ def floors(config: dict, prompt: int, new: int, samples: int, card: str) -> dict
     }
 
 
+PEER_WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}  # --peer-weights: the saved dtype
+
+
 def peer_trl(args, shape: str, root: Path) -> None:
     """TRL's GRPOTrainer and `rlbench run` (deterministic and not), each in its own process, alternating."""
     import os
@@ -516,7 +520,12 @@ def peer_trl(args, shape: str, root: Path) -> None:
     vocab = None if args.vocab == "fixture" else int(args.vocab)
     directory = model_dir(root, shape, vocab)
     tokenizer = real_tokenizer(root) if vocab else Path(load_config().model.tokenizer)
-    model = build_model(str(directory), 1234, init="random").to(torch.bfloat16)
+    model = build_model(str(directory), 1234, init="random").to(getattr(torch, PEER_WEIGHTS[args.peer_weights]))
+    # the checkpoint's config says its dtype, as a saved float32 model's does: transformers loads "auto" from it
+    config_file = directory / "config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "torch_dtype": PEER_WEIGHTS[args.peer_weights]}, indent=1)
+    )
     save_file({k: v.contiguous() for k, v in named_weights(model).items()}, str(directory / "model.safetensors"))
     del model
     data = load_config().data.path
@@ -529,24 +538,16 @@ def peer_trl(args, shape: str, root: Path) -> None:
         "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": args.new_tokens},
         "train": {"minibatches": 4, "micro_batch_size": 16},
     }
-    toml = root / "peer.toml"
-    toml.write_text(_toml(config))
-    saving = root / "peer-memory.toml"  # slime's memory settings (docs/usage.md "Memory")
-    # the optimizer's update on the host's cores (a recorded setting: the gradient norm's sum order follows it)
-    threads = {"threads": min(16, os.cpu_count() or 1)}
-    saving.write_text(
-        _toml(
-            {
-                **config,
-                **threads,
-                "train": {**config["train"], **MEMORY["train"]},
-                "rollout": {**config["rollout"], **MEMORY["rollout"]},
-            }
-        )
-    )
-    chosen_runs = {"det": "rlbench --deterministic", "free": "rlbench", "memory": MEMORY_RUN}
+    tomls = {}  # run name: its config file
+    for key in args.peer_runs.split(","):
+        name, overrides = PEER_RUNS[key]
+        merged = {**config, **({"threads": min(16, os.cpu_count() or 1)} if key == "memory" else {})}
+        for section, values in overrides.items():
+            merged[section] = {**config[section], **values}
+        tomls[name] = root / f"peer-{key}.toml"
+        tomls[name].write_text(_toml(merged))
     results: dict[str, list] = {"TRL GRPOTrainer": []}
-    results.update({chosen_runs[key]: [] for key in args.peer_runs.split(",")})
+    results.update({PEER_RUNS[key][0]: [] for key in args.peer_runs.split(",")})
     if args.peer == "none":  # deterministic mode's cost alone, as `rlbench run` processes measure it
         del results["TRL GRPOTrainer"]
     peaks: dict[str, list] = {name: [] for name in results}
@@ -584,8 +585,7 @@ def peer_trl(args, shape: str, root: Path) -> None:
                 ]
             else:
                 out = root / f"run-{repeat}-{len(name)}"
-                chosen = saving if name == MEMORY_RUN else toml
-                command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(chosen), "--out", str(out)]
+                command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(tomls[name]), "--out", str(out)]
                 command += ["--deterministic"] if "deterministic" in name else []
             start = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
@@ -664,6 +664,18 @@ def peer_trl(args, shape: str, root: Path) -> None:
 
 MEMORY = {"train": {"recompute": True, "optimizer_cpu_offload": True}, "rollout": {"offload": True}}
 MEMORY_RUN = "rlbench --deterministic, memory settings"
+# --peer-runs: each key's process name and its settings over the shared config. memory also spreads the host's
+# optimizer update over up to 16 threads (a recorded setting: the gradient norm's sum order follows it).
+PEER_RUNS = {
+    "det": ("rlbench --deterministic", {}),
+    "free": ("rlbench", {}),
+    "memory": (MEMORY_RUN, MEMORY),
+    "recompute": ("rlbench --deterministic, recompute", {"train": {"recompute": True}}),
+    "recompute-offload": (
+        "rlbench --deterministic, recompute, rollout offload",
+        {"train": {"recompute": True}, "rollout": {"offload": True}},
+    ),
+}
 
 
 def _card() -> str | None:
@@ -721,6 +733,14 @@ def main() -> None:
         "processes of their own, alternating (needs trl and a CUDA device); 'none': the two "
         "`rlbench run` processes only (deterministic mode's cost)",
     )
+    parser.add_argument(
+        "--peer-weights",
+        choices=tuple(PEER_WEIGHTS),
+        default="bf16",
+        help="with --peer: the dtype the shared weights are saved in, which TRL loads them in (fp32: TRL's own "
+        "mixed precision, fp32 parameters under bf16 autocast, as a user loading a float32 checkpoint runs it); "
+        "rlbench casts them to its model.dtype, bfloat16, either way",
+    )
     parser.add_argument("--peer-rounds", type=int, default=3, help="steps each peer process times after a warm-up")
     parser.add_argument("--peer-repeats", type=int, default=2, help="alternating sets of peer processes")
     parser.add_argument("--only-peer", action="store_true", help="the peer comparison only")
@@ -728,7 +748,8 @@ def main() -> None:
         "--peer-runs",
         default="det,free",
         help="with --peer: the rlbench processes, of det (--deterministic), free (without), memory "
-        "(--deterministic with slime's memory settings: train.recompute, train.optimizer_cpu_offload, rollout.offload)",
+        "(--deterministic with slime's memory settings: train.recompute, train.optimizer_cpu_offload, "
+        "rollout.offload), recompute (--deterministic, train.recompute), recompute-offload (and rollout.offload)",
     )
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -57,7 +57,10 @@ def head_logprobs(
         from torch.utils.checkpoint import checkpoint
 
         def chunk(hidden: torch.Tensor, targets: torch.Tensor):
-            return _terms(head(hidden), targets, temperature, entropy)
+            # a chunk's positions are a strided slice of every row: flattened (copied) to one matrix, the head is
+            # one matrix product (a 3-D strided input goes to a batched product per row, at a third of its speed)
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            return _terms(head(rows).view(*hidden.shape[:-1], -1), targets, temperature, entropy)
 
         graph = torch.is_grad_enabled()
         parts = [
