@@ -127,13 +127,17 @@ def _user_module(module) -> bool:
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 300, process: bool = False
+    *args: str, cwd: Path | None = None, timeout: float = 300, process: bool = False, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """`rlbench ARGS` as a user runs it: in this process (`cli`) unless `process`, where it gets an
-    interpreter of its own (`python -m rlbench.cli`, COLUMNS=200); `timeout` applies to a process."""
+    """`rlbench ARGS` as a user runs it: in this process (`cli`) unless `process`, where it gets a process of its
+    own (`python -m rlbench.cli`, COLUMNS=200): forked from the session's fork server (tests/forkserver.py: the
+    interpreter's start-up paid once) where its environment allows, else, or with `fresh`, a new interpreter (for
+    bits across interpreters); `timeout` applies to a process."""
     if not process:
         return cli(*args, cwd=cwd or REPO)
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    if not fresh and _forkable(env):
+        return _forked(list(args), cwd or REPO, env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "rlbench.cli", *args],
         cwd=cwd or REPO,
@@ -142,6 +146,93 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+_SERVER: dict = {}  # this test process's fork server: its socket path, environment and process
+
+
+def _server_env() -> dict[str, str]:
+    """The fork server's environment: this process's, with PYTHONPATH at the checkout, less what a child may set
+    (forkserver.FORKABLE_ENV) and what marks one test's processes (a tag, a planted fault)."""
+    from tests.forkserver import FORKABLE_ENV
+
+    dropped = FORKABLE_ENV | {"RLBENCH_TEST_TAG", "RLBENCH_MEGATRON_KILL"}
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, "PYTHONPATH": str(REPO)}
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    """Whether a child of the fork server can be this environment's process: it differs from the server's in
+    forkserver.FORKABLE_ENV alone (the rest is read at import, or marks a process others look for)."""
+    from tests.forkserver import FORKABLE_ENV
+
+    wanted = _SERVER.get("env") or _server_env()
+    return {k for k in env.keys() | wanted.keys() if env.get(k) != wanted.get(k)} <= FORKABLE_ENV
+
+
+def _fork_server() -> str:
+    """The socket of this process's fork server, started on first use; it exits when this process does."""
+    if "path" not in _SERVER:
+        import tempfile
+
+        env = _server_env()
+        path = str(Path(tempfile.mkdtemp(prefix="rlbench-fork-")) / "socket")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.forkserver", path],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = proc.stdout.readline()
+        assert ready == "ready\n", f"the fork server did not start: {ready!r}"
+        _SERVER.update(path=path, env=env, proc=proc)
+    return _SERVER["path"]
+
+
+def _forked(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m rlbench.cli ARGS` as a child of the fork server, its output captured, as subprocess.run."""
+    import json
+    import selectors
+    import signal
+    import socket
+    import time
+
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(_fork_server())
+        request = json.dumps({"args": args, "cwd": str(cwd), "env": env}).encode()
+        socket.send_fds(conn, [request], [stdin, out_w, err_w])
+    finally:
+        for fd in (stdin, out_w, err_w):
+            os.close(fd)
+    pid = int(conn.recv(64))
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for fd in chunks:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            events = selector.select(max(left, 0))
+            if not events and left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                conn.recv(64)
+                raise subprocess.TimeoutExpired(["rlbench", *args], timeout)
+            for key, _ in events:
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+                    os.close(key.fd)
+    code = int(conn.recv(64))
+    conn.close()
+    text = {fd: b"".join(parts).decode() for fd, parts in chunks.items()}
+    return subprocess.CompletedProcess(["rlbench", *args], code, text[out_r], text[err_r])
 
 
 def tagged_processes(tag: str) -> list[int]:

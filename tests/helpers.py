@@ -140,6 +140,25 @@ class TableLogits(torch.nn.Module):
             return SimpleNamespace(logits=self.table[length - keep : length].expand(n, -1, -1))
         return SimpleNamespace(logits=self.table[input_ids[:, 0], :length][:, length - keep :])
 
+    # The decoder and LM head a trainer runs apart (rlbench/core/lm_head.py): the table's rows as the hidden states,
+    # and a head that passes them through (the same values, the same gradients).
+    def get_decoder(self):
+        return lambda input_ids, use_cache=None: SimpleNamespace(last_hidden_state=self(input_ids).logits)
+
+    def get_output_embeddings(self):
+        return _PassThrough(self.table.shape[-1])
+
+
+class _PassThrough(torch.nn.Module):
+    """An LM head that is the identity over `vocab` wide hidden states (its weight's rows: the vocabulary)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.weight = torch.empty(vocab, 0)
+
+    def forward(self, hidden):
+        return hidden
+
 
 # ---------------------------------------------------------------- tensors of random bytes
 

@@ -20,7 +20,7 @@ def test_same_seed_same_bytes_across_processes(tmp_path, run_small):
     config = tmp_path / "small.toml"
     config.write_text(SMALL_TOML)
     proc = run_cli(
-        "run", "--config", str(config), "--seed", "11", "--out", str(tmp_path / "b"), "--json", process=True
+        "run", "--config", str(config), "--seed", "11", "--out", str(tmp_path / "b"), "--json", process=True, fresh=True
     )  # another interpreter: the bits must not depend on the process
     assert proc.returncode == 0, proc.stderr
     a, b = tmp_path / "a", tmp_path / "b"
