@@ -149,24 +149,29 @@ def run_cli(
 
 
 _SERVER: dict = {}  # this test process's fork server: its socket path, environment and process
+_SESSION_ENV = dict(os.environ)  # as the session set it up, before any test (pytest_configure): the fork server's
 
 
 def _server_env() -> dict[str, str]:
-    """The fork server's environment: this process's, with PYTHONPATH at the checkout, less what a child may set
-    (forkserver.FORKABLE_ENV) and what marks one test's processes (a tag, a planted fault)."""
-    from tests.forkserver import FORKABLE_ENV
+    """The fork server's environment: this process's as the session set it up (before any test changed it), with
+    PYTHONPATH at the checkout, less what a child may set itself (forkserver.forkable)."""
+    from tests.forkserver import forkable
 
-    dropped = FORKABLE_ENV | {"RLBENCH_TEST_TAG", "RLBENCH_MEGATRON_KILL"}
-    return {**{k: v for k, v in os.environ.items() if k not in dropped}, "PYTHONPATH": str(REPO)}
+    return {**{k: v for k, v in _SESSION_ENV.items() if not forkable(k)}, "PYTHONPATH": str(REPO)}
 
 
 def _forkable(env: dict[str, str]) -> bool:
-    """Whether a child of the fork server can be this environment's process: it differs from the server's in
-    forkserver.FORKABLE_ENV alone (the rest is read at import, or marks a process others look for)."""
-    from tests.forkserver import FORKABLE_ENV
+    """Whether a child of the fork server can be this environment's process: it differs from the server's only
+    where forkserver.forkable allows (the rest is read at import, or marks a process others look for)."""
+    from tests.forkserver import forkable
 
-    wanted = _SERVER.get("env") or _server_env()
-    return {k for k in env.keys() | wanted.keys() if env.get(k) != wanted.get(k)} <= FORKABLE_ENV
+    _fork_server()  # what its imports set is known once it has started
+    wanted, added = _SERVER["env"], _SERVER["added"]
+    return all(
+        forkable(k) or (k in added and env.get(k) in (None, added[k]))  # a child's imports set it so
+        for k in env.keys() | wanted.keys()
+        if env.get(k) != wanted.get(k)
+    )
 
 
 def _fork_server() -> str:
@@ -184,55 +189,54 @@ def _fork_server() -> str:
             stdout=subprocess.PIPE,
             text=True,
         )
+        import json
+
         ready = proc.stdout.readline()
-        assert ready == "ready\n", f"the fork server did not start: {ready!r}"
-        _SERVER.update(path=path, env=env, proc=proc)
+        assert ready.startswith('{"ready": true'), f"the fork server did not start: {ready!r}"
+        _SERVER.update(path=path, env=env, proc=proc, added=json.loads(ready)["added"])
     return _SERVER["path"]
 
 
 def _forked(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`python -m rlbench.cli ARGS` as a child of the fork server, its output captured, as subprocess.run."""
-    import json
-    import selectors
-    import signal
-    import socket
-    import time
+    from tests.forkserver import ForkedProcess
 
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = ForkedProcess(_fork_server(), args, str(cwd), env, subprocess.PIPE, subprocess.PIPE)
     try:
-        conn.connect(_fork_server())
-        request = json.dumps({"args": args, "cwd": str(cwd), "env": env}).encode()
-        socket.send_fds(conn, [request], [stdin, out_w, err_w])
-    finally:
-        for fd in (stdin, out_w, err_w):
-            os.close(fd)
-    pid = int(conn.recv(64))
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        for fd in chunks:
-            selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map():
-            left = deadline - time.monotonic()
-            events = selector.select(max(left, 0))
-            if not events and left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                conn.recv(64)
-                raise subprocess.TimeoutExpired(["rlbench", *args], timeout)
-            for key, _ in events:
-                data = os.read(key.fd, 1 << 16)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    selector.unregister(key.fd)
-                    os.close(key.fd)
-    code = int(conn.recv(64))
-    conn.close()
-    text = {fd: b"".join(parts).decode() for fd, parts in chunks.items()}
-    return subprocess.CompletedProcess(["rlbench", *args], code, text[out_r], text[err_r])
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rlbench_process(
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    fresh: bool = False,
+):
+    """`python -m rlbench.cli ARGS` started, not waited for (PYTHONPATH at the checkout, `env` over this process's
+    environment, no input): a subprocess.Popen, or where the environment allows and not `fresh`, the fork server's
+    child (forkserver.ForkedProcess: the same pid, signals, pipes, wait and communicate; text output). A test that
+    waits for the process's stop itself (waitid: only a parent may) takes `fresh`."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    if not fresh and _forkable(full):
+        from tests.forkserver import ForkedProcess
+
+        return ForkedProcess(_fork_server(), list(args), str(cwd or REPO), full, stdout, stderr)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlbench.cli", *args],
+        cwd=cwd or REPO,
+        env=full,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+    )
 
 
 def tagged_processes(tag: str) -> list[int]:
@@ -272,6 +276,8 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) owns the directory
         os.environ["RLBENCH_SWEEP_DIR"] = tempfile.mkdtemp(prefix="rlbench-sweep-")
+    _SESSION_ENV.clear()
+    _SESSION_ENV.update(os.environ)  # the session's environment, set up: what the fork server starts with
 
 
 def pytest_terminal_summary(terminalreporter):

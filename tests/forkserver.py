@@ -9,7 +9,7 @@ and locks; it takes the request's working directory, environment, arguments and 
 `python -m rlbench.cli` as a fresh interpreter would.
 
 What a fork does not give a child, the client (tests/conftest.py `run_cli`) keeps a fresh interpreter for: an
-environment that differs from the server's in anything but FORKABLE_ENV (what torch and MKL read at import, a
+environment that differs from the server's in anything `forkable` does not allow (what torch and MKL read at import, a
 numerics mode, is the server's), a process another test finds by its environment in /proc (a fork's /proc environ
 is the server's), and bits across interpreters (the same hash seed in every child).
 
@@ -27,11 +27,17 @@ import select
 import socket
 import sys
 
-# the environment a child may differ from the server in: read by rlbench at run time, never at import
-FORKABLE_ENV = frozenset({"RLBENCH_FAILPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"})
+# the environment a child may differ from the server in: read by rlbench at run time, never at import (and pytest's
+# own PYTEST_* variables, which nothing of rlbench's reads)
+FORKABLE_ENV = frozenset({"RLBENCH_FAILPOINT", "COLUMNS", "LINES"})
 
 
-def _child(request: dict, fds: list[int]) -> None:
+def forkable(key: str) -> bool:
+    """Whether a child may take this environment variable's value from its request (it is read at run time)."""
+    return key in FORKABLE_ENV or key.startswith("PYTEST_")
+
+
+def _child(request: dict, fds: list[int], added: dict[str, str]) -> None:
     """In the forked child: become the requested `python -m rlbench.cli ARGS` and exit with its status."""
     import runpy
     import signal
@@ -47,6 +53,8 @@ def _child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        for key, value in added.items():  # as the child's own imports would set them (setdefault)
+            os.environ.setdefault(key, value)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the descriptors are the child's own from here
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
@@ -84,14 +92,18 @@ def _status(raw: int) -> int:
 
 
 def serve(path: str) -> None:
+    started = dict(os.environ)
     import rlbench.cli  # noqa: F401 - what every child runs, imported once here
     import rlbench.session  # noqa: F401 - torch, transformers, the trainer and the engine
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401 - torch._dynamo and DTensor come with it
 
+    # what those imports set in the environment (TRANSFORMERS_NO_ADVISORY_WARNINGS, TORCHINDUCTOR_CACHE_DIR, ...): a
+    # child's imports would have set them over its request's environment, so each child sets them the same way
+    added = {k: v for k, v in os.environ.items() if started.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)
-    print("ready", flush=True)  # the client waits for this line
+    print(json.dumps({"ready": True, "added": added}), flush=True)  # the client waits for this line
     watched: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, the connection to answer)
     while True:
         readable, _, _ = select.select([listener, sys.stdin, *watched], [], [])
@@ -109,7 +121,7 @@ def serve(path: str) -> None:
                     conn.close()
                     for other in watched:  # the other children's exit watches
                         os.close(other)
-                    _child(request, fds)
+                    _child(request, fds, added)
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
@@ -127,3 +139,96 @@ def serve(path: str) -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+
+
+class ForkedProcess:
+    """The client's handle on a child of the fork server, as much of subprocess.Popen's as the tests use: its pid,
+    its exit status (from the server: the test process is not its parent), its output pipes, and signals."""
+
+    def __init__(self, path: str, args: list[str], cwd: str, env: dict, stdout, stderr):
+        import subprocess
+
+        self.args, self.returncode = ["rlbench", *args], None
+        fds, mine, self.stdout, self.stderr = [os.open(os.devnull, os.O_RDONLY)], [], None, None
+        for stream, name in ((stdout, "stdout"), (stderr, "stderr")):
+            if stream == subprocess.STDOUT:
+                fds.append(fds[1])
+            elif stream == subprocess.PIPE:
+                read, write = os.pipe()
+                fds.append(write)
+                mine.append(write)
+                setattr(self, name, open(read, encoding="utf-8", errors="replace"))  # noqa: SIM115
+            else:
+                fds.append(os.open(os.devnull, os.O_WRONLY))
+                mine.append(fds[-1])
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._conn.connect(path)
+            request = json.dumps({"args": args, "cwd": cwd, "env": env}).encode()
+            socket.send_fds(self._conn, [request], fds)
+        finally:
+            for fd in {fds[0], *mine}:
+                os.close(fd)
+        self.pid = int(self._conn.recv(64))
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            import subprocess
+
+            self._conn.settimeout(timeout)
+            try:
+                self.returncode = int(self._conn.recv(64))
+            except (TimeoutError, BlockingIOError):
+                if timeout is None or timeout > 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout) from None
+                return None
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._status(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Both pipes read to their end, then the exit status (timeout: over both, as Popen's)."""
+        import selectors
+        import subprocess
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = {s.fileno(): (s, []) for s in (self.stdout, self.stderr) if s is not None}
+        with selectors.DefaultSelector() as selector:
+            for fd in streams:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(left):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        streams[key.fd][1].append(data)
+                    else:
+                        selector.unregister(key.fd)
+        out = [b"".join(parts).decode("utf-8", "replace") for _, parts in streams.values()]
+        for stream, _ in streams.values():
+            stream.close()
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
+        texts = iter(out)
+        return (next(texts) if self.stdout else None), (next(texts) if self.stderr else None)

@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -267,7 +266,6 @@ def wait_stopped(proc) -> None:
     """Until the process has stopped itself at its failpoint: the kernel reports the stop to its parent
     (waitid, an event; no polling against a clock), left reportable (WNOWAIT) for Popen to reap the exit
     later. An exit instead of the stop fails the test."""
-    import os
 
     info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
     assert info.si_code == os.CLD_STOPPED, proc.stderr.read()
@@ -279,14 +277,9 @@ SERVE_LISTENING = "rlbench serve: listening on "
 def start_serve(*flags: str) -> tuple[subprocess.Popen, threading.Event, list[str]]:
     """`rlbench serve --port 0 FLAGS` as a process of its own, as a user starts it; the event is set once it prints
     where it listens (or exits), every line it prints kept (a thread reads them all: a full pipe never stalls it)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlbench.cli", "serve", "--port", "0", *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    from tests.conftest import rlbench_process
+
+    proc = rlbench_process("serve", "--port", "0", *flags, env={"HF_HUB_OFFLINE": "1"}, stderr=subprocess.STDOUT)
     ready, lines = threading.Event(), []
 
     def drain():

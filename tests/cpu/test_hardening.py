@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import wait_stopped
-from tests.conftest import REPO, cli, small_toml, RANDOM_INIT_MODEL
+from tests.conftest import REPO, cli, rlbench_process, small_toml, RANDOM_INIT_MODEL
 from tests.cpu.recordings import copy_run, edit_step
 
 
@@ -60,18 +60,11 @@ def killed(tmp_path_factory, toml):
     return out
 
 
-def _process(*args: str, failpoint: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if failpoint:
-        env["RLBENCH_FAILPOINT"] = failpoint
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlbench.cli", *args],
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def _process(*args: str, failpoint: str | None = None):
+    """`rlbench ARGS` as a process of its own; one that stops at its failpoint is this process's child (a fresh
+    interpreter), since wait_stopped learns of the stop as its parent."""
+    env = {"RLBENCH_FAILPOINT": failpoint} if failpoint else {}
+    return rlbench_process(*args, env=env, fresh=bool(failpoint and failpoint.endswith(":stop")))
 
 
 # --------------------------------------------------------------------------- 1. one writer
