@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -161,6 +162,66 @@ def test_the_client_sends_no_field_the_router_drops():
         client.close()
         fleet.close()
         recorder.close()
+
+
+def test_a_router_whose_port_another_process_took_starts_again_on_fresh_ports(monkeypatch):
+    """free_port's port is free when chosen, not when the router binds it: a router that exits with its port taken
+    is started again on fresh ports; after PORT_TRIES such exits, and at once for any other exit, the run stops
+    with the router's own last lines."""
+    import socket
+
+    from rlbench.backends.sglang import fleet as fleet_module
+    from rlbench.backends.sglang.client import Client
+    from rlbench.backends.sglang.fleet import Fleet, make_logs, registered, start_router
+    from rlbench.errors import EngineUnavailable
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # bound, not listening: the router cannot bind it, a client is refused at once
+    real, calls = fleet_module.free_port, []
+
+    def port(times: int):
+        def free_port():  # the router's port: the taken one, `times` times
+            calls.append(1)
+            return taken.getsockname()[1] if len(calls) % 2 == 1 and len(calls) <= 2 * times else real()
+
+        return free_port
+
+    recorder, client = _Recorder(), Client(8, 60)
+    try:
+        monkeypatch.setattr(fleet_module, "free_port", port(2))
+        fleet = Fleet(route=[], workers=[recorder.url], logs=make_logs())
+        try:
+            start_router(fleet, lambda url: client.run(registered(client, url)))
+            assert len(calls) == 6  # two routers on the taken port, then one on fresh ports
+            assert len(fleet.processes) == 1 and fleet.router != f"http://127.0.0.1:{taken.getsockname()[1]}"
+        finally:
+            fleet.close()
+        calls.clear()
+        monkeypatch.setattr(fleet_module, "free_port", port(fleet_module.PORT_TRIES))
+        fleet = Fleet(route=[], workers=[recorder.url], logs=make_logs())
+        try:
+            with pytest.raises(EngineUnavailable, match="Address already in use") as stopped:
+                start_router(fleet, lambda url: client.run(registered(client, url)))
+            assert str(stopped.value).startswith("sglang-router exited with code ")
+            assert len(calls) == 2 * fleet_module.PORT_TRIES and fleet.processes == []
+        finally:
+            fleet.close()
+        calls.clear()
+        monkeypatch.setattr(fleet_module, "free_port", port(0))
+        exits = [sys.executable, "-c", "import sys; print('another failure', file=sys.stderr); sys.exit(3)"]
+        monkeypatch.setattr(fleet_module, "router_command", lambda *_: exits)
+        fleet = Fleet(route=[], workers=[recorder.url], logs=make_logs())
+        try:
+            with pytest.raises(EngineUnavailable) as stopped:
+                start_router(fleet, lambda url: client.run(registered(client, url)))
+            assert str(stopped.value) == "sglang-router exited with code 3 (its last lines: another failure)"
+            assert len(calls) == 2  # one router: not started again
+        finally:
+            fleet.close()
+    finally:
+        client.close()
+        recorder.close()
+        taken.close()
 
 
 def test_a_fuzz_over_generate_bodies_gets_4xx_never_5xx(fleet):

@@ -319,27 +319,39 @@ def make_logs() -> Path:
     return Path(tempfile.mkdtemp(prefix="rlbench-sglang-"))
 
 
+PORT_TAKEN = "Address already in use"  # the router's error when another process bound its port first
+PORT_TRIES = 5  # the router started on fresh ports this many times at most while its ports are taken
+
+
 def start_router(fleet: Fleet, listed: Callable[[str], set[str]]) -> None:
     """Start sglang-router in front of `fleet.workers` and wait until it has registered all of them
-    (`listed(router_url)`: the worker URLs it lists as healthy)."""
-    port, metrics = free_port(), free_port()
-    proc = start_process("router", router_command(fleet.workers, port, metrics), fleet.logs)
-    fleet.processes.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ROUTER_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not proc.alive():
+    (`listed(router_url)`: the worker URLs it lists as healthy). Its ports are free when chosen, but another process
+    may bind one before the router does: a router that exits saying so is started again on fresh ports (PORT_TRIES
+    times at most)."""
+    for attempt in range(PORT_TRIES):
+        port, metrics = free_port(), free_port()
+        proc = start_process("router", router_command(fleet.workers, port, metrics), fleet.logs)
+        fleet.processes.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + ROUTER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                break
+            if set(fleet.workers) <= listed(url):
+                fleet.router, fleet.route = url, [url]
+                return
+            time.sleep(0.2)
+        else:
+            raise EngineUnavailable(
+                f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
+                f"(its last lines: {proc.tail() or 'none'})"
+            )
+        fleet.processes.remove(proc)
+        stop_processes([proc])
+        if PORT_TAKEN not in proc.tail() or attempt == PORT_TRIES - 1:
             raise EngineUnavailable(
                 f"sglang-router exited with code {proc.popen.returncode} (its last lines: {proc.tail() or 'none'})"
             )
-        if set(fleet.workers) <= listed(url):
-            fleet.router, fleet.route = url, [url]
-            return
-        time.sleep(0.2)
-    raise EngineUnavailable(
-        f"sglang-router did not register {fleet.workers} within {ROUTER_TIMEOUT_S:.0f} s "
-        f"(its last lines: {proc.tail() or 'none'})"
-    )
 
 
 async def not_ready(client, url: str) -> str | None:
