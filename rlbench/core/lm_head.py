@@ -18,6 +18,8 @@ says what it holds on the CPU).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from rlbench.core import algo
@@ -50,7 +52,7 @@ def head_logprobs(
     hidden = _hidden(model, ids)[:, length - k :]
     head = model.get_output_embeddings()
     targets = ids[:, length - k + 1 :]
-    chunks = algo._position_chunks(torch.empty(ids.shape[0], k - 1, head.weight.shape[0], device="meta"))
+    chunks = algo._position_chunks(SimpleNamespace(shape=(ids.shape[0], k - 1, head.weight.shape[0])))
     if len(chunks) == 1:  # the operations of a whole pass: the head over all k positions, the last one's unused
         picked, ent = _terms(head(hidden)[:, :-1], targets, temperature, entropy)
     else:
@@ -62,13 +64,8 @@ def head_logprobs(
             rows = hidden.reshape(-1, hidden.shape[-1])
             return _terms(head(rows).view(*hidden.shape[:-1], -1), targets, temperature, entropy)
 
-        graph = torch.is_grad_enabled()
-        parts = [
-            checkpoint(chunk, hidden[:, c], targets[:, c], use_reentrant=False)
-            if graph
-            else chunk(hidden[:, c], targets[:, c])
-            for c in chunks
-        ]
+        # checkpointed with or without a graph (without one it is the plain call: nothing is saved to recompute)
+        parts = [checkpoint(chunk, hidden[:, c], targets[:, c], use_reentrant=False) for c in chunks]
         picked = torch.cat([p for p, _ in parts], dim=1)
         ent = None if entropy is None else torch.cat([e for _, e in parts], dim=1)
     pad = (length - k + 1, 0)

@@ -116,13 +116,47 @@ def test_several_chunks_hold_less_and_agree_to_rounding(monkeypatch, dtype, rtol
     hook = head_module.register_forward_hook(lambda _m, _i, out: biggest.append(out.numel() // (3 * 314)))
     made = []
     real = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: made.append(k) or real(*a, **k))
     head = _head_pass(model, ids, 12, "loss")
     hook.remove()
     assert max(biggest) == per and len(made) == -(-11 // per)  # 11 predicting positions, each chunk checkpointed
+    assert all(k == {"use_reentrant": False} for k in made)  # non-reentrant: the chunk's inputs need no grad
     assert torch.allclose(head[0], whole[0], rtol=rtol, atol=rtol * 1e-1)
     assert torch.allclose(head[1], whole[1], rtol=rtol, atol=rtol * 1e-1)
     for name, grad in whole[2].items():
         scale = grad.abs().max().item() or 1.0
         assert (head[2][name] - grad).abs().max().item() <= rtol * scale, name
     assert lm_head.head_logprobs(model, ids, 0.7, keep=12)[1] is None
+
+
+def test_several_chunks_without_a_graph_and_the_entropy_as_a_metric(monkeypatch):
+    """Without autograd the chunks give the values they give with it; an entropy asked as a metric is outside the
+    graph whether the pass keeps one or not, one asked for the loss inside it."""
+    from rlbench.core import lm_head
+
+    model = _model("float32")
+    ids = torch.randint(0, 314, (3, 20), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(algo, "CHUNK_LOGITS", 3 * 314 * 4)
+    with torch.no_grad():
+        plain = lm_head.head_logprobs(model, ids, 0.7, keep=12, entropy="loss")
+    for entropy, graph in (("metric", False), ("loss", True)):
+        logp, ent = lm_head.head_logprobs(model, ids, 0.7, keep=12, entropy=entropy)
+        assert torch.equal(logp.detach(), plain[0]) and torch.equal(ent.detach(), plain[1])
+        assert logp.requires_grad and ent.requires_grad is graph
+    assert not plain[0].requires_grad and not plain[1].requires_grad
+
+
+@pytest.mark.parametrize("entropy", [None, "metric", "loss"])
+def test_from_logits_is_algos_log_softmax_of_whole_logits(entropy):
+    """The megatron trainer's path: algo.token_logprobs and token_entropy of the logits the model made whole."""
+    from rlbench.core import lm_head
+
+    logits, tokens = _case(torch.float32)
+    leaf = logits.clone().requires_grad_(True)
+    logp, ent = lm_head.from_logits(leaf, tokens, 0.7, entropy)
+    assert torch.equal(logp, algo.token_logprobs(leaf, tokens, 0.7)) and logp.requires_grad
+    if entropy is None:
+        assert ent is None
+    else:
+        assert torch.equal(ent, algo.token_entropy(leaf, 0.7, 12)) and ent.shape == (3, 12)
+        assert ent.requires_grad is (entropy == "loss")
