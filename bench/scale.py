@@ -584,7 +584,7 @@ def peer_trl(args, shape: str, root: Path) -> None:
                     json.dumps(settings),
                 ]
             else:
-                out = root / f"run-{repeat}-{len(name)}"
+                out = root / f"run-{repeat}-{tomls[name].stem}"
                 command = [sys.executable, "-c", RLBENCH_WORKER, "run", "-c", str(tomls[name]), "--out", str(out)]
                 command += ["--deterministic"] if "deterministic" in name else []
             start = time.perf_counter()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -135,17 +137,14 @@ def run_cli(
     bits across interpreters); `timeout` applies to a process."""
     if not process:
         return cli(*args, cwd=cwd or REPO)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    if not fresh and _forkable(env):
-        return _forked(list(args), cwd or REPO, env, timeout)
-    return subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", *args],
-        cwd=cwd or REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = rlbench_process(*args, cwd=cwd, fresh=fresh)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(["rlbench", *args], proc.returncode, out, err)
 
 
 _SERVER: dict = {}  # this test process's fork server: its socket path, environment and process
@@ -177,8 +176,6 @@ def _forkable(env: dict[str, str]) -> bool:
 def _fork_server() -> str:
     """The socket of this process's fork server, started on first use; it exits when this process does."""
     if "path" not in _SERVER:
-        import tempfile
-
         env = _server_env()
         path = str(Path(tempfile.mkdtemp(prefix="rlbench-fork-")) / "socket")
         proc = subprocess.Popen(
@@ -189,26 +186,10 @@ def _fork_server() -> str:
             stdout=subprocess.PIPE,
             text=True,
         )
-        import json
-
         ready = proc.stdout.readline()
         assert ready.startswith('{"ready": true'), f"the fork server did not start: {ready!r}"
         _SERVER.update(path=path, env=env, proc=proc, added=json.loads(ready)["added"])
     return _SERVER["path"]
-
-
-def _forked(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """`python -m rlbench.cli ARGS` as a child of the fork server, its output captured, as subprocess.run."""
-    from tests.forkserver import ForkedProcess
-
-    proc = ForkedProcess(_fork_server(), args, str(cwd), env, subprocess.PIPE, subprocess.PIPE)
-    try:
-        out, err = proc.communicate(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def rlbench_process(
@@ -257,17 +238,13 @@ def tagged_processes(tag: str) -> list[int]:
 # The hostile-input sweep (tests/cpu/test_sweep.py) counts what it tried; each xdist worker adds its counts to a
 # file under the session's base temporary directory, and the controller prints their sum at the end.
 def record_sweep(**counts: int) -> None:
-    import json as _json
-    import tempfile
-
     base = Path(os.environ.get("RLBENCH_SWEEP_DIR", tempfile.gettempdir()))
     with open(base / f"sweep-{os.getpid()}.jsonl", "a") as fh:
-        fh.write(_json.dumps(counts) + "\n")
+        fh.write(json.dumps(counts) + "\n")
 
 
 def pytest_configure(config):
     import signal
-    import tempfile
 
     # A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so would
     # every process the tests start: the tests that press Ctrl-C on a run or a server would see nothing happen. A
@@ -281,8 +258,6 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    import json as _json
-
     from rlbench import numerics
 
     # The machine the suite's bit-exact verdicts held on (or failed on), in CI's log too.
@@ -297,7 +272,7 @@ def pytest_terminal_summary(terminalreporter):
     totals: dict[str, int] = {}
     for path in sorted(Path(base).glob("sweep-*.jsonl")) if base else []:
         for line in path.read_text().splitlines():
-            for key, value in _json.loads(line).items():
+            for key, value in json.loads(line).items():
                 totals[key] = totals.get(key, 0) + value
     if totals:
         terminalreporter.write_line(

@@ -119,8 +119,9 @@ def serve(path: str) -> None:
                 if pid == 0:
                     listener.close()
                     conn.close()
-                    for other in watched:  # the other children's exit watches
+                    for other, (_, answer) in watched.items():  # the other children's exit watches and clients
                         os.close(other)
+                        answer.close()
                     _child(request, fds, added)
                 for fd in fds:
                     os.close(fd)

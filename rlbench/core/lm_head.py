@@ -30,13 +30,18 @@ def _hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
 
 
+def _entropy_graph(entropy: str) -> torch.autograd.grad_mode.set_grad_enabled:
+    """Where an entropy is computed: in the graph as a loss term ("loss", when there is a graph), outside it as a
+    number to report ("metric")."""
+    return torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled())
+
+
 def _terms(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str | None):
-    """The picked log-probs of logits predicting targets, and their entropies where asked ("metric": outside the
-    graph, as a number to report; "loss": inside it)."""
+    """The picked log-probs of logits predicting targets, and their entropies where asked (_entropy_graph)."""
     picked = algo._picked_logprobs(temperature)(logits, targets)
     if entropy is None:
         return picked, None
-    with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
+    with _entropy_graph(entropy):
         return picked, algo._entropies(temperature)(logits)
 
 
@@ -80,5 +85,5 @@ def from_logits(
     logp = algo.token_logprobs(logits, ids, temperature)
     if entropy is None:
         return logp, None
-    with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
+    with _entropy_graph(entropy):
         return logp, algo.token_entropy(logits, temperature, ids.shape[1])
